@@ -1,0 +1,75 @@
+"""The live console: a progress bar with ETA, one metrics line per step, sample tables."""
+
+from __future__ import annotations
+
+from rich.console import Console as RichConsole
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+# (metric key, short label, format) shown on each step's line, when present
+STEP_LINE = [
+    ("objective/scores", "reward", "{:.3f}"),
+    ("eval/accuracy", "eval acc", "{:.1%}"),
+    ("objective/kl", "kl", "{:.4f}"),
+    ("objective/entropy", "entropy", "{:.3f}"),
+    ("policy/clipfrac_avg", "clipfrac", "{:.3f}"),
+    ("loss/policy_avg", "loss", "{:+.4f}"),
+    ("val/response_length", "len", "{:.1f}"),
+    ("time/step", "s/step", "{:.2f}"),
+]
+
+
+class Console:
+    def __init__(self, enabled: bool = True, total_steps: int = 0):
+        self.enabled = enabled
+        self.rich = RichConsole(stderr=False, highlight=False)
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.rich,
+            transient=True,
+            disable=not enabled,
+        )
+        self._task = self.progress.add_task("train", total=total_steps)
+
+    def __enter__(self) -> Console:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def print(self, *args, **kwargs) -> None:
+        if self.enabled:
+            self.progress.console.print(*args, **kwargs)
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        self.progress.update(self._task, completed=step)
+        parts = [f"step {step:>4}"]
+        for key, label, fmt in STEP_LINE:
+            if key in metrics:
+                parts.append(f"{label} {fmt.format(metrics[key])}")
+        self.print("  ".join(parts))
+
+    def samples(self, step: int, prompts: list[str], completions: list[str], scores: list[float],
+                advantages: list[float]) -> None:
+        table = Table(title=f"samples at step {step}", show_lines=True)
+        table.add_column("prompt", overflow="fold", max_width=40)
+        table.add_column("completion", overflow="fold", max_width=60)
+        table.add_column("score", justify="right")
+        table.add_column("advantage", justify="right")
+        for p, c, s, a in zip(prompts, completions, scores, advantages):
+            table.add_row(p, c, f"{s:.3f}", f"{a:+.3f}")
+        self.print(table)
