@@ -4,6 +4,17 @@ Conventions: per-token tensors are [B, T] over response tokens; `mask` [B, T] ma
 tokens; sequence-level tensors are [B]. Groups are contiguous: sample i belongs to group i // G.
 """
 
+from lmrl.algorithms.advantages import (
+    GAEResult,
+    discounted_returns,
+    gae,
+    group_advantages,
+    grpo_advantages,
+    leave_one_out_advantages,
+    reinforce_baseline_advantages,
+    rloo_advantages,
+)
+from lmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -11,4 +22,16 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "GAEResult",
+    "discounted_returns",
+    "gae",
+    "grpo_advantages",
+    "group_advantages",
+    "leave_one_out_advantages",
+    "reinforce_baseline_advantages",
+    "rloo_advantages",
+    "KL_ESTIMATORS",
+    "kl_penalty",
+    "kl_shaped_rewards",
+    "sequence_kl",
 ]

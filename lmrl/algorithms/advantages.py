@@ -1,0 +1,322 @@
+"""Advantage estimators: group baselines (GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline) and PPO's GAE.
+
+Group estimators take one scalar reward per completion, [B] with B = num_prompts · G, groups
+contiguous (sample i belongs to group i // G), and return one advantage per completion, [B], that the
+loss broadcasts over the completion's tokens. `group_advantages` / `leave_one_out_advantages` take
+arbitrary integer group ids instead, for groups of unequal size (e.g. TapeAgents' ``group_id``, or
+after filtering samples).
+
+Token-level estimators (`discounted_returns`, `gae`) take [B, T] per-token rewards, e.g. from
+`lmrl.algorithms.kl.kl_shaped_rewards`.
+
+How lmrl departs from the usual implementations:
+
+1. Masks may have holes (environment or tool tokens inside a response). Returns and GAE skip masked
+   positions: the next *real* token bootstraps, as if the masked tokens were not there. Masked
+   positions of the outputs are 0, and whatever they hold in the inputs (inf, NaN) never matters.
+2. After the last real token the episode ends: V = 0 there (no bootstrap for truncated responses,
+   as in PPO-RLHF practice).
+3. A group whose rewards are all equal gets advantage exactly 0 (statistics are computed around a
+   member of the group, so rounding in the mean cannot be blown up by a ~0 std). A group of size 1
+   has no baseline to compare against: its advantage is 0.
+4. Statistics and recursions run in float32 (float64 stays float64); the result is cast back to the
+   input dtype, so bfloat16 in gives bfloat16 out without bfloat16 accumulation.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "GAEResult",
+    "discounted_returns",
+    "gae",
+    "grpo_advantages",
+    "group_advantages",
+    "leave_one_out_advantages",
+    "reinforce_baseline_advantages",
+    "rloo_advantages",
+]
+
+
+def _float_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(compute dtype, output dtype): at least float32 to compute, the input's float dtype out."""
+    work = torch.promote_types(dtype, torch.float32)
+    return work, (dtype if dtype.is_floating_point else work)
+
+
+def _check_rewards_1d(rewards: torch.Tensor) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected a 1-D [B] tensor, got shape {tuple(rewards.shape)}")
+
+
+def _grouped(rewards: torch.Tensor, group_size: int, min_size: int = 1) -> torch.Tensor:
+    """Validate and reshape [B] rewards to [B / G, G] in the compute dtype."""
+    _check_rewards_1d(rewards)
+    if isinstance(group_size, bool):
+        raise TypeError("group_size: expected an int, got bool")
+    try:
+        group_size = operator.index(group_size)  # int, numpy int, 0-d integer tensor
+    except TypeError:
+        raise TypeError(f"group_size: expected an int, got {type(group_size).__name__}") from None
+    if group_size < min_size:
+        raise ValueError(f"group_size: must be >= {min_size}, got {group_size}")
+    if rewards.shape[0] % group_size:
+        raise ValueError(f"group_size: batch of {rewards.shape[0]} rewards is not divisible by {group_size}")
+    work, _ = _float_dtypes(rewards.dtype)
+    return rewards.to(work).view(-1, group_size)
+
+
+def _centered(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deviations from the row mean, [N, G], and the unbiased row variance, [N, 1] (0 when G == 1).
+
+    The mean is taken around the row's first element (shifted-data algorithm): a row of equal
+    values then has deviations exactly 0, where ``r - r.mean()`` may leave rounding residue that a
+    later division by a ~0 std would turn into ±1.
+    """
+    shifted = r - r[:, :1]
+    dev = shifted - shifted.mean(dim=1, keepdim=True)
+    var = dev.square().sum(dim=1, keepdim=True) / max(r.shape[1] - 1, 1)
+    return dev, var
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """GRPO group-normalised advantages: A_i = (r_i - mean(group)) / (std(group) + eps).
+
+    Shao et al. 2024, "DeepSeekMath" (GRPO, outcome supervision, §4.1.2). The std is unbiased
+    (n - 1), as ``torch.std``. With ``scale_by_std=False`` this is Dr. GRPO's A_i = r_i - mean(group)
+    (Liu et al. 2025, "Understanding R1-Zero-Like Training"): dividing by the std up-weights prompts
+    that are nearly always or nearly never solved.
+
+    Args:
+        rewards: [B] one scalar reward per completion, B = num_prompts · G, groups contiguous.
+        group_size: G, completions per prompt (>= 1). G = 1 gives all-zero advantages.
+        scale_by_std: divide by the group std (GRPO) or not (Dr. GRPO).
+        eps: added to the std; a group of equal rewards gets exactly 0 regardless.
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    r = _grouped(rewards, group_size)  # [B/G, G]
+    dev, var = _centered(r)
+    adv = dev / (var.sqrt() + eps) if scale_by_std else dev
+    return adv.reshape(-1).to(_float_dtypes(rewards.dtype)[1])
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages: A_i = r_i - mean of the other G - 1 rewards of the group.
+
+    Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian et al. 2024,
+    "Back to Basics" (RLOO). Equivalent to G / (G - 1) · (r_i - mean(group)); a group's advantages
+    sum to 0.
+
+    Args:
+        rewards: [B] one scalar reward per completion, B = num_prompts · G, groups contiguous.
+        group_size: G >= 2 (with one sample there is no "other" to form a baseline).
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    r = _grouped(rewards, group_size, min_size=2)  # [B/G, G]
+    dev, _ = _centered(r)
+    adv = dev * (group_size / (group_size - 1))
+    return adv.reshape(-1).to(_float_dtypes(rewards.dtype)[1])
+
+
+def reinforce_baseline_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE++-baseline advantages: A_i = r_i - mean(group).
+
+    Hu et al. 2025, "REINFORCE++". The paper then whitens the advantages across the whole batch
+    (not per group): do that afterwards, e.g. with `lmrl.algorithms.masked_whiten` on the
+    per-token advantages. Numerically the same as ``grpo_advantages(..., scale_by_std=False)``.
+
+    Args:
+        rewards: [B] one scalar reward per completion, B = num_prompts · G, groups contiguous.
+        group_size: G >= 1.
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    return grpo_advantages(rewards, group_size, scale_by_std=False)
+
+
+class _GroupStats(NamedTuple):
+    dev: torch.Tensor  # [B] deviation of each reward from its group mean (compute dtype)
+    count: torch.Tensor  # [B] size of each sample's group
+    index: torch.Tensor  # [B] dense group index 0..K-1 of each sample
+    num_groups: int  # K
+
+
+def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> _GroupStats:
+    _check_rewards_1d(rewards)
+    if group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"group_ids: shape {tuple(group_ids.shape)} does not match rewards {tuple(rewards.shape)}"
+        )
+    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
+        raise TypeError(f"group_ids: expected an integer tensor, got {group_ids.dtype}")
+    work, _ = _float_dtypes(rewards.dtype)
+    r = rewards.to(work)
+    # Dense ids 0..K-1 so that ids can be any integers (negative, huge, unsorted).
+    unique_ids, index = torch.unique(group_ids, return_inverse=True)  # [K], [B]
+    k = unique_ids.shape[0]
+    count = torch.zeros(k, dtype=work, device=r.device).index_add_(0, index, torch.ones_like(r))  # [K]
+    # Shift each group by its own minimum: equal rewards then give deviations exactly 0.
+    low = torch.zeros(k, dtype=work, device=r.device)
+    low = low.scatter_reduce_(0, index, r, reduce="amin", include_self=False)  # [K]
+    shifted = r - low[index]
+    mean = torch.zeros(k, dtype=work, device=r.device).index_add_(0, index, shifted) / count  # [K]
+    return _GroupStats(shifted - mean[index], count[index], index, k)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """GRPO advantages for groups of any sizes given by integer ids: (r - mean) / (std + eps).
+
+    Same formula as `grpo_advantages` (unbiased std; ``scale_by_std=False`` is Dr. GRPO), but the
+    group of sample i is ``group_ids[i]``: groups need not be contiguous nor of equal size (e.g.
+    TapeAgents' ``group_id`` per prompt, or a batch after dropping failed rollouts). A group of
+    size 1 gets advantage 0: a lone sample has no baseline, and its unbiased std is undefined.
+
+    Args:
+        rewards: [B] one scalar reward per completion.
+        group_ids: [B] integer tensor; samples with the same id form a group. Any integer values.
+        scale_by_std: divide by the group std (GRPO) or not (Dr. GRPO).
+        eps: added to the std; a group of equal rewards gets exactly 0 regardless.
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    stats = _group_stats(rewards, group_ids)
+    adv = stats.dev
+    if scale_by_std:
+        sq = torch.zeros(stats.num_groups, dtype=adv.dtype, device=adv.device)
+        sq = sq.index_add_(0, stats.index, adv.square())[stats.index]  # [B] group sum of squares
+        # Unbiased std; a size-1 group has dev = 0 and std = 0 (not NaN), hence advantage 0.
+        std = (sq / (stats.count - 1).clamp(min=1)).sqrt()
+        adv = adv / (std + eps)
+    return adv.to(_float_dtypes(rewards.dtype)[1])
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """RLOO for groups of any sizes given by integer ids: r_i - mean of the other rewards of its group.
+
+    Equals n / (n - 1) · (r_i - mean(group)) for a group of size n (Kool et al. 2019). A group of
+    size 1 has no other sample to form a baseline: its advantage is 0.
+
+    Args:
+        rewards: [B] one scalar reward per completion.
+        group_ids: [B] integer tensor; samples with the same id form a group.
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    stats = _group_stats(rewards, group_ids)
+    adv = stats.dev * stats.count / (stats.count - 1).clamp(min=1)  # size-1 groups: dev is exactly 0
+    return adv.to(_float_dtypes(rewards.dtype)[1])
+
+
+def _check_per_token(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> None:
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards: expected a 2-D [B, T] tensor, got shape {tuple(rewards.shape)}")
+    if mask.shape != rewards.shape:
+        raise ValueError(f"mask: shape {tuple(mask.shape)} does not match rewards {tuple(rewards.shape)}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma: must be in [0, 1], got {gamma}")
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go over real tokens: G_t = r_t + γ · G_{t'}, t' the next real token after t.
+
+    Used as the per-token advantage of REINFORCE / REINFORCE++ (Williams 1992; Hu et al. 2025).
+    Masked positions are skipped (they neither add reward nor discount) and are 0 in the output;
+    after the last real token G = 0.
+
+    Args:
+        rewards: [B, T] per-token rewards, e.g. from `kl_shaped_rewards`.
+        mask: [B, T] bool or 0/1, true on real response tokens; may have holes.
+        gamma: discount γ in [0, 1].
+
+    Returns:
+        [B, T] returns in the dtype of `rewards`, 0 at masked positions.
+    """
+    _check_per_token(rewards, mask, gamma)
+    work, out_dtype = _float_dtypes(rewards.dtype)
+    real = mask.to(torch.bool).T  # [T, B]: rows contiguous for the loop
+    r = rewards.to(work).T
+    running = torch.zeros(rewards.shape[0], dtype=work, device=rewards.device)  # G_{t'}, [B]
+    out = []
+    for t in reversed(range(rewards.shape[1])):
+        # where(), not arithmetic with the mask: masked entries may be inf / NaN.
+        running = torch.where(real[t], r[t] + gamma * running, running)
+        out.append(torch.where(real[t], running, 0.0))
+    if not out:
+        return torch.zeros_like(rewards, dtype=out_dtype)
+    return torch.stack(out[::-1], dim=1).to(out_dtype)
+
+
+class GAEResult(NamedTuple):
+    """Output of `gae`; unpacks as ``advantages, returns = gae(...)``."""
+
+    advantages: torch.Tensor
+    """[B, T] GAE advantages, 0 at masked positions."""
+    returns: torch.Tensor
+    """[B, T] value targets A_t + V_t, 0 at masked positions."""
+
+
+def gae(
+    values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> GAEResult:
+    """Generalized Advantage Estimation over the real tokens of each response.
+
+    Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", as used by PPO for RLHF:
+
+        δ_t = r_t + γ · V_{t'} - V_t          t' = next real token after t (V = 0 past the last one)
+        A_t = δ_t + γλ · A_{t'}
+        R_t = A_t + V_t                        (value-loss target)
+
+    Masked positions are skipped as if absent and are 0 in both outputs. λ = 1 with V = 0 gives the
+    discounted returns; λ = 0 gives the one-step TD errors δ_t. Not differentiated in practice
+    (values come from a no-grad critic pass); detach before use if yours carry a graph.
+
+    Args:
+        values: [B, T] critic values V(s_t) at each response token.
+        rewards: [B, T] per-token rewards, e.g. from `kl_shaped_rewards`.
+        mask: [B, T] bool or 0/1, true on real response tokens; may have holes.
+        gamma: discount γ in [0, 1].
+        lam: GAE λ in [0, 1].
+
+    Returns:
+        GAEResult(advantages [B, T], returns [B, T]) in the dtype of ``rewards`` and ``values``
+        promoted together; a NamedTuple, so it also unpacks as a tuple.
+    """
+    _check_per_token(rewards, mask, gamma)
+    if values.shape != rewards.shape:
+        raise ValueError(f"values: shape {tuple(values.shape)} does not match rewards {tuple(rewards.shape)}")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam: must be in [0, 1], got {lam}")
+    work, out_dtype = _float_dtypes(torch.result_type(values, rewards))
+    real = mask.to(torch.bool).T  # [T, B]
+    r, v = rewards.to(work).T, values.to(work).T
+    next_value = torch.zeros(rewards.shape[0], dtype=work, device=rewards.device)  # V_{t'}, [B]
+    next_adv = torch.zeros_like(next_value)  # A_{t'}, [B]
+    advs = []
+    for t in reversed(range(rewards.shape[1])):
+        delta = r[t] + gamma * next_value - v[t]  # δ_t = r_t + γ V_{t'} - V_t
+        adv = delta + gamma * lam * next_adv  # A_t = δ_t + γλ A_{t'}
+        # Masked steps leave the carried values untouched, so the previous real token sees the next real one.
+        next_adv = torch.where(real[t], adv, next_adv)
+        next_value = torch.where(real[t], v[t], next_value)
+        advs.append(torch.where(real[t], adv, 0.0))
+    if not advs:
+        empty = torch.zeros_like(rewards, dtype=out_dtype)
+        return GAEResult(empty, empty.clone())
+    advantages = torch.stack(advs[::-1], dim=1)  # [B, T]
+    returns = torch.where(mask.to(torch.bool), advantages + values.to(work), 0.0)
+    return GAEResult(advantages.to(out_dtype), returns.to(out_dtype))
