@@ -367,7 +367,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=50")
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _parse_value(raw)
         parts = key.strip().split(".")
         if len(parts) == 1 and parts[0] in _SHORTHANDS:
             parts.append(_SHORTHANDS[parts[0]])
@@ -378,6 +378,19 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"override {item!r}: {p} is not a section")
         node[parts[-1]] = value
     return out
+
+
+def _parse_value(raw: str) -> Any:
+    """YAML, except that numbers YAML 1.1 leaves as strings ("1e-3") become floats."""
+    if not raw.strip():
+        return None
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
+        except ValueError:
+            return value
+    return value
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,69 @@
+"""Config: presets, overrides, YAML, and one-line errors that name the field."""
+
+import pytest
+
+from lmrl.config import ALGORITHM_PRESETS, ConfigError, load_config, parse_overrides
+
+
+def test_defaults_are_grpo_on_the_shipped_task():
+    cfg = load_config()
+    assert cfg.algorithm.name == "grpo" and cfg.algorithm.advantage == "grpo"
+    assert cfg.data.task == "addition" and cfg.model.name_or_path == "tiny-addition"
+    assert not cfg.needs_reference  # kl_coef 0: no reference model is loaded
+
+
+@pytest.mark.parametrize("name", list(ALGORITHM_PRESETS))
+def test_every_preset_validates(name):
+    cfg = load_config(None, [f"algorithm={name}"])
+    for key, value in ALGORITHM_PRESETS[name].items():
+        assert getattr(cfg.algorithm, key) == value
+
+
+def test_user_value_beats_preset():
+    cfg = load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3"])
+    assert cfg.algorithm.clip_high == 0.3 and cfg.algorithm.dynamic_sampling  # the rest of the preset stays
+    assert cfg.reward.overlong_buffer == 4
+
+
+def test_yaml_then_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("algorithm: rloo\ntrain:\n  steps: 7\nrollout:\n  group_size: 4\n")
+    cfg = load_config(p, ["train.steps=9", "rollout.stop=[\"\\n\"]"])
+    assert cfg.algorithm.advantage == "rloo" and cfg.train.steps == 9 and cfg.rollout.group_size == 4
+    assert cfg.rollout.stop == ["\n"]
+
+
+def test_override_values_are_parsed_as_yaml():
+    assert parse_overrides(["a.b=1e-3", "a.c=true", "a.d=[1, 2]", "e=x"]) == {
+        "a": {"b": 1e-3, "c": True, "d": [1, 2]}, "e": "x"}
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["algorithm.clip_hgh=0.3"], "algorithm.clip_hgh: algorithm has no field 'clip_hgh'; did you mean 'clip_high'?"),
+        (["algorithm=foo"], "algorithm.name: unknown algorithm 'foo'"),
+        (["rollout.temperature=0"], "rollout.temperature must be > 0"),
+        (["algorithm.aggregation=mean"], "algorithm.aggregation: got 'mean'"),
+        (["optim.lr=abc"], "optim.lr: Input should be a valid number"),
+        (["rollout.group_size=1"], "rollout.group_size must be >= 2"),
+        (["trian.steps=3"], "did you mean 'train'?"),
+        (["algorithm.num_minibatches=3"], "algorithm.num_minibatches=3 must divide"),
+        (["algorithm.dual_clip=0.5"], "algorithm.dual_clip must be > 1"),
+        (["steps"], "expected key=value"),
+    ],
+)
+def test_bad_values_fail_with_one_line_naming_the_field(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
