@@ -15,6 +15,18 @@ from lmrl.algorithms.advantages import (
     rloo_advantages,
 )
 from lmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
+from lmrl.algorithms.losses import (
+    AGGREGATION_MODES,
+    PolicyLossMetrics,
+    ValueLossMetrics,
+    aggregate_loss,
+    cispo_loss,
+    explained_variance,
+    loss_normalizer,
+    policy_loss,
+    truncated_is_weights,
+    value_loss,
+)
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -34,4 +46,14 @@ __all__ = [
     "kl_penalty",
     "kl_shaped_rewards",
     "sequence_kl",
+    "AGGREGATION_MODES",
+    "PolicyLossMetrics",
+    "ValueLossMetrics",
+    "aggregate_loss",
+    "cispo_loss",
+    "explained_variance",
+    "loss_normalizer",
+    "policy_loss",
+    "truncated_is_weights",
+    "value_loss",
 ]

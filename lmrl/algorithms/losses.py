@@ -1,0 +1,743 @@
+"""Policy and value losses: PPO-clip (GRPO, Dr. GRPO, DAPO, REINFORCE), GSPO, CISPO, and loss aggregation.
+
+Every loss is built the same way: a per-token loss `[B, T]` is computed from the sampled tokens'
+log-probs, then `aggregate_loss` reduces it to a scalar with one of five normalisations. Which
+normalisation an algorithm uses matters as much as its surrogate (Dr. GRPO, Liu et al. 2025).
+
+How lmrl departs from the papers, on purpose:
+
+1. Inputs are sanitised first: padding positions of `logp`, `old_logp`, `advantages`, `ref_logp`
+   and `weights` are replaced by zeros before any arithmetic, so inf/NaN in padding never reach the
+   loss or the gradient of real tokens.
+2. The math runs in float32 at least (bf16 log-probs are upcast): ratios are exponentials of
+   differences of nearly equal numbers, where bf16's 8-bit mantissa is too coarse.
+3. `old_logp`, `advantages`, `ref_logp` and `weights` are treated as constants (detached); only
+   `logp` (and `values` in `value_loss`) carries gradient.
+4. Every aggregation accepts a global `normalizer` so that gradient accumulation over micro-batches
+   reproduces the full-batch loss exactly (see `aggregate_loss` and `loss_normalizer`).
+
+The entropy bonus is not part of these losses: the trainer adds
+`-entropy_coef * aggregate_loss(entropy, mask, mode)` with the same aggregation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "PolicyLossMetrics",
+    "ValueLossMetrics",
+    "aggregate_loss",
+    "cispo_loss",
+    "explained_variance",
+    "loss_normalizer",
+    "policy_loss",
+    "truncated_is_weights",
+    "value_loss",
+]
+
+AGGREGATION_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+_KL_ESTIMATORS = ("k1", "k2", "k3")
+_RATIO_LEVELS = ("token", "sequence")
+_IS_LEVELS = ("token", "sequence")
+
+
+# --------------------------------------------------------------------------------------------------
+# records
+
+
+class _Metrics(Mapping):
+    """Read-only mapping view of a metrics record: `m["clipfrac"]`, `"kl" in m`, `dict(m)`.
+
+    Fields that are None (e.g. `kl` without a reference) are absent from the mapping.
+    """
+
+    def to_dict(self) -> dict[str, float]:
+        """The metrics as a flat dict for metric sinks, without None fields."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def __getitem__(self, key: str) -> float:
+        return self.to_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+
+@dataclass(frozen=True)
+class PolicyLossMetrics(_Metrics):
+    """Diagnostics of one `policy_loss` / `cispo_loss` call, as Python floats (masked token means).
+
+    Attribute access (`m.clipfrac`) and mapping access (`m["clipfrac"]`, `dict(m)`) both work.
+
+    Attributes:
+        clipfrac: fraction of real tokens whose ratio was clipped, `clipfrac_low + clipfrac_high`.
+            For PPO-clip a token counts when the clipped branch of the min is the one taken, i.e. its
+            gradient is zeroed: (A > 0 and ρ > 1 + clip_high) or (A < 0 and ρ < 1 - clip_low). A
+            ratio outside the range with the other sign of A is not clipped (the unclipped branch is
+            smaller and keeps its gradient). For CISPO a token counts when its IS weight was
+            truncated, whatever the sign of A (CISPO never zeroes a gradient).
+        clipfrac_low: the part of `clipfrac` at the lower bound.
+        clipfrac_high: the part of `clipfrac` at the upper bound.
+        dual_clipfrac: fraction of real tokens where the dual-clip bound (A < 0) was active; 0 without it.
+        approx_kl: KL(π_old ‖ π_θ) estimated with k3 on the sampled tokens (Schulman 2020):
+            mean of (ρ - 1) - log ρ with ρ = π_θ / π_old per token. Unbiased for samples from π_old,
+            never negative, exactly 0 when `logp == old_logp`. Always token-level, also for GSPO.
+        ratio_mean: mean of the ratio used in the loss (the sequence ratio s_i for GSPO).
+        ratio_max: max of that ratio over real tokens.
+        kl: mean per-token KL to the reference with the chosen estimator; None when no `ref_logp`.
+    """
+
+    clipfrac: float
+    clipfrac_low: float
+    clipfrac_high: float
+    dual_clipfrac: float
+    approx_kl: float
+    ratio_mean: float
+    ratio_max: float
+    kl: float | None = None
+
+
+@dataclass(frozen=True)
+class ValueLossMetrics(_Metrics):
+    """Diagnostics of one `value_loss` call, as Python floats.
+
+    Attributes:
+        vf_clipfrac: fraction of real tokens where the clipped value error was the larger one (taken by the max).
+        value_mean: masked mean of the predicted values.
+    """
+
+    vf_clipfrac: float
+    value_mean: float
+
+
+# --------------------------------------------------------------------------------------------------
+# argument checks (one line per error, naming the argument)
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}: unknown value {value!r}; allowed: {', '.join(map(repr, allowed))}")
+
+
+def _check_aggregation(name: str, mode: str, norm_length: float | None, normalizer: object) -> None:
+    if mode not in AGGREGATION_MODES:
+        allowed = ", ".join(map(repr, AGGREGATION_MODES))
+        raise ValueError(f"{name}: unknown aggregation {mode!r}; allowed: {allowed}")
+    if mode == "seq-mean-token-sum-norm" and normalizer is None and norm_length is None:
+        raise ValueError(
+            "norm_length: required for aggregation 'seq-mean-token-sum-norm' "
+            "(Dr. GRPO divides by B * norm_length, e.g. the maximum response length)"
+        )
+    if norm_length is not None and not norm_length > 0:
+        raise ValueError(f"norm_length: must be > 0, got {norm_length!r}")
+    if isinstance(normalizer, (int, float)) and not normalizer > 0:
+        raise ValueError(f"normalizer: must be > 0, got {normalizer!r}")
+
+
+def _check_clip(name: str, value: float | None, upper: float | None = None) -> None:
+    if value is None:
+        return
+    if not value >= 0 or (upper is not None and value > upper):
+        bound = f"in [0, {upper}]" if upper is not None else ">= 0"
+        raise ValueError(f"{name}: must be {bound} or None, got {value!r}")
+
+
+def _check_2d(name: str, x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a [B, T] tensor, got shape {tuple(x.shape)}")
+
+
+def _check_same_shape(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if x.shape != ref.shape:
+        raise ValueError(f"{name}: shape {tuple(x.shape)} does not match {ref_name} {tuple(ref.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # bf16/fp16 -> float32; float64 stays float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _clean(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype` with padding replaced by 0; where() keeps inf/NaN in padding out of forward and backward."""
+    x = x.to(dtype)
+    return torch.where(mask, x, torch.zeros((), dtype=dtype, device=x.device))
+
+
+def _as_bool_mask(mask: torch.Tensor, logp: torch.Tensor, logp_name: str = "logp") -> torch.Tensor:
+    _check_2d(logp_name, logp)
+    _check_same_shape("mask", mask, logp_name, logp)
+    return mask.to(torch.bool)
+
+
+def _broadcast_advantages(advantages: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    batch, length = logp.shape
+    if advantages.shape == (batch,):
+        return advantages.unsqueeze(-1).expand(batch, length)
+    if advantages.shape == (batch, length):
+        return advantages
+    raise ValueError(
+        f"advantages: shape {tuple(advantages.shape)} must be [B] = ({batch},) or [B, T] = ({batch}, {length})"
+    )
+
+
+def _reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from the sampled tokens (Schulman, "Approximating KL divergence").
+
+    k1 = logp - ref_logp (unbiased, can be negative); k2 = ½ (logp - ref_logp)²;
+    k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (unbiased value, never negative; as a loss its
+    gradient is biased, which is what GRPO uses). Same formulas as `lmrl.algorithms.kl.kl_penalty`.
+    """
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    neg = -log_ratio
+    return torch.expm1(neg) - neg  # exp(d) - d - 1 without cancellation near d = 0
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
+    if x.numel() == 0:
+        return x.new_full((), fill)
+    return torch.where(mask, x, torch.full((), fill, dtype=x.dtype, device=x.device)).max()
+
+
+def _to_floats(*values: torch.Tensor) -> list[float]:
+    # One device->host copy for all metrics instead of one .item() sync each; float64 inputs keep
+    # float64 precision, everything else is reported from float32.
+    dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
+    return torch.stack([v.detach().to(dtype) for v in values]).tolist()
+
+
+@dataclass(frozen=True)
+class _TokenBatch:
+    """Inputs of a policy loss after checks: same dtype, padding zeroed, everything but logp detached."""
+
+    logp: torch.Tensor  # [B, T], carries the gradient
+    old_logp: torch.Tensor  # [B, T]
+    advantages: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] bool
+    ref_logp: torch.Tensor | None  # [B, T]
+    weights: torch.Tensor | None  # [B, T]
+
+
+def _prepare(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    weights: torch.Tensor | None,
+) -> _TokenBatch:
+    mask = _as_bool_mask(mask, logp)
+    _check_same_shape("old_logp", old_logp, "logp", logp)
+    advantages = _broadcast_advantages(advantages, logp)
+    if ref_logp is not None:
+        _check_same_shape("ref_logp", ref_logp, "logp", logp)
+    if weights is not None:
+        _check_same_shape("weights", weights, "logp", logp)
+    dtype = _compute_dtype(logp.dtype)
+    return _TokenBatch(
+        logp=_clean(logp, mask, dtype),
+        old_logp=_clean(old_logp.detach(), mask, dtype),
+        advantages=_clean(advantages.detach(), mask, dtype),
+        mask=mask,
+        ref_logp=None if ref_logp is None else _clean(ref_logp.detach(), mask, dtype),
+        weights=None if weights is None else _clean(weights.detach(), mask, dtype),
+    )
+
+
+def _add_kl_and_weights(
+    per_token: torch.Tensor, batch: _TokenBatch, kl_coef: float, kl_estimator: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """per_token + kl_coef * KL(ref), times weights; also returns the per-token KL (or None)."""
+    kl = None
+    if batch.ref_logp is not None:
+        kl = _reference_kl(batch.logp, batch.ref_logp, kl_estimator)
+        if kl_coef != 0.0:
+            per_token = per_token + kl_coef * kl
+    if batch.weights is not None:
+        per_token = per_token * batch.weights
+    return per_token, kl
+
+
+def _check_kl(kl_coef: float, ref_logp: torch.Tensor | None, kl_estimator: str) -> None:
+    _check_choice("kl_estimator", kl_estimator, _KL_ESTIMATORS)
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef: must be >= 0, got {kl_coef!r}")
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError(
+            "ref_logp: required when kl_coef > 0 (the KL term is computed against the reference)"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# aggregation
+
+
+def loss_normalizer(
+    mask: torch.Tensor, mode: str = "token-mean", norm_length: float | None = None
+) -> torch.Tensor:
+    """The normaliser `aggregate_loss` divides by for the batch marked by `mask`.
+
+    Compute it once on the full batch and pass it as `normalizer=` to every micro-batch's loss:
+    the micro-batch losses then add up to the full-batch loss, and so do their gradients.
+
+    ==========================  =============================
+    mode                        normalizer
+    ==========================  =============================
+    "token-mean"                number of real tokens (at least 1)
+    "token-sum"                 1
+    "seq-mean-token-mean"       B
+    "seq-mean-token-sum"        B
+    "seq-mean-token-sum-norm"   B * norm_length
+    ==========================  =============================
+
+    Every normalizer except "token-sum"'s is additive over micro-batches and ranks. Under DDP,
+    which averages gradients over W ranks, pass the sum over ranks divided by W
+    (`all_reduce(loss_normalizer(local_mask)) / W`) so that the average is the global loss.
+
+    Args:
+        mask: `[B, T]` bool or 0/1, real response tokens.
+        mode: one of `AGGREGATION_MODES`.
+        norm_length: the constant length for "seq-mean-token-sum-norm" (e.g. max new tokens).
+
+    Returns:
+        A 0-dim float32 tensor on `mask`'s device (a tensor, so that no device sync is forced).
+    """
+    _check_aggregation("mode", mode, norm_length, None)
+    _check_2d("mask", mask)
+    batch = mask.shape[0]
+    if mode == "token-mean":
+        return mask.to(torch.bool).sum().clamp(min=1).to(torch.float32)
+    if mode == "token-sum":
+        value = 1.0
+    elif mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        value = float(batch)
+    else:
+        assert norm_length is not None  # checked above
+        value = float(batch) * float(norm_length)
+    return torch.tensor(value, dtype=torch.float32, device=mask.device)
+
+
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    norm_length: float | None = None,
+    *,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar over the real tokens.
+
+    With ℓ_{i,t} the loss of token t of sequence i, m the mask, |y_i| = Σ_t m_{i,t}:
+
+    - "token-mean":  Σ_{i,t} m ℓ / Σ_{i,t} m. Every token weighs the same (DAPO, Yu et al. 2025).
+    - "token-sum":   Σ_{i,t} m ℓ.
+    - "seq-mean-token-mean": (1/B) Σ_i (1/|y_i|) Σ_t m ℓ. Original GRPO (Shao et al. 2024); tokens of
+      short answers weigh more, which biases toward short correct and long wrong answers.
+    - "seq-mean-token-sum":  (1/B) Σ_i Σ_t m ℓ.
+    - "seq-mean-token-sum-norm": Σ_{i,t} m ℓ / (B · norm_length). Dr. GRPO (Liu et al. 2025): a
+      constant normaliser, so no length bias; `norm_length` is usually the maximum response length.
+
+    Gradient accumulation: "token-mean" of a batch is not the mean of its micro-batches'
+    token-means. Pass `normalizer=loss_normalizer(full_mask, mode, norm_length)` to every
+    micro-batch; the numerator (Σ m ℓ, or Σ_i of per-sequence means) is additive, so the sum of
+    the micro-batch losses equals the full-batch loss::
+
+        denom = loss_normalizer(mask, "token-mean")
+        for sl in micro_batches:
+            aggregate_loss(loss[sl], mask[sl], "token-mean", normalizer=denom).backward()
+
+    Args:
+        per_token_loss: `[B, T]` loss of each token; padding may hold anything (even inf/NaN).
+        mask: `[B, T]` bool or 0/1, real response tokens.
+        mode: one of `AGGREGATION_MODES`.
+        norm_length: required for "seq-mean-token-sum-norm" unless `normalizer` is given.
+        normalizer: overrides the batch's own normaliser (see `loss_normalizer`).
+
+    Returns:
+        A 0-dim tensor in `per_token_loss`'s dtype.
+    """
+    _check_aggregation("mode", mode, norm_length, normalizer)
+    mask = _as_bool_mask(mask, per_token_loss, "per_token_loss")
+    if mode == "seq-mean-token-mean":
+        numerator = masked_mean(per_token_loss, mask, dim=-1).sum()  # Σ_i of per-sequence means
+    else:
+        numerator = masked_sum(per_token_loss, mask)
+    if normalizer is None:
+        normalizer = loss_normalizer(mask, mode, norm_length)
+    normalizer = torch.as_tensor(normalizer, dtype=numerator.dtype, device=numerator.device)
+    return numerator / normalizer
+
+
+# --------------------------------------------------------------------------------------------------
+# policy losses
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float | None = 0.2,
+    clip_high: float | None = 0.2,
+    dual_clip: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    aggregation: str = "token-mean",
+    ratio_level: str = "token",
+    norm_length: float | None = None,
+    weights: torch.Tensor | None = None,
+    normalizer: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """PPO clipped surrogate with the variants of GRPO, Dr. GRPO, DAPO, REINFORCE(++) and GSPO.
+
+    Per real token, with ρ = exp(logp - old_logp):
+
+        ℓ = -min(ρ A, clip(ρ, 1 - clip_low, 1 + clip_high) A)            (Schulman et al. 2017)
+        ℓ = min(ℓ, dual_clip · |A|)   for A < 0, when dual_clip is set    (Ye et al. 2020, dual-clip PPO)
+        ℓ = ℓ + kl_coef · KL_est(π_θ ‖ π_ref)   when ref_logp is given    (GRPO, Shao et al. 2024)
+        ℓ = ℓ · w                               when weights are given
+
+    then `aggregate_loss(ℓ, mask, aggregation, norm_length)`.
+
+    - Separate `clip_low` / `clip_high` give DAPO's clip-higher (Yu et al. 2025, e.g. 0.2 / 0.28).
+    - `clip_low=None` and `clip_high=None` disable clipping: with `old_logp = logp.detach()` the
+      gradient is that of -A · logp (REINFORCE). One side may be None alone.
+    - `dual_clip` (> 1) bounds the loss of negative-advantage tokens whose ratio exploded: without
+      it, -ρA grows without limit when ρ ≫ 1 and A < 0.
+    - `ratio_level="sequence"` is GSPO (Zheng et al. 2025): s_i = exp((1/|y_i|) Σ_t (logp - old_logp))
+      replaces ρ on every token of sequence i, in the GSPO-token form
+      s_{i,t} = sg(s_i) · exp(logp_t - sg(logp_t)), whose value is s_i and whose gradient with
+      "seq-mean-token-mean" and sequence-level A equals the GSPO gradient. GSPO's clip ranges are
+      tiny (the paper: 3e-4 / 4e-4); pass them, nothing is hard-coded.
+    - With `kl_coef=0`, one update per batch and group-normalised advantages, the loss is about 0
+      while learning happens (ρ = 1 and A averages to 0); that is expected, the gradient is not 0.
+    - `weights` (truncated importance sampling, entropy masks) scale the whole per-token loss,
+      KL term included; they do not change the normalizer (a weight of 0 still counts as a token).
+
+    Args:
+        logp: `[B, T]` log-probs of the sampled tokens under the policy being trained (with grad).
+        old_logp: `[B, T]` log-probs under the policy that the advantages were computed for (no grad).
+        advantages: `[B]` (one per sequence, broadcast over tokens) or `[B, T]`.
+        mask: `[B, T]` bool or 0/1, real response tokens. Padding may hold anything in every input.
+        clip_low: ε_low, ratio lower bound 1 - ε_low (in [0, 1]); None = no lower bound.
+        clip_high: ε_high, ratio upper bound 1 + ε_high (>= 0); None = no upper bound.
+        dual_clip: c > 1 of dual-clip PPO; None disables it.
+        ref_logp: `[B, T]` reference-model log-probs; enables the KL term and the `kl` metric.
+        kl_coef: β, weight of the KL term (>= 0); > 0 requires `ref_logp`.
+        kl_estimator: "k1", "k2" or "k3" (GRPO uses k3).
+        aggregation: one of `AGGREGATION_MODES`.
+        ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO).
+        norm_length: the constant of "seq-mean-token-sum-norm".
+        weights: `[B, T]` per-token multipliers, treated as constants.
+        normalizer: global normaliser for gradient accumulation (see `aggregate_loss`).
+
+    Returns:
+        (loss, metrics): a 0-dim tensor (float32, or float64 for float64 inputs) and `PolicyLossMetrics`.
+    """
+    _check_aggregation("aggregation", aggregation, norm_length, normalizer)
+    _check_choice("ratio_level", ratio_level, _RATIO_LEVELS)
+    _check_clip("clip_low", clip_low, upper=1.0)
+    _check_clip("clip_high", clip_high)
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip: must be > 1 or None, got {dual_clip!r}")
+    _check_kl(kl_coef, ref_logp, kl_estimator)
+    batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
+    logp, adv, mask = batch.logp, batch.advantages, batch.mask
+
+    token_log_ratio = logp - batch.old_logp  # [B, T], 0 on padding
+    if ratio_level == "sequence":
+        seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [B]
+        # GSPO-token: value s_i on every token, d/d logp_t = s_i.
+        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
+    else:
+        log_ratio = token_log_ratio
+    ratio = torch.exp(log_ratio)
+
+    loss_unclipped = -adv * ratio
+    if clip_low is None and clip_high is None:
+        per_token = loss_unclipped
+    else:
+        lower = None if clip_low is None else 1.0 - clip_low
+        upper = None if clip_high is None else 1.0 + clip_high
+        loss_clipped = -adv * ratio.clamp(min=lower, max=upper)
+        per_token = torch.maximum(loss_unclipped, loss_clipped)  # = -min(ρA, clip(ρ)A)
+
+    dual_active = None
+    if dual_clip is not None:
+        bound = -dual_clip * adv  # dual_clip * |A| where A < 0
+        negative = adv < 0
+        dual_active = negative & (per_token > bound)
+        per_token = torch.where(negative, torch.minimum(per_token, bound), per_token)
+
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator)
+    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        # The clipped branch is taken (gradient zeroed) only when clipping moves the objective down.
+        low = (adv < 0) & (r < 1.0 - clip_low) if clip_low is not None else torch.zeros_like(mask)
+        high = (adv > 0) & (r > 1.0 + clip_high) if clip_high is not None else torch.zeros_like(mask)
+        dual = dual_active if dual_active is not None else torch.zeros_like(mask)
+        metrics = _policy_metrics(token_log_ratio, r, mask, low, high, dual, kl)
+    return loss, metrics
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float | None = None,
+    clip_high: float | None = 3.0,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    aggregation: str = "token-mean",
+    norm_length: float | None = None,
+    weights: torch.Tensor | None = None,
+    normalizer: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """CISPO: clip the importance-sampling weight, not the update (MiniMax-M1, Chen et al. 2025, eq. 4-5).
+
+    Per real token, with ρ = exp(logp - old_logp) and sg the stop-gradient:
+
+        ℓ = -sg(clip(ρ, 1 - clip_low, 1 + clip_high)) · A · logp  (+ kl_coef · KL, · weights)
+
+    The gradient is -sg(ρ̂) A ∇logp: every token keeps a gradient (PPO's clip drops tokens whose
+    ratio left the range, often the rare "fork" tokens of a reasoning chain); only the weight's size
+    is bounded. The loss *value* is not a surrogate objective (it scales with logp); only its
+    gradient is meaningful, as for REINFORCE.
+
+    Defaults follow the paper where it says something: no lower bound (it sets ε_low^IS large so
+    only ε_high^IS matters), no KL term, token-level normalisation 1/Σ_i |o_i| ("token-mean"). The
+    report gives no value for ε_high^IS; the default cap ρ̂ <= 4 (`clip_high=3.0`) is the one
+    Tinker's CISPO loss documents; tune it.
+
+    Args:
+        logp: `[B, T]` log-probs of the sampled tokens under the policy being trained (with grad).
+        old_logp: `[B, T]` log-probs under the behaviour policy (no grad).
+        advantages: `[B]` (broadcast over tokens) or `[B, T]`.
+        mask: `[B, T]` bool or 0/1, real response tokens.
+        clip_low: weight lower bound 1 - clip_low (in [0, 1]); None = no lower bound.
+        clip_high: weight upper bound 1 + clip_high (>= 0); None = no upper bound.
+        ref_logp, kl_coef, kl_estimator, aggregation, norm_length, weights, normalizer: as in `policy_loss`.
+
+    Returns:
+        (loss, metrics) as in `policy_loss`; `clipfrac` counts tokens whose weight was truncated.
+    """
+    _check_aggregation("aggregation", aggregation, norm_length, normalizer)
+    _check_clip("clip_low", clip_low, upper=1.0)
+    _check_clip("clip_high", clip_high)
+    _check_kl(kl_coef, ref_logp, kl_estimator)
+    batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
+    logp, adv, mask = batch.logp, batch.advantages, batch.mask
+
+    token_log_ratio = logp - batch.old_logp  # [B, T]
+    ratio = torch.exp(token_log_ratio.detach())
+    lower = None if clip_low is None else 1.0 - clip_low
+    upper = None if clip_high is None else 1.0 + clip_high
+    is_weight = ratio if lower is None and upper is None else ratio.clamp(min=lower, max=upper)
+    per_token = -is_weight * adv * logp
+
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator)
+    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
+
+    with torch.no_grad():
+        low = ratio < lower if lower is not None else torch.zeros_like(mask)
+        high = ratio > upper if upper is not None else torch.zeros_like(mask)
+        metrics = _policy_metrics(token_log_ratio, ratio, mask, low, high, torch.zeros_like(mask), kl)
+    return loss, metrics
+
+
+def _policy_metrics(
+    token_log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    dual: torch.Tensor,
+    kl: torch.Tensor | None,
+) -> PolicyLossMetrics:
+    lr = token_log_ratio.detach()
+    values = [
+        masked_mean(low.to(lr.dtype), mask),
+        masked_mean(high.to(lr.dtype), mask),
+        masked_mean(dual.to(lr.dtype), mask),
+        masked_mean(torch.expm1(lr) - lr, mask),  # k3 estimate of KL(old ‖ new)
+        masked_mean(ratio, mask),
+        _masked_max(ratio, mask, fill=0.0),  # ratios are > 0, so 0 never wins over a real token
+    ]
+    if kl is not None:
+        values.append(masked_mean(kl.detach(), mask))
+    floats = _to_floats(*values)
+    clip_low, clip_high, dual_frac, approx_kl, ratio_mean, ratio_max = floats[:6]
+    return PolicyLossMetrics(
+        clipfrac=clip_low + clip_high,
+        clipfrac_low=clip_low,
+        clipfrac_high=clip_high,
+        dual_clipfrac=dual_frac,
+        approx_kl=approx_kl,
+        ratio_mean=ratio_mean,
+        ratio_max=ratio_max,
+        kl=floats[6] if kl is not None else None,
+    )
+
+
+def truncated_is_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float | None = 2.0,
+    level: str = "token",
+) -> torch.Tensor:
+    """Truncated importance-sampling weights for a sampler whose probabilities differ from the trainer's.
+
+    The rollout engine (another dtype, kernels or engine) samples from π_rollout while the loss
+    assumes π_old. Reweighting each token by π_old / π_rollout, truncated at `cap`, corrects the
+    bias at bounded variance (Ionides 2008, truncated IS; Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training"):
+
+        token:    w_{i,t} = min(exp(old_logp_{i,t} - rollout_logp_{i,t}), cap)
+        sequence: w_{i,t} = min(exp(Σ_t m (old_logp - rollout_logp)), cap), the same on every token of i
+
+    Pass the result as `weights=` to `policy_loss` / `cispo_loss`.
+
+    Args:
+        old_logp: `[B, T]` trainer log-probs of the sampled tokens (before the update).
+        rollout_logp: `[B, T]` log-probs reported by the sampler for the same tokens.
+        mask: `[B, T]` bool or 0/1, real response tokens.
+        cap: truncation level (> 0); None for plain (untruncated) importance weights.
+        level: "token" or "sequence".
+
+    Returns:
+        `[B, T]` weights, detached (constants), float32 at least; padding positions are 0 so the
+        weights double as a mask.
+    """
+    _check_choice("level", level, _IS_LEVELS)
+    if cap is not None and not cap > 0:
+        raise ValueError(f"cap: must be > 0 or None, got {cap!r}")
+    mask = _as_bool_mask(mask, old_logp, "old_logp")
+    _check_same_shape("rollout_logp", rollout_logp, "old_logp", old_logp)
+    with torch.no_grad():
+        dtype = _compute_dtype(old_logp.dtype)
+        log_ratio = _clean(old_logp, mask, dtype) - _clean(rollout_logp, mask, dtype)  # [B, T]
+        if level == "sequence":
+            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+        if cap is not None:
+            # Truncate in log space: exp of a long sequence's summed log-ratio would overflow.
+            log_ratio = log_ratio.clamp(max=math.log(cap))
+        weights = torch.exp(log_ratio)
+        return torch.where(mask, weights, torch.zeros((), dtype=dtype, device=weights.device))
+
+
+# --------------------------------------------------------------------------------------------------
+# value losses
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+    *,
+    aggregation: str = "token-mean",
+    norm_length: float | None = None,
+    normalizer: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ValueLossMetrics]:
+    """PPO clipped value loss (Schulman et al. 2017; as in OpenAI baselines' ppo2).
+
+    Per real token:
+
+        ℓ = ½ max((V - R)², (clip(V, V_old - c, V_old + c) - R)²)
+
+    i.e. the critic cannot gain by moving further than c from its rollout-time prediction. `clip=None`
+    gives the plain ½ (V - R)². Aggregated like the policy loss ("token-mean" by default).
+
+    Args:
+        values: `[B, T]` critic predictions being trained (with grad).
+        old_values: `[B, T]` predictions at rollout time (no grad).
+        returns: `[B, T]` regression targets, e.g. GAE returns (no grad).
+        mask: `[B, T]` bool or 0/1, real response tokens.
+        clip: c > 0, or None for no clipping.
+        aggregation, norm_length, normalizer: as in `aggregate_loss`.
+
+    Returns:
+        (loss, metrics): a 0-dim tensor and `ValueLossMetrics`.
+    """
+    _check_aggregation("aggregation", aggregation, norm_length, normalizer)
+    if clip is not None and not clip > 0:
+        raise ValueError(f"clip: must be > 0 or None, got {clip!r}")
+    mask = _as_bool_mask(mask, values, "values")
+    _check_same_shape("old_values", old_values, "values", values)
+    _check_same_shape("returns", returns, "values", values)
+    dtype = _compute_dtype(values.dtype)
+    v = _clean(values, mask, dtype)
+    v_old = _clean(old_values.detach(), mask, dtype)
+    ret = _clean(returns.detach(), mask, dtype)
+
+    err = (v - ret) ** 2
+    if clip is None:
+        per_token = 0.5 * err
+        clipped = torch.zeros_like(mask)
+    else:
+        v_clipped = v_old + (v - v_old).clamp(-clip, clip)
+        err_clipped = (v_clipped - ret) ** 2
+        per_token = 0.5 * torch.maximum(err, err_clipped)
+        clipped = err_clipped > err
+    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
+
+    with torch.no_grad():
+        vf_clipfrac, value_mean = _to_floats(masked_mean(clipped.to(dtype), mask), masked_mean(v, mask))
+    return loss, ValueLossMetrics(vf_clipfrac=vf_clipfrac, value_mean=value_mean)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over real tokens: 1 is a perfect critic, 0 no better than a constant.
+
+    Uses population variances (the correction would cancel). Returns NaN when the returns are
+    constant (Var[R] = 0), where the ratio is undefined.
+
+    Args:
+        values: `[B, T]` critic predictions (usually the rollout-time ones).
+        returns: `[B, T]` targets.
+        mask: `[B, T]` bool or 0/1, real response tokens.
+    """
+    _check_same_shape("returns", returns, "values", values)
+    _check_same_shape("mask", mask, "values", values)
+    mask = mask.to(torch.bool)
+    with torch.no_grad():
+        dtype = _compute_dtype(values.dtype)
+        v, ret = _clean(values, mask, dtype), _clean(returns, mask, dtype)
+        var_ret, var_err = _to_floats(
+            masked_var(ret, mask, unbiased=False), masked_var(ret - v, mask, unbiased=False)
+        )
+    if var_ret == 0.0:
+        return float("nan")
+    return 1.0 - var_err / var_ret
