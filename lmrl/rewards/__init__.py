@@ -1,0 +1,63 @@
+"""Rewards: the reward-function protocol, `score()`, built-in verifiers, model and remote scorers, shaping.
+
+A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]` (sync or async), as
+in TRL; see `lmrl.rewards.core` for the keyword arguments lmrl passes and how scores combine.
+"""
+
+from lmrl.rewards.core import (
+    RewardError,
+    RewardFn,
+    RewardOutput,
+    RewardSet,
+    WeightedReward,
+    reward_name,
+    score,
+)
+from lmrl.rewards.registry import BUILTIN_REWARDS, load_function, resolve_reward, reward_set_from_config
+from lmrl.rewards.remote import RemoteRewardError, RemoteScorer
+from lmrl.rewards.reward_model import RewardModelScorer
+from lmrl.rewards.shaping import (
+    clip_rewards,
+    missing_eos_penalty,
+    normalize_rewards,
+    overlong_filter_mask,
+    overlong_penalty,
+)
+from lmrl.rewards.verifiers import (
+    THINK_ANSWER_PATTERN,
+    exact_match_reward,
+    extract_final_answer,
+    format_reward,
+    length_penalty_reward,
+    math_reward,
+    regex_reward,
+)
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "THINK_ANSWER_PATTERN",
+    "RemoteRewardError",
+    "RemoteScorer",
+    "RewardError",
+    "RewardFn",
+    "RewardModelScorer",
+    "RewardOutput",
+    "RewardSet",
+    "WeightedReward",
+    "clip_rewards",
+    "exact_match_reward",
+    "extract_final_answer",
+    "format_reward",
+    "length_penalty_reward",
+    "load_function",
+    "math_reward",
+    "missing_eos_penalty",
+    "normalize_rewards",
+    "overlong_filter_mask",
+    "overlong_penalty",
+    "regex_reward",
+    "resolve_reward",
+    "reward_name",
+    "reward_set_from_config",
+    "score",
+]

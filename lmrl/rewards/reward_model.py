@@ -1,0 +1,111 @@
+"""A reward function backed by a sequence-classification reward model (one scalar per text).
+
+The model is an `AutoModelForSequenceClassification` with `num_labels=1`, e.g. a Llama or Qwen2
+reward model. Each (prompt, completion) is rendered to text, tokenized, right-padded and scored
+in batches without gradients; the model's config must set `pad_token_id` so that it can find the
+last real token of each padded row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(m, Mapping) for m in prompt)
+
+
+class RewardModelScorer:
+    """Sync reward function: scores prompt + completion with a reward model.
+
+    Text rendering: a chat-message prompt (a list of {"role", "content"} dicts) becomes
+    `tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}])`; a
+    string prompt is concatenated with the completion as is (`prompt + completion`) and tokenized
+    with the tokenizer's special tokens (e.g. BOS).
+
+    Args:
+        model: a sequence-classification model with one output (num_labels=1).
+        tokenizer: its tokenizer.
+        batch_size: texts per forward pass.
+        max_length: keep at most this many tokens per text, dropping from the left so that the
+            completion (which the score is about) survives; None keeps everything.
+        name: metric name.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        name: str = "reward_model",
+    ) -> None:
+        num_labels = getattr(model.config, "num_labels", 1)
+        if num_labels != 1:
+            raise ValueError(f"model: a reward model needs num_labels=1, got {num_labels}")
+        pad_id = model.config.pad_token_id
+        if pad_id is None:
+            raise ValueError("model: config.pad_token_id is None; set it (e.g. to tokenizer.pad_token_id) to score batches")
+        if batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length: must be >= 1 or None, got {max_length}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.pad_id = int(pad_id)
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.name = name
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str | None = None, device: str = "cpu", **kwargs: Any) -> RewardModelScorer:
+        """Load a reward model and tokenizer saved in a local directory (or a hub id, where reachable)."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        extra = {"dtype": getattr(torch, dtype)} if dtype else {}
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **extra).to(device)
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return cls(model, tokenizer, **kwargs)
+
+    def render(self, prompt: Any, completion: str) -> tuple[str, bool]:
+        """The text to score and whether the tokenizer should add its special tokens."""
+        if _is_chat(prompt):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("prompts: chat-message prompts need a tokenizer with a chat_template")
+            messages = [*prompt, {"role": "assistant", "content": completion}]
+            return self.tokenizer.apply_chat_template(messages, tokenize=False), False
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompts: expected a string or a list of chat messages, got {type(prompt).__name__}")
+        return prompt + completion, True
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float]:
+        device = next(self.model.parameters()).device
+        rendered = [self.render(p, c) for p, c in zip(prompts, completions, strict=True)]
+        ids = [
+            self.tokenizer(text, add_special_tokens=special)["input_ids"] for text, special in rendered
+        ]
+        if self.max_length is not None:
+            ids = [seq[-self.max_length :] for seq in ids]
+        scores: list[float] = []
+        for start in range(0, len(ids), self.batch_size):
+            chunk = ids[start : start + self.batch_size]
+            width = max(len(s) for s in chunk)
+            # right padding keeps position ids 0..len-1 for every row, so a text scores the same
+            # alone or in a batch; the model pools the last non-pad token
+            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, seq in enumerate(chunk):
+                if len(seq) == 0:
+                    raise ValueError(f"completions: sample {start + i} renders to no tokens")
+                input_ids[i, : len(seq)] = torch.tensor(seq)
+                attention_mask[i, : len(seq)] = 1
+            logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+            scores.extend(logits.view(-1).float().cpu().tolist())  # [b, 1] -> b floats
+        return scores
