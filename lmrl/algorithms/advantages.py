@@ -19,8 +19,11 @@ How lmrl departs from the usual implementations:
 3. A group whose rewards are all equal gets advantage exactly 0 (statistics are computed around a
    member of the group, so rounding in the mean cannot be blown up by a ~0 std). A group of size 1
    has no baseline to compare against: its advantage is 0.
-4. Statistics and recursions run in float32 (float64 stays float64); the result is cast back to the
-   input dtype, so bfloat16 in gives bfloat16 out without bfloat16 accumulation.
+4. Group statistics run in float32 (float64 stays float64), the return / GAE scans in float64
+   (float32 on MPS); results are cast back to the input dtype, so bfloat16 in gives bfloat16 out
+   without bfloat16 accumulation.
+5. Returns and GAE have no Python loop over T: real tokens are packed to the front of each row and
+   the backward recursion is solved blockwise with small matmuls.
 """
 
 from __future__ import annotations
@@ -231,12 +234,64 @@ def _check_per_token(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) ->
         raise ValueError(f"gamma: must be in [0, 1], got {gamma}")
 
 
+def _scan_dtype(device: torch.device) -> torch.dtype:
+    # float64 makes the blockwise matmul exact enough whatever the TF32 / matmul-precision
+    # settings (they silently cut float32 matmuls to 10 mantissa bits); MPS has no float64.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _reverse_discounted_cumsum(x: torch.Tensor, c: float, block: int = 64) -> torch.Tensor:
+    """y_t = x_t + c · y_{t+1} (y = 0 past the end) along dim 1 of x [B, T], without a loop over T.
+
+    Each block of `block` steps is one matmul with W[j, i] = c^(j-i) for j >= i (0 otherwise). The
+    values carried into each block from the right obey the same recursion with factor c^block,
+    solved the same way (recursion depth log_block T). All powers are <= 1: nothing overflows, and
+    underflow to 0 only drops terms that are below float precision anyway.
+    """
+    batch, steps = x.shape
+    if steps == 0:
+        return x.clone()
+    length = min(block, steps)
+    n = -(-steps // length)  # blocks
+    xb = torch.nn.functional.pad(x, (0, n * length - steps)).reshape(batch, n, length)
+    k = torch.arange(length, dtype=x.dtype, device=x.device)
+    expo = k[:, None] - k[None, :]  # [L, L]: j - i
+    w = torch.where(expo >= 0, c ** expo.clamp(min=0), 0.0)  # 0^0 = 1, so c = 0 gives W = I
+    y = xb @ w  # [B, n, L]: sums within each block
+    if n > 1:
+        # starts[:, b] = y at the first step of block b, everything to its right included
+        starts = _reverse_discounted_cumsum(y[:, :, 0], c**length, block)  # [B, n]
+        carry = torch.nn.functional.pad(starts[:, 1:], (0, 1))  # [B, n]: enters block b from the right
+        y = y + carry[:, :, None] * c ** (length - k)  # position i is L - i steps before the next block
+    return y.reshape(batch, n * length)[:, :steps]
+
+
+def _packing(mask: torch.Tensor) -> torch.Tensor | None:
+    """Per-row permutation [B, T] that moves real tokens to the front, keeping their order.
+
+    Skipping masked positions is then the plain recursion on a right-padded sequence. None when
+    every row is already a prefix of real tokens (plain right padding, the common case).
+    """
+    if bool((mask[:, 1:] <= mask[:, :-1]).all()):
+        return None
+    return torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)
+
+
+def _pack(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    return x if order is None else x.gather(1, order)
+
+
+def _unpack(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    return x if order is None else torch.zeros_like(x).scatter(1, order, x)
+
+
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Reward-to-go over real tokens: G_t = r_t + γ · G_{t'}, t' the next real token after t.
 
     Used as the per-token advantage of REINFORCE / REINFORCE++ (Williams 1992; Hu et al. 2025).
     Masked positions are skipped (they neither add reward nor discount) and are 0 in the output;
-    after the last real token G = 0.
+    after the last real token G = 0. Vectorised: real tokens are packed to the front of each row,
+    then a blockwise scan replaces the loop over T (see `_reverse_discounted_cumsum`).
 
     Args:
         rewards: [B, T] per-token rewards, e.g. from `kl_shaped_rewards`.
@@ -247,18 +302,13 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
         [B, T] returns in the dtype of `rewards`, 0 at masked positions.
     """
     _check_per_token(rewards, mask, gamma)
-    work, out_dtype = _float_dtypes(rewards.dtype)
-    real = mask.to(torch.bool).T  # [T, B]: rows contiguous for the loop
-    r = rewards.to(work).T
-    running = torch.zeros(rewards.shape[0], dtype=work, device=rewards.device)  # G_{t'}, [B]
-    out = []
-    for t in reversed(range(rewards.shape[1])):
-        # where(), not arithmetic with the mask: masked entries may be inf / NaN.
-        running = torch.where(real[t], r[t] + gamma * running, running)
-        out.append(torch.where(real[t], running, 0.0))
-    if not out:
-        return torch.zeros_like(rewards, dtype=out_dtype)
-    return torch.stack(out[::-1], dim=1).to(out_dtype)
+    _, out_dtype = _float_dtypes(rewards.dtype)
+    real = mask.to(torch.bool)
+    order = _packing(real)  # [B, T] or None
+    # where(), not rewards * mask: masked entries may be inf / NaN.
+    r = _pack(torch.where(real, rewards.to(_scan_dtype(rewards.device)), 0.0), order)  # [B, T]
+    returns = _unpack(_reverse_discounted_cumsum(r, gamma), order)  # back to the original positions
+    return torch.where(real, returns, 0.0).to(out_dtype)
 
 
 class GAEResult(NamedTuple):
@@ -282,8 +332,9 @@ def gae(
         R_t = A_t + V_t                        (value-loss target)
 
     Masked positions are skipped as if absent and are 0 in both outputs. λ = 1 with V = 0 gives the
-    discounted returns; λ = 0 gives the one-step TD errors δ_t. Not differentiated in practice
-    (values come from a no-grad critic pass); detach before use if yours carry a graph.
+    discounted returns; λ = 0 gives the one-step TD errors δ_t. Vectorised like
+    `discounted_returns` (no loop over T). Not differentiated in practice (values come from a
+    no-grad critic pass); detach before use if yours carry a graph.
 
     Args:
         values: [B, T] critic values V(s_t) at each response token.
@@ -301,22 +352,17 @@ def gae(
         raise ValueError(f"values: shape {tuple(values.shape)} does not match rewards {tuple(rewards.shape)}")
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lam: must be in [0, 1], got {lam}")
-    work, out_dtype = _float_dtypes(torch.result_type(values, rewards))
-    real = mask.to(torch.bool).T  # [T, B]
-    r, v = rewards.to(work).T, values.to(work).T
-    next_value = torch.zeros(rewards.shape[0], dtype=work, device=rewards.device)  # V_{t'}, [B]
-    next_adv = torch.zeros_like(next_value)  # A_{t'}, [B]
-    advs = []
-    for t in reversed(range(rewards.shape[1])):
-        delta = r[t] + gamma * next_value - v[t]  # δ_t = r_t + γ V_{t'} - V_t
-        adv = delta + gamma * lam * next_adv  # A_t = δ_t + γλ A_{t'}
-        # Masked steps leave the carried values untouched, so the previous real token sees the next real one.
-        next_adv = torch.where(real[t], adv, next_adv)
-        next_value = torch.where(real[t], v[t], next_value)
-        advs.append(torch.where(real[t], adv, 0.0))
-    if not advs:
-        empty = torch.zeros_like(rewards, dtype=out_dtype)
-        return GAEResult(empty, empty.clone())
-    advantages = torch.stack(advs[::-1], dim=1)  # [B, T]
-    returns = torch.where(mask.to(torch.bool), advantages + values.to(work), 0.0)
+    _, out_dtype = _float_dtypes(torch.result_type(values, rewards))
+    scan = _scan_dtype(rewards.device)
+    real = mask.to(torch.bool)
+    order = _packing(real)  # [B, T] or None
+    real_packed = _pack(real, order)  # [B, T], true on a prefix of each row
+    # where() first, so garbage (inf / NaN) at masked positions never enters the arithmetic.
+    v = _pack(torch.where(real, values.to(scan), 0.0), order)  # 0 past the last real token
+    r = _pack(torch.where(real, rewards.to(scan), 0.0), order)
+    v_next = torch.nn.functional.pad(v[:, 1:], (0, 1))  # V_{t'}: the next real token's value
+    delta = torch.where(real_packed, r + gamma * v_next - v, 0.0)  # δ_t = r_t + γ V_{t'} - V_t
+    adv_packed = _reverse_discounted_cumsum(delta, gamma * lam)  # A_t = δ_t + γλ A_{t'}
+    advantages = torch.where(real, _unpack(adv_packed, order), 0.0)
+    returns = torch.where(real, advantages + values.to(scan), 0.0)
     return GAEResult(advantages.to(out_dtype), returns.to(out_dtype))
