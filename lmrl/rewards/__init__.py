@@ -13,6 +13,7 @@ from lmrl.rewards.core import (
     reward_name,
     score,
 )
+from lmrl.rewards.math_verifier import MathVerifyWorker, extract_final_answer, verify_answer
 from lmrl.rewards.registry import BUILTIN_REWARDS, load_function, resolve_reward, reward_set_from_config
 from lmrl.rewards.remote import RemoteRewardError, RemoteScorer
 from lmrl.rewards.reward_model import RewardModelScorer
@@ -26,7 +27,6 @@ from lmrl.rewards.shaping import (
 from lmrl.rewards.verifiers import (
     THINK_ANSWER_PATTERN,
     exact_match_reward,
-    extract_final_answer,
     format_reward,
     length_penalty_reward,
     math_reward,
@@ -35,6 +35,7 @@ from lmrl.rewards.verifiers import (
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "MathVerifyWorker",
     "THINK_ANSWER_PATTERN",
     "RemoteRewardError",
     "RemoteScorer",
@@ -60,4 +61,5 @@ __all__ = [
     "reward_name",
     "reward_set_from_config",
     "score",
+    "verify_answer",
 ]

@@ -9,80 +9,21 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from lmrl.rewards.math_verifier import MathVerifyWorker, verify_answer
 from lmrl.rewards.shaping import overlong_penalty
 
 DEFAULT_ANSWER_COLUMNS = ("answer", "solution")
 THINK_ANSWER_PATTERN = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
 
-# A final-answer line: "The answer is 42", "Answer: 42", "final answer: $\frac12$".
-_ANSWER_LINE = re.compile(r"\banswer\s*(?:is\s*[:=]?|[:=])\s*(.+?)\s*$", re.IGNORECASE)
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_GSM8K = re.compile(r"####\s*(.+?)\s*$", re.MULTILINE)
-
 
 def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     fn.__name__ = fn.__qualname__ = name
     return fn
-
-
-def _last_boxed(text: str) -> str | None:
-    """Contents of the last \\boxed{...} (or \\fbox{...}), matching nested braces; None if absent."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None  # unbalanced: an unfinished answer is no answer
-
-
-def extract_final_answer(text: str) -> str | None:
-    """The final answer of a worked solution, or None when it states none.
-
-    Looks, in order, for the last `\\boxed{...}`, the last GSM8K `#### X` line, the last
-    `<answer>X</answer>` block and the last line of the form "The answer is X" / "Answer: X".
-    A trailing period is dropped.
-    """
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    gsm = _GSM8K.findall(text)
-    if gsm:
-        return gsm[-1].strip().rstrip(".")
-    tags = _ANSWER_TAG.findall(text)
-    if tags:
-        return tags[-1].strip().rstrip(".")
-    for line in reversed(text.strip().splitlines()):
-        m = _ANSWER_LINE.search(line)
-        if m:
-            return m.group(1).strip().rstrip(".")
-    return None
-
-
-def _math_verify_timeouts(seconds: int) -> int | None:
-    # math-verify times out with signal.alarm, which only works in the main thread (elsewhere it
-    # raises ValueError). Off the main thread we disable its timeout; `score(timeout=...)` bounds
-    # the call instead.
-    return seconds if threading.current_thread() is threading.main_thread() else None
-
-
-def _as_math(answer: str) -> str:
-    # math-verify finds LaTeX inside $...$ or \boxed{}; a bare "\frac{1}{2}" is wrapped so it parses.
-    return answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
 
 
 def _pick_column(kwargs: dict[str, Any], column: str | None, candidates: Sequence[str], who: str) -> list[Any]:
@@ -101,55 +42,47 @@ def math_reward(
     *,
     require_anchor: bool = True,
     timeout_seconds: int = 5,
+    isolate: bool = True,
     name: str = "math",
 ) -> Callable[..., list[float | None]]:
     """Reward 1.0 when the completion's final answer equals the ground truth mathematically, else 0.0.
 
-    The completion's answer is the last `\\boxed{...}`, a GSM8K `#### X` line or a "The answer is X"
-    line; the ground truth is read the same way (a GSM8K solution ending in "#### 72" gives 72; a
-    bare "72" or "\\frac{1}{2}" is used as is). Both are parsed and compared by math-verify
-    (`parse`, `verify`), so 0.5 == \\frac{1}{2} and 1,000 == 1000.
+    The completion's answer is the last `\\boxed{...}`, a GSM8K `#### X` line, an
+    `<answer>X</answer>` block or a "The answer is X" line; the ground truth is read the same way (a
+    GSM8K solution ending in "#### 72" gives 72; a bare "72" or "\\frac{1}{2}" is used as is). Both
+    are parsed and compared by math-verify (`parse`, `verify`), so 0.5 == \\frac{1}{2} and
+    1,000 == 1000. math-verify only pattern-matches and builds sympy expressions: nothing the model
+    wrote is executed.
 
     Args:
         column: the ground-truth column; None tries "answer", then "solution".
-        require_anchor: when True (default) a completion with no boxed / final-answer line scores 0;
+        require_anchor: when True (default) a completion with no final-answer marker scores 0;
             when False math-verify searches the whole text (rewarding the last number written).
-        timeout_seconds: math-verify's own parse / verify timeouts (main thread only).
+        timeout_seconds: math-verify's own parse / verify timeouts.
+        isolate: check answers in a worker process (default) that is killed and restarted when an
+            answer overruns its deadline (3 * timeout_seconds + 2 s; it then scores 0.0). In-process
+            checking (`isolate=False`) is faster to start but an adversarial answer can freeze
+            the whole process, and off the main thread it runs without timeouts.
         name: metric name.
 
     Returns:
-        A reward function; a sample whose ground truth is missing or unparseable gets None.
+        A reward function (with the worker as its `worker` attribute, or None); a sample whose
+        ground truth is missing or unparseable gets None.
     """
-    from math_verify import parse, verify  # imported lazily: sympy is slow to import
-
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" warning is expected
+    worker = MathVerifyWorker(timeout_seconds) if isolate else None
+    if not isolate:
+        logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" off the main thread
 
     def fn(prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float | None]:
         golds = _pick_column(kwargs, column, DEFAULT_ANSWER_COLUMNS, name)
-        t = _math_verify_timeouts(timeout_seconds)
-        out: list[float | None] = []
-        for completion, gold in zip(completions, golds, strict=True):
-            if gold is None or not str(gold).strip():
-                out.append(None)
-                continue
-            gold_text = str(gold)
-            gold_answer = extract_final_answer(gold_text) if "####" in gold_text or "\\boxed" in gold_text else None
-            gold_parsed = parse(_as_math((gold_answer or gold_text).strip()), parsing_timeout=t)
-            if not gold_parsed:
-                out.append(None)
-                continue
-            answer = extract_final_answer(completion)
-            if answer is None:
-                if require_anchor:
-                    out.append(0.0)
-                    continue
-                answer_parsed = parse(completion, parsing_timeout=t)
-            else:
-                answer_parsed = parse(_as_math(answer), parsing_timeout=t)
-            ok = bool(answer_parsed) and verify(gold_parsed, answer_parsed, timeout_seconds=t)
-            out.append(1.0 if ok else 0.0)
-        return out
+        if worker is not None:
+            return [worker(g, c, require_anchor=require_anchor) for c, g in zip(completions, golds, strict=True)]
+        return [
+            verify_answer(g, c, require_anchor=require_anchor, timeout_seconds=timeout_seconds)
+            for c, g in zip(completions, golds, strict=True)
+        ]
 
+    fn.worker = worker  # type: ignore[attr-defined]
     return _named(fn, name)
 
 

@@ -68,7 +68,7 @@ def test_load_function_errors(user_file, tmp_path):
 
 
 def test_load_function_from_module():
-    fn = load_function("lmrl.rewards.verifiers:extract_final_answer")
+    fn = load_function("lmrl.rewards.math_verifier:extract_final_answer")
     assert fn("#### 5") == "5"
     with pytest.raises(ValueError, match="cannot import module 'lmrl.no_such_module'"):
         load_function("lmrl.no_such_module:f")

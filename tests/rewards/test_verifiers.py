@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from lmrl.rewards import (
+    MathVerifyWorker,
     exact_match_reward,
     extract_final_answer,
     format_reward,
@@ -15,6 +17,15 @@ from lmrl.rewards import (
     regex_reward,
     score,
 )
+
+
+@pytest.fixture(scope="module")
+def math_fn():
+    """One isolated math reward (one worker process) shared by the tests of this module."""
+    fn = math_reward()
+    yield fn
+    fn.worker.close()
+
 
 GSM8K_GOLD = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 
@@ -37,8 +48,9 @@ def test_extract_final_answer(text, expected):
     assert extract_final_answer(text) == expected
 
 
-def test_math_reward_on_real_looking_completions():
-    fn = math_reward()
+@pytest.mark.parametrize("isolate", [True, False])
+def test_math_reward_on_real_looking_completions(isolate, math_fn):
+    fn = math_fn if isolate else math_reward(isolate=False)
     completions = [
         "Half of 48 is 24, so she sold 48 + 24 = 72 clips.\n#### 72",  # GSM8K style, right
         "She sold 48 + 24 clips in total, so the answer is $\\boxed{72}$.",  # boxed, right
@@ -53,7 +65,7 @@ def test_math_reward_on_real_looking_completions():
 
 
 def test_math_reward_latex_equivalence_and_columns():
-    fn = math_reward(column="solution")
+    fn = math_reward(column="solution", isolate=False)
     out = fn(
         ["q"] * 3,
         ["\\boxed{0.5}", "The answer is \\frac{2}{4}", "\\boxed{\\frac{1}{3}}"],
@@ -62,8 +74,8 @@ def test_math_reward_latex_equivalence_and_columns():
     assert out == [1.0, 1.0, 0.0]
 
 
-def test_math_reward_falls_back_to_solution_column_and_none_for_missing_gold():
-    fn = math_reward()  # looks for "answer", then "solution"
+def test_math_reward_falls_back_to_solution_column_and_none_for_missing_gold(math_fn):
+    fn = math_fn  # looks for "answer", then "solution"
     assert fn(["q", "q"], ["\\boxed{3}", "\\boxed{3}"], solution=["3", None]) == [1.0, None]
     with pytest.raises(ValueError, match=r"no ground-truth column \(looked for \['answer', 'solution'\]\); available: \['question'\]"):
         fn(["q"], ["\\boxed{3}"], question=["?"])
@@ -72,13 +84,14 @@ def test_math_reward_falls_back_to_solution_column_and_none_for_missing_gold():
 
 
 def test_math_reward_without_anchor_requirement():
-    fn = math_reward(require_anchor=False)
+    fn = math_reward(require_anchor=False, isolate=False)
     assert fn(["q"], ["so we get 72"], answer=["72"]) == [1.0]
 
 
-def test_math_reward_off_the_main_thread():
+@pytest.mark.parametrize("isolate", [True, False])
+def test_math_reward_off_the_main_thread(isolate, math_fn):
     # math-verify's signal timeouts only work in the main thread; the verifier must still work elsewhere
-    fn = math_reward()
+    fn = math_fn if isolate else math_reward(isolate=False)
     result = {}
 
     def run():
@@ -89,11 +102,34 @@ def test_math_reward_off_the_main_thread():
 
     t = threading.Thread(target=run)
     t.start()
-    t.join(30)
+    t.join(60)
     assert result["value"] == [1.0]
     # and through score() with a timeout, which runs sync functions in worker threads
-    out = score([fn], ["q", "q"], ["\\boxed{72}", "\\boxed{7}"], {"answer": ["72", "72"]}, timeout=30)
+    out = score([fn], ["q", "q"], ["\\boxed{72}", "\\boxed{7}"], {"answer": ["72", "72"]}, timeout=60)
     assert out.scores.tolist() == [1.0, 0.0]
+
+
+def test_adversarial_answer_does_not_freeze_the_trainer():
+    # 9^9^9^9 makes sympy compute for ever; in the worker, math-verify's signal timeout (in the
+    # worker's main thread) or the kill deadline ends it and the answer scores 0
+    fn = math_reward(timeout_seconds=1)
+    t0 = time.perf_counter()
+    assert fn(["q", "q"], ["\\boxed{9^{9^{9^9}}}", "\\boxed{72}"], answer=["72", "72"]) == [0.0, 1.0]
+    assert time.perf_counter() - t0 < fn.worker.deadline + 30  # 30 s: worker start-up on a busy machine
+    fn.worker.close()
+
+
+def test_worker_is_killed_and_restarted_past_its_deadline():
+    worker = MathVerifyWorker(timeout_seconds=1)
+    assert worker("72", "\\boxed{72}") == 1.0  # starts the worker
+    worker.deadline = 0.0  # every answer now overruns
+    assert worker("72", "\\boxed{72}") == 0.0
+    assert worker.restarts == 1
+    worker.deadline = 30.0
+    assert worker("72", "\\boxed{72}") == 1.0  # a fresh worker
+    assert worker("72", "\\boxed{71}") == 0.0
+    assert worker(None, "\\boxed{71}") is None
+    worker.close()
 
 
 def test_exact_match_normalises_whitespace():
