@@ -114,14 +114,12 @@ class RolloutConfig(_Section):
 
 
 class RewardConfig(_Section):
-    functions: list[str] = []
-    """Reward functions: built-in names, "file.py:function" or "module:function". Empty = the task's reward."""
+    functions: list[str | dict[str, Any]] = []
+    """Reward functions; empty = the task's reward. Each entry is a built-in name (math, exact_match,
+    format, regex, length, remote, reward_model), "file.py:function", "module:function", or a mapping
+    {fn: NAME, weight: 0.5, OPTION: VALUE} (e.g. {fn: remote, url: "http://host:8000/score"})."""
     weights: list[float] | None = None
-    """One weight per function (default 1.0 each)."""
-    remote_url: str | None = None
-    """Score completions with a remote HTTP scorer at this URL (added to `functions`)."""
-    reward_model: str | None = None
-    """Score completions with a sequence-classification reward model (path or hub id)."""
+    """One weight per function (default: each entry's own weight, else 1.0)."""
     timeout: float = 60.0
     """Seconds one reward call may take before it counts as failed."""
     on_error: Literal["fail", "zero"] = "fail"

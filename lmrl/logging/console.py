@@ -18,7 +18,7 @@ STEP_LINE = [
     ("objective/scores", "reward", "{:.3f}"),
     ("eval/accuracy", "eval acc", "{:.1%}"),
     ("objective/kl", "kl", "{:.4f}"),
-    ("objective/entropy", "entropy", "{:.3f}"),
+    ("policy/entropy_avg", "entropy", "{:.3f}"),
     ("policy/clipfrac_avg", "clipfrac", "{:.3f}"),
     ("loss/policy_avg", "loss", "{:+.4f}"),
     ("val/response_length", "len", "{:.1f}"),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmrl.algorithms.logprobs import token_logprobs
+from lmrl.algorithms.logprobs import token_entropy, token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cpu", "cuda", "auto")
@@ -303,7 +303,8 @@ def model_forward_logprobs(
     num_response_tokens: int,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens (the last T columns of `sequences`) under `model`.
 
     The logits at position t score the token at t + 1, so the T response tokens are scored by the
@@ -319,9 +320,12 @@ def model_forward_logprobs(
         num_response_tokens: T, the number of response columns, 1 <= T < S.
         temperature: the sampling temperature.
         chunk_size: rows of the [B*T, V] logits turned into float32 at once (None: all).
+        return_entropy: also return the entropy of softmax(logits / temperature) at each response
+            position, from the same logits (no second forward).
 
     Returns:
-        [B, T] float32 log-probs, differentiable when grad is enabled.
+        [B, T] float32 log-probs, differentiable when grad is enabled; with `return_entropy`, the
+        pair (log-probs, entropies), both [B, T].
     """
     seq_len = sequences.shape[1]
     t = num_response_tokens
@@ -345,4 +349,7 @@ def model_forward_logprobs(
     # Models that ignore logits_to_keep return all S positions: keep the last T + 1 either way.
     logits = out.logits[:, -(t + 1) : -1]  # [B, T, V]
     tokens = sequences[:, -t:]  # [B, T]
-    return token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+    logprobs = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+    if not return_entropy:
+        return logprobs
+    return logprobs, token_entropy(logits, chunk_size=chunk_size, temperature=temperature)

@@ -1,0 +1,317 @@
+"""The Experience batch and make_experience(): a scored rollout in, everything the update needs out.
+
+Data flow (one step):
+
+    Rollout (tokens, masks, sampling log-probs) + scores [B]
+      -> old / reference log-probs and values: micro-batched no-grad forwards, each skipped when unused
+      -> KL in the reward (k1, per token or per sequence) when the algorithm asks for it
+      -> advantages by the estimator's name (ADVANTAGE_ESTIMATORS), optional batch whitening
+      -> Experience: every tensor aligned to response tokens [B, T]
+
+Everything here is plain tensors and models; the math is in `lmrl.algorithms`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lmrl import algorithms as A
+from lmrl.config import AlgorithmConfig, RewardConfig
+from lmrl.rollout import Rollout
+
+
+@dataclass
+class Experience:
+    """One batch of experience. B sequences, P prompt tokens (left-padded), T response tokens."""
+
+    sequences: torch.Tensor  # [B, P+T] prompt + response token ids
+    attention_mask: torch.Tensor  # [B, P+T] bool
+    response_mask: torch.Tensor  # [B, T] bool: tokens the loss trains on
+    old_logprobs: torch.Tensor  # [B, T] log-probs under the policy that sampled (detached)
+    advantages: torch.Tensor  # [B, T]
+    scores: torch.Tensor  # [B] total reward of each completion (after shaping)
+    group_index: torch.Tensor  # [B] prompt index; samples of a group are contiguous
+    ref_logprobs: torch.Tensor | None = None  # [B, T] when a KL term needs them
+    values: torch.Tensor | None = None  # [B, T] critic values (PPO)
+    returns: torch.Tensor | None = None  # [B, T] value targets (PPO)
+    rewards: torch.Tensor | None = None  # [B, T] per-token rewards when KL is in the reward
+    weights: torch.Tensor | None = None  # [B, T] per-token loss weights (truncated IS, entropy filter)
+    info: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] tensors: lengths, finished, ...
+
+    @property
+    def num_response_tokens(self) -> int:
+        return self.response_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    def select(self, index: torch.Tensor) -> Experience:
+        """The rows `index` of every tensor (minibatches, micro-batches)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v[index]
+            elif isinstance(v, dict):
+                out[f.name] = {k: t[index] for k, t in v.items()}
+            else:
+                out[f.name] = v
+        return Experience(**out)
+
+
+def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """Join rollouts of different prompt / response widths: prompts left-padded, responses right-padded."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    P = max(r.prompt_ids.shape[1] for r in rollouts)
+    T = max(r.response_ids.shape[1] for r in rollouts)
+
+    def pad(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+        extra = width - x.shape[1]
+        if extra == 0:
+            return x
+        filler = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
+        return torch.cat([filler, x] if left else [x, filler], dim=1)
+
+    offset, index = 0, []
+    for r in rollouts:
+        index.append(r.prompt_index + offset)
+        offset += int(r.prompt_index.max()) + 1 if len(r.prompt_index) else 0
+    return Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_id, True) for r in rollouts]),
+        prompt_mask=torch.cat([pad(r.prompt_mask, P, False, True) for r in rollouts]),
+        response_ids=torch.cat([pad(r.response_ids, T, pad_id, False) for r in rollouts]),
+        response_mask=torch.cat([pad(r.response_mask, T, False, False) for r in rollouts]),
+        logprobs=torch.cat([pad(r.logprobs, T, 0.0, False) for r in rollouts]),
+        texts=[t for r in rollouts for t in r.texts],
+        finished=torch.cat([r.finished for r in rollouts]),
+        prompt_index=torch.cat(index),
+    )
+
+
+def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
+    """Rows `index` of a rollout, its response width trimmed to the longest kept response."""
+    mask = r.response_mask[index]
+    T = int(mask.sum(1).max()) if len(index) else 0
+    T = max(T, 1)
+    return Rollout(
+        prompt_ids=r.prompt_ids[index],
+        prompt_mask=r.prompt_mask[index],
+        response_ids=r.response_ids[index, :T],
+        response_mask=mask[:, :T],
+        logprobs=r.logprobs[index, :T],
+        texts=[r.texts[i] for i in index.tolist()],
+        finished=r.finished[index],
+        prompt_index=r.prompt_index[index],
+    )
+
+
+# ------------------------------------------------------------------------------------------- advantages
+
+# Sequence-level estimators: scores [B] -> baseline-corrected scores [B], by the name in
+# `algorithm.advantage`. gae is per-token and needs a critic: compute_advantages handles it.
+SEQUENCE_ESTIMATORS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "grpo": lambda r, g: A.grpo_advantages(r, g),
+    "dr_grpo": lambda r, g: A.grpo_advantages(r, g, scale_by_std=False),
+    "rloo": A.rloo_advantages,
+    "reinforce_baseline": A.reinforce_baseline_advantages,
+    "reinforce": lambda r, g: r,
+}
+
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # [B, T]
+    returns: torch.Tensor | None = None  # [B, T]
+    rewards: torch.Tensor | None = None  # [B, T]
+
+
+def compute_advantages(
+    cfg: AlgorithmConfig,
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    values: torch.Tensor | None = None,
+) -> Advantages:
+    """Advantages for the estimator `cfg.advantage`.
+
+    Args:
+        scores: [B] rewards of the completions.
+        mask: [B, T] response tokens.
+        kl: [B, T] per-token KL estimate of the sampling policy against the reference, used only when
+            `cfg.kl_in == "reward"`.
+        values: [B, T] critic values (gae only).
+
+    Group estimators (grpo, dr_grpo, rloo, reinforce_baseline) and plain REINFORCE turn the scores into a
+    sequence-level baseline-corrected reward. Without a per-token KL reward that is the advantage of every
+    token; with one, the per-token rewards (KL penalty on each token, the corrected score on the last)
+    are summed into returns-to-go, as REINFORCE++ does. gae runs GAE over the per-token rewards.
+    """
+    mask = mask.bool()
+    kl_in_reward = kl is not None and cfg.kl_in == "reward" and kl_coef > 0
+    if kl_in_reward and cfg.kl_level == "sequence":
+        scores = scores - kl_coef * A.masked_sum(kl, mask, dim=1)  # penalise the sequence's total KL
+    token_kl = kl_in_reward and cfg.kl_level == "token"
+
+    if cfg.advantage == "gae":
+        if values is None:
+            raise ValueError("algorithm.advantage=gae needs critic values")
+        zeros = torch.zeros_like(values)
+        rewards = A.kl_shaped_rewards(scores, kl if token_kl else zeros, mask, kl_coef if token_kl else 0.0)
+        adv, ret = A.gae(values, rewards, mask, cfg.gamma, cfg.lam)
+        out = Advantages(adv, ret, rewards)
+    else:
+        seq = SEQUENCE_ESTIMATORS[cfg.advantage](scores, group_size)  # [B]
+        if token_kl or cfg.gamma < 1:
+            rewards = A.kl_shaped_rewards(seq, kl if token_kl else torch.zeros_like(mask, dtype=seq.dtype),
+                                          mask, kl_coef if token_kl else 0.0)
+            ret = A.discounted_returns(rewards, mask, cfg.gamma)
+            out = Advantages(ret, None, rewards)
+        else:
+            out = Advantages(seq[:, None].expand(mask.shape).clone())
+    if cfg.whiten_advantages:
+        out.advantages = A.masked_whiten(out.advantages, mask)
+    out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- forwards
+
+LogprobFn = Callable[..., torch.Tensor]
+
+
+def batched_forward(
+    fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_response_tokens: int,
+    micro_batch_size: int,
+) -> list:
+    """`fn(sequences, attention_mask, T)` over micro-batches, no grad; the list of per-micro-batch results."""
+    with torch.no_grad():
+        return [
+            fn(sequences[i : i + micro_batch_size], attention_mask[i : i + micro_batch_size], num_response_tokens)
+            for i in range(0, sequences.shape[0], micro_batch_size)
+        ]
+
+
+def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
+    """[B, T] bool: the top `fraction` of real tokens by entropy over the whole batch (Wang et al. 2025,
+    "Beyond the 80/20 rule": only the high-entropy forking tokens carry the learning signal)."""
+    real = entropy[mask.bool()]
+    if real.numel() == 0:
+        return mask.bool()
+    k = max(1, int(round(fraction * real.numel())))
+    threshold = torch.topk(real.float(), k).values.min()
+    return mask.bool() & (entropy >= threshold)
+
+
+def make_experience(
+    rollout: Rollout,
+    scores: torch.Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    policy_logprobs: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None,
+    ref_logprobs: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    critic_values: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+    micro_batch_size: int = 64,
+    loss_mask: torch.Tensor | None = None,
+    info: dict[str, torch.Tensor] | None = None,
+) -> Experience:
+    """Turn a scored rollout into an Experience.
+
+    Args:
+        rollout: B sequences with their sampling log-probs.
+        scores: [B] shaped rewards.
+        policy_logprobs: `fn(sequences, attention_mask, T) -> (logprobs [b, T], entropy [b, T])` of the
+            current policy; None means "reuse the sampling log-probs" (one update per batch, same engine and
+            dtype: a second forward could not change anything).
+        ref_logprobs / critic_values: same shape contract; None skips that forward.
+        loss_mask: [B] bool, False drops a whole completion from the loss (e.g. truncated ones).
+    """
+    seqs, attn = rollout.sequences, rollout.attention_mask
+    T = rollout.response_ids.shape[1]
+    mask = rollout.response_mask.bool()
+    if loss_mask is not None:
+        mask = mask & loss_mask[:, None].bool()
+    weights = None
+
+    if policy_logprobs is None:
+        old, entropy = rollout.logprobs.float(), None
+    else:
+        outs = batched_forward(policy_logprobs, seqs, attn, T, micro_batch_size)
+        old = torch.cat([o[0] for o in outs]).float()
+        entropy = torch.cat([o[1] for o in outs]).float()
+        if cfg.tis_cap is not None:
+            # the sampler's probabilities differ from the trainer's: reweight instead of pretending on-policy
+            weights = A.truncated_is_weights(old, rollout.logprobs.float(), mask, cap=cfg.tis_cap)
+    if cfg.entropy_top_fraction is not None:
+        if entropy is None:
+            raise ValueError("algorithm.entropy_top_fraction needs the policy forward (entropy) in make_experience")
+        keep = top_entropy_mask(entropy, mask, cfg.entropy_top_fraction).float()
+        weights = keep if weights is None else weights * keep
+
+    ref = torch.cat(batched_forward(ref_logprobs, seqs, attn, T, micro_batch_size)).float() if ref_logprobs else None
+    values = torch.cat(batched_forward(critic_values, seqs, attn, T, micro_batch_size)).float() if critic_values else None
+
+    # the KL that enters the reward uses the configured estimator; in the loss it is only reported (k1)
+    kl = None
+    if ref is not None:
+        kl = A.kl_penalty(old, ref, estimator=cfg.kl_estimator if cfg.kl_in == "reward" else "k1")
+    adv = compute_advantages(cfg, scores.float(), mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values)
+
+    info = dict(info or {})
+    info["length"] = rollout.response_mask.sum(1)
+    info["finished"] = rollout.finished
+    if kl is not None:
+        info["kl"] = A.masked_sum(kl, mask, dim=1)
+    if entropy is not None:
+        info["entropy"] = A.masked_mean(entropy, mask, dim=1)
+    return Experience(
+        sequences=seqs,
+        attention_mask=attn,
+        response_mask=mask,
+        old_logprobs=old,
+        advantages=adv.advantages,
+        scores=scores.float(),
+        group_index=rollout.prompt_index,
+        ref_logprobs=ref,
+        values=values,
+        returns=adv.returns,
+        rewards=adv.rewards,
+        weights=weights,
+        info=info,
+    )
+
+
+# ------------------------------------------------------------------------------------- reward shaping
+
+def shape_scores(rollout: Rollout, scores: torch.Tensor, cfg: RewardConfig, max_new_tokens: int):
+    """Reward-side options in the order they compose: missing-EOS penalty, DAPO overlong penalty, clip,
+    normalise. Returns (scores [B], keep [B] bool or None: False leaves a truncated completion out of the loss)."""
+    from lmrl.rewards import shaping
+
+    if cfg.missing_eos_penalty is not None:
+        scores = shaping.missing_eos_penalty(scores, rollout.finished, cfg.missing_eos_penalty)
+    if cfg.overlong_buffer is not None:
+        scores = scores + shaping.overlong_penalty(rollout.lengths, max_new_tokens, cfg.overlong_buffer)
+    if cfg.clip is not None:
+        scores = shaping.clip_rewards(scores, cfg.clip)
+    if cfg.normalize:
+        scores = shaping.normalize_rewards(scores)
+    keep = shaping.overlong_filter_mask(rollout.finished) if cfg.drop_truncated else None
+    return scores, keep
+
+
+def informative_groups(scores: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
+    """[B / G] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these:
+    a group of equal rewards has zero advantage and teaches nothing)."""
+    g = scores.view(-1, group_size)
+    return (g.max(1).values - g.min(1).values) > tol

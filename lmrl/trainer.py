@@ -1,0 +1,319 @@
+"""The training loop, top to bottom.
+
+    for step in 1..steps:
+        1. sample prompts        reproducible from (seed, step)
+        2. generate and score    G completions per prompt; DAPO refills groups that carry no signal
+        3. make experience       old / reference log-probs, values, KL, advantages
+        4. update                num_iterations x shuffled minibatches, gradient accumulation
+        5. log, evaluate, save
+
+How lmrl departs from a textbook PPO loop, and why:
+  1. With one update per batch (num_iterations = num_minibatches = 1) the policy that sampled *is* the
+     policy being trained, so the sampling log-probs serve as old log-probs: no second forward.
+  2. No reference model is loaded when no KL term uses it (kl_coef = 0 and no adaptive target).
+  3. Losses are normalised by the whole minibatch, not each micro-batch: gradient accumulation over
+     1 x 8 or 8 x 1 sequences gives the same update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmrl import algorithms as A
+from lmrl.build import KLController, load_data, load_models, make_optimizer
+from lmrl.config import Config, config_to_yaml
+from lmrl.data.prompts import PromptSampler
+from lmrl.experience import (
+    Experience,
+    concat_rollouts,
+    informative_groups,
+    make_experience,
+    select_rollout,
+    shape_scores,
+)
+from lmrl.logging import Console, make_sinks
+from lmrl.models.loading import encode_prompts, model_forward_logprobs
+from lmrl.rewards import score as score_rewards
+from lmrl.rollout import HFGenerator, Rollout, SamplingParams
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    history: list[dict[str, float]] = field(default_factory=list)  # one metrics dict per step
+    evals: list[dict[str, float]] = field(default_factory=list)  # held-out metrics, with step and time
+
+
+class Trainer:
+    """RL post-training of one causal LM. Give a Config; optionally the model, tokenizer, reward functions
+    and prompt rows directly (as with TRL's GRPOTrainer): those override the config's."""
+
+    def __init__(self, cfg: Config, *, model=None, tokenizer=None, reward_funcs=None, train_dataset=None,
+                 eval_dataset=None, console: bool | None = None):
+        self.cfg = cfg
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+        self.data = load_data(cfg, reward_funcs, train_dataset, eval_dataset)
+        self.models = load_models(cfg, model, tokenizer)
+        self.policy, self.tokenizer = self.models.policy, self.models.tokenizer
+        self.optimizer, self.scheduler = make_optimizer(cfg, self.policy, self.models.critic)
+        self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
+        self.sampler = PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
+        self.generator = HFGenerator(self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size)
+        self.minibatch_rng = torch.Generator().manual_seed(cfg.train.seed)
+        self.out = Path(cfg.train.output_dir)
+        self.console = Console(cfg.log.console if console is None else console, cfg.train.steps)
+        self.forward_counts = {"policy": 0, "reference": 0, "critic": 0}
+
+    def train(self) -> TrainResult:
+        cfg, result = self.cfg, TrainResult(self.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(config_to_yaml(cfg))
+        sinks = make_sinks(self.out, cfg.log.jsonl, cfg.log.tensorboard, cfg.log.wandb, cfg.model_dump(mode="json"))
+        self.console.print(f"[bold]lmrl[/] {cfg.algorithm.name} on {cfg.model.name_or_path}: "
+                           f"{len(self.data.train_rows)} prompts, output in {self.out}")
+        start = time.time()
+        with self.console:
+            if self.data.eval_rows:
+                result.evals.append(self._log(sinks, {**self.evaluate(), "time/elapsed": 0.0}, 0) | {"step": 0})
+            for step in range(1, cfg.train.steps + 1):
+                metrics = self.train_step(step)
+                metrics["time/elapsed"] = elapsed = time.time() - start
+                out_of_time = cfg.train.max_minutes is not None and elapsed > 60 * cfg.train.max_minutes
+                last = step == cfg.train.steps or out_of_time
+                if self.data.eval_rows and (last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)):
+                    metrics.update(self.evaluate())
+                    result.evals.append({k: v for k, v in metrics.items() if k.startswith("eval/")}
+                                        | {"step": step, "time/elapsed": elapsed})
+                result.history.append(self._log(sinks, metrics, step))
+                if cfg.train.save_every and step % cfg.train.save_every == 0 and not last:
+                    self.save(self.out / f"checkpoint-{step}")
+                if out_of_time:
+                    self.console.print(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
+                    break
+        self.save(self.out / "final", final=True)
+        for sink in sinks:
+            sink.close()
+        return result
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, t0 = self.cfg, time.time()
+        # 1-2. sample prompts, generate, score
+        rollout, scores, keep, rows, metrics = self.collect(step)
+        t1 = time.time()
+        # 3. experience: old / reference log-probs, values, KL, advantages
+        exp = make_experience(
+            rollout, scores, cfg.algorithm,
+            policy_logprobs=self._policy_forward if self._needs_old_forward else None,
+            ref_logprobs=self._ref_forward if self.models.reference is not None else None,
+            critic_values=self._critic_forward if self.models.critic is not None else None,
+            kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=keep,
+        )
+        t2 = time.time()
+        # 4. update
+        metrics.update(self.update(exp))
+        t3 = time.time()
+        # 5. metrics
+        if "kl" in exp.info:
+            self.kl.update(exp.info["kl"].mean().item(), len(exp))
+        metrics.update(self._experience_metrics(exp))
+        metrics.update({"time/generate": t1 - t0, "time/experience": t2 - t1, "time/update": t3 - t2,
+                        "time/step": t3 - t0, "eps": len(exp) / (t3 - t0), "lr": self.scheduler.get_last_lr()[0],
+                        "episode": step * cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                        "objective/kl_coef": self.kl.value})
+        if cfg.log.samples_every and step % cfg.log.samples_every == 0:
+            k = min(cfg.log.num_samples, len(exp))
+            prompts = [_prompt_text(rows[int(i)][cfg.data.prompt_column]) for i in exp.group_index[:k]]
+            self.console.samples(step, prompts, rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist())
+        return metrics
+
+    # ------------------------------------------------------------------------------------ 1-2. collect
+    def collect(self, step: int):
+        """Prompts -> scored rollout. With dynamic sampling (DAPO), groups whose rewards are all equal are
+        dropped and more prompts are sampled, for at most `max_sampling_rounds` rounds."""
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        rounds = cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1
+        parts, rows_kept, metrics, filtered = [], [], {}, 0
+        for r in range(rounds):
+            need = cfg.rollout.prompts_per_step - len(rows_kept)
+            rows = [self.data.train_rows[i] for i in self.sampler.indices(step * rounds + r, cfg.rollout.prompts_per_step)]
+            rollout, out = self.generate_and_score(rows, G, seed=cfg.train.seed * 1_000_003 + step * 101 + r)
+            metrics = metrics or dict(out.metrics)  # reward metrics of the first round: the unfiltered policy
+            scores = out.scores
+            if cfg.algorithm.dynamic_sampling:
+                ok = informative_groups(scores, G)
+                filtered += int((~ok).sum())
+                chosen = ok.nonzero().flatten()[:need]
+                if r == rounds - 1 and not rows_kept and len(chosen) == 0:
+                    chosen = torch.arange(min(need, len(rows)))  # nothing informative at all: zero advantages
+                index = (chosen[:, None] * G + torch.arange(G)).flatten()
+                rollout, scores, rows = select_rollout(rollout, index), scores[index], [rows[int(i)] for i in chosen]
+                rollout.prompt_index = torch.arange(len(rows)).repeat_interleave(G)
+            if rows:
+                parts.append((rollout, scores))
+                rows_kept += rows
+            if len(rows_kept) >= cfg.rollout.prompts_per_step:
+                break
+        if cfg.algorithm.dynamic_sampling:
+            metrics.update({"dynamic_sampling/rounds": float(r + 1), "dynamic_sampling/filtered_groups": float(filtered),
+                            "dynamic_sampling/kept_groups": float(len(rows_kept))})
+        rollout = concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
+        raw = torch.cat([p[1] for p in parts])
+        scores, keep = shape_scores(rollout, raw, cfg.reward, cfg.rollout.max_new_tokens)
+        metrics["objective/raw_scores"] = raw.mean().item()
+        return rollout, scores, keep, rows_kept, metrics
+
+    def generate_and_score(self, rows: list[dict[str, Any]], n: int, seed: int | None = None,
+                           temperature: float | None = None) -> tuple[Rollout, Any]:
+        """n completions of each row's prompt and their rewards (`lmrl.rewards.RewardOutput`)."""
+        cfg, col = self.cfg, self.cfg.data.prompt_column
+        prompts = [row[col] for row in rows]
+        ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length, use_chat_template=cfg.model.chat_template)
+        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                temperature=cfg.rollout.temperature if temperature is None else temperature,
+                                stop=list(cfg.rollout.stop), seed=seed)
+        with self._autocast():
+            rollout = self.generator.generate(ids, n, params)
+        expanded = [rows[int(i)] for i in rollout.prompt_index]
+        columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != col}
+        out = score_rewards(self.data.rewards, [row[col] for row in expanded], rollout.texts, columns,
+                            completion_ids=[ids_[m].tolist() for ids_, m in zip(rollout.response_ids, rollout.response_mask)],
+                            finished=rollout.finished.tolist(), timeout=cfg.reward.timeout, on_error=cfg.reward.on_error)
+        return rollout, out
+
+    # --------------------------------------------------------------------------------------- 4. update
+    def update(self, exp: Experience) -> dict[str, float]:
+        """num_iterations passes; each splits the batch into num_minibatches shuffled optimizer steps."""
+        a, B = self.cfg.algorithm, len(exp)
+        size, totals, count = B // a.num_minibatches, {}, 0
+        for _ in range(a.num_iterations):
+            order = torch.randperm(B, generator=self.minibatch_rng) if a.num_minibatches > 1 else torch.arange(B)
+            for m in range(a.num_minibatches):
+                for k, v in self._optimizer_step(exp.select(order[m * size:(m + 1) * size])).items():
+                    totals[k] = totals.get(k, 0.0) + v
+                count += 1
+        return {k: v / count for k, v in totals.items()}
+
+    def _optimizer_step(self, mb: Experience) -> dict[str, float]:
+        """One optimizer step on a minibatch, accumulating gradients over micro-batches. Every loss is
+        normalised by the whole minibatch (`normalizer`), so the micro-batch split never changes the update."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        norm_length = a.norm_length or cfg.rollout.max_new_tokens
+        norm = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norm_length)
+        vnorm = A.loss_normalizer(mb.response_mask, "token-mean")
+        loss_fn, kw = (A.cispo_loss, {}) if a.loss == "cispo" else (A.policy_loss, {"dual_clip": a.dual_clip, "ratio_level": a.ratio_level})
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+        for start in range(0, len(mb), cfg.optim.micro_batch_size):
+            micro = mb.select(torch.arange(start, min(start + cfg.optim.micro_batch_size, len(mb))))
+            share = len(micro) / len(mb)  # metrics average over micro-batches by size
+            T, kl_in_loss = micro.num_response_tokens, micro.ref_logprobs is not None and a.kl_in == "loss"
+            logp, entropy = self._policy_forward(micro.sequences, micro.attention_mask, T, grad=True)
+            loss, m = loss_fn(logp, micro.old_logprobs, micro.advantages, micro.response_mask,
+                              clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation, norm_length=norm_length,
+                              ref_logp=micro.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.value if kl_in_loss else 0.0,
+                              kl_estimator=a.kl_estimator, weights=micro.weights, normalizer=norm, **kw)
+            ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norm_length, normalizer=norm)
+            step_stats = {"policy/approxkl_avg": m.approx_kl, "policy/clipfrac_avg": m.clipfrac, "val/ratio": m.ratio_mean,
+                          "val/ratio_max": m.ratio_max, "loss/policy_avg": loss.item() / share,
+                          "policy/entropy_avg": ent.item() / share}
+            if m.kl is not None:
+                step_stats["objective/kl_loss"] = m.kl
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * ent
+            if self.models.critic is not None:
+                values = self._critic_forward(micro.sequences, micro.attention_mask, T, grad=True)
+                vloss, vm = A.value_loss(values, micro.values, micro.returns, micro.response_mask, clip=a.value_clip, normalizer=vnorm)
+                loss = loss + a.vf_coef * vloss
+                step_stats.update({"loss/value_avg": vloss.item() / share, "val/clipfrac_avg": vm.vf_clipfrac})
+            loss.backward()
+            for k, v in step_stats.items():
+                stats[k] = stats.get(k, 0.0) + v * share
+        if cfg.optim.max_grad_norm is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            stats["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        return stats
+
+    # --------------------------------------------------------------------------------------- forwards
+    @property
+    def _needs_old_forward(self) -> bool:
+        """A separate no-grad policy forward for old log-probs: only when the sampling log-probs can't serve."""
+        a = self.cfg.algorithm
+        return a.num_iterations > 1 or a.num_minibatches > 1 or a.tis_cap is not None or a.entropy_top_fraction is not None
+
+    def _policy_forward(self, seqs, attn, T: int, grad: bool = False):
+        self.forward_counts["policy"] += 1
+        with torch.set_grad_enabled(grad), self._autocast():
+            return model_forward_logprobs(self.policy, seqs, attn, T, self.cfg.rollout.temperature, return_entropy=True)
+
+    def _ref_forward(self, seqs, attn, T: int):
+        self.forward_counts["reference"] += 1
+        with torch.no_grad(), self._autocast():
+            return model_forward_logprobs(self.models.reference, seqs, attn, T, self.cfg.rollout.temperature)
+
+    def _critic_forward(self, seqs, attn, T: int, grad: bool = False):
+        self.forward_counts["critic"] += 1
+        with torch.set_grad_enabled(grad), self._autocast():
+            return self.models.critic.response_values(seqs, attn, T)
+
+    def _autocast(self):
+        if not self.cfg.train.autocast_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=next(self.policy.parameters()).device.type, dtype=torch.bfloat16)
+
+    # -------------------------------------------------------------------------------- eval, log, save
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of the held-out prompts: mean reward, and accuracy = fraction scoring > 0."""
+        rollout, out = self.generate_and_score(self.data.eval_rows, 1, temperature=0.0)
+        return {"eval/reward": out.scores.mean().item(), "eval/accuracy": (out.scores > 0).float().mean().item(),
+                "eval/response_length": rollout.lengths.float().mean().item()}
+
+    @torch.no_grad()
+    def pass_at_k(self, k: int, temperature: float = 1.0) -> float:
+        """Fraction of held-out prompts where at least one of k samples scores > 0."""
+        _, out = self.generate_and_score(self.data.eval_rows, k, seed=self.cfg.train.seed, temperature=temperature)
+        return (out.scores.view(-1, k) > 0).any(1).float().mean().item()
+
+    def _experience_metrics(self, exp: Experience) -> dict[str, float]:
+        out = {"objective/scores": exp.scores.mean().item(), "val/response_length": exp.info["length"].float().mean().item(),
+               "val/num_eos_tokens": exp.info["finished"].float().sum().item(),
+               "val/advantage_mean": A.masked_mean(exp.advantages, exp.response_mask).item()}
+        if "kl" in exp.info:  # summed per sequence, averaged over sequences (as TRL reports it)
+            out["objective/kl"] = exp.info["kl"].mean().item()
+            out["objective/non_score_reward"] = -self.kl.value * out["objective/kl"]
+            out["objective/rlhf_reward"] = out["objective/scores"] + out["objective/non_score_reward"]
+        if "entropy" in exp.info:
+            out["objective/entropy"] = exp.info["entropy"].mean().item()
+        return out
+
+    def _log(self, sinks, metrics: dict[str, float], step: int) -> dict[str, float]:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        for sink in sinks:
+            sink.log(metrics, step)
+        self.console.step(step, metrics)
+        return metrics
+
+    def save(self, directory: Path, final: bool = False) -> None:
+        """A model plain transformers loads (`save_pretrained`), its tokenizer and the run's config. A LoRA
+        run saves adapters in checkpoints and merges them into the final model."""
+        directory.mkdir(parents=True, exist_ok=True)
+        model = self.policy.merge_and_unload() if final and hasattr(self.policy, "merge_and_unload") else self.policy
+        model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+        (directory / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
+        if self.models.critic is not None:
+            self.models.critic.save_pretrained(directory / "critic")
+
+
+def _prompt_text(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else " | ".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)
