@@ -233,6 +233,17 @@ def _run_coroutine(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
     return box["value"]
 
 
+def _resolve_awaitable(value: Any) -> Any:
+    """A sync-looking function (a lambda around an async one) may hand back an awaitable: await it here."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait() -> Any:
+        return await value
+
+    return _run_coroutine(wait)
+
+
 def score(
     reward_fns: RewardSet | Sequence[RewardFn | WeightedReward] | RewardFn,
     prompts: Sequence[Any],
@@ -297,10 +308,11 @@ def score(
     async_calls, threaded = [], []
     for r in reward_set.rewards:
         p, c, kw = make_args()
-        call = lambda fn=r.fn, p=p, c=c, kw=kw: fn(p, c, **kw)  # noqa: E731
         if is_async_reward(r.fn):
-            async_calls.append((r.name, call))
-        elif timeout is not None:
+            async_calls.append((r.name, lambda fn=r.fn, p=p, c=c, kw=kw: fn(p, c, **kw)))
+            continue
+        call = lambda fn=r.fn, p=p, c=c, kw=kw: _resolve_awaitable(fn(p, c, **kw))  # noqa: E731
+        if timeout is not None:
             # all threaded sync functions run at once, each with its own deadline
             threaded.append((r.name, _start_daemon_thread(call, r.name), time.perf_counter()))
         else:

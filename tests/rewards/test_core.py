@@ -9,6 +9,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmrl.rewards import RewardError, RewardSet, WeightedReward, score
 
@@ -267,3 +269,37 @@ def test_tensor_and_bool_returns_are_accepted():
 
     out = score([tensor_fn, bool_fn], PROMPTS, COMPLETIONS)
     assert out.scores.tolist() == [2.0, 0.0, 2.0]
+
+
+def test_sync_wrapper_returning_a_coroutine_is_awaited():
+    async def inner(prompts, completions, **kwargs):
+        return [7.0] * len(completions)
+
+    def wrapper(prompts, completions, **kwargs):  # looks sync, returns a coroutine
+        return inner(prompts, completions, **kwargs)
+
+    assert score([wrapper], PROMPTS, COMPLETIONS).scores.tolist() == [7.0, 7.0, 7.0]
+    assert score([wrapper], PROMPTS, COMPLETIONS, timeout=5.0).scores.tolist() == [7.0, 7.0, 7.0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    table=st.lists(
+        st.lists(st.one_of(st.none(), st.floats(-10, 10)), min_size=4, max_size=4), min_size=1, max_size=4
+    ),
+    data=st.data(),
+)
+def test_total_is_the_weighted_sum_over_applicable_functions(table, data):
+    weights = data.draw(st.lists(st.floats(-3, 3), min_size=len(table), max_size=len(table)))
+    fns = []
+    for k, column in enumerate(table):
+        def fn(prompts, completions, _column=column, **kwargs):
+            return list(_column)
+
+        fns.append(WeightedReward(fn, weights[k], f"f{k}"))
+    out = score(fns, ["p"] * 4, ["c"] * 4)
+    for i in range(4):
+        expected = sum(w * col[i] for w, col in zip(weights, table, strict=True) if col[i] is not None)
+        assert out.scores[i].item() == pytest.approx(expected, abs=1e-4)
+    all_none = sum(all(col[i] is None for col in table) for i in range(4)) / 4
+    assert out.metrics["reward/all_none_frac"] == pytest.approx(all_none)
