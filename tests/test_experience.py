@@ -1,0 +1,154 @@
+"""make_experience and its pieces: advantages by estimator, KL in the reward, shaping, rollout surgery."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmrl import algorithms as A
+from lmrl.config import load_config
+from lmrl.experience import (
+    compute_advantages,
+    concat_rollouts,
+    informative_groups,
+    make_experience,
+    select_rollout,
+    shape_scores,
+    top_entropy_mask,
+)
+from lmrl.rollout import Rollout
+
+
+def algo(*overrides):
+    return load_config(None, list(overrides)).algorithm
+
+
+def rollout(B=4, P=3, T=5, lengths=(5, 3, 2, 4), finished=(True, True, False, True), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    return Rollout(
+        prompt_ids=torch.randint(3, 20, (B, P), generator=g),
+        prompt_mask=torch.ones(B, P, dtype=torch.bool),
+        response_ids=torch.randint(3, 20, (B, T), generator=g),
+        response_mask=mask,
+        logprobs=torch.where(mask, -torch.rand(B, T, generator=g), torch.zeros(())),
+        texts=[f"t{i}" for i in range(B)],
+        finished=torch.tensor(finished),
+        prompt_index=torch.arange(B) // 2,
+    )
+
+
+SCORES = torch.tensor([1.0, 0.0, 0.5, 0.5])
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("grpo", A.grpo_advantages(SCORES, 2)),
+    ("dr_grpo", torch.tensor([0.5, -0.5, 0.0, 0.0])),
+    ("rloo", torch.tensor([1.0, -1.0, 0.0, 0.0])),
+    ("reinforce_baseline", torch.tensor([0.5, -0.5, 0.0, 0.0])),
+])
+def test_group_estimators_broadcast_over_real_tokens(name, expected):
+    r = rollout()
+    adv = compute_advantages(algo(f"algorithm.advantage={name}"), SCORES, r.response_mask, 2).advantages
+    want = torch.where(r.response_mask, expected[:, None].expand(4, 5), torch.zeros(()))
+    torch.testing.assert_close(adv, want)
+
+
+def test_sequence_kl_in_reward_is_subtracted_from_the_score():
+    r = rollout()
+    kl = torch.full((4, 5), 0.1)
+    cfg = algo("algorithm=rloo")  # kl in reward, sequence level
+    adv = compute_advantages(cfg, SCORES, r.response_mask, 2, kl=kl, kl_coef=0.5).advantages
+    penalised = SCORES - 0.5 * 0.1 * r.response_mask.sum(1)  # lengths 5, 3, 2, 4
+    torch.testing.assert_close(adv[:, 0], A.rloo_advantages(penalised, 2))
+
+
+def test_token_kl_in_reward_gives_returns_to_go():
+    r = rollout()
+    kl = torch.full((4, 5), 0.1)
+    cfg = algo("algorithm=reinforce_pp", "algorithm.whiten_advantages=false")
+    adv = compute_advantages(cfg, SCORES, r.response_mask, 2, kl=kl, kl_coef=1.0).advantages
+    # row 1 (length 3, score 0): rewards -0.1, -0.1, 0 - 0.1 -> returns -0.3, -0.2, -0.1
+    torch.testing.assert_close(adv[1, :3], torch.tensor([-0.3, -0.2, -0.1]))
+    assert (adv[1, 3:] == 0).all()
+
+
+def test_gae_needs_values_and_uses_them():
+    r = rollout()
+    cfg = algo("algorithm=ppo", "algorithm.whiten_advantages=false", "algorithm.lam=1.0")
+    with pytest.raises(ValueError, match="critic values"):
+        compute_advantages(cfg, SCORES, r.response_mask, 2)
+    values = torch.zeros(4, 5)
+    out = compute_advantages(cfg, SCORES, r.response_mask, 2, values=values)
+    # lam = gamma = 1, V = 0, no KL: every real token's advantage is the final score
+    torch.testing.assert_close(out.advantages, torch.where(r.response_mask, SCORES[:, None].expand(4, 5), torch.zeros(())))
+
+
+def test_whitening_gives_zero_mean_unit_std_over_real_tokens():
+    r = rollout()
+    adv = compute_advantages(algo("algorithm=reinforce_pp"), SCORES, r.response_mask, 2,
+                             kl=torch.rand(4, 5), kl_coef=0.1).advantages
+    assert A.masked_mean(adv, r.response_mask).abs() < 1e-5
+    assert (A.masked_var(adv, r.response_mask).sqrt() - 1).abs() < 1e-4
+
+
+def test_make_experience_reuses_sampling_logprobs_and_drops_truncated():
+    r = rollout()
+    exp = make_experience(r, SCORES, algo(), policy_logprobs=None, loss_mask=r.finished)
+    assert torch.equal(exp.old_logprobs, r.logprobs)
+    assert not exp.response_mask[2].any() and exp.response_mask[0].all()
+    assert exp.ref_logprobs is None and exp.values is None
+    assert exp.info["length"].tolist() == [5, 3, 2, 4]
+
+
+def test_make_experience_with_reference_and_entropy_filter():
+    r = rollout()
+    calls = []
+
+    def policy(seqs, attn, T):
+        calls.append(("policy", seqs.shape[0], T))
+        entropy = torch.arange(seqs.shape[0] * T, dtype=torch.float).view(-1, T) + 100 * len(calls)  # distinct values
+        return torch.full((seqs.shape[0], T), -1.0), entropy
+
+    def ref(seqs, attn, T):
+        calls.append(("ref", seqs.shape[0], T))
+        return torch.full((seqs.shape[0], T), -1.5)
+
+    cfg = algo("algorithm.kl_coef=0.1", "algorithm.entropy_top_fraction=0.5")
+    exp = make_experience(r, SCORES, cfg, policy_logprobs=policy, ref_logprobs=ref, micro_batch_size=3)
+    assert calls == [("policy", 3, 5), ("policy", 1, 5), ("ref", 3, 5), ("ref", 1, 5)]
+    torch.testing.assert_close(exp.info["kl"], 0.5 * r.response_mask.sum(1).float())  # k1: -1 - (-1.5) per token
+    kept = (exp.weights > 0) & exp.response_mask
+    assert kept.sum() == round(0.5 * int(r.response_mask.sum()))
+
+
+def test_top_entropy_mask_picks_the_highest():
+    ent = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.2, 7.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    assert top_entropy_mask(ent, mask, 0.4).tolist() == [[False, True, False], [True, False, False]]
+
+
+def test_shape_scores_composes_penalties():
+    r = rollout(lengths=(5, 3, 2, 4), finished=(True, True, False, True))
+    cfg = load_config(None, ["reward.missing_eos_penalty=1.0", "reward.overlong_buffer=2", "rollout.max_new_tokens=5",
+                             "reward.drop_truncated=true"]).reward
+    scores, keep = shape_scores(r, SCORES, cfg, max_new_tokens=5)
+    # overlong: length 5 -> -1 (at limit: (3 - 5) / 2), length 4 -> -0.5; missing EOS: row 2 -1
+    torch.testing.assert_close(scores, torch.tensor([0.0, 0.0, -0.5, 0.0]))
+    assert keep.tolist() == [True, True, False, True]
+
+
+def test_informative_groups():
+    assert informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.3, 0.3]), 2).tolist() == [False, True, False]
+
+
+def test_concat_and_select_rollouts_keep_alignment():
+    a, b = rollout(P=3, T=5), rollout(P=2, T=3, lengths=(3, 1, 2, 3), seed=1)
+    both = concat_rollouts([a, b], pad_id=0)
+    assert both.prompt_ids.shape == (8, 3) and both.response_ids.shape == (8, 5)
+    assert torch.equal(both.prompt_ids[4:, 1:], b.prompt_ids) and not both.prompt_mask[4:, 0].any()
+    assert torch.equal(both.response_mask[4:, :3], b.response_mask) and not both.response_mask[4:, 3:].any()
+    assert both.prompt_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    sub = select_rollout(both, torch.tensor([5, 6]))
+    assert sub.response_ids.shape == (2, 2)  # trimmed to the longest kept response
+    assert sub.texts == ["t1", "t2"]
