@@ -1,0 +1,179 @@
+"""Rollout throughput: lmrl's HFGenerator vs transformers' `model.generate` (CPU).
+
+    python benchmarks/generation.py                     # both presets below
+    python benchmarks/generation.py --preset tiny       # ~20 s
+    python benchmarks/generation.py --preset 100m       # a couple of minutes
+    python benchmarks/generation.py --preset tiny --prompts 50 --n 4 --max-new-tokens 32 --repeats 5
+
+Presets (random weights built from a config; nothing is downloaded):
+    tiny   Llama, hidden 64, 2 layers, char tokenizer (vocab ~97); 100 prompts x n=8, 64 new tokens
+    100m   Llama, hidden 768, 12 layers, 12 heads, vocab 32000 (~110M parameters); 8 prompts x n=4,
+           32 new tokens
+
+Both generators sample with the same settings (temperature 1, no top-k / top-p, all rows in one
+batch, `n` completions per prompt via `num_return_sequences`) on the same prompts (random token ids,
+8 to 32 tokens, left-padded). Two modes:
+    eos     EOS ends a completion as usual. Random weights sample EOS now and then, so the two runs
+            generate different numbers of tokens: tokens/s counts real response tokens (up to and
+            including the first EOS) of each run.
+    no-eos  Every completion runs to max_new_tokens (transformers: `min_new_tokens = max_new_tokens`;
+            lmrl: `eos_token_id=[]`), so both do exactly the same amount of decoding.
+Time: best of --repeats runs, after one warm-up call of each, with the same torch.set_num_threads.
+The CPU is shared with other processes on some machines: compare the ratio, and rerun when in doubt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from lmrl.models.tiny import char_tokenizer, tiny_causal_lm  # noqa: E402
+from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
+
+PRESETS = {
+    "tiny": dict(prompts=100, n=8, max_new_tokens=64),
+    "100m": dict(prompts=8, n=4, max_new_tokens=32),
+}
+
+
+@dataclass
+class Setup:
+    model: torch.nn.Module
+    tokenizer: object
+    eos_id: int
+    pad_id: int
+    vocab: int
+
+
+def build(preset: str) -> Setup:
+    tokenizer = char_tokenizer()
+    if preset == "tiny":
+        model = tiny_causal_lm(tokenizer, arch="llama", hidden_size=64, num_layers=2)
+        return Setup(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
+    # ~110M parameters: a Llama shape close to TinyLlama's layer, 12 layers. The char tokenizer is
+    # only used to decode texts; ids above its vocabulary decode to nothing, which is fine here.
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    return Setup(model, tokenizer, 2, 0, config.vocab_size)
+
+
+def make_prompts(num: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 33, (num,), generator=g).tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def real_tokens(responses: torch.Tensor, eos_ids: list[int]) -> int:
+    """Response tokens up to and including the first EOS of each `[B, T]` row (all T if none)."""
+    if not eos_ids:
+        return responses.numel()
+    is_eos = torch.isin(responses, torch.tensor(eos_ids))
+    seen_before = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    return int((~seen_before).sum())
+
+
+def run_hf(s: Setup, prompts: list[list[int]], n: int, max_new: int, eos: bool) -> int:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), s.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    extra = {} if eos else {"min_new_tokens": max_new}
+    out = s.model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        max_new_tokens=max_new,
+        num_return_sequences=n,
+        eos_token_id=s.eos_id,
+        pad_token_id=s.pad_id,
+        **extra,
+    )
+    return real_tokens(out[:, width:], [s.eos_id])
+
+
+def run_lmrl(gen: HFGenerator, prompts: list[list[int]], n: int, max_new: int) -> int:
+    rollout = gen.generate(prompts, n, SamplingParams(max_new_tokens=max_new, temperature=1.0))
+    return int(rollout.lengths.sum())
+
+
+def best_of(fn, repeats: int) -> tuple[float, int]:
+    times, tokens = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = fn()
+        times.append(time.perf_counter() - start)
+    i = min(range(repeats), key=times.__getitem__)
+    return times[i], tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", choices=["tiny", "100m", "both"], default="both")
+    parser.add_argument("--prompts", type=int, help="number of prompts (default: preset's)")
+    parser.add_argument("--n", type=int, help="completions per prompt (default: preset's)")
+    parser.add_argument("--max-new-tokens", type=int, help="default: preset's")
+    parser.add_argument("--modes", nargs="+", choices=["eos", "no-eos"], default=["eos", "no-eos"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    header = (
+        f"{'model':<6} {'mode':<7} {'rows':>5} {'new':>4} {'hf tok/s':>10} {'lmrl tok/s':>11} {'speedup':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for preset in ["tiny", "100m"] if args.preset == "both" else [args.preset]:
+        cfg = dict(PRESETS[preset])
+        for key in ("prompts", "n", "max_new_tokens"):
+            if getattr(args, key) is not None:
+                cfg[key] = getattr(args, key)
+        s = build(preset)
+        prompts = make_prompts(cfg["prompts"], s.vocab)
+        n, max_new = cfg["n"], cfg["max_new_tokens"]
+        for mode in args.modes:
+            eos = mode == "eos"
+            gen = HFGenerator(s.model, s.tokenizer, eos_token_id=[s.eos_id] if eos else [], seed=0)
+            torch.manual_seed(0)
+            run_hf(s, prompts[:2], 2, 4, eos)  # warm-up
+            run_lmrl(gen, prompts[:2], 2, 4)
+            with torch.inference_mode():
+                hf_time, hf_tokens = best_of(lambda: run_hf(s, prompts, n, max_new, eos), args.repeats)  # noqa: B023
+            lmrl_time, lmrl_tokens = best_of(lambda: run_lmrl(gen, prompts, n, max_new), args.repeats)  # noqa: B023
+            hf_rate, lmrl_rate = hf_tokens / hf_time, lmrl_tokens / lmrl_time
+            print(
+                f"{preset:<6} {mode:<7} {len(prompts) * n:>5} {max_new:>4} {hf_rate:>10.0f} {lmrl_rate:>11.0f} "
+                f"{lmrl_rate / hf_rate:>7.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The generation contract: sampling parameters, the `Rollout` record and the `Generator` protocol.
+
+A generator turns prompts (token-id lists) into `n` sampled completions per prompt. Everything the
+trainer needs downstream is in the returned `Rollout`, aligned to response tokens:
+
+- groups are contiguous: row `i` is completion `i % n` of prompt `i // n`;
+- `response_mask` covers every real response token up to and including the first EOS (or the token
+  that completed a stop string) and nothing after it. It is never derived from `pad_token_id`,
+  because many tokenizers use their EOS token as the pad token;
+- `logprobs` are the sampling log-probs log softmax(logits / temperature)[token] of the full
+  distribution, before top-k / top-p truncation, so that they equal what the trainer's forward pass
+  computes for the same tokens (the ratio at the first minibatch is then exactly 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample completions.
+
+    Attributes:
+        max_new_tokens: Most response tokens per completion (>= 1); completions that reach it
+            without EOS or a stop string are truncated (`Rollout.finished` is False).
+        temperature: Softmax temperature (>= 0). 0 means greedy decoding (argmax); the returned
+            log-probs are then those of softmax(logits), i.e. temperature 1.
+        top_p: Nucleus sampling (Holtzman et al., 2020): sample from the smallest set of tokens whose
+            probability mass reaches `top_p`. In (0, 1]; 1 disables it.
+        top_k: Sample among the `top_k` most likely tokens only. 0 disables it.
+        stop: Stop strings besides EOS. A completion ends with the token whose decoding completes one
+            of them; the text keeps the stop string.
+        seed: Seed for this call: the same seed gives identical rollouts. None continues the
+            generator's own `torch.Generator` state (reproducible across a run, different per call).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that holds a value out of range."""
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature: must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1] (1 disables nucleus sampling), got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an integer >= 0 (0 disables top-k), got {self.top_k!r}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop: must be a list of non-empty strings, got {self.stop!r}")
+
+
+@dataclass
+class Rollout:
+    """Sampled completions of a batch of prompts, `n` per prompt, in contiguous groups.
+
+    Shapes: B = num_prompts * group_size rows, P prompt tokens (left-padded), T response tokens
+    (right-padded; T is the longest response of this batch).
+
+    Attributes:
+        prompt_ids: `[B, P]` prompts, left-padded with the pad id; row i holds prompt `prompt_index[i]`.
+        prompt_mask: `[B, P]` True on real prompt tokens.
+        response_ids: `[B, T]` sampled tokens, right-padded with the pad id.
+        response_mask: `[B, T]` True on real response tokens: up to and including the first EOS
+            (or the token that completed a stop string), nothing after it.
+        logprobs: `[B, T]` float32 log softmax(logits / temperature) of each sampled token under the
+            full distribution (before top-k / top-p truncation); 0 where `response_mask` is False.
+        texts: B decoded completions (special tokens skipped), cut right after the first stop
+            string, which is kept.
+        finished: `[B]` True if the completion ended with EOS or a stop string, False if it was
+            truncated at `max_new_tokens`.
+        prompt_index: `[B]` index of each row's prompt in the input list (`i // group_size`).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    texts: list[str]
+    finished: torch.Tensor
+    prompt_index: torch.Tensor
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        """`[B, P + T]` prompt followed by response: the input of the trainer's forward pass."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """`[B, P + T]` True on real prompt and response tokens."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """`[B]` number of real response tokens of each completion."""
+        return self.response_mask.sum(1)
+
+    @property
+    def num_prompts(self) -> int:
+        """Number of distinct prompts (groups)."""
+        return int(self.prompt_index.unique().numel())
+
+    @property
+    def group_size(self) -> int:
+        """Completions per prompt (G); rows `g * G .. g * G + G - 1` form group `g`."""
+        return self.prompt_index.numel() // max(self.num_prompts, 1)
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """A generation backend: samples `n` completions for each prompt with the current weights."""
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
+        """Sample `n` completions per prompt.
+
+        Args:
+            prompts: Token-id lists, one per prompt, each non-empty.
+            n: Completions per prompt (>= 1); rows `i * n .. i * n + n - 1` belong to prompt `i`.
+            params: Sampling parameters.
+
+        Returns:
+            A `Rollout` with `len(prompts) * n` rows.
+        """
+        ...

@@ -1,0 +1,306 @@
+"""HFGenerator: agreement with transformers' generate and with a full forward pass, masks, stops, seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
+from lmrl.rollout import Generator, HFGenerator, Rollout, SamplingParams
+from lmrl.rollout.hf import _sample_categorical, _truncate
+
+TEXTS = ["hello there", "ab", "what is 2+2?", "x"]
+
+
+def scrambled_model(tokenizer, arch: str = "llama", seed: int = 0):
+    """A tiny model whose weights are perturbed so that greedy outputs vary (a fresh init repeats its input)."""
+    model = tiny_causal_lm(tokenizer, arch=arch)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request, tok):
+    return scrambled_model(tok, request.param)
+
+
+@pytest.fixture(scope="module")
+def llama(tok):
+    return scrambled_model(tok, "llama", seed=1)
+
+
+def encode(tok, texts=TEXTS) -> list[list[int]]:
+    return [tok.encode(t) for t in texts]
+
+
+def reference_logprobs(model, rollout: Rollout, temperature: float) -> torch.Tensor:
+    """Sampled-token log-probs from one full forward pass over prompt + response (no cache)."""
+    mask = rollout.attention_mask
+    position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(
+            input_ids=rollout.sequences, attention_mask=mask.long(), position_ids=position_ids
+        ).logits
+    prompt_len = rollout.prompt_ids.shape[1]
+    # logits at position t score the token at t + 1
+    logits = logits[:, prompt_len - 1 : -1].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, rollout.response_ids[..., None]).squeeze(-1)
+    return logp.masked_fill(~rollout.response_mask, 0.0)
+
+
+def test_greedy_matches_transformers_generate(model, tok):
+    prompts, n, max_new = encode(tok), 2, 12
+    rollout = HFGenerator(model, tok).generate(
+        prompts, n, SamplingParams(max_new_tokens=max_new, temperature=0)
+    )
+    enc = tok(TEXTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=enc.input_ids.repeat_interleave(n, 0),
+            attention_mask=enc.attention_mask.repeat_interleave(n, 0),
+            do_sample=False,
+            max_new_tokens=max_new,
+        )
+    expected = out[:, enc.input_ids.shape[1] :]
+    assert rollout.response_ids.shape == expected.shape
+    assert torch.equal(rollout.response_ids, expected)
+    assert torch.equal(rollout.prompt_ids, enc.input_ids.repeat_interleave(n, 0))
+    # greedy outputs of the scrambled model are not trivial repeats
+    assert len(set(rollout.texts)) == len(TEXTS)
+
+
+def test_greedy_with_early_eos_matches_generate(tok):
+    """Rows that end early leave the batch (the KV cache is compacted); the others must not notice."""
+    model = scrambled_model(tok, "llama", seed=3)
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tok.eos_token_id] = 2.5
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    try:
+        texts = ["hello there", "ab", "what is 2+2?", "x", "zz top", "1+1=", "lmrl", "q"]
+        rollout = HFGenerator(model, tok).generate(
+            encode(tok, texts), 1, SamplingParams(max_new_tokens=16, temperature=0)
+        )
+        enc = tok(texts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=16)
+    finally:
+        handle.remove()
+    lengths = rollout.lengths
+    assert rollout.finished.sum() >= 2 and len(set(lengths.tolist())) >= 3  # rows end at different steps
+    assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_logprobs_equal_full_forward_pass(model, tok, temperature):
+    gen = HFGenerator(model, tok)
+    rollout = gen.generate(encode(tok), 3, SamplingParams(max_new_tokens=10, temperature=temperature, seed=0))
+    assert rollout.logprobs.dtype == torch.float32
+    expected = reference_logprobs(model, rollout, temperature)
+    torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=0)
+    assert torch.all(rollout.logprobs[~rollout.response_mask] == 0)
+    assert torch.all(rollout.logprobs[rollout.response_mask] < 0)
+
+
+def test_logprobs_ignore_top_k_truncation(llama, tok):
+    """Top-k restricts sampling, not the reported log-prob: it stays the full distribution's."""
+    rollout = HFGenerator(llama, tok).generate(
+        encode(tok), 2, SamplingParams(max_new_tokens=8, temperature=0.8, top_k=5, seed=1)
+    )
+    torch.testing.assert_close(rollout.logprobs, reference_logprobs(llama, rollout, 0.8), atol=1e-4, rtol=0)
+
+
+def test_pad_is_eos_mask_keeps_first_eos_only(tok):
+    tok_pe = char_tokenizer(pad_is_eos=True)
+    eos = tok_pe.eos_token_id
+    assert tok_pe.pad_token_id == eos
+    model = scrambled_model(tok_pe, "qwen2")
+    bias = torch.zeros(model.config.vocab_size)
+    bias[eos] = 3.0  # make EOS likely so that completions really end early
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    try:
+        max_new = 16
+        rollout = HFGenerator(model, tok_pe).generate(
+            encode(tok_pe), 4, SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=0)
+        )
+        expected = reference_logprobs(model, rollout, 1.0)
+    finally:
+        handle.remove()
+    ended = rollout.finished
+    assert ended.any() and (rollout.lengths[ended] < rollout.response_ids.shape[1]).any()
+    for i in range(rollout.response_ids.shape[0]):
+        ids, mask = rollout.response_ids[i], rollout.response_mask[i]
+        eos_positions = (ids == eos).nonzero().flatten()
+        if rollout.finished[i]:
+            first = int(eos_positions[0])
+            assert int(rollout.lengths[i]) == first + 1  # the EOS itself is a response token
+            assert mask[: first + 1].all() and not mask[first + 1 :].any()
+        else:
+            assert len(eos_positions) == 0 and int(rollout.lengths[i]) == max_new
+        assert "</s>" not in rollout.texts[i]
+    torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_stop_string_ends_completion_and_text_keeps_it(llama, tok):
+    prompts, max_new = encode(tok), 20
+    greedy = SamplingParams(max_new_tokens=max_new, temperature=0)
+    gen = HFGenerator(llama, tok)
+    plain = gen.generate(prompts, 1, greedy)
+    text0 = plain.texts[0]
+    stop = text0[5:7]
+    cut = text0.find(stop) + len(stop)
+    assert 2 <= cut <= 7
+    stopped = gen.generate(prompts, 1, SamplingParams(max_new_tokens=max_new, temperature=0, stop=[stop]))
+    for i, text in enumerate(plain.texts):
+        if stop in text:  # char tokenizer: one token per character
+            end = text.find(stop) + len(stop)
+            assert stopped.texts[i] == text[:end]
+            assert bool(stopped.finished[i]) and int(stopped.lengths[i]) == end
+            assert torch.equal(stopped.response_ids[i, :end], plain.response_ids[i, :end])
+        else:
+            assert stopped.texts[i] == text
+            assert bool(stopped.finished[i]) == bool(plain.finished[i])
+    assert stopped.finished[0]
+
+
+def test_max_new_tokens_and_truncated_rows_not_finished(llama, tok):
+    rollout = HFGenerator(llama, tok, eos_token_id=[]).generate(
+        encode(tok), 2, SamplingParams(max_new_tokens=5, seed=0)
+    )
+    assert rollout.response_ids.shape == (8, 5)
+    assert not rollout.finished.any()
+    assert torch.equal(rollout.lengths, torch.full((8,), 5))
+
+
+def test_same_seed_same_rollout_other_seed_differs(llama, tok):
+    gen = HFGenerator(llama, tok)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=123)
+    a, b = gen.generate(encode(tok), 3, params), gen.generate(encode(tok), 3, params)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.logprobs, b.logprobs) and a.texts == b.texts
+    c = gen.generate(encode(tok), 3, SamplingParams(max_new_tokens=10, temperature=1.0, seed=124))
+    assert c.texts != a.texts
+    # seed=None continues the generator's own state: successive calls differ, a fresh generator repeats
+    unseeded = SamplingParams(max_new_tokens=10)
+    g1, g2 = HFGenerator(llama, tok, seed=7), HFGenerator(llama, tok, seed=7)
+    first, second = g1.generate(encode(tok), 2, unseeded), g1.generate(encode(tok), 2, unseeded)
+    assert first.texts != second.texts
+    assert g2.generate(encode(tok), 2, unseeded).texts == first.texts
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(llama, tok):
+    gen = HFGenerator(llama, tok)
+    greedy = gen.generate(encode(tok), 2, SamplingParams(max_new_tokens=10, temperature=0))
+    for params in (
+        SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1, seed=3),
+        SamplingParams(max_new_tokens=10, temperature=1.0, top_p=1e-6, seed=4),
+    ):
+        sampled = gen.generate(encode(tok), 2, params)
+        assert torch.equal(sampled.response_ids, greedy.response_ids)
+        # both report temperature-1 log-probs of the full distribution
+        torch.testing.assert_close(sampled.logprobs, greedy.logprobs, atol=1e-5, rtol=0)
+
+
+def test_shapes_groups_prompt_index_and_texts(llama, tok):
+    prompts, n = encode(tok), 3
+    rollout = HFGenerator(llama, tok).generate(prompts, n, SamplingParams(max_new_tokens=7, seed=0))
+    assert isinstance(HFGenerator(llama, tok), Generator)
+    B, P = len(prompts) * n, max(len(p) for p in prompts)
+    T = rollout.response_ids.shape[1]
+    assert rollout.prompt_ids.shape == rollout.prompt_mask.shape == (B, P)
+    assert rollout.response_ids.shape == rollout.response_mask.shape == rollout.logprobs.shape == (B, T)
+    assert T == int(rollout.lengths.max()) <= 7
+    assert rollout.sequences.shape == rollout.attention_mask.shape == (B, P + T)
+    assert rollout.num_prompts == len(prompts) and rollout.group_size == n
+    assert torch.equal(rollout.prompt_index, torch.arange(len(prompts)).repeat_interleave(n))
+    for i in range(B):
+        prompt = prompts[i // n]
+        assert rollout.prompt_ids[i, P - len(prompt) :].tolist() == prompt
+        assert (
+            int(rollout.prompt_mask[i].sum()) == len(prompt)
+            and rollout.prompt_mask[i, P - len(prompt) :].all()
+        )
+        real = rollout.response_ids[i][rollout.response_mask[i]].tolist()
+        assert rollout.texts[i] == tok.decode(real, skip_special_tokens=True)
+        assert (rollout.response_ids[i][~rollout.response_mask[i]] == tok.pad_token_id).all()
+    assert rollout.texts[0] != rollout.texts[1]  # completions of one prompt are sampled independently
+
+
+def test_batch_size_split_gives_same_greedy_output(llama, tok):
+    params = SamplingParams(max_new_tokens=9, temperature=0)
+    whole = HFGenerator(llama, tok).generate(encode(tok), 2, params)
+    split = HFGenerator(llama, tok, batch_size=3).generate(encode(tok), 2, params)
+    assert torch.equal(split.response_ids, whole.response_ids)
+    assert torch.equal(split.prompt_ids, whole.prompt_ids)
+    torch.testing.assert_close(split.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+
+
+def test_uses_live_weights_and_restores_train_mode(tok):
+    model = scrambled_model(tok, "llama", seed=2)
+    gen = HFGenerator(model, tok)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    model.train()
+    before = gen.generate(encode(tok), 1, params)
+    assert model.training
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)  # an in-place update, as an optimizer does
+    model.eval()
+    after = gen.generate(encode(tok), 1, params)
+    assert not model.training
+    assert after.texts != before.texts
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda g, p: g.generate([], 1, SamplingParams()), "prompts"),
+        (lambda g, p: g.generate([p[0], []], 1, SamplingParams()), "prompts"),
+        (lambda g, p: g.generate(p, 0, SamplingParams()), "n"),
+        (lambda g, p: SamplingParams(temperature=-0.5), "temperature"),
+        (lambda g, p: SamplingParams(top_p=0.0), "top_p"),
+        (lambda g, p: SamplingParams(top_p=1.5), "top_p"),
+        (lambda g, p: SamplingParams(top_k=-1), "top_k"),
+        (lambda g, p: SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        (lambda g, p: SamplingParams(stop="</a>"), "stop"),
+        (lambda g, p: HFGenerator(g.model, g.tokenizer, batch_size=0), "batch_size"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_argument(llama, tok, call, name):
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        call(HFGenerator(llama, tok), encode(tok))
+
+
+def test_params_mutated_after_construction_are_validated(llama, tok):
+    params = SamplingParams()
+    params.temperature = -1.0
+    with pytest.raises(ValueError, match="^temperature:"):
+        HFGenerator(llama, tok).generate(encode(tok), 1, params)
+
+
+def test_truncate_top_k_and_top_p_by_hand():
+    logp = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    keep = lambda k, p: torch.isfinite(_truncate(logp, k, p))[0].tolist()  # noqa: E731
+    assert keep(0, 0.6) == [True, True, False]  # 0.5 < 0.6, so the second token is needed
+    assert keep(0, 0.5) == [True, False, False]  # the first token already holds 0.5
+    assert keep(0, 0.81) == [True, True, True]
+    assert keep(2, 1.0) == [True, True, False]
+    # top-p after top-k uses the renormalised top-2 mass: 0.5/0.8 = 0.625 >= 0.6
+    assert keep(2, 0.6) == [True, False, False]
+
+
+def test_sample_categorical_frequencies_and_zero_weights():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3]).expand(20000, 4)
+    draws = _sample_categorical(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=4).double() / draws.numel()
+    assert freq[1] == 0
+    torch.testing.assert_close(
+        freq, torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.float64), atol=0.015, rtol=0
+    )
