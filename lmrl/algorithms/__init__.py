@@ -15,6 +15,7 @@ from lmrl.algorithms.advantages import (
     rloo_advantages,
 )
 from lmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
+from lmrl.algorithms.logprobs import DEFAULT_CHUNK_SIZE, hidden_logprobs, token_entropy, token_logprobs
 from lmrl.algorithms.losses import (
     AGGREGATION_MODES,
     PolicyLossMetrics,
@@ -56,4 +57,8 @@ __all__ = [
     "policy_loss",
     "truncated_is_weights",
     "value_loss",
+    "DEFAULT_CHUNK_SIZE",
+    "hidden_logprobs",
+    "token_entropy",
+    "token_logprobs",
 ]

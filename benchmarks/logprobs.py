@@ -1,0 +1,227 @@
+"""Peak memory and time of chunked token log-probs vs the naive full log-softmax (CPU).
+
+    python benchmarks/logprobs.py                       # V = 32000 and 152064, float32 and bfloat16, B x T = 8 x 1024
+    python benchmarks/logprobs.py --quick               # small sizes, a few seconds
+    python benchmarks/logprobs.py --vocab 32000 --dtype bfloat16 --chunk-size 64 256 1024   # tune the chunk size
+
+Methods:
+    naive    torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens)   (plain autograd)
+    chunked  lmrl.algorithms.token_logprobs(logits, tokens, temperature, chunk_size)  (custom backward)
+
+Modes: `fwd` (no grad) and `fwd+bwd` (logits require grad; loss = Σ w·logp; backward).
+
+Memory: every case runs alone in a fresh (forked) process, one after the other. "work" is the process's
+peak resident set size (getrusage ru_maxrss) minus its resident size right after the inputs were
+built: the memory the computation needs beyond its inputs, including the [B, T, V] gradient of the
+logits in fwd+bwd mode (which every method must produce). "peak" is the whole process's peak RSS.
+A case whose estimated need exceeds the memory available now is skipped, not run.
+Time: best of --repeats runs (the first one included; CPU timings are noisy on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Case:
+    method: str  # "naive" | "chunked"
+    mode: str  # "fwd" | "fwd+bwd"
+    vocab: int
+    dtype: str
+    batch: int
+    length: int
+    chunk_size: int
+    temperature: float
+    repeats: int
+    threads: int
+
+
+@dataclass
+class Result:
+    seconds: float
+    work_mb: float
+    peak_mb: float
+    base_mb: float
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def run_case(case: Case) -> Result:
+    """Runs in the worker subprocess."""
+    import torch
+
+    from lmrl.algorithms.logprobs import token_logprobs
+
+    torch.set_num_threads(case.threads)
+    torch.manual_seed(0)
+    dtype = getattr(torch, case.dtype)
+    # normal_ in place: building the inputs never holds a second copy, so the RSS peak so far
+    # equals the RSS now and the measured peak belongs to the computation.
+    logits = torch.empty(case.batch, case.length, case.vocab, dtype=dtype).normal_(std=2.0)
+    tokens = torch.randint(0, case.vocab, (case.batch, case.length))
+    weights = torch.randn(case.batch, case.length)
+    backward = case.mode == "fwd+bwd"
+    logits.requires_grad_(backward)
+
+    def naive() -> torch.Tensor:
+        z = logits.float()
+        if case.temperature != 1.0:
+            z = z / case.temperature
+        return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    def chunked() -> torch.Tensor:
+        return token_logprobs(logits, tokens, case.temperature, case.chunk_size)
+
+    fn = naive if case.method == "naive" else chunked
+    gc.collect()
+    base = _rss_mb()
+    times = []
+    for _ in range(case.repeats):
+        logits.grad = None
+        start = time.perf_counter()
+        if backward:
+            (fn() * weights).sum().backward()
+        else:
+            with torch.no_grad():
+                fn()
+        times.append(time.perf_counter() - start)
+    peak = _maxrss_mb()
+    return Result(seconds=min(times), work_mb=peak - base, peak_mb=peak, base_mb=base)
+
+
+def estimate_gb(case: Case) -> float:
+    """A rough upper bound of the memory a case needs (GB), to skip what cannot fit."""
+    n = case.batch * case.length * case.vocab
+    s = DTYPE_BYTES[case.dtype]
+    upcast = 4 if s != 4 else 0
+    if case.method == "naive":
+        extra = 4 + upcast if case.mode == "fwd" else 12 + upcast + s
+    else:
+        extra = 0 if case.mode == "fwd" else s
+        extra_chunk = 3 * 4 * case.chunk_size * case.vocab
+        return (n * (s + extra) + extra_chunk) / 1e9 + 0.6
+    return n * (s + extra) / 1e9 + 0.6
+
+
+def available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def spawn(case: Case) -> Result | str:
+    """Runs `case` in a forked child process and returns its result (or why there is none).
+
+    The parent has imported torch but never computed with it, so forking is safe (no OpenMP pool
+    yet) and each child starts in well under a second with a fresh peak-RSS counter.
+    """
+    need, have = estimate_gb(case), available_gb()
+    if need > 0.85 * have:
+        return f"skipped: needs ~{need:.0f} GB, {have:.0f} GB available"
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        code = 0
+        try:
+            payload = json.dumps(asdict(run_case(case)))
+        except BaseException as e:  # report any failure to the parent instead of a traceback
+            payload, code = json.dumps({"error": f"{type(e).__name__}: {e}"}), 1
+        with os.fdopen(write_fd, "w") as f:
+            f.write(payload)
+        os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        payload = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)} (out of memory?)"
+    data = json.loads(payload)
+    return f"failed: {data['error']}" if "error" in data else Result(**data)
+
+
+def _fmt(r: Result | str | None, field: str, unit: str) -> str:
+    if not isinstance(r, Result):
+        return "-"
+    value = getattr(r, field)
+    return f"{value:.3f} {unit}" if unit == "s" else f"{value:.0f} {unit}"
+
+
+def _ratio(a: Result | str | None, b: Result | str | None, field: str) -> str:
+    if not (isinstance(a, Result) and isinstance(b, Result)) or getattr(b, field) <= 0:
+        return "-"
+    return f"{getattr(a, field) / getattr(b, field):.2f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 152064])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPE_BYTES))
+    p.add_argument("--mode", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--chunk-size", type=int, nargs="+", default=None, help="default: DEFAULT_CHUNK_SIZE")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    p.add_argument("--quick", action="store_true", help="B x T = 2 x 128, V = 4096: a smoke run")
+    args = p.parse_args(argv)
+
+    # Import (but do not run) torch and lmrl before forking the per-case children.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch  # noqa: F401
+
+    from lmrl.algorithms.logprobs import DEFAULT_CHUNK_SIZE
+
+    if args.chunk_size is None:
+        args.chunk_size = [DEFAULT_CHUNK_SIZE]
+    if args.quick:
+        args.vocab, args.batch, args.length, args.chunk_size = [4096], 2, 128, [64]
+    threads = args.threads or os.cpu_count() or 1
+
+    print(f"B x T = {args.batch} x {args.length}, temperature {args.temperature}, "
+          f"{threads} threads, best of {args.repeats}")
+    print("work = peak RSS - RSS after inputs were built (what the computation needs beyond its inputs,")
+    print("       incl. the logits gradient in fwd+bwd); peak = process peak RSS; ratio = chunked / naive\n")
+    header = "| V | dtype | mode | chunk | naive time | chunked time | time ratio | naive work | chunked work | work ratio | naive peak | chunked peak |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for vocab in args.vocab:
+        for dtype in args.dtype:
+            for mode in args.mode:
+                base = dict(mode=mode, vocab=vocab, dtype=dtype, batch=args.batch, length=args.length,
+                            temperature=args.temperature, repeats=args.repeats, threads=threads)
+                naive = spawn(Case(method="naive", chunk_size=0, **base))
+                for chunk in args.chunk_size:
+                    chunked = spawn(Case(method="chunked", chunk_size=chunk, **base))
+                    print(f"| {vocab} | {dtype} | {mode} | {chunk} | {_fmt(naive, 'seconds', 's')} | "
+                          f"{_fmt(chunked, 'seconds', 's')} | {_ratio(chunked, naive, 'seconds')} | "
+                          f"{_fmt(naive, 'work_mb', 'MB')} | {_fmt(chunked, 'work_mb', 'MB')} | "
+                          f"{_ratio(chunked, naive, 'work_mb')} | {_fmt(naive, 'peak_mb', 'MB')} | "
+                          f"{_fmt(chunked, 'peak_mb', 'MB')} |", flush=True)
+                    for name, r in (("naive", naive), ("chunked", chunked)):
+                        if isinstance(r, str):
+                            print(f"|   {name}: {r}")
+
+
+if __name__ == "__main__":
+    main()
