@@ -18,7 +18,7 @@ batch, `n` completions per prompt via `num_return_sequences`) on the same prompt
             including the first EOS) of each run.
     no-eos  Every completion runs to max_new_tokens (transformers: `min_new_tokens = max_new_tokens`;
             lmrl: `eos_token_id=[]`), so both do exactly the same amount of decoding.
-Time: best of --repeats runs, after one warm-up call of each, with the same torch.set_num_threads.
+Time: best of --repeats runs, the two generators taking turns, after one warm-up call of each, with the same torch.set_num_threads.
 The CPU is shared with other processes on some machines: compare the ratio, and rerun when in doubt.
 """
 
@@ -121,14 +121,17 @@ def run_lmrl(gen: HFGenerator, prompts: list[list[int]], n: int, max_new: int) -
     return int(rollout.lengths.sum())
 
 
-def best_of(fn, repeats: int) -> tuple[float, int]:
-    times, tokens = [], 0
+def best_of_alternating(fns: list, repeats: int) -> list[tuple[float, int]]:
+    """Best time (and its token count) of each function, runs interleaved so both see the same load."""
+    best = [(float("inf"), 0)] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = fn()
-        times.append(time.perf_counter() - start)
-    i = min(range(repeats), key=times.__getitem__)
-    return times[i], tokens
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            tokens = fn()
+            elapsed = time.perf_counter() - start
+            if elapsed < best[i][0]:
+                best[i] = (elapsed, tokens)
+    return best
 
 
 def main() -> None:
@@ -165,9 +168,15 @@ def main() -> None:
             torch.manual_seed(0)
             run_hf(s, prompts[:2], 2, 4, eos)  # warm-up
             run_lmrl(gen, prompts[:2], 2, 4)
-            with torch.inference_mode():
-                hf_time, hf_tokens = best_of(lambda: run_hf(s, prompts, n, max_new, eos), args.repeats)  # noqa: B023
-            lmrl_time, lmrl_tokens = best_of(lambda: run_lmrl(gen, prompts, n, max_new), args.repeats)  # noqa: B023
+
+            def hf(eos=eos):
+                with torch.inference_mode():
+                    return run_hf(s, prompts, n, max_new, eos)  # noqa: B023
+
+            def lmrl(gen=gen):
+                return run_lmrl(gen, prompts, n, max_new)  # noqa: B023
+
+            (hf_time, hf_tokens), (lmrl_time, lmrl_tokens) = best_of_alternating([hf, lmrl], args.repeats)
             hf_rate, lmrl_rate = hf_tokens / hf_time, lmrl_tokens / lmrl_time
             print(
                 f"{preset:<6} {mode:<7} {len(prompts) * n:>5} {max_new:>4} {hf_rate:>10.0f} {lmrl_rate:>11.0f} "
