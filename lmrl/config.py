@@ -297,6 +297,8 @@ class TrainConfig(_Section):
     """Run forwards under bfloat16 autocast (weights stay in their dtype)."""
     threads: int | None = None
     """torch CPU threads (None = torch's default)."""
+    logprob_chunk_size: int | None = 128
+    """Rows of the [B*T, V] logits turned into float32 log-probs at once (None = all): bounds memory at large V."""
 
 
 class LogConfig(_Section):

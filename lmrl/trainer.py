@@ -253,12 +253,14 @@ class Trainer:
     def _policy_forward(self, seqs, attn, T: int, grad: bool = False):
         self.forward_counts["policy"] += 1
         with torch.set_grad_enabled(grad), self._autocast():
-            return model_forward_logprobs(self.policy, seqs, attn, T, self.cfg.rollout.temperature, return_entropy=True)
+            return model_forward_logprobs(self.policy, seqs, attn, T, self.cfg.rollout.temperature,
+                                          chunk_size=self.cfg.train.logprob_chunk_size, return_entropy=True)
 
     def _ref_forward(self, seqs, attn, T: int):
         self.forward_counts["reference"] += 1
         with torch.no_grad(), self._autocast():
-            return model_forward_logprobs(self.models.reference, seqs, attn, T, self.cfg.rollout.temperature)
+            return model_forward_logprobs(self.models.reference, seqs, attn, T, self.cfg.rollout.temperature,
+                                          chunk_size=self.cfg.train.logprob_chunk_size)
 
     def _critic_forward(self, seqs, attn, T: int, grad: bool = False):
         self.forward_counts["critic"] += 1
