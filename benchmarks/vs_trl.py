@@ -1,0 +1,465 @@
+"""lmrl vs TRL's GRPOTrainer on equal settings (CPU): seconds per step, samples/s, peak memory, reward.
+
+    python benchmarks/vs_trl.py                          # hidden 64 / 2 layers and 256 / 4 layers, 20 steps
+    python benchmarks/vs_trl.py --quick                  # hidden 64 / 2 layers, 4 steps: about a minute
+    python benchmarks/vs_trl.py --sizes 256x4 --steps 40 --sft-steps 400
+
+Needs TRL (`pip install 'lmrl[bench]'`). Nothing is downloaded (HF_HUB_OFFLINE=1 in every process).
+
+What is equal in both trainers:
+    model      the same weights: a character-level Llama built from a seed (`tiny_causal_lm`), optionally
+               warm-started by a short supervised fine-tuning on addition (--sft-steps, done once here), saved
+               to a temporary directory that both trainers load from.
+    prompts    the addition task's training split (`lmrl.data.tasks.get_task("addition")`), and the same
+               prompts at every step: TRL gets them unshuffled, in the order lmrl's sampler draws them.
+    reward     exact match of the answer: the completion's leading digits must equal the sum.
+    sampling   8 prompts x G = 8 completions per step, temperature 1, no top-k / top-p, exactly 64 new
+               tokens per completion in both: the benchmark tokenizer's EOS is a token id outside the
+               model's output vocabulary, so neither trainer can sample it and every completion runs to
+               max_new_tokens (equal work, no min_new_tokens logits processor in either sampler).
+    loss       GRPO: group-normalised advantages (std of the group), PPO clip 0.2, beta = kl_coef = 0 (no
+               reference model), one optimizer step per batch (1 iteration, 1 minibatch, no gradient
+               accumulation), per-sequence token mean (TRL loss_type="grpo" = lmrl "seq-mean-token-mean").
+    optimizer  AdamW, the same constant learning rate, no warm-up, weight decay 0, grad-norm clip 1.0,
+               float32 (TRL: bf16=False, gradient_checkpointing=False, use_cpu=True).
+    threads    torch.set_num_threads(--threads) in both processes.
+
+How it measures: each trainer runs in a fresh subprocess, one after the other (never at the same time).
+    s/step     mean wall time of steps 2..N (step 1 is warm-up and shown apart): generation, reward,
+               forward/backward and the optimizer step. lmrl: its `time/step` metric; TRL: a callback from
+               on_step_begin to on_step_end.
+    samples/s  completions per step / s/step.
+    peak RSS   the subprocess's resident-set high-water mark (getrusage). "+train" is how much it grew
+               while the trainer was built and trained, over the process with the model loaded: it leaves
+               out the import footprint, which for TRL includes trl, accelerate, pandas, pyarrow.
+    reward     mean training reward of the first step and of the last min(5, N) steps; "held-out" is the
+               greedy exact-match accuracy on 200 held-out prompts after training (before: the start model).
+The machine may be shared with other processes: compare the ratios of one run, and rerun when in doubt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# On a CPU shared with other busy processes, OpenMP threads that spin-wait for a descheduled sibling make
+# every small op ~100x slower (measured: a [64, 64] x [64, 256] linear, 2 threads: 7-16 ms spinning vs 0.1 ms
+# passive). Set before torch loads; the subprocesses inherit it, so both trainers run the same way.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+SIZES = {"64x2": (64, 2, 4), "256x4": (256, 4, 4), "512x8": (512, 8, 8)}  # hidden, layers, heads
+END_TOKEN = "<end>"  # the benchmark's EOS: an id outside the model's output vocabulary
+HELD_OUT = 200
+
+
+@dataclass
+class Settings:
+    """One comparison: everything both trainers share."""
+
+    init_dir: str
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    lr: float
+    threads: int
+    seed: int
+
+
+@dataclass
+class RunResult:
+    """What one trainer's subprocess reports."""
+
+    trainer: str
+    step_seconds: list[float]
+    rewards: list[float]  # mean training reward of each step
+    lengths: list[float]  # mean completion length (tokens) of each step
+    wall_seconds: float  # the whole train() call
+    setup_seconds: float  # building the trainer
+    peak_rss_mb: float
+    rss_growth_mb: float
+    held_out: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def steady_seconds(self) -> float:
+        times = self.step_seconds[1:] or self.step_seconds
+        return statistics.fmean(times)
+
+    @property
+    def final_reward(self) -> float:
+        return statistics.fmean(self.rewards[-min(5, len(self.rewards)) :])
+
+
+# --------------------------------------------------------------------------------------- shared pieces
+def answer_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion's leading digits equal the answer, else 0.0 (TRL and lmrl signature).
+
+    Completions never end with EOS here (it cannot be sampled), so the answer is read up to the first
+    character that is not a digit.
+    """
+    return [float(re.match(r"\s*(\d*)", c).group(1) == str(a)) for c, a in zip(completions, answer)]
+
+
+class RewardRecorder:
+    """A reward function that also records each call's mean reward and mean completion length."""
+
+    __name__ = "answer_reward"  # TRL names reward functions by __name__
+
+    def __init__(self) -> None:
+        self.rewards: list[float] = []
+        self.lengths: list[float] = []
+
+    def __call__(self, prompts, completions, answer, completion_ids=None, **kwargs) -> list[float]:
+        scores = answer_reward(prompts, completions, answer)
+        self.rewards.append(statistics.fmean(scores))
+        if completion_ids is not None:
+            self.lengths.append(statistics.fmean(len(c) for c in completion_ids))
+        return scores
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _load(init_dir: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype="float32")
+    return model, tokenizer
+
+
+def held_out_accuracy(model, tokenizer, n: int = HELD_OUT) -> float:
+    """Greedy exact-match accuracy on the first `n` held-out addition prompts (same code for both)."""
+    from lmrl.data.tasks import generate_completions, get_task
+
+    task = get_task("addition")
+    items = task.eval_prompts()[:n]
+    texts = generate_completions(model, tokenizer, [it["prompt"] for it in items], task.max_new_tokens)
+    return statistics.fmean(answer_reward(None, texts, [it["answer"] for it in items]))
+
+
+def prompt_rows(s: Settings) -> list[dict[str, str]]:
+    from lmrl.data.tasks import get_task
+
+    return get_task("addition").train_prompts()
+
+
+# ------------------------------------------------------------------------------------------- trainers
+def run_lmrl(s: Settings, out_dir: str) -> RunResult:
+    import torch
+
+    from lmrl.config import load_config
+    from lmrl.trainer import Trainer
+
+    model, tokenizer = _load(s.init_dir)
+    base_peak = _peak_rss_mb()
+    recorder = RewardRecorder()
+    cfg = load_config(None, [
+        "algorithm=grpo", f"train.steps={s.steps}", f"rollout.prompts_per_step={s.prompts_per_step}",
+        f"rollout.group_size={s.group_size}", f"rollout.max_new_tokens={s.max_new_tokens}", f"optim.lr={s.lr}",
+        "optim.max_grad_norm=1.0", "optim.weight_decay=0.0", f"optim.micro_batch_size={s.prompts_per_step * s.group_size}",
+        "rollout.temperature=1.0", "algorithm.kl_coef=0.0", "algorithm.aggregation=seq-mean-token-mean",
+        "algorithm.clip_low=0.2", "algorithm.clip_high=0.2", f"train.seed={s.seed}", f"train.threads={s.threads}",
+        f"train.output_dir={out_dir}", "train.eval_every=0", "log.console=false", "log.samples_every=0",
+        "model.name_or_path=benchmark",
+    ])
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[recorder],
+                      train_dataset=prompt_rows(s), console=False)
+    t1 = time.perf_counter()
+    result = trainer.train()
+    t2 = time.perf_counter()
+    torch.set_num_threads(s.threads)
+    h = result.history
+    extra = {k: statistics.fmean(m[k] for m in h[1:] or h) for k in ("time/generate", "time/experience", "time/update")}
+    return RunResult("lmrl", [m["time/step"] for m in h], recorder.rewards, recorder.lengths, t2 - t1, t1 - t0,
+                     _peak_rss_mb(), _peak_rss_mb() - base_peak, held_out_accuracy(trainer.policy, tokenizer), extra)
+
+
+def run_trl(s: Settings, out_dir: str) -> RunResult:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lmrl.data.prompts import PromptSampler
+
+    model, tokenizer = _load(s.init_dir)
+    base_peak = _peak_rss_mb()
+    rows = prompt_rows(s)
+    # the prompts lmrl's trainer draws at steps 1..N (its sampler's batch `step`), in order: TRL reads the
+    # dataset unshuffled, P distinct prompts per step, each repeated G times
+    sampler = PromptSampler(len(rows), seed=s.seed)
+    order = [i for step in range(1, s.steps + 1) for i in sampler.indices(step, s.prompts_per_step)]
+    dataset = Dataset.from_list([rows[i] for i in order])
+    recorder = RewardRecorder()
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.start = 0.0
+            self.threads = 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+            self.threads = torch.get_num_threads()  # accelerate must not have changed it
+
+    timer = StepTimer()
+    args = GRPOConfig(
+        output_dir=out_dir,
+        max_steps=s.steps,
+        per_device_train_batch_size=s.prompts_per_step * s.group_size,  # completions per optimizer step
+        gradient_accumulation_steps=1,
+        num_generations=s.group_size,
+        max_completion_length=s.max_new_tokens,
+        num_iterations=1,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=s.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        shuffle_dataset=False,
+        seed=s.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        log_completions=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=model, reward_funcs=[recorder], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    torch.set_num_threads(s.threads)
+    # where TRL's step time goes: generation + reward + advantages, and the loss forward (its backward and the
+    # optimizer step are the rest)
+    spent: dict[str, list[float]] = {"time/generate": [], "time/loss_forward": []}
+    _timed(trainer, "_generate_and_score_completions", spent["time/generate"])
+    _timed(trainer, "compute_loss", spent["time/loss_forward"])
+    t1 = time.perf_counter()
+    trainer.train()
+    t2 = time.perf_counter()
+    extra = {k: statistics.fmean(v[1:] or v) for k, v in spent.items() if v}
+    extra["threads"] = timer.threads
+    return RunResult("trl", timer.times, recorder.rewards, recorder.lengths, t2 - t1, t1 - t0,
+                     _peak_rss_mb(), _peak_rss_mb() - base_peak, held_out_accuracy(trainer.model, tokenizer), extra)
+
+
+def _timed(obj, name: str, sink: list[float]) -> None:
+    """Replace the bound method `obj.name` by one that appends its duration to `sink`."""
+    method = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = method(*args, **kwargs)
+        sink.append(time.perf_counter() - start)
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+RUNNERS = {"lmrl": run_lmrl, "trl": run_trl}
+
+
+def child(trainer: str, settings_json: str, result_path: str) -> None:
+    """Subprocess entry: run one trainer and write its RunResult as JSON."""
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    s = Settings(**json.loads(settings_json))
+    torch.set_num_threads(s.threads)
+    torch.manual_seed(s.seed)
+    with tempfile.TemporaryDirectory() as out:
+        result = RUNNERS[trainer](s, out)
+    Path(result_path).write_text(json.dumps(asdict(result)))
+
+
+# -------------------------------------------------------------------------------------- start model
+def build_start_model(hidden: int, layers: int, heads: int, sft_steps: int, seed: int, out_dir: str,
+                      eos: bool = False) -> float:
+    """Seeded tiny model (+ optional supervised warm start), saved with the benchmark tokenizer.
+
+    Without `eos`, the tokenizer gets an extra special token `<end>` as its EOS; the model's vocabulary
+    stops just before it, so no sampler can produce it, and the supervised targets are `answer;`: the
+    model learns to write the sum and then a non-digit. With `eos`, the char tokenizer's own EOS is kept
+    and the targets are `answer</s>`. Returns the start model's held-out accuracy.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from lmrl.data.tasks import get_task
+    from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
+
+    tokenizer = char_tokenizer()
+    model = tiny_causal_lm(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads, seed=seed)
+    if not eos:
+        tokenizer.add_special_tokens({"eos_token": END_TOKEN})
+        end = tokenizer.convert_tokens_to_ids(END_TOKEN)
+        assert end >= model.config.vocab_size, "the benchmark EOS must lie outside the model's vocabulary"
+        model.config.eos_token_id = end
+        model.generation_config.eos_token_id = end
+    suffix = [tokenizer.eos_token_id] if eos else tokenizer(";", add_special_tokens=False)["input_ids"]
+    if sft_steps:
+        rows = get_task("addition").train_prompts()
+        gen = torch.Generator().manual_seed(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model.train()
+        for _ in range(sft_steps):
+            batch = [rows[i] for i in torch.randint(len(rows), (128,), generator=gen).tolist()]
+            prompts = tokenizer([r["prompt"] for r in batch], add_special_tokens=False)["input_ids"]
+            answers = [a + suffix for a in tokenizer([r["answer"] for r in batch], add_special_tokens=False)["input_ids"]]
+            width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+            ids = torch.zeros(len(batch), width, dtype=torch.long)  # right padding with <pad> = 0
+            labels = torch.full((len(batch), width), -100)
+            for i, (p, a) in enumerate(zip(prompts, answers)):
+                ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+                labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+            logits = model(input_ids=ids, attention_mask=(ids != 0).long()).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())  # t predicts t + 1
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        model.eval()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return held_out_accuracy(model, tokenizer)
+
+
+# ------------------------------------------------------------------------------------------- parent
+def run_child(trainer: str, s: Settings) -> RunResult:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", trainer, "--settings", json.dumps(asdict(s)),
+               "--result", path]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{trainer} subprocess failed:\n{proc.stderr[-4000:]}")
+        return RunResult(**json.loads(Path(path).read_text()))
+    finally:
+        os.unlink(path)
+
+
+def report(size: str, s: Settings, start_acc: float, runs: dict[str, RunResult]) -> None:
+    batch = s.prompts_per_step * s.group_size
+    print(f"\n== {size}: hidden {SIZES[size][0]}, {SIZES[size][1]} layers; {s.prompts_per_step} prompts x "
+          f"G={s.group_size}, {s.max_new_tokens} new tokens, {s.steps} steps, lr {s.lr:g}; start held-out "
+          f"accuracy {start_acc:.3f}")
+    header = (f"{'trainer':<8}{'s/step':>8}{'step 1':>8}{'samples/s':>11}{'tokens/s':>10}{'wall s':>8}"
+              f"{'peak MB':>9}{'+train MB':>10}{'len':>6}{'reward 1st':>11}{'reward end':>11}{'held-out':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in runs.values():
+        length = statistics.fmean(r.lengths) if r.lengths else float("nan")
+        print(f"{r.trainer:<8}{r.steady_seconds:>8.2f}{r.step_seconds[0]:>8.2f}{batch / r.steady_seconds:>11.1f}"
+              f"{batch * length / r.steady_seconds:>10.0f}{r.wall_seconds:>8.1f}{r.peak_rss_mb:>9.0f}"
+              f"{r.rss_growth_mb:>10.0f}{length:>6.1f}{r.rewards[0]:>11.3f}{r.final_reward:>11.3f}{r.held_out:>9.3f}")
+    if "lmrl" in runs and "trl" in runs:
+        a, b = runs["lmrl"], runs["trl"]
+        print(f"lmrl/TRL: samples/s {b.steady_seconds / a.steady_seconds:.2f}x  (incl. step 1: "
+              f"{sum(b.step_seconds) / sum(a.step_seconds):.2f}x)  peak RSS {a.peak_rss_mb / b.peak_rss_mb:.2f}x  "
+              f"+train RSS {a.rss_growth_mb / max(b.rss_growth_mb, 1e-9):.2f}x  "
+              f"reward end {a.final_reward:.3f} vs {b.final_reward:.3f}  held-out {a.held_out:.3f} vs {b.held_out:.3f}")
+    for r in runs.values():
+        if r.extra:
+            print(f"{r.trainer} step breakdown (steps 2..N): "
+                  + "  ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in r.extra.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["64x2", "256x4"])
+    parser.add_argument("--quick", action="store_true", help="hidden 64 / 2 layers, 4 steps, short warm start")
+    parser.add_argument("--trainers", nargs="+", choices=list(RUNNERS), default=["lmrl", "trl"])
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--sft-steps", type=int, default=300, help="supervised warm start (0 = random weights)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eos", action="store_true",
+                        help="let completions end at EOS (the warm start teaches it): unequal work by design, "
+                             "lmrl drops finished rows from generation, TRL's model.generate keeps them")
+    parser.add_argument("--child", choices=list(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.settings, args.result)
+        return
+    if args.quick:
+        args.sizes, args.steps, args.sft_steps = ["64x2"], 4, 100
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError:
+        if "trl" in args.trainers:
+            sys.exit("TRL is not installed: pip install 'lmrl[bench]' (or --trainers lmrl)")
+        trl_version = "-"
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, "
+          f"threads {args.threads}, {os.cpu_count()} CPUs, "
+          f"{'completions end at EOS' if args.eos else f'every completion {args.max_new_tokens} tokens (no EOS)'}")
+    for size in args.sizes:
+        hidden, layers, heads = SIZES[size]
+        with tempfile.TemporaryDirectory() as init_dir:
+            t = time.perf_counter()
+            start_acc = build_start_model(hidden, layers, heads, args.sft_steps, args.seed, init_dir, args.eos)
+            print(f"[{size}] start model: {args.sft_steps} warm-start steps in {time.perf_counter() - t:.0f}s", flush=True)
+            s = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
+                         args.lr, args.threads, args.seed)
+            runs = {}
+            for name in args.trainers:
+                t = time.perf_counter()
+                runs[name] = run_child(name, s)
+                print(f"[{size}] {name}: done in {time.perf_counter() - t:.0f}s", flush=True)
+            report(size, s, start_acc, runs)
+
+
+if __name__ == "__main__":
+    main()
