@@ -1,0 +1,31 @@
+"""The tiny model that ships with lmrl: what `lmrl train` with no arguments starts from.
+
+A character-level Llama (about 0.5M parameters) fine-tuned briefly on the built-in addition task
+(`lmrl.data.tasks.AdditionTask`) by `scripts/make_tiny_model.py`. It is stopped early on purpose: it
+answers a minority of held-out sums greedily but samples the right answer for most of them within a
+few tries, which is the starting point where RL visibly helps within minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHIPPED_MODEL: Path = Path(__file__).resolve().parent.parent / "assets" / "tiny-addition"
+"""Directory of the shipped model: config, weights (safetensors), generation config, tokenizer."""
+
+
+def load_shipped(path: str | Path = SHIPPED_MODEL):
+    """Load the shipped model and its character-level tokenizer, in eval mode, on CPU.
+
+    Returns:
+        (model, tokenizer): a `LlamaForCausalLM` and a `PreTrainedTokenizerFast` (left padding,
+        ids <pad>=0 <s>=1 </s>=2). Prompts are tokenized as is: no BOS, no chat template.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"path: no model at {path}; rebuild it with scripts/make_tiny_model.py")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return model.eval(), tokenizer

@@ -1,0 +1,158 @@
+"""Build the tiny model that ships with lmrl: a character-level Llama fine-tuned a little on addition.
+
+    .venv/bin/python scripts/make_tiny_model.py            # writes lmrl/assets/tiny-addition/
+
+Seeded and deterministic: same seed, same torch build -> same weights. The model is supervised on
+the training split of the built-in addition task and stopped early on purpose: RL can only sharpen
+answers the model already samples sometimes, so the shipped starting point answers a minority of
+held-out prompts greedily while sampling the right answer for most of them within 8 tries at
+temperature 1. That is where GRPO has the most room to show progress in a few CPU minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lmrl.data.tasks import AdditionTask, evaluate
+from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "lmrl" / "assets" / "tiny-addition"
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning of the shipped model; the defaults are what ships.
+
+    Attributes:
+        hidden_size: model width.
+        num_layers: transformer blocks.
+        num_heads: attention heads.
+        steps: optimizer steps; stopping early is what leaves room for RL.
+        batch_size: sequences per step, drawn with replacement from the training split.
+        lr: peak AdamW learning rate (linear warmup, then constant).
+        warmup: warmup steps.
+        weight_decay: AdamW weight decay.
+        seed: seed for weights and batch order.
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    steps: int = 300
+    batch_size: int = 128
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    seed: int = 0
+
+
+def encode_items(tokenizer, items: list[dict[str, str]]) -> list[tuple[list[int], list[int]]]:
+    """Token ids of each item as (`prompt`, `answer + EOS`), tokenized as the trainer does: no BOS."""
+    eos = tokenizer.eos_token_id
+    prompts = tokenizer([it["prompt"] for it in items], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([it["answer"] for it in items], add_special_tokens=False)["input_ids"]
+    return [(p, a + [eos]) for p, a in zip(prompts, answers)]
+
+
+def collate(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded `prompt + answer + EOS` sequences and their labels.
+
+    Returns input_ids `[B, L]`, attention_mask `[B, L]` and labels `[B, L]`: the input ids on
+    answer and EOS tokens, -100 elsewhere (no loss on the prompt or on padding).
+    """
+    width = max(len(p) + len(a) for p, a in encoded)
+    ids, attention, labels = [], [], []
+    for p, a in encoded:
+        fill = width - len(p) - len(a)
+        ids.append(p + a + [pad_id] * fill)
+        attention.append([1] * (len(p) + len(a)) + [0] * fill)
+        labels.append([-100] * len(p) + a + [-100] * fill)
+    return torch.tensor(ids), torch.tensor(attention), torch.tensor(labels)
+
+
+def sft(task: AdditionTask, config: SFTConfig, log_every: int = 0):
+    """Build the tokenizer and model from `config.seed` and fine-tune on `task.train_prompts()`.
+
+    Returns (model, tokenizer); the model is in eval mode.
+    """
+    tokenizer = char_tokenizer()
+    model = tiny_causal_lm(
+        tokenizer,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        max_position_embeddings=64,
+        seed=config.seed,
+    )
+    train = encode_items(tokenizer, task.train_prompts())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / config.warmup))
+    gen = torch.Generator().manual_seed(config.seed)
+    model.train()
+    start = time.perf_counter()
+    for step in range(config.steps):
+        index = torch.randint(len(train), (config.batch_size,), generator=gen).tolist()
+        ids, attention, labels = collate([train[i] for i in index], tokenizer.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
+        # logits at position t predict the token at t + 1
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if log_every and (step + 1) % log_every == 0:
+            model.eval()
+            m = evaluate(model, tokenizer, task, n_prompts=200, k=8)
+            model.train()
+            print(
+                f"step {step + 1:5d}  loss {loss.item():.4f}  greedy {m['accuracy']:.3f}  "
+                f"pass@8 {m['pass_at_k']:.3f}  {time.perf_counter() - start:.0f}s",
+                flush=True,
+            )
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model, tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--log-every", type=int, default=100)
+    defaults = SFTConfig()
+    for field, value in vars(defaults).items():
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--min-digits", type=int, default=AdditionTask.min_digits)
+    parser.add_argument("--max-digits", type=int, default=AdditionTask.max_digits)
+    args = parser.parse_args()
+    # one thread: the same float reduction order on every machine (and faster for a model this small)
+    torch.set_num_threads(1)
+    config = SFTConfig(**{k: getattr(args, k) for k in vars(defaults)})
+    task = AdditionTask(min_digits=args.min_digits, max_digits=args.max_digits)
+    model, tokenizer = sft(task, config, log_every=args.log_every)
+    torch.manual_seed(0)
+    m = evaluate(model, tokenizer, task, k=8)
+    print(f"held-out ({task.num_eval} prompts): greedy {m['accuracy']:.3f}  pass@8 (T=1) {m['pass_at_k']:.3f}")
+    if args.out is not None and str(args.out) != "-":
+        args.out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
+        # transformers 5 names the class TokenizersBackend, which 4.x cannot load; both load this name
+        tok_config = args.out / "tokenizer_config.json"
+        tok_config.write_text(tok_config.read_text().replace('"TokenizersBackend"', '"PreTrainedTokenizerFast"'))
+        for f in args.out.iterdir():
+            f.chmod(0o644)  # safetensors writes 0600; installed package data must be readable by all
+        size = sum(f.stat().st_size for f in args.out.iterdir()) / 1e6
+        print(f"saved to {args.out} ({size:.2f} MB)")
+
+
+if __name__ == "__main__":
+    main()
