@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EXAMPLES = """\
@@ -16,6 +17,9 @@ examples:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # OpenMP threads that spin while waiting make small CPU ops ~100x slower when other processes share
+    # the cores (measured in benchmarks/vs_trl.py); must be set before torch is imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(
         prog="lmrl", description="Reinforcement-learning post-training of language models.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from lmrl.config import config_to_yaml, describe_fields, load_config
+    from lmrl.config import config_summary, describe_fields, load_config
 
     if args.help_config:
         print(describe_fields())
@@ -62,7 +66,7 @@ def _train(args) -> int:
     if overrides and "=" not in overrides[0]:
         path = overrides.pop(0)
     cfg = load_config(path, overrides)  # fails here, before any model loads
-    print("resolved config:\n" + _indent(config_to_yaml(cfg)))
+    print("resolved config:\n" + _indent(config_summary(cfg)))
     if args.dry_run:
         return 0
     from lmrl.trainer import Trainer

@@ -90,7 +90,7 @@ class RolloutConfig(_Section):
     """Completions per prompt (G). Group-relative estimators need G >= 2."""
     max_prompt_length: int = 512
     """Longest prompt in tokens; longer prompts are an error, not silently cut."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = 256
     """Longest completion in tokens."""
     temperature: float = 1.0
     """Sampling temperature; log-probs in training use the same temperature."""
@@ -250,8 +250,22 @@ ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
                  aggregation="seq-mean-token-mean"),
     "cispo": dict(advantage="grpo", loss="cispo", clip_low=None, clip_high=5.0, aggregation="token-mean"),
 }
-# DAPO's reward-side defaults live in the reward section.
-REWARD_PRESETS: dict[str, dict[str, Any]] = {"dapo": dict(overlong_buffer=4)}
+# Reward-side defaults of an algorithm, as fractions of rollout.max_new_tokens. DAPO's soft overlong
+# penalty starts in the last fifth of the length budget (4k of 20k tokens in the paper).
+REWARD_PRESETS: dict[str, dict[str, float]] = {"dapo": dict(overlong_buffer=0.2)}
+
+# Defaults for the model that ships with lmrl (a 0.5M-parameter character-level Llama): the general
+# defaults suit billion-parameter models (lr 1e-6); a tiny model learns at 1e-4 and runs fastest on one
+# thread. Measured in scripts/make_tiny_model.py's notes and the README's demo run. User values win.
+MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny-addition": {
+        "rollout": dict(prompts_per_step=32, group_size=8, max_new_tokens=4),
+        "optim": dict(lr=1e-4),
+        "data": dict(num_eval_prompts=500),
+        "train": dict(steps=2000, max_minutes=4.5, eval_every=50, threads=1, output_dir="runs/tiny-addition"),
+        "log": dict(every=25, samples_every=250),
+    },
+}
 
 
 class OptimConfig(_Section):
@@ -310,6 +324,8 @@ class LogConfig(_Section):
     """Write TensorBoard events (needs `pip install lmrl[tensorboard]`)."""
     wandb: bool = False
     """Log to Weights & Biases (needs `pip install lmrl[wandb]`)."""
+    every: int = 1
+    """Print a metrics line every this many steps (evaluation steps always print)."""
     samples_every: int = 10
     """Show a table of sample completions every this many steps (0 = never)."""
     num_samples: int = 4
@@ -411,12 +427,17 @@ def _normalise_shorthands(raw: dict[str, Any]) -> dict[str, Any]:
 def build_config(raw: dict[str, Any]) -> Config:
     """Validate a nested dict, filling the algorithm (and reward) section from the chosen preset."""
     raw = _normalise_shorthands(raw)
+    model = (raw.get("model") or {}).get("name_or_path", ModelConfig().name_or_path)
+    raw = _merge(MODEL_PRESETS.get(model, {}), raw)  # presets first: anything the user set wins
     algo = dict(raw.get("algorithm") or {})
     name = algo.get("name", "grpo")
     if name not in ALGORITHM_PRESETS:
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; choose one of {', '.join(ALGORITHM_PRESETS)}")
     raw["algorithm"] = {**ALGORITHM_PRESETS[name], **algo, "name": name}
-    raw["reward"] = {**REWARD_PRESETS.get(name, {}), **dict(raw.get("reward") or {})}
+    max_new = (raw.get("rollout") or {}).get("max_new_tokens", RolloutConfig.model_fields["max_new_tokens"].default)
+    reward_preset = {k: max(1, int(f * max_new)) if isinstance(max_new, int) else None
+                     for k, f in REWARD_PRESETS.get(name, {}).items()}
+    raw["reward"] = {**reward_preset, **dict(raw.get("reward") or {})}
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
@@ -480,6 +501,14 @@ def _section_at(path: str) -> type[BaseModel] | None:
 
 def config_to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def config_summary(cfg: Config) -> str:
+    """The resolved config, one line per section: `algorithm: name=grpo advantage=grpo ...`."""
+    lines = []
+    for section, values in cfg.model_dump(mode="json").items():
+        lines.append(f"{section}: " + " ".join(f"{k}={v}" for k, v in values.items()))
+    return "\n".join(lines)
 
 
 def describe_fields() -> str:

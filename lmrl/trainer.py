@@ -69,7 +69,7 @@ class Trainer:
         self.generator = HFGenerator(self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size)
         self.minibatch_rng = torch.Generator().manual_seed(cfg.train.seed)
         self.out = Path(cfg.train.output_dir)
-        self.console = Console(cfg.log.console if console is None else console, cfg.train.steps)
+        self.console = Console(cfg.log.console if console is None else console, cfg.train.steps, cfg.log.every)
         self.forward_counts = {"policy": 0, "reference": 0, "critic": 0}
 
     def train(self) -> TrainResult:

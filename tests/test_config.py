@@ -22,7 +22,8 @@ def test_every_preset_validates(name):
 def test_user_value_beats_preset():
     cfg = load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3"])
     assert cfg.algorithm.clip_high == 0.3 and cfg.algorithm.dynamic_sampling  # the rest of the preset stays
-    assert cfg.reward.overlong_buffer == 4
+    assert cfg.reward.overlong_buffer == 1  # a fifth of the tiny model's 4 new tokens
+    assert load_config(None, ['algorithm=dapo', 'model=m', 'data.path=x']).reward.overlong_buffer == 51
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -67,3 +68,13 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("a: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_shipped_model_preset_under_user_values():
+    tiny = load_config()
+    assert tiny.optim.lr == 1e-4 and tiny.rollout.max_new_tokens == 4 and tiny.train.threads == 1
+    assert load_config(None, ["optim.lr=3e-5"]).optim.lr == 3e-5
+    real = load_config(None, ["model=Qwen/Qwen2.5-0.5B-Instruct", "data.path=x.jsonl"])
+    assert real.optim.lr == 1e-6 and real.rollout.max_new_tokens == 256 and real.train.threads is None
+    # the model preset never overrides what an algorithm preset defines
+    assert load_config(None, ["algorithm=dr_grpo"]).algorithm.aggregation == "seq-mean-token-sum-norm"

@@ -27,8 +27,8 @@ STEP_LINE = [
 
 
 class Console:
-    def __init__(self, enabled: bool = True, total_steps: int = 0):
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, total_steps: int = 0, every: int = 1):
+        self.enabled, self.every = enabled, max(1, every)
         self.rich = RichConsole(stderr=False, highlight=False)
         self.progress = Progress(
             TextColumn("[bold]train"),
@@ -57,6 +57,8 @@ class Console:
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self.progress.update(self._task, completed=step)
+        if step % self.every and "eval/accuracy" not in metrics:
+            return
         parts = [f"step {step:>4}"]
         for key, label, fmt in STEP_LINE:
             if key in metrics:
