@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from lmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var
 
 __all__ = [
@@ -50,7 +51,7 @@ AGGREGATION_MODES = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
 )
-_KL_ESTIMATORS = ("k1", "k2", "k3")
+_KL_ESTIMATORS = tuple(KL_ESTIMATORS)
 _RATIO_LEVELS = ("token", "sequence")
 _IS_LEVELS = ("token", "sequence")
 
@@ -200,22 +201,6 @@ def _broadcast_advantages(advantages: torch.Tensor, logp: torch.Tensor) -> torch
     )
 
 
-def _reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_ref) from the sampled tokens (Schulman, "Approximating KL divergence").
-
-    k1 = logp - ref_logp (unbiased, can be negative); k2 = ½ (logp - ref_logp)²;
-    k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (unbiased value, never negative; as a loss its
-    gradient is biased, which is what GRPO uses). Same formulas as `lmrl.algorithms.kl.kl_penalty`.
-    """
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    neg = -log_ratio
-    return torch.expm1(neg) - neg  # exp(d) - d - 1 without cancellation near d = 0
-
-
 def _masked_max(x: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
     if x.numel() == 0:
         return x.new_full((), fill)
@@ -273,7 +258,7 @@ def _add_kl_and_weights(
     """per_token + kl_coef * KL(ref), times weights; also returns the per-token KL (or None)."""
     kl = None
     if batch.ref_logp is not None:
-        kl = _reference_kl(batch.logp, batch.ref_logp, kl_estimator)
+        kl = kl_penalty(batch.logp, batch.ref_logp, kl_estimator)
         if kl_coef != 0.0:
             per_token = per_token + kl_coef * kl
     if batch.weights is not None:
