@@ -188,6 +188,16 @@ class Trainer:
                             finished=rollout.finished.tolist(), timeout=cfg.reward.timeout, on_error=cfg.reward.on_error)
         return rollout, out
 
+    def train_on_scored(self, records) -> dict[str, float]:
+        """One update on completions another system sampled and scored (`lmrl.scored`: a JSONL path or rows)."""
+        from lmrl.scored import experience_from_records, load_scored_rollouts
+
+        records = load_scored_rollouts(records) if isinstance(records, (str, Path)) else records
+        exp = experience_from_records(records, self.tokenizer, self.cfg.algorithm, policy_logprobs=self._policy_forward,
+                                      max_prompt_length=self.cfg.rollout.max_prompt_length,
+                                      micro_batch_size=self.cfg.optim.micro_batch_size)
+        return self.update(exp)
+
     # --------------------------------------------------------------------------------------- 4. update
     def update(self, exp: Experience) -> dict[str, float]:
         """num_iterations passes; each splits the batch into num_minibatches shuffled optimizer steps."""

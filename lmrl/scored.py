@@ -1,0 +1,139 @@
+"""Bring your own rollouts: an Experience from completions another system sampled and scored.
+
+As TapeAgents trains on agent tapes, lmrl can train on traces from any generator. One JSON object per
+line:
+
+    {"prompt": "12+3=", "completion": "15", "reward": 1.0, "group_id": "q17",
+     "old_logprobs": [-0.1, -0.3, -0.01], "finished": true}
+
+- `prompt`: a string or a list of chat messages (rendered with the tokenizer's chat template).
+- `completion`: the sampled text; it is tokenized without special tokens, and the EOS token is
+  appended when `finished` (default true), so the model learns to stop.
+- `reward`: the score; `group_id`: any value; completions sharing it are a group (of any size) for
+  group-relative advantages.
+- `old_logprobs` (optional): the sampler's log-prob of each completion token, EOS included when
+  finished. When absent, the policy's own log-probs are computed (no grad) and serve as old log-probs.
+
+Group estimators work by group id (`lmrl.algorithms.group_advantages`), so groups need not be equal
+or contiguous in the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmrl import algorithms as A
+from lmrl.config import AlgorithmConfig
+from lmrl.experience import Experience, batched_forward
+from lmrl.models.loading import encode_prompts
+
+REQUIRED = ("prompt", "completion", "reward", "group_id")
+
+# advantage estimator name -> fn(scores [B], dense group ids [B]) -> [B], for groups of any size
+BY_GROUP_ID: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "grpo": lambda r, g: A.group_advantages(r, g),
+    "dr_grpo": lambda r, g: A.group_advantages(r, g, scale_by_std=False),
+    "reinforce_baseline": lambda r, g: A.group_advantages(r, g, scale_by_std=False),
+    "rloo": A.leave_one_out_advantages,
+    "reinforce": lambda r, g: r,
+}
+
+
+def load_scored_rollouts(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file of scored completions, checked: one-line errors name the row and field."""
+    from lmrl.data.prompts import load_prompts
+
+    rows = list(load_prompts(str(path)))
+    for i, row in enumerate(rows):
+        missing = [k for k in REQUIRED if k not in row]
+        if missing:
+            raise ValueError(f"{path}: row {i} lacks {', '.join(missing)} (need {', '.join(REQUIRED)})")
+        if not isinstance(row["completion"], str):
+            raise ValueError(f"{path}: row {i}: completion must be a string")
+        if not isinstance(row["reward"], (int, float)) or isinstance(row["reward"], bool):
+            raise ValueError(f"{path}: row {i}: reward must be a number, got {row['reward']!r}")
+    return rows
+
+
+def experience_from_records(
+    records: Sequence[Mapping[str, Any]],
+    tokenizer,
+    cfg: AlgorithmConfig,
+    *,
+    max_prompt_length: int = 4096,
+    policy_logprobs: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    micro_batch_size: int = 64,
+) -> Experience:
+    """Turn scored completions into an Experience (left-padded prompts, right-padded responses).
+
+    Args:
+        records: rows as described in the module docstring.
+        tokenizer: the policy's tokenizer.
+        cfg: the algorithm section; its `advantage` picks the estimator (by group id).
+        policy_logprobs: `fn(sequences, attention_mask, T) -> (logprobs, entropy)`, needed when a
+            record has no `old_logprobs`.
+    """
+    if not records:
+        raise ValueError("records: no scored completions")
+    if cfg.advantage not in BY_GROUP_ID:
+        raise ValueError(f"algorithm.advantage={cfg.advantage!r} needs a critic; scored rollouts support "
+                         f"{', '.join(BY_GROUP_ID)}")
+    eos = tokenizer.eos_token_id
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in records], max_prompt_length)
+    responses = []
+    for i, r in enumerate(records):
+        ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
+        if r.get("finished", True):
+            ids = ids + [eos]
+        if not ids:
+            raise ValueError(f"records: row {i} has an empty completion and finished=false")
+        if r.get("old_logprobs") is not None and len(r["old_logprobs"]) != len(ids):
+            raise ValueError(f"records: row {i} has {len(r['old_logprobs'])} old_logprobs for {len(ids)} "
+                             "completion tokens (EOS included when finished)")
+        responses.append(ids)
+
+    B, P, T = len(records), max(map(len, prompts)), max(map(len, responses))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    prompt_ids = torch.full((B, P), pad, dtype=torch.long)
+    prompt_mask = torch.zeros(B, P, dtype=torch.bool)
+    response_ids = torch.full((B, T), pad, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    old = torch.zeros(B, T)
+    for i, (p, c) in enumerate(zip(prompts, responses)):
+        prompt_ids[i, P - len(p):], prompt_mask[i, P - len(p):] = torch.tensor(p), True
+        response_ids[i, : len(c)], mask[i, : len(c)] = torch.tensor(c), True
+        if records[i].get("old_logprobs") is not None:
+            old[i, : len(c)] = torch.tensor(records[i]["old_logprobs"], dtype=torch.float32)
+    sequences = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, mask], dim=1)
+
+    if any(r.get("old_logprobs") is None for r in records):
+        if policy_logprobs is None:
+            raise ValueError("records: some rows have no old_logprobs; pass policy_logprobs to compute them")
+        computed = torch.cat([o[0] for o in batched_forward(policy_logprobs, sequences, attention_mask, T,
+                                                            micro_batch_size)]).float()
+        given = torch.tensor([r.get("old_logprobs") is not None for r in records])
+        old = torch.where(given[:, None], old, computed)
+    old = torch.where(mask, old, torch.zeros(()))
+
+    # dense group ids in order of first appearance
+    index: dict[Any, int] = {}
+    groups = torch.tensor([index.setdefault(_hashable(r["group_id"]), len(index)) for r in records])
+    scores = torch.tensor([float(r["reward"]) for r in records])
+    seq_adv = BY_GROUP_ID[cfg.advantage](scores, groups)
+    advantages = torch.where(mask, seq_adv[:, None].expand(B, T), torch.zeros(()))
+    if cfg.whiten_advantages:
+        advantages = A.masked_whiten(advantages, mask)
+    return Experience(
+        sequences=sequences, attention_mask=attention_mask, response_mask=mask, old_logprobs=old,
+        advantages=advantages, scores=scores, group_index=groups,
+        info={"length": mask.sum(1), "finished": torch.tensor([bool(r.get("finished", True)) for r in records])},
+    )
+
+
+def _hashable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)

@@ -1,0 +1,89 @@
+"""Bring-your-own rollouts: scored completions from a JSONL file become an aligned Experience."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmrl import algorithms as A
+from lmrl.config import load_config
+from lmrl.models.loading import model_forward_logprobs
+from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
+from lmrl.scored import experience_from_records, load_scored_rollouts
+
+ROWS = [
+    {"prompt": "1+1=", "completion": "2", "reward": 1.0, "group_id": "a", "old_logprobs": [-0.5, -0.1]},
+    {"prompt": "7+5=", "completion": "11", "reward": 0.0, "group_id": "b", "old_logprobs": [-1.0, -2.0, -0.2]},
+    {"prompt": "1+1=", "completion": "3", "reward": 0.0, "group_id": "a", "old_logprobs": [-2.0, -0.3]},
+    {"prompt": "7+5=", "completion": "12", "reward": 1.0, "group_id": "b", "old_logprobs": [-0.4, -0.6, -0.1]},
+    {"prompt": "7+5=", "completion": "12", "reward": 1.0, "group_id": "b", "old_logprobs": [-0.4, -0.6, -0.1]},
+    {"prompt": "9+9=", "completion": "1", "reward": 0.0, "group_id": "c", "finished": False, "old_logprobs": [-3.0]},
+]
+
+
+def write(tmp_path, rows):
+    path = tmp_path / "traces.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_alignment_groups_and_logprobs(tmp_path):
+    tok = char_tokenizer()
+    exp = experience_from_records(load_scored_rollouts(write(tmp_path, ROWS)), tok, load_config().algorithm)
+    assert exp.response_mask.sum(1).tolist() == [2, 3, 2, 3, 3, 1]  # completion tokens + EOS when finished
+    T = exp.num_response_tokens
+    assert tok.decode(exp.sequences[1, -T:][exp.response_mask[1]]) == "11" + tok.eos_token
+    assert exp.sequences[5, -T] == tok.convert_tokens_to_ids("1") and not exp.response_mask[5, 1:].any()
+    torch.testing.assert_close(exp.old_logprobs[1, :3], torch.tensor([-1.0, -2.0, -0.2]))
+    assert exp.group_index.tolist() == [0, 1, 0, 1, 1, 2]
+    # unequal groups, by id: a = {1, 0}, b = {0, 1, 1}, c = {0} (a group of one has advantage 0)
+    want = A.group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 0]), torch.tensor([0, 1, 0, 1, 1, 2]))
+    torch.testing.assert_close(exp.advantages[:, 0], want)
+    assert exp.advantages[5, 0] == 0 and exp.advantages[0, 0] > 0 > exp.advantages[2, 0]
+
+
+def test_missing_old_logprobs_are_computed_by_the_policy(tmp_path):
+    tok = char_tokenizer()
+    model = tiny_causal_lm(tok, hidden_size=32, num_layers=1)
+    rows = [{k: v for k, v in r.items() if k != "old_logprobs"} for r in ROWS]
+    with pytest.raises(ValueError, match="no old_logprobs"):
+        experience_from_records(rows, tok, load_config().algorithm)
+    exp = experience_from_records(rows, tok, load_config().algorithm,
+                                  policy_logprobs=lambda s, a, T: (model_forward_logprobs(model, s, a, T), None))
+    direct = model_forward_logprobs(model, exp.sequences, exp.attention_mask, exp.num_response_tokens)
+    torch.testing.assert_close(exp.old_logprobs, torch.where(exp.response_mask, direct, torch.zeros(())))
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "1+1=", "completion": "2", "group_id": 0}, "row 0 lacks reward"),
+    ({"prompt": "1+1=", "completion": "2", "reward": "high", "group_id": 0}, "reward must be a number"),
+])
+def test_bad_rows_name_the_row_and_field(tmp_path, row, message):
+    with pytest.raises(ValueError, match=message):
+        load_scored_rollouts(write(tmp_path, [row]))
+
+
+def test_wrong_logprob_count_and_critic_estimators():
+    tok = char_tokenizer()
+    bad = [dict(ROWS[0], old_logprobs=[-0.5])]
+    with pytest.raises(ValueError, match="row 0 has 1 old_logprobs for 2 completion tokens"):
+        experience_from_records(bad, tok, load_config().algorithm)
+    with pytest.raises(ValueError, match="needs a critic"):
+        experience_from_records(ROWS, tok, load_config(None, ["algorithm=ppo"]).algorithm)
+
+
+def test_trainer_updates_on_scored_traces(tmp_path):
+    from lmrl.trainer import Trainer
+
+    tok = char_tokenizer()
+    model = tiny_causal_lm(tok, hidden_size=32, num_layers=1)
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "log.console=false", "optim.lr=1e-2"])
+    trainer = Trainer(cfg, model=model, tokenizer=tok, reward_funcs=[lambda p, c, **k: [0.0] * len(c)],
+                      train_dataset=[{"prompt": "1+1="}])
+    before = [p.detach().clone() for p in model.parameters()]
+    rows = [{k: v for k, v in r.items() if k != "old_logprobs"} for r in ROWS]
+    metrics = trainer.train_on_scored(rows)
+    assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # old log-probs were the policy's own
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
