@@ -13,7 +13,13 @@ import torch
 from torch import nn
 
 from lmrl.config import Config
-from lmrl.models.loading import load_causal_lm, load_tokenizer, reference_model, resolve_device
+from lmrl.models.loading import (
+    enable_gradient_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    reference_model,
+    resolve_device,
+)
 
 SHIPPED_NAMES = ("tiny-addition",)
 
@@ -41,9 +47,10 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
                                 gradient_checkpointing=m.gradient_checkpointing)
     elif tokenizer is None:
         raise ValueError("tokenizer: pass the tokenizer together with a policy model")
-    policy.to(device)
-    if m.gradient_checkpointing and hasattr(policy, "gradient_checkpointing_enable"):
-        policy.gradient_checkpointing_enable()
+    else:
+        policy.to(device)
+        if m.gradient_checkpointing:
+            enable_gradient_checkpointing(policy)
     # the reference is copied before LoRA wraps the policy: it is the frozen starting point
     reference = reference_model(policy) if cfg.needs_reference else None
     if m.lora is not None:

@@ -211,6 +211,8 @@ class AlgorithmConfig(_Section):
             raise ValueError("gamma and lam must be in [0, 1]")
         if self.kl_coef < 0:
             raise ValueError("kl_coef must be >= 0")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("kl_coef must be > 0 with kl_target: it is the adaptive controller's starting value")
         _positive(self, "num_iterations", "num_minibatches")
         return self
 

@@ -238,6 +238,7 @@ def make_experience(
     """
     seqs, attn = rollout.sequences, rollout.attention_mask
     T = rollout.response_ids.shape[1]
+    info = dict(info or {})
     mask = rollout.response_mask.bool()
     if loss_mask is not None:
         mask = mask & loss_mask[:, None].bool()
@@ -252,6 +253,7 @@ def make_experience(
         if cfg.tis_cap is not None:
             # the sampler's probabilities differ from the trainer's: reweight instead of pretending on-policy
             weights = A.truncated_is_weights(old, rollout.logprobs.float(), mask, cap=cfg.tis_cap)
+            info["tis_weight"] = A.masked_mean(weights, mask, dim=1)
     if cfg.entropy_top_fraction is not None:
         if entropy is None:
             raise ValueError("algorithm.entropy_top_fraction needs the policy forward (entropy) in make_experience")
@@ -267,7 +269,6 @@ def make_experience(
         kl = A.kl_penalty(old, ref, estimator=cfg.kl_estimator if cfg.kl_in == "reward" else "k1")
     adv = compute_advantages(cfg, scores.float(), mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values)
 
-    info = dict(info or {})
     info["length"] = rollout.response_mask.sum(1)
     info["finished"] = rollout.finished
     if kl is not None:

@@ -304,6 +304,8 @@ class Trainer:
             out["objective/kl"] = exp.info["kl"].mean().item()
             out["objective/non_score_reward"] = -self.kl.value * out["objective/kl"]
             out["objective/rlhf_reward"] = out["objective/scores"] + out["objective/non_score_reward"]
+        if "tis_weight" in exp.info:  # how far the sampler's probabilities are from the trainer's
+            out["val/tis_weight_mean"] = exp.info["tis_weight"].mean().item()
         if "entropy" in exp.info:
             out["objective/entropy"] = exp.info["entropy"].mean().item()
         return out

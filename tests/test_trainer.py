@@ -101,3 +101,32 @@ def test_same_seed_same_run(tmp_path):
     b = make_trainer(tmp_path / "b").train().history
     assert [h["objective/scores"] for h in a] == [h["objective/scores"] for h in b]
     assert [h["loss/policy_avg"] for h in a] == [h["loss/policy_avg"] for h in b]
+
+
+def test_lora_run_trains_adapters_and_saves_a_merged_model(tmp_path):
+    lora = '{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}'
+    trainer = make_trainer(tmp_path, f"model.lora={lora}")
+    trainable = [n for n, p in trainer.policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    trainer.train()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # plain transformers, adapters merged
+    assert not any("lora" in k for k in reloaded.state_dict())
+
+
+def test_gradient_checkpointing_and_tis_weights(tmp_path):
+    trainer = make_trainer(tmp_path, "model.gradient_checkpointing=true", "algorithm.tis_cap=2.0")
+    last = trainer.train().history[-1]
+    assert last["val/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # same engine and dtype: weights ~1
+
+
+def test_adaptive_kl_controller_moves_toward_its_target():
+    from lmrl.build import KLController
+
+    kl = KLController(0.1, target=1.0, horizon=100)
+    kl.update(kl=3.0, n=10)  # too much KL: error clipped at +0.2 -> coef * (1 + 0.2 * 10 / 100)
+    assert kl.value == pytest.approx(0.1 * 1.02)
+    kl.update(kl=0.0, n=10)
+    assert kl.value == pytest.approx(0.1 * 1.02 * 0.98)
+    fixed = KLController(0.1)
+    fixed.update(kl=5.0, n=10)
+    assert fixed.value == 0.1

@@ -157,17 +157,21 @@ def load_causal_lm(
         raise ValueError(f"{config_key}: cannot load {path!r}: {_first_line(err)}") from err
     model.to(target)
     if gradient_checkpointing:
-        # Non-reentrant checkpointing works with inputs that do not require grad and with DDP/FSDP.
-        # transformers 5.x renamed the method (the old name warns); 4.x has only the old one.
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        model.train()
+        enable_gradient_checkpointing(model)
     else:
         model.eval()
     return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in the backward pass (non-reentrant: works with inputs that need no grad
+    and with DDP/FSDP). transformers 5.x renamed the method (the old name warns); 4.x has only the old one."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
 
 
 def reference_model(policy: nn.Module) -> nn.Module:

@@ -90,6 +90,155 @@ class _PreallocatedLayer(DynamicLayer):
             self._set_views()
 
 
+class _SharedPromptDecoder:
+    """Decode steps of a Llama / Qwen2 causal LM, run module by module with shared-prompt attention.
+
+    A decode step of transformers' model spends most of its time in attention over a KV cache that
+    holds every prompt `n` times (once per completion). Here each distinct prompt's keys and values
+    are kept once, `[U, K, P, D]` (U prompts, K key/value heads, P prompt tokens, D head dim), and
+    each row's response keys and values separately, `[b, K, max_new, D]`. A row's attention scores
+    over its prompt and over its own response are concatenated before one softmax, so the result is
+    ordinary attention over [prompt | response] (the "cascade" / shared-prefix attention of
+    Juravsky et al., 2024, Hydragen), while the prompt part reads `n` times less memory.
+
+    Rows are laid out in `U x S` slots (S = most rows of one prompt) for the prompt part: queries of
+    one prompt's rows then form one `[S * g, D]` matrix against that prompt's keys (g = query heads
+    per key head). The step also skips transformers' per-step mask construction, rotary
+    recomputation and module plumbing: cos / sin are computed once for all positions of the rollout.
+    Only used for the exact decoder classes of `SUPPORTED_LAYERS` with a position-independent rotary
+    embedding; other models use the generic path.
+    """
+
+    SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+    SUPPORTED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+    # rope types whose inverse frequencies do not depend on the sequence length seen so far
+    STATIC_ROPE = ("default", "linear", "llama3")
+
+    @classmethod
+    def supports(cls, model: nn.Module) -> bool:
+        """True if `model` is a causal LM whose decoder layers this class reproduces exactly."""
+        inner = getattr(model, "model", None)
+        rotary = getattr(inner, "rotary_emb", None)
+        return (
+            type(model).__name__ in cls.SUPPORTED_MODELS
+            and rotary is not None
+            and getattr(rotary, "rope_type", None) in cls.STATIC_ROPE
+            and all(type(layer).__name__ in cls.SUPPORTED_LAYERS for layer in inner.layers)
+        )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        prompt_cache: Cache,
+        prompt_mask: torch.Tensor,
+        row_local: torch.Tensor,
+        max_new: int,
+    ) -> None:
+        """Take the prompt keys / values of a prefill.
+
+        Args:
+            model: The causal LM (`supports(model)` is True).
+            prompt_cache: Cache of the prefill of the U distinct prompts (`_PreallocatedLayer`s).
+            prompt_mask: `[U, P]` bool, True on real prompt tokens.
+            row_local: `[b]` prompt (0..U-1) of each row.
+            max_new: Most response tokens.
+        """
+        inner = model.model
+        self.model, self.layers = model, list(inner.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.num_kv_heads = model.config.get_text_config(decoder=True).num_key_value_heads
+        self.group = model.config.get_text_config(decoder=True).num_attention_heads // self.num_kv_heads
+        num_prompts, prompt_len = prompt_mask.shape
+        self.prompt_keys = [layer.keys.contiguous() for layer in prompt_cache.layers]  # [U, K, P, D]
+        self.prompt_values = [layer.values.contiguous() for layer in prompt_cache.layers]
+        dtype = self.prompt_keys[0].dtype
+        # [U, 1, 1, P] additive mask on padded prompt positions (every prompt has a real token)
+        self.prompt_bias = torch.zeros(prompt_mask.shape, dtype=dtype, device=prompt_mask.device)
+        self.prompt_bias = self.prompt_bias.masked_fill(~prompt_mask, torch.finfo(dtype).min)[:, None, None]
+
+        # slot of each row: prompt * S + rank of the row among its prompt's rows
+        counts = torch.bincount(row_local, minlength=num_prompts)
+        self.slots_per_prompt = int(counts.max())
+        order = torch.argsort(row_local, stable=True)
+        starts = counts.cumsum(0) - counts
+        rank = torch.empty_like(row_local)
+        rank[order] = torch.arange(row_local.numel(), device=row_local.device) - starts[row_local[order]]
+        self.slot = row_local * self.slots_per_prompt + rank  # [b]
+        self.num_slots = num_prompts * self.slots_per_prompt
+        self.identity_slots = bool(
+            torch.equal(self.slot, torch.arange(self.num_slots, device=self.slot.device))
+        )
+
+        b, k, d = row_local.numel(), self.num_kv_heads, self.head_dim
+        self.response_keys = [self.prompt_keys[0].new_empty((b, k, max_new, d)) for _ in self.layers]
+        self.response_values = [self.prompt_keys[0].new_empty((b, k, max_new, d)) for _ in self.layers]
+        positions = torch.arange(prompt_len + max_new, device=prompt_mask.device)[None]
+        cos, sin = inner.rotary_emb(self.prompt_keys[0], position_ids=positions)
+        self.cos, self.sin = cos[0], sin[0]  # [P + max_new, D]
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` (`[a]` indices) of the response cache."""
+        self.response_keys = [x.index_select(0, keep) for x in self.response_keys]
+        self.response_values = [x.index_select(0, keep) for x in self.response_values]
+        self.slot = self.slot.index_select(0, keep)
+        self.identity_slots = False
+
+    def step(self, token: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
+        """Feed `[b]` tokens at `[b]` positions as response token t; return `[b, V]` next-token logits."""
+        b, heads, d = token.shape[0], self.num_kv_heads * self.group, self.head_dim
+        cos, sin = self.cos[position][:, None], self.sin[position][:, None]  # [b, 1, D]
+        hidden = self.model.model.embed_tokens(token)  # [b, hidden]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = _rotate(attn.q_proj(x).view(b, heads, d), cos, sin)
+            self.response_keys[i][:, :, t] = _rotate(attn.k_proj(x).view(b, self.num_kv_heads, d), cos, sin)
+            self.response_values[i][:, :, t] = attn.v_proj(x).view(b, self.num_kv_heads, d)
+            out = self._attend(i, q.view(b, self.num_kv_heads, self.group, d), t + 1)
+            hidden = hidden + attn.o_proj(out.reshape(b, heads * d))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(self.model.model.norm(hidden))
+
+    def _attend(self, i: int, q: torch.Tensor, length: int) -> torch.Tensor:
+        """`[b, K, g, D]` queries -> `[b, K, g, D]` attention over the prompt and `length` response tokens."""
+        q = q * self.scaling
+        prompt_keys = self.prompt_keys[i]
+        prompt_len = prompt_keys.shape[2]
+        scores_prompt = self._from_slots(
+            torch.matmul(self._to_slots(q), prompt_keys.transpose(2, 3)) + self.prompt_bias
+        )  # [b, K, g, P]
+        scores_response = torch.matmul(q, self.response_keys[i][:, :, :length].transpose(2, 3))
+        scores = torch.cat([scores_prompt, scores_response], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = self._from_slots(torch.matmul(self._to_slots(probs[..., :prompt_len]), self.prompt_values[i]))
+        return out + torch.matmul(probs[..., prompt_len:], self.response_values[i][:, :, :length])
+
+    def _to_slots(self, x: torch.Tensor) -> torch.Tensor:
+        """`[b, K, g, X]` per row -> `[U, K, S * g, X]` per prompt (empty slots are zero)."""
+        if not self.identity_slots:
+            x = x.new_zeros((self.num_slots, *x.shape[1:])).index_copy_(0, self.slot, x)
+        _, k, g, last = x.shape
+        return (
+            x.view(-1, self.slots_per_prompt, k, g, last)
+            .transpose(1, 2)
+            .reshape(-1, k, self.slots_per_prompt * g, last)
+        )
+
+    def _from_slots(self, x: torch.Tensor) -> torch.Tensor:
+        """`[U, K, S * g, X]` per prompt -> `[b, K, g, X]` per row."""
+        u, k, _, last = x.shape
+        x = x.view(u, k, self.slots_per_prompt, self.group, last).transpose(1, 2)
+        x = x.reshape(self.num_slots, k, self.group, last)
+        return x if self.identity_slots else x.index_select(0, self.slot)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of `[b, heads, D]` with `[b, 1, D]` cos / sin (Su et al., 2021; HF layout)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 @dataclass
 class _ChunkResult:
     """Responses of one forward batch (b rows, Tc response tokens)."""
@@ -217,7 +366,8 @@ class HFGenerator:
         capacity = prompt_len + max_new
 
         # 1. prefill: each distinct prompt once; positions count real tokens only (left padding)
-        cache = self._new_cache(capacity)
+        lean = self._full_attention and _SharedPromptDecoder.supports(self.model)
+        cache = self._new_cache(prompt_len if lean else capacity)
         position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
         out = self.model(
             input_ids=prompt_ids,
@@ -228,13 +378,15 @@ class HFGenerator:
             logits_to_keep=1,
         )
         logits = out.logits[:, -1].float().index_select(0, row_local)  # [b, V]
-        cache.batch_select_indices(row_local)  # copy each prompt's cache to its rows
         next_position = prompt_mask.sum(1).index_select(0, row_local)  # [b]
-
-        # attention over [prompt | response]: the response part is all ones, sliced per step
-        mask = torch.ones(num_rows, capacity, dtype=torch.bool, device=device)
-        mask[:, :prompt_len] = prompt_mask.index_select(0, row_local)
-        mask = self._decode_mask(mask)
+        if lean:
+            decoder = _SharedPromptDecoder(self.model, cache, prompt_mask, row_local, max_new)
+        else:
+            cache.batch_select_indices(row_local)  # copy each prompt's cache to its rows
+            # attention over [prompt | response]: the response part is all ones, sliced per step
+            mask = torch.ones(num_rows, capacity, dtype=torch.bool, device=device)
+            mask[:, :prompt_len] = prompt_mask.index_select(0, row_local)
+            mask = self._decode_mask(mask)
 
         tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)
@@ -262,9 +414,20 @@ class HFGenerator:
                 break
             if int(done.sum()) >= COMPACT_FRACTION * done.numel():
                 keep = (~done).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                active, done, token = active[keep], done[keep], token[keep]
-                next_position, mask = next_position[keep], mask[keep]
+                active, done, token, next_position = (
+                    active[keep],
+                    done[keep],
+                    token[keep],
+                    next_position[keep],
+                )
+                if lean:
+                    decoder.select(keep)
+                else:
+                    cache.batch_select_indices(keep)
+                    mask = mask[keep]
+            if lean:
+                logits = decoder.step(token, next_position + t, t).float()
+                continue
             kv_length = prompt_len + t + 1
             out = self.model(
                 input_ids=token[:, None],
