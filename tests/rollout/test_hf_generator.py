@@ -7,7 +7,7 @@ import torch
 
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 from lmrl.rollout import Generator, HFGenerator, Rollout, SamplingParams
-from lmrl.rollout.hf import _sample_categorical, _truncate
+from lmrl.rollout.hf import RESPONSE_BLOCK, _sample_categorical, _SharedPromptDecoder, _truncate
 
 TEXTS = ["hello there", "ab", "what is 2+2?", "x"]
 
@@ -304,3 +304,99 @@ def test_sample_categorical_frequencies_and_zero_weights():
     torch.testing.assert_close(
         freq, torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.float64), atol=0.015, rtol=0
     )
+
+
+def gqa_model(tok, arch: str):
+    """A scrambled tiny model with grouped-query attention (4 query heads share each of 2 key/value heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(5)
+    model = model_cls(config).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_shared_prompt_decoder_matches_generic_path(tok, arch, monkeypatch):
+    """The module-by-module decode with shared-prompt attention equals transformers' forward: across
+    response blocks (40 > RESPONSE_BLOCK tokens), grouped-query attention, groups split over forward
+    batches (batch_size 5 with n 3) and rows leaving the batch (EOS made likely)."""
+    model = gqa_model(tok, arch)
+    assert _SharedPromptDecoder.supports(model) and RESPONSE_BLOCK < 40
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tok.eos_token_id] = 1.5
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    try:
+        params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=11)
+        lean = HFGenerator(model, tok, batch_size=5).generate(encode(tok), 3, params)
+        expected = reference_logprobs(model, lean, 0.9)
+        monkeypatch.setattr(_SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+        generic = HFGenerator(model, tok, batch_size=5).generate(encode(tok), 3, params)
+    finally:
+        handle.remove()
+    lengths = lean.lengths
+    assert lean.finished.any() and (~lean.finished).any() and int(lengths.max()) == 40
+    assert torch.equal(lean.response_ids, generic.response_ids)
+    torch.testing.assert_close(lean.logprobs, generic.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lean.logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_generic_path_greedy_matches_generate(llama, tok, monkeypatch):
+    """Models the shared-prompt decoder does not know use transformers' forward with the preallocated cache."""
+    monkeypatch.setattr(_SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+    rollout = HFGenerator(llama, tok).generate(
+        encode(tok), 2, SamplingParams(max_new_tokens=12, temperature=0)
+    )
+    enc = tok(TEXTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = llama.generate(
+            input_ids=enc.input_ids.repeat_interleave(2, 0),
+            attention_mask=enc.attention_mask.repeat_interleave(2, 0),
+            do_sample=False,
+            max_new_tokens=12,
+        )
+    assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
+
+
+def test_greedy_gqa_long_response_matches_generate(tok):
+    """70 tokens span three response blocks; EOS is suppressed so that every row runs to the end."""
+    model = gqa_model(tok, "qwen2")
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tok.eos_token_id] = -1e4
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    try:
+        rollout = HFGenerator(model, tok).generate(
+            encode(tok), 2, SamplingParams(max_new_tokens=70, temperature=0)
+        )
+        enc = tok(TEXTS, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=enc.input_ids.repeat_interleave(2, 0),
+                attention_mask=enc.attention_mask.repeat_interleave(2, 0),
+                do_sample=False,
+                max_new_tokens=70,
+            )
+    finally:
+        handle.remove()
+    assert rollout.response_ids.shape == (8, 70) and not rollout.finished.any()
+    assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
