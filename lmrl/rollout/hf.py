@@ -154,9 +154,14 @@ class _SharedPromptDecoder:
         self.num_kv_heads = model.config.get_text_config(decoder=True).num_key_value_heads
         self.group = model.config.get_text_config(decoder=True).num_attention_heads // self.num_kv_heads
         num_prompts, prompt_len = prompt_mask.shape
-        self.prompt_keys = [layer.keys.contiguous() for layer in prompt_cache.layers]  # [U, K, P, D]
-        self.prompt_values = [layer.values.contiguous() for layer in prompt_cache.layers]
-        dtype = self.prompt_keys[0].dtype
+        # 16-bit models: attention in float32 (the upcast of keys and values is exact), as transformers'
+        # sdpa kernels accumulate in float32 and round once; 16-bit matmuls and softmax would not
+        dtype = prompt_cache.layers[0].keys.dtype
+        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.prompt_keys = [
+            layer.keys.to(dtype).contiguous() for layer in prompt_cache.layers
+        ]  # [U, K, P, D]
+        self.prompt_values = [layer.values.to(dtype).contiguous() for layer in prompt_cache.layers]
         # [U, 1, 1, P] additive mask on padded prompt positions (every prompt has a real token)
         self.prompt_bias = torch.zeros(prompt_mask.shape, dtype=dtype, device=prompt_mask.device)
         self.prompt_bias = self.prompt_bias.masked_fill(~prompt_mask, torch.finfo(dtype).min)[:, None, None]
@@ -184,7 +189,7 @@ class _SharedPromptDecoder:
         self.response_bias = torch.zeros(max_new, filled.numel(), dtype=dtype, device=prompt_mask.device)
         self.response_bias.masked_fill_(filled[None] > filled[:max_new, None], torch.finfo(dtype).min)
         positions = torch.arange(prompt_len + max_new, device=prompt_mask.device)[None]
-        cos, sin = inner.rotary_emb(self.prompt_keys[0], position_ids=positions)
+        cos, sin = inner.rotary_emb(prompt_cache.layers[0].keys, position_ids=positions)  # model dtype
         self.cos, self.sin = cos[0], sin[0]  # [P + max_new, D]
 
     def select(self, keep: torch.Tensor) -> None:
@@ -208,14 +213,17 @@ class _SharedPromptDecoder:
             self.response_keys[i][block, :, :, offset] = key
             self.response_values[i][block, :, :, offset] = attn.v_proj(x).view(b, self.num_kv_heads, d)
             out = self._attend(i, q.view(b, self.num_kv_heads, self.group, d), t + 1)
-            hidden = hidden + attn.o_proj(out.reshape(b, heads * d))
+            hidden = hidden + attn.o_proj(out.reshape(b, heads * d).to(x.dtype))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(self.model.model.norm(hidden))
 
     def _attend(self, i: int, q: torch.Tensor, length: int) -> torch.Tensor:
-        """`[b, K, g, D]` queries -> `[b, K, g, D]` attention over the prompt and `length` response tokens."""
+        """`[b, K, g, D]` queries -> `[b, K, g, D]` attention over the prompt and `length` response tokens.
+
+        Attention is computed in the dtype of the stored keys (float32 for 16-bit models).
+        """
         b, k, g, _ = q.shape
-        q = q * self.scaling
+        q = q.to(self.prompt_keys[i].dtype) * self.scaling
         prompt_keys = self.prompt_keys[i]
         prompt_len = prompt_keys.shape[2]
         scores_prompt = self._from_slots(
@@ -228,7 +236,7 @@ class _SharedPromptDecoder:
         scores_response = scores_response.permute(1, 2, 3, 0, 4).reshape(b, k, g, -1)
         scores_response = scores_response + self.response_bias[length - 1, : scores_response.shape[-1]]
         scores = torch.cat([scores_prompt, scores_response], dim=-1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1)
         out = self._from_slots(torch.matmul(self._to_slots(probs[..., :prompt_len]), self.prompt_values[i]))
         probs_response = probs[..., prompt_len:].reshape(b, k, g, blocks, -1).permute(3, 0, 1, 2, 4)
         return out + torch.matmul(probs_response, self.response_values[i][:blocks]).sum(0)
