@@ -125,14 +125,22 @@ class _SharedPromptDecoder:
 
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
-        """True if `model` is a causal LM whose decoder layers this class reproduces exactly."""
+        """True if `model` is a causal LM whose decoder layers this class reproduces exactly.
+
+        The layers' and attention modules' own `forward` is bypassed, so models with hooks on them
+        (accelerate's device-map offloading, user hooks) use the generic path. Hooks on the leaf
+        modules called here (projections, MLP, norms, embedding, `lm_head`) still run.
+        """
         inner = getattr(model, "model", None)
         rotary = getattr(inner, "rotary_emb", None)
+        if type(model).__name__ not in cls.SUPPORTED_MODELS or rotary is None:
+            return False
+        bypassed = [inner, *inner.layers, *(layer.self_attn for layer in inner.layers)]
         return (
-            type(model).__name__ in cls.SUPPORTED_MODELS
-            and rotary is not None
-            and getattr(rotary, "rope_type", None) in cls.STATIC_ROPE
+            getattr(rotary, "rope_type", None) in cls.STATIC_ROPE
+            and not getattr(model, "hf_device_map", None)
             and all(type(layer).__name__ in cls.SUPPORTED_LAYERS for layer in inner.layers)
+            and not any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in bypassed)
         )
 
     def __init__(

@@ -400,3 +400,25 @@ def test_greedy_gqa_long_response_matches_generate(tok):
         handle.remove()
     assert rollout.response_ids.shape == (8, 70) and not rollout.finished.any()
     assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
+
+
+def test_shared_prompt_decoder_only_for_known_unhooked_models(tok):
+    """Hooks on the decoder layers would be bypassed by the module-by-module decode: such models take the
+    generic path (and so does any other architecture)."""
+    llama = tiny_causal_lm(tok, "llama")
+    assert _SharedPromptDecoder.supports(llama) and _SharedPromptDecoder.supports(
+        tiny_causal_lm(tok, "qwen2")
+    )
+    handle = llama.model.layers[1].register_forward_hook(lambda module, inputs, output: output * 0.5)
+    assert not _SharedPromptDecoder.supports(llama)
+    # the hooked model still generates what transformers generates
+    rollout = HFGenerator(llama, tok).generate(
+        encode(tok), 1, SamplingParams(max_new_tokens=6, temperature=0)
+    )
+    enc = tok(TEXTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = llama.generate(**enc, do_sample=False, max_new_tokens=6)
+    handle.remove()
+    assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
+    assert _SharedPromptDecoder.supports(llama)
+    assert not _SharedPromptDecoder.supports(torch.nn.Linear(2, 2))
