@@ -12,7 +12,7 @@ examples:
   lmrl train algorithm=dapo train.steps=50     another algorithm, any field overridden with key=value
   lmrl train examples/gsm8k_qwen.yaml          a YAML config, then overrides on top
   lmrl train --help-config                     every config field with its default and meaning
-  lmrl eval --model runs/lmrl/final --task addition --k 8
+  lmrl eval --model runs/tiny-addition/final --task addition --k 8
 """
 
 

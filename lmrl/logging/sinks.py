@@ -21,7 +21,7 @@ class JsonlSink:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", buffering=1)
+        self._file = self.path.open("w", buffering=1)  # a new run starts a new file
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         row = {"step": step, "time": round(time.time(), 3)}
