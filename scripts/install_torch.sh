@@ -19,7 +19,10 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 fi
 spec=${TORCH_SPEC:-torch==2.13.0}
 echo "no GPU: installing the CPU build ($spec)"
-if "$py" -m pip install -q --no-index "$spec" 2>/dev/null; then
+# the wheel alone from local disk (pip's find-links), then its dependencies from the usual index:
+# torch itself is then satisfied and nothing large is downloaded
+if "$py" -m pip install -q --no-index --no-deps "$spec" 2>/dev/null; then
+    "$py" -m pip install -q "$spec"
     exit 0
 fi
 "$py" -m pip install -q "$spec" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
