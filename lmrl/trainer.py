@@ -50,6 +50,18 @@ class TrainResult:
     evals: list[dict[str, float]] = field(default_factory=list)  # held-out metrics, with step and time
 
 
+@dataclass
+class Collected:
+    """One step's scored rollout, as `Trainer.collect` returns it."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # [B] after shaping
+    keep: torch.Tensor | None  # [B] False: left out of the loss
+    rows: list[dict[str, Any]]  # dataset rows of the kept groups, in group order
+    metrics: dict[str, float]
+    per_function: dict[str, torch.Tensor]  # "reward/<name>" -> [B] raw scores (NaN where None)
+
+
 class Trainer:
     """RL post-training of one causal LM. Give a Config; optionally the model, tokenizer, reward functions
     and prompt rows directly (as with TRL's GRPOTrainer): those override the config's."""
@@ -106,15 +118,16 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
         # 1-2. sample prompts, generate, score
-        rollout, scores, keep, rows, metrics = self.collect(step)
+        c = self.collect(step)
+        rollout, rows, metrics = c.rollout, c.rows, c.metrics
         t1 = time.time()
         # 3. experience: old / reference log-probs, values, KL, advantages
         exp = make_experience(
-            rollout, scores, cfg.algorithm,
+            rollout, c.scores, cfg.algorithm,
             policy_logprobs=self._policy_forward if self._needs_old_forward else None,
             ref_logprobs=self._ref_forward if self.models.reference is not None else None,
             critic_values=self._critic_forward if self.models.critic is not None else None,
-            kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=keep,
+            kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep, info=c.per_function,
         )
         t2 = time.time()
         # 4. update
@@ -146,7 +159,7 @@ class Trainer:
             rows = [self.data.train_rows[i] for i in self.sampler.indices(step * rounds + r, cfg.rollout.prompts_per_step)]
             rollout, out = self.generate_and_score(rows, G, seed=cfg.train.seed * 1_000_003 + step * 101 + r)
             metrics = metrics or dict(out.metrics)  # reward metrics of the first round: the unfiltered policy
-            scores = out.scores
+            scores, per_fn = out.scores, out.per_function
             if cfg.algorithm.dynamic_sampling:
                 ok = informative_groups(scores, G)
                 filtered += int((~ok).sum())
@@ -155,9 +168,10 @@ class Trainer:
                     chosen = torch.arange(min(need, len(rows)))  # nothing informative at all: zero advantages
                 index = (chosen[:, None] * G + torch.arange(G)).flatten()
                 rollout, scores, rows = select_rollout(rollout, index), scores[index], [rows[int(i)] for i in chosen]
+                per_fn = {k: v[index] for k, v in per_fn.items()}
                 rollout.prompt_index = torch.arange(len(rows)).repeat_interleave(G)
             if rows:
-                parts.append((rollout, scores))
+                parts.append((rollout, scores, per_fn))
                 rows_kept += rows
             if len(rows_kept) >= cfg.rollout.prompts_per_step:
                 break
@@ -168,7 +182,8 @@ class Trainer:
         raw = torch.cat([p[1] for p in parts])
         scores, keep = shape_scores(rollout, raw, cfg.reward, cfg.rollout.max_new_tokens)
         metrics["objective/raw_scores"] = raw.mean().item()
-        return rollout, scores, keep, rows_kept, metrics
+        per_function = {f"reward/{k}": torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}  # [B], NaN = None
+        return Collected(rollout, scores, keep, rows_kept, metrics, per_function)
 
     def generate_and_score(self, rows: list[dict[str, Any]], n: int, seed: int | None = None,
                            temperature: float | None = None) -> tuple[Rollout, Any]:

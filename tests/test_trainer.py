@@ -44,6 +44,7 @@ def test_every_algorithm_trains_end_to_end(tmp_path, algorithm):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "policy/clipfrac_avg" in rows[-1] and "objective/scores" in rows[-1]
+    assert "reward/digit_share/mean" in rows[-1]
     # the final model is plain transformers
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     p0 = next(iter(trainer.policy.state_dict().values()))
@@ -85,15 +86,23 @@ def test_gradient_accumulation_1x8_equals_8x1(tmp_path, aggregation):
         trainer = make_trainer(tmp_path / str(micro), f"optim.micro_batch_size={micro}", "rollout.prompts_per_step=2",
                                f"algorithm.aggregation={aggregation}", "optim.max_grad_norm=null",
                                model=tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0))
-        rollout, scores, keep, _, _ = trainer.collect(1)
+        c = trainer.collect(1)
         from lmrl.experience import make_experience
 
-        exp = make_experience(rollout, scores, trainer.cfg.algorithm, policy_logprobs=None)
+        exp = make_experience(c.rollout, c.scores, trainer.cfg.algorithm, policy_logprobs=None)
         trainer.optimizer.step = lambda: None  # keep the gradients, skip the update
         trainer._optimizer_step(exp)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_experience_info_carries_per_reward_scores(tmp_path):
+    trainer = make_trainer(tmp_path, "algorithm=dapo")  # dynamic sampling filters rows: scores stay aligned
+    c = trainer.collect(1)
+    per = c.per_function["reward/digit_share"]
+    assert per.shape == c.scores.shape
+    torch.testing.assert_close(per, torch.tensor(digit_share(None, c.rollout.texts, ["digits"] * len(c.rollout.texts))))
 
 
 def test_same_seed_same_run(tmp_path):
