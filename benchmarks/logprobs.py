@@ -8,6 +8,10 @@ Methods:
     naive    torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens)   (plain autograd)
     chunked  lmrl.algorithms.token_logprobs(logits, tokens, temperature, chunk_size)  (custom backward)
 
+With --from-hidden H the inputs are the last hidden states [B, T, H] and an LM head [V, H] instead of
+logits: naive computes F.linear(hidden, head) and then the above; chunked is
+lmrl.algorithms.hidden_logprobs, which never builds the [B, T, V] logits nor their gradient.
+
 Modes: `fwd` (no grad) and `fwd+bwd` (logits require grad; loss = Σ w·logp; backward).
 
 Memory: every case runs alone in a fresh (forked) process, one after the other. "work" is the process's
@@ -44,6 +48,7 @@ class Case:
     temperature: float
     repeats: int
     threads: int
+    hidden: int = 0  # > 0: inputs are hidden states [B, T, hidden] and an LM head [V, hidden]
 
 
 @dataclass
@@ -67,26 +72,33 @@ def run_case(case: Case) -> Result:
     """Runs in the worker subprocess."""
     import torch
 
-    from lmrl.algorithms.logprobs import token_logprobs
+    from lmrl.algorithms.logprobs import hidden_logprobs, token_logprobs
 
     torch.set_num_threads(case.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, case.dtype)
     # normal_ in place: building the inputs never holds a second copy, so the RSS peak so far
     # equals the RSS now and the measured peak belongs to the computation.
-    logits = torch.empty(case.batch, case.length, case.vocab, dtype=dtype).normal_(std=2.0)
     tokens = torch.randint(0, case.vocab, (case.batch, case.length))
     weights = torch.randn(case.batch, case.length)
     backward = case.mode == "fwd+bwd"
-    logits.requires_grad_(backward)
+    if case.hidden:
+        hidden = torch.empty(case.batch, case.length, case.hidden, dtype=dtype).normal_()
+        head = torch.empty(case.vocab, case.hidden, dtype=dtype).normal_(std=case.hidden**-0.5)
+        leaves = [hidden.requires_grad_(backward), head.requires_grad_(backward)]
+    else:
+        logits = torch.empty(case.batch, case.length, case.vocab, dtype=dtype).normal_(std=2.0)
+        leaves = [logits.requires_grad_(backward)]
 
     def naive() -> torch.Tensor:
-        z = logits.float()
+        z = (torch.nn.functional.linear(hidden, head) if case.hidden else logits).float()
         if case.temperature != 1.0:
             z = z / case.temperature
         return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
     def chunked() -> torch.Tensor:
+        if case.hidden:
+            return hidden_logprobs(hidden, head, tokens, case.temperature, case.chunk_size)
         return token_logprobs(logits, tokens, case.temperature, case.chunk_size)
 
     fn = naive if case.method == "naive" else chunked
@@ -94,7 +106,8 @@ def run_case(case: Case) -> Result:
     base = _rss_mb()
     times = []
     for _ in range(case.repeats):
-        logits.grad = None
+        for leaf in leaves:
+            leaf.grad = None
         start = time.perf_counter()
         if backward:
             (fn() * weights).sum().backward()
@@ -111,8 +124,12 @@ def estimate_gb(case: Case) -> float:
     n = case.batch * case.length * case.vocab
     s = DTYPE_BYTES[case.dtype]
     upcast = 4 if s != 4 else 0
+    if case.hidden and case.method != "naive":
+        return (2 * (case.batch * case.length + case.vocab) * case.hidden * (s + 4)) / 1e9 + 0.6
     if case.method == "naive":
         extra = 4 + upcast if case.mode == "fwd" else 12 + upcast + s
+        if case.hidden:
+            extra += s  # the logits themselves are part of the computation
     else:
         extra = 0 if case.mode == "fwd" else s
         extra_chunk = 3 * 4 * case.chunk_size * case.vocab
@@ -183,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    p.add_argument("--from-hidden", type=int, default=0, metavar="H",
+                   help="start from hidden states of width H and an LM head (hidden_logprobs) instead of logits")
     p.add_argument("--quick", action="store_true", help="B x T = 2 x 128, V = 4096: a smoke run")
     args = p.parse_args(argv)
 
@@ -198,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         args.vocab, args.batch, args.length, args.chunk_size = [4096], 2, 128, [64]
     threads = args.threads or os.cpu_count() or 1
 
-    print(f"B x T = {args.batch} x {args.length}, temperature {args.temperature}, "
+    inputs = f"hidden states (H = {args.from_hidden}) and an LM head" if args.from_hidden else "logits"
+    print(f"inputs: {inputs}; B x T = {args.batch} x {args.length}, temperature {args.temperature}, "
           f"{threads} threads, best of {args.repeats}")
     print("work = peak RSS - RSS after inputs were built (what the computation needs beyond its inputs,")
     print("       incl. the logits gradient in fwd+bwd); peak = process peak RSS; ratio = chunked / naive\n")
@@ -209,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in args.dtype:
             for mode in args.mode:
                 base = dict(mode=mode, vocab=vocab, dtype=dtype, batch=args.batch, length=args.length,
-                            temperature=args.temperature, repeats=args.repeats, threads=threads)
+                            temperature=args.temperature, repeats=args.repeats, threads=threads,
+                            hidden=args.from_hidden)
                 naive = spawn(Case(method="naive", chunk_size=0, **base))
                 for chunk in args.chunk_size:
                     chunked = spawn(Case(method="chunked", chunk_size=chunk, **base))
