@@ -56,10 +56,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# On a CPU shared with other busy processes, OpenMP threads that spin-wait for a descheduled sibling make
-# every small op ~100x slower (measured: a [64, 64] x [64, 256] linear, 2 threads: 7-16 ms spinning vs 0.1 ms
-# passive). Set before torch loads; the subprocesses inherit it, so both trainers run the same way.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -80,6 +76,8 @@ class Settings:
     lr: float
     threads: int
     seed: int
+    precision: str = "fp32"  # fp32: both in float32; bf16: bfloat16 autocast in both, and lmrl samples in bf16
+    attn: str = "sdpa"  # the attention kernel of the model both trainers load
 
 
 @dataclass
@@ -138,11 +136,11 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _load(init_dir: str):
+def _load(init_dir: str, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype="float32", attn_implementation=attn)
     return model, tokenizer
 
 
@@ -169,7 +167,7 @@ def run_lmrl(s: Settings, out_dir: str) -> RunResult:
     from lmrl.config import load_config
     from lmrl.trainer import Trainer
 
-    model, tokenizer = _load(s.init_dir)
+    model, tokenizer = _load(s.init_dir, s.attn)
     base_peak = _peak_rss_mb()
     recorder = RewardRecorder()
     cfg = load_config(None, [
@@ -177,7 +175,8 @@ def run_lmrl(s: Settings, out_dir: str) -> RunResult:
         f"rollout.group_size={s.group_size}", f"rollout.max_new_tokens={s.max_new_tokens}", f"optim.lr={s.lr}",
         "optim.max_grad_norm=1.0", "optim.weight_decay=0.0", f"optim.micro_batch_size={s.prompts_per_step * s.group_size}",
         "rollout.temperature=1.0", "algorithm.kl_coef=0.0", "algorithm.aggregation=seq-mean-token-mean",
-        "algorithm.clip_low=0.2", "algorithm.clip_high=0.2", f"train.seed={s.seed}", f"train.threads={s.threads}",
+        "algorithm.clip_low=0.2", "algorithm.clip_high=0.2", f"train.seed={s.seed}", f"train.threads={s.threads}", f"train.autocast_bf16={s.precision == 'bf16'}",
+        *(["rollout.dtype=bfloat16"] if s.precision == "bf16" else []),
         f"train.output_dir={out_dir}", "train.eval_every=0", "log.console=false", "log.samples_every=0",
         "model.name_or_path=benchmark",
     ])
@@ -202,7 +201,7 @@ def run_trl(s: Settings, out_dir: str) -> RunResult:
 
     from lmrl.data.prompts import PromptSampler
 
-    model, tokenizer = _load(s.init_dir)
+    model, tokenizer = _load(s.init_dir, s.attn)
     base_peak = _peak_rss_mb()
     rows = prompt_rows(s)
     # the prompts lmrl's trainer draws at steps 1..N (its sampler's batch `step`), in order: TRL reads the
@@ -249,7 +248,7 @@ def run_trl(s: Settings, out_dir: str) -> RunResult:
         shuffle_dataset=False,
         seed=s.seed,
         use_cpu=True,
-        bf16=False,
+        bf16=s.precision == "bf16",
         fp16=False,
         gradient_checkpointing=False,
         report_to="none",
@@ -416,6 +415,11 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=300, help="supervised warm start (0 = random weights)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: bfloat16 autocast in both trainers (TRL bf16=True, its default), and lmrl "
+                             "samples with a bfloat16 copy of the policy (rollout.dtype=bfloat16, TIS-corrected)")
+    parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
+                        help="attention kernel of the model both trainers load")
     parser.add_argument("--eos", action="store_true",
                         help="let completions end at EOS (the warm start teaches it): unequal work by design, "
                              "lmrl drops finished rows from generation, TRL's model.generate keeps them")
@@ -452,7 +456,7 @@ def main() -> None:
             start_acc = build_start_model(hidden, layers, heads, args.sft_steps, args.seed, init_dir, args.eos)
             print(f"[{size}] start model: {args.sft_steps} warm-start steps in {time.perf_counter() - t:.0f}s", flush=True)
             s = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
-                         args.lr, args.threads, args.seed)
+                         args.lr, args.threads, args.seed, args.precision, args.attn)
             runs = {}
             for name in args.trainers:
                 t = time.perf_counter()

@@ -5,6 +5,7 @@ Each function builds one thing; the trainer calls them in order. Nothing here ru
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from torch import nn
 
 from lmrl.config import Config
 from lmrl.models.loading import (
+    DTYPES,
     enable_gradient_checkpointing,
     load_causal_lm,
     load_tokenizer,
@@ -30,6 +32,7 @@ class Models:
     tokenizer: Any
     reference: nn.Module | None = None
     critic: nn.Module | None = None
+    sampler: nn.Module | None = None  # a copy of the policy in another dtype that generates (rollout.dtype)
 
 
 def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = None) -> Models:
@@ -44,11 +47,14 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
             path = str(SHIPPED_MODEL)
         tokenizer = tokenizer or load_tokenizer(path, trust_remote_code=m.trust_remote_code)
         policy = load_causal_lm(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code,
+                                attn_implementation=m.attn_implementation,
                                 gradient_checkpointing=m.gradient_checkpointing)
     elif tokenizer is None:
         raise ValueError("tokenizer: pass the tokenizer together with a policy model")
     else:
         policy.to(device)
+        if m.attn_implementation is not None:
+            policy.set_attn_implementation(m.attn_implementation)
         if m.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
     # the reference is copied before LoRA wraps the policy: it is the frozen starting point
@@ -65,7 +71,25 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
             critic = ValueModel.from_policy(reference or policy)
         critic.to(device)
     policy.train()
-    return Models(policy, tokenizer, reference, critic)
+    return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype))
+
+
+def sampler_copy(policy: nn.Module, dtype: str | None) -> nn.Module | None:
+    """A frozen copy of the policy in `dtype` for generation (`rollout.dtype`), or None when the policy
+    itself samples. `copy_weights(policy, copy)` refreshes it."""
+    if dtype is None or all(p.dtype == DTYPES[dtype] for p in policy.parameters() if p.is_floating_point()):
+        return None
+    sampler = copy.deepcopy(policy).to(DTYPES[dtype])
+    sampler.eval()
+    sampler.requires_grad_(False)
+    return sampler
+
+
+@torch.no_grad()
+def copy_weights(src: nn.Module, dst: nn.Module) -> None:
+    """dst's parameters := src's (cast to dst's dtype); both have the same structure (`sampler_copy`)."""
+    for d, s in zip(dst.parameters(), src.parameters(), strict=True):
+        d.copy_(s)
 
 
 def _apply_lora(policy: nn.Module, lora) -> nn.Module:

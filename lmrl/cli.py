@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 EXAMPLES = """\
@@ -17,9 +16,6 @@ examples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # OpenMP threads that spin while waiting make small CPU ops ~100x slower when other processes share
-    # the cores (measured in benchmarks/vs_trl.py); must be set before torch is imported.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(
         prog="lmrl", description="Reinforcement-learning post-training of language models.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+DEFAULT_TIS_CAP = 2.0  # truncated importance sampling cap when the sampler is another dtype
 
 
 def _positive(section: BaseModel, *names: str) -> None:
@@ -58,6 +59,9 @@ class ModelConfig(_Section):
     """PPO critic: a separate model; None copies the policy's backbone and adds a value head."""
     chat_template: bool | None = None
     """Apply the tokenizer's chat template to chat-style prompts (None: when prompts are message lists)."""
+    attn_implementation: str | None = None
+    """transformers' attention kernel for training forwards: "eager", "sdpa", "flash_attention_2", ...
+    (None: transformers' choice). On CPU with bfloat16 autocast, "eager" trains faster than "sdpa"."""
 
 
 class DataConfig(_Section):
@@ -102,6 +106,11 @@ class RolloutConfig(_Section):
     """Stop strings that end a completion besides EOS."""
     batch_size: int | None = None
     """Most sequences generated in one batch (None = all at once)."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Weights the sampler uses. None: the policy itself. Another dtype: a copy of the policy in that
+    dtype, refreshed from the policy before every generation; truncated importance sampling
+    (algorithm.tis_cap, 2.0 unless set) corrects for the difference between its probabilities and
+    the trainer's."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
@@ -199,7 +208,8 @@ class AlgorithmConfig(_Section):
     max_sampling_rounds: int = 3
     """DAPO: at most this many generation rounds per step when refilling."""
     tis_cap: float | None = None
-    """Truncated importance sampling cap, when the sampler's probabilities differ from the trainer's."""
+    """Truncated importance sampling cap, when the sampler's probabilities differ from the trainer's
+    (2.0 when rollout.dtype makes the sampler a copy in another dtype)."""
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -361,7 +371,14 @@ class Config(_Section):
             raise ValueError("reward.weights must have one weight per entry of reward.functions")
         if self.reward.overlong_buffer is not None and not 0 < self.reward.overlong_buffer <= r.max_new_tokens:
             raise ValueError("reward.overlong_buffer must be in [1, rollout.max_new_tokens]")
+        if self.samples_with_copy and a.tis_cap is None:
+            a.tis_cap = DEFAULT_TIS_CAP  # another sampler: correct for it rather than pretend on-policy
         return self
+
+    @property
+    def samples_with_copy(self) -> bool:
+        """The sampler is a copy of the policy in another dtype (`rollout.dtype`)."""
+        return self.rollout.dtype is not None and self.rollout.dtype != self.model.dtype
 
     @property
     def needs_reference(self) -> bool:

@@ -31,7 +31,9 @@ class Experience:
     sequences: torch.Tensor  # [B, P+T] prompt + response token ids
     attention_mask: torch.Tensor  # [B, P+T] bool
     response_mask: torch.Tensor  # [B, T] bool: tokens the loss trains on
-    old_logprobs: torch.Tensor  # [B, T] log-probs under the policy that sampled (detached)
+    # [B, T] log-probs under the policy before this update (detached). None: the batch is used for one
+    # update, so the update's own forward gives them (detached: the ratio is exactly 1)
+    old_logprobs: torch.Tensor | None
     advantages: torch.Tensor  # [B, T]
     scores: torch.Tensor  # [B] total reward of each completion (after shaping)
     group_index: torch.Tensor  # [B] prompt index; samples of a group are contiguous
@@ -40,6 +42,9 @@ class Experience:
     returns: torch.Tensor | None = None  # [B, T] value targets (PPO)
     rewards: torch.Tensor | None = None  # [B, T] per-token rewards when KL is in the reward
     weights: torch.Tensor | None = None  # [B, T] per-token loss weights (truncated IS, entropy filter)
+    # [B, T] the sampler's log-probs, when old_logprobs is None and truncated importance sampling is on:
+    # the update weighs each token by min(exp(old - sampler), cap) from its own forward
+    rollout_logprobs: torch.Tensor | None = None
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] tensors: lengths, finished, ...
 
     @property
@@ -231,8 +236,9 @@ def make_experience(
         rollout: B sequences with their sampling log-probs.
         scores: [B] shaped rewards.
         policy_logprobs: `fn(sequences, attention_mask, T) -> (logprobs [b, T], entropy [b, T])` of the
-            current policy; None means "reuse the sampling log-probs" (one update per batch, same engine and
-            dtype: a second forward could not change anything).
+            current policy; None means one update per batch: the update's own forward gives the old
+            log-probs (`old_logprobs=None`), and with `cfg.tis_cap` its truncated IS weights against
+            the sampling log-probs (`rollout_logprobs`). A second forward here could not change anything.
         ref_logprobs / critic_values: same shape contract; None skips that forward.
         loss_mask: [B] bool, False drops a whole completion from the loss (e.g. truncated ones).
     """
@@ -242,10 +248,12 @@ def make_experience(
     mask = rollout.response_mask.bool()
     if loss_mask is not None:
         mask = mask & loss_mask[:, None].bool()
-    weights = None
+    weights, rollout_logp = None, None
 
     if policy_logprobs is None:
-        old, entropy = rollout.logprobs.float(), None
+        old, entropy = None, None
+        if cfg.tis_cap is not None:
+            rollout_logp = rollout.logprobs.float()
     else:
         outs = batched_forward(policy_logprobs, seqs, attn, T, micro_batch_size)
         old = torch.cat([o[0] for o in outs]).float()
@@ -266,7 +274,8 @@ def make_experience(
     # the KL that enters the reward uses the configured estimator; in the loss it is only reported (k1)
     kl = None
     if ref is not None:
-        kl = A.kl_penalty(old, ref, estimator=cfg.kl_estimator if cfg.kl_in == "reward" else "k1")
+        behaviour = old if old is not None else rollout.logprobs.float()
+        kl = A.kl_penalty(behaviour, ref, estimator=cfg.kl_estimator if cfg.kl_in == "reward" else "k1")
     adv = compute_advantages(cfg, scores.float(), mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values)
 
     info["length"] = rollout.response_mask.sum(1)
@@ -288,6 +297,7 @@ def make_experience(
         returns=adv.returns,
         rewards=adv.rewards,
         weights=weights,
+        rollout_logprobs=rollout_logp,
         info=info,
     )
 

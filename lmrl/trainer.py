@@ -9,7 +9,9 @@
 
 How lmrl departs from a textbook PPO loop, and why:
   1. With one update per batch (num_iterations = num_minibatches = 1) the policy that sampled *is* the
-     policy being trained, so the sampling log-probs serve as old log-probs: no second forward.
+     policy being trained, so the update's own forward, detached, gives the old log-probs: no second
+     forward, and the ratio is exactly 1. When a copy in another dtype samples (rollout.dtype), the
+     same forward gives the truncated importance weights against the sampler's log-probs.
   2. No reference model is loaded when no KL term uses it (kl_coef = 0 and no adaptive target).
   3. Losses are normalised by the whole minibatch, not each micro-batch: gradient accumulation over
      1 x 8 or 8 x 1 sequences gives the same update.
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from lmrl import algorithms as A
-from lmrl.build import KLController, load_data, load_models, make_optimizer
+from lmrl.build import KLController, copy_weights, load_data, load_models, make_optimizer
 from lmrl.config import Config, config_to_yaml
 from lmrl.data.prompts import PromptSampler
 from lmrl.experience import (
@@ -78,7 +80,7 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(cfg, self.policy, self.models.critic)
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         self.sampler = PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
-        self.generator = HFGenerator(self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size)
+        self.generator = HFGenerator(self.models.sampler or self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size)
         self.minibatch_rng = torch.Generator().manual_seed(cfg.train.seed)
         self.out = Path(cfg.train.output_dir)
         self.console = Console(cfg.log.console if console is None else console, cfg.train.steps, cfg.log.every)
@@ -194,6 +196,8 @@ class Trainer:
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                 temperature=cfg.rollout.temperature if temperature is None else temperature,
                                 stop=list(cfg.rollout.stop), seed=seed)
+        if self.models.sampler is not None:  # a copy in another dtype samples: give it the current weights
+            copy_weights(self.policy, self.models.sampler)
         with self._autocast():
             rollout = self.generator.generate(ids, n, params)
         expanded = [rows[int(i)] for i in rollout.prompt_index]
@@ -241,12 +245,18 @@ class Trainer:
             share = len(micro) / len(mb)  # metrics average over micro-batches by size
             T, kl_in_loss = micro.num_response_tokens, micro.ref_logprobs is not None and a.kl_in == "loss"
             logp, entropy = self._policy_forward(micro.sequences, micro.attention_mask, T, grad=True)
-            loss, m = loss_fn(logp, micro.old_logprobs, micro.advantages, micro.response_mask,
+            old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach().float()
+            weights, tis_stats = micro.weights, {}
+            if micro.rollout_logprobs is not None:  # the sampler differs from the trainer: reweight its tokens
+                tis = A.truncated_is_weights(old, micro.rollout_logprobs, micro.response_mask, cap=a.tis_cap)
+                weights = tis if weights is None else weights * tis
+                tis_stats["val/tis_weight_mean"] = A.masked_mean(tis, micro.response_mask).item()
+            loss, m = loss_fn(logp, old, micro.advantages, micro.response_mask,
                               clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation, norm_length=norm_length,
                               ref_logp=micro.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.value if kl_in_loss else 0.0,
-                              kl_estimator=a.kl_estimator, weights=micro.weights, normalizer=norm, **kw)
+                              kl_estimator=a.kl_estimator, weights=weights, normalizer=norm, **kw)
             ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norm_length, normalizer=norm)
-            step_stats = {"policy/approxkl_avg": m.approx_kl, "policy/clipfrac_avg": m.clipfrac, "val/ratio": m.ratio_mean,
+            step_stats = {**tis_stats, "policy/approxkl_avg": m.approx_kl, "policy/clipfrac_avg": m.clipfrac, "val/ratio": m.ratio_mean,
                           "val/ratio_max": m.ratio_max, "loss/policy_avg": loss.item() / share,
                           "policy/entropy_avg": ent.item() / share}
             if m.kl is not None:
@@ -271,9 +281,10 @@ class Trainer:
     # --------------------------------------------------------------------------------------- forwards
     @property
     def _needs_old_forward(self) -> bool:
-        """A separate no-grad policy forward for old log-probs: only when the sampling log-probs can't serve."""
+        """A separate no-grad policy forward for old log-probs: only when the batch serves more than one update
+        (or the entropy filter needs the entropy before the update)."""
         a = self.cfg.algorithm
-        return a.num_iterations > 1 or a.num_minibatches > 1 or a.tis_cap is not None or a.entropy_top_fraction is not None
+        return a.num_iterations > 1 or a.num_minibatches > 1 or a.entropy_top_fraction is not None
 
     def _policy_forward(self, seqs, attn, T: int, grad: bool = False):
         self.forward_counts["policy"] += 1

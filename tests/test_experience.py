@@ -92,13 +92,20 @@ def test_whitening_gives_zero_mean_unit_std_over_real_tokens():
     assert (A.masked_var(adv, r.response_mask).sqrt() - 1).abs() < 1e-4
 
 
-def test_make_experience_reuses_sampling_logprobs_and_drops_truncated():
+def test_make_experience_leaves_old_logprobs_to_the_update_and_drops_truncated():
     r = rollout()
     exp = make_experience(r, SCORES, algo(), policy_logprobs=None, loss_mask=r.finished)
-    assert torch.equal(exp.old_logprobs, r.logprobs)
+    assert exp.old_logprobs is None and exp.rollout_logprobs is None  # one update: its own forward serves
     assert not exp.response_mask[2].any() and exp.response_mask[0].all()
     assert exp.ref_logprobs is None and exp.values is None
     assert exp.info["length"].tolist() == [5, 3, 2, 4]
+
+
+def test_make_experience_hands_sampling_logprobs_to_the_update_for_tis():
+    r = rollout()
+    exp = make_experience(r, SCORES, algo("algorithm.tis_cap=2.0"), policy_logprobs=None)
+    assert exp.old_logprobs is None and torch.equal(exp.rollout_logprobs, r.logprobs.float())
+    assert torch.equal(exp.select(torch.tensor([2, 0])).rollout_logprobs, r.logprobs[[2, 0]].float())
 
 
 def test_make_experience_with_reference_and_entropy_filter():

@@ -128,6 +128,35 @@ def test_gradient_checkpointing_and_tis_weights(tmp_path):
     assert last["val/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # same engine and dtype: weights ~1
 
 
+def test_bf16_sampler_copy_is_corrected_by_tis_without_an_extra_forward(tmp_path):
+    trainer = make_trainer(tmp_path, "rollout.dtype=bfloat16", "model.attn_implementation=eager",
+                           "optim.micro_batch_size=16", "train.steps=1")
+    sampler = trainer.models.sampler
+    assert trainer.cfg.algorithm.tis_cap == 2.0  # set because the sampler differs from the trainer
+    assert trainer.generator.model is sampler and sampler is not trainer.policy
+    assert {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.policy.parameters()} == {torch.float32}
+    assert trainer.policy.config._attn_implementation == "eager"
+    m = trainer.train().history[0]
+    assert trainer.forward_counts["policy"] == 1  # the update's forward gives old log-probs and TIS weights
+    assert m["val/ratio"] == 1.0 and m["policy/clipfrac_avg"] == 0.0  # old = the update's own, detached
+    assert 0.9 < m["val/tis_weight_mean"] < 1.1 and m["val/tis_weight_mean"] != 1.0  # bf16 differs, a little
+    # the sampler takes the policy's weights (rounded to bf16) before every generation
+    with torch.no_grad():
+        for p in trainer.policy.parameters():
+            p.add_(0.01)
+    assert any(not torch.equal(a, b.detach().to(torch.bfloat16)) for a, b in zip(sampler.parameters(), trainer.policy.parameters()))
+    trainer.generate_and_score(ROWS[:2], 2, seed=0)
+    for a, b in zip(sampler.parameters(), trainer.policy.parameters()):
+        assert torch.equal(a, b.detach().to(torch.bfloat16))
+
+
+def test_sampler_in_the_policy_dtype_is_the_policy(tmp_path):
+    trainer = make_trainer(tmp_path, "rollout.dtype=float32")
+    assert trainer.models.sampler is None and trainer.generator.model is trainer.policy
+    assert trainer.cfg.algorithm.tis_cap is None
+
+
 def test_adaptive_kl_controller_moves_toward_its_target():
     from lmrl.build import KLController
 
