@@ -27,7 +27,6 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # why: see benchmarks/vs_trl.py
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (vs_trl's helpers)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout

@@ -15,6 +15,9 @@ How lmrl departs from a textbook PPO loop, and why:
   2. No reference model is loaded when no KL term uses it (kl_coef = 0 and no adaptive target).
   3. Losses are normalised by the whole minibatch, not each micro-batch: gradient accumulation over
      1 x 8 or 8 x 1 sequences gives the same update.
+  4. Rows whose advantages are all 0 (a GRPO group whose completions all scored the same) contribute
+     exactly nothing to the loss or its gradient: when no entropy bonus, KL-in-loss term or critic acts
+     on them, they are left out of the update's forward and backward (`_rows_with_gradient`).
 """
 
 from __future__ import annotations
@@ -238,8 +241,11 @@ class Trainer:
         norm = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norm_length)
         vnorm = A.loss_normalizer(mb.response_mask, "token-mean")
         loss_fn, kw = (A.cispo_loss, {}) if a.loss == "cispo" else (A.policy_loss, {"dual_clip": a.dual_clip, "ratio_level": a.ratio_level})
+        live = self._rows_with_gradient(mb)
+        stats: dict[str, float] = {"update/rows_skipped": 1.0 - len(live) / len(mb)}
+        mb = mb.select(live)  # the losses keep the whole minibatch's normalizer; metrics average over `live`
+        metric_norm = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norm_length)
         self.optimizer.zero_grad(set_to_none=True)
-        stats: dict[str, float] = {}
         for start in range(0, len(mb), cfg.optim.micro_batch_size):
             micro = mb.select(torch.arange(start, min(start + cfg.optim.micro_batch_size, len(mb))))
             share = len(micro) / len(mb)  # metrics average over micro-batches by size
@@ -256,9 +262,11 @@ class Trainer:
                               ref_logp=micro.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.value if kl_in_loss else 0.0,
                               kl_estimator=a.kl_estimator, weights=weights, normalizer=norm, **kw)
             ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norm_length, normalizer=norm)
+            ent_metric = A.aggregate_loss(entropy.detach(), micro.response_mask, a.aggregation, norm_length=norm_length,
+                                          normalizer=metric_norm)
             step_stats = {**tis_stats, "policy/approxkl_avg": m.approx_kl, "policy/clipfrac_avg": m.clipfrac, "val/ratio": m.ratio_mean,
                           "val/ratio_max": m.ratio_max, "loss/policy_avg": loss.item() / share,
-                          "policy/entropy_avg": ent.item() / share}
+                          "policy/entropy_avg": ent_metric.item() / share}
             if m.kl is not None:
                 step_stats["objective/kl_loss"] = m.kl
             if a.entropy_coef:
@@ -271,12 +279,27 @@ class Trainer:
             loss.backward()
             for k, v in step_stats.items():
                 stats[k] = stats.get(k, 0.0) + v * share
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(mb) == 0:  # no row carries a gradient: a zero gradient still moves Adam (momentum, decay)
+            for p in params:
+                p.grad = torch.zeros_like(p)
         if cfg.optim.max_grad_norm is not None:
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
             stats["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm))
         self.optimizer.step()
         self.scheduler.step()
         return stats
+
+    def _rows_with_gradient(self, mb: Experience) -> torch.Tensor:
+        """Indices of the rows whose loss has a gradient. A row whose advantages are all 0 adds exactly 0 to
+        the policy loss and its gradient (GRPO groups whose completions all score the same, REINFORCE rows
+        scoring 0); unless an entropy bonus, a KL term in the loss or a critic acts on it, leaving it out
+        of the forward and backward changes nothing in the update: the loss normalizer stays the whole
+        minibatch's."""
+        a = self.cfg.algorithm
+        kl_in_loss = mb.ref_logprobs is not None and a.kl_in == "loss" and self.kl.value > 0
+        if a.entropy_coef or kl_in_loss or self.models.critic is not None:
+            return torch.arange(len(mb))
+        return ((mb.advantages != 0) & mb.response_mask).any(1).nonzero().flatten()
 
     # --------------------------------------------------------------------------------------- forwards
     @property

@@ -97,6 +97,42 @@ def test_gradient_accumulation_1x8_equals_8x1(tmp_path, aggregation):
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
 
 
+def _step_with_zeroed_groups(tmp_path, skip: bool, zero_groups, steps=1, *overrides):
+    """Parameters after `steps` optimizer steps on one batch whose listed groups have zero advantages."""
+    from lmrl.experience import make_experience
+
+    tok = char_tokenizer()
+    trainer = make_trainer(tmp_path, "optim.micro_batch_size=1", "rollout.prompts_per_step=3", *overrides,
+                           model=tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0))
+    c = trainer.collect(1)
+    exp = make_experience(c.rollout, c.scores, trainer.cfg.algorithm, policy_logprobs=None)
+    for g in zero_groups:
+        exp.advantages[exp.group_index == g] = 0.0
+    if not skip:
+        trainer._rows_with_gradient = lambda mb: torch.arange(len(mb))
+    stats = [trainer._optimizer_step(exp if i == 0 else exp.select(torch.arange(len(exp)))) for i in range(steps)]
+    return [p.detach().clone() for p in trainer.policy.parameters()], trainer.forward_counts["policy"], stats
+
+
+@pytest.mark.parametrize("zero_groups", [[0, 2], [0, 1, 2]])
+def test_rows_with_zero_advantage_are_skipped_without_changing_the_update(tmp_path, zero_groups):
+    """Rows whose advantages are all 0 are left out of the forward: the parameters after the step are
+    the same, also when no row is left (Adam's momentum and weight decay still act on a zero gradient)."""
+    overrides = ["optim.weight_decay=0.1"]
+    skipped, n_skipped, stats = _step_with_zeroed_groups(tmp_path / "a", True, zero_groups, 2, *overrides)
+    full, n_full, _ = _step_with_zeroed_groups(tmp_path / "b", False, zero_groups, 2, *overrides)
+    G = 4
+    assert n_full == 2 * 3 * G and n_skipped == 2 * (3 - len(zero_groups)) * G  # micro-batch 1: a forward per row
+    assert stats[0]["update/rows_skipped"] == pytest.approx(len(zero_groups) / 3)
+    for a, b in zip(skipped, full):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_no_row_is_skipped_when_an_entropy_bonus_acts_on_it(tmp_path):
+    _, n, _ = _step_with_zeroed_groups(tmp_path, True, [0, 1, 2], 1, "algorithm.entropy_coef=0.01")
+    assert n == 3 * 4
+
+
 def test_experience_info_carries_per_reward_scores(tmp_path):
     trainer = make_trainer(tmp_path, "algorithm=dapo")  # dynamic sampling filters rows: scores stay aligned
     c = trainer.collect(1)
