@@ -10,7 +10,9 @@ rollouts need:
    completion, and each row attends to them and to its own response keys under one softmax (on
    CPU attention was over half of a small model's decode time; this halves it). Response keys are
    kept in blocks of `RESPONSE_BLOCK` tokens, a layout CPU batched matmul reads fast, and rotary
-   cos / sin are computed once per rollout instead of once per step;
+   cos / sin are computed once per rollout instead of once per step; q / k / v and gate / up run as
+   one matmul each (their weights concatenated once per rollout) and RMSNorm as torch's fused kernel,
+   wherever those modules are plain and hook-free (6-16% faster decode on the benchmark models);
 3. other models: the prompt's KV cache is copied to its `n` completions, in a cache preallocated
    for prompt + `max_new_tokens` (no `torch.cat` of the whole cache per step) with, for
    full-attention models, a ready-made 4D attention mask sliced per step;
@@ -28,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -204,6 +207,11 @@ class _SharedPromptDecoder:
         positions = torch.arange(prompt_len + max_new, device=prompt_mask.device)[None]
         cos, sin = inner.rotary_emb(prompt_cache.layers[0].keys, position_ids=positions)  # model dtype
         self.cos, self.sin = cos[0], sin[0]  # [P + max_new, D]
+        # one matmul for q, k, v and one for gate, up (weights concatenated once per rollout), where the
+        # projections are plain nn.Linear (not LoRA-wrapped or hooked); None: call the modules
+        self.qkv = [_concat_linears(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in self.layers)]
+        self.gate_up = [_concat_linears(layer.mlp.gate_proj, layer.mlp.up_proj) if _plain_mlp(layer.mlp) else None
+                        for layer in self.layers]
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (`[a]` indices) of the response cache."""
@@ -218,17 +226,27 @@ class _SharedPromptDecoder:
         cos, sin = self.cos[position][:, None], self.sin[position][:, None]  # [b, 1, D]
         hidden = self.model.model.embed_tokens(token)  # [b, hidden]
         block, offset = divmod(t, RESPONSE_BLOCK)
+        kv = self.num_kv_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = _rotate(attn.q_proj(x).view(b, heads, d), cos, sin)
-            key = _rotate(attn.k_proj(x).view(b, self.num_kv_heads, d), cos, sin)
-            self.response_keys[i][block, :, :, offset] = key
-            self.response_values[i][block, :, :, offset] = attn.v_proj(x).view(b, self.num_kv_heads, d)
-            out = self._attend(i, q.view(b, self.num_kv_heads, self.group, d), t + 1)
+            x = _rms_norm(layer.input_layernorm, hidden)
+            if self.qkv[i] is not None:
+                q, k, v = F.linear(x, *self.qkv[i]).split([heads * d, kv * d, kv * d], dim=-1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            # rotate queries and keys together: [b, heads + kv, D]
+            qk = _rotate(torch.cat([q, k], dim=-1).view(b, heads + kv, d), cos, sin)
+            self.response_keys[i][block, :, :, offset] = qk[:, heads:]
+            self.response_values[i][block, :, :, offset] = v.view(b, kv, d)
+            out = self._attend(i, qk[:, :heads].view(b, kv, self.group, d), t + 1)
             hidden = hidden + attn.o_proj(out.reshape(b, heads * d).to(x.dtype))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(self.model.model.norm(hidden))
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            if self.gate_up[i] is not None:
+                gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
+                hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                hidden = hidden + layer.mlp(x)
+        return self.model.lm_head(_rms_norm(self.model.model.norm, hidden))
 
     def _attend(self, i: int, q: torch.Tensor, length: int) -> torch.Tensor:
         """`[b, K, g, D]` queries -> `[b, K, g, D]` attention over the prompt and `length` response tokens.
@@ -271,6 +289,31 @@ class _SharedPromptDecoder:
         x = x.view(u, k, self.slots_per_prompt, self.group, last).transpose(1, 2)
         x = x.reshape(self.num_slots, k, self.group, last)
         return x if self.identity_slots else x.index_select(0, self.slot)
+
+
+def _concat_linears(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weight (and bias) of one nn.Linear doing the work of `linears`, or None if any of them is not
+    a plain, hook-free nn.Linear (a LoRA wrapper, a quantised layer) or only some have a bias."""
+    if any(type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks for m in linears):
+        return None
+    biases = [m.bias for m in linears]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    weight = torch.cat([m.weight.detach() for m in linears])
+    return weight, (None if biases[0] is None else torch.cat([b.detach() for b in biases]))
+
+
+def _plain_mlp(mlp: nn.Module) -> bool:
+    """A Llama / Qwen2 gated MLP: down(act(gate(x)) * up(x)), with no hooks on the module itself."""
+    return type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP") and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Llama / Qwen2 RMSNorm with torch's fused kernel: weight * (x / rms(x)) computed in float32, as
+    transformers does; other norm modules are called."""
+    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm") or norm._forward_hooks or norm._forward_pre_hooks:
+        return norm(x)
+    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

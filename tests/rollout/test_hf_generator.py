@@ -422,3 +422,26 @@ def test_shared_prompt_decoder_only_for_known_unhooked_models(tok):
     assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
     assert _SharedPromptDecoder.supports(llama)
     assert not _SharedPromptDecoder.supports(torch.nn.Linear(2, 2))
+
+
+def test_hooked_projections_and_norms_are_called_not_fused(tok, monkeypatch):
+    """The decoder concatenates q/k/v and gate/up weights and runs RMSNorm with torch's kernel, except
+    where a module carries a hook (or is not a plain nn.Linear): there the module itself runs."""
+    model = gqa_model(tok, "llama")
+    layer = model.model.layers[0]
+    handles = [layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: o * 1.5),
+               layer.mlp.up_proj.register_forward_hook(lambda m, i, o: o * 0.5),
+               layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: o * 2.0)]
+    try:
+        assert _SharedPromptDecoder.supports(model)
+        params = SamplingParams(max_new_tokens=12, temperature=0)
+        lean = HFGenerator(model, tok).generate(encode(tok), 2, params)
+        monkeypatch.setattr(_SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+        generic = HFGenerator(model, tok).generate(encode(tok), 2, params)
+    finally:
+        for h in handles:
+            h.remove()
+    unhooked = HFGenerator(model, tok).generate(encode(tok), 2, params)
+    assert torch.equal(lean.response_ids, generic.response_ids)
+    torch.testing.assert_close(lean.logprobs, generic.logprobs, atol=1e-5, rtol=0)
+    assert not torch.allclose(lean.logprobs, unhooked.logprobs)  # the hooks changed something
