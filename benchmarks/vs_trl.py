@@ -188,7 +188,7 @@ def run_lmrl(s: Settings, out_dir: str) -> RunResult:
     t2 = time.perf_counter()
     torch.set_num_threads(s.threads)
     h = result.history
-    extra = {k: statistics.fmean(m[k] for m in h[1:] or h) for k in ("time/generate", "time/experience", "time/update")}
+    extra = {k: statistics.fmean(m[k] for m in h[1:] or h) for k in ("time/generate", "time/experience", "time/update", "update/rows_skipped")}
     return RunResult("lmrl", [m["time/step"] for m in h], recorder.rewards, recorder.lengths, t2 - t1, t1 - t0,
                      _peak_rss_mb(), _peak_rss_mb() - base_peak, held_out_accuracy(trainer.policy, tokenizer), extra)
 

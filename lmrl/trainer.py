@@ -201,7 +201,7 @@ class Trainer:
                                 stop=list(cfg.rollout.stop), seed=seed)
         if self.models.sampler is not None:  # a copy in another dtype samples: give it the current weights
             copy_weights(self.policy, self.models.sampler)
-        with self._autocast():
+        with self._autocast() if self.models.sampler is None else contextlib.nullcontext():
             rollout = self.generator.generate(ids, n, params)
         expanded = [rows[int(i)] for i in rollout.prompt_index]
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != col}
