@@ -379,8 +379,8 @@ def run_child(trainer: str, s: Settings) -> RunResult:
 def report(size: str, s: Settings, start_acc: float, runs: dict[str, RunResult]) -> None:
     batch = s.prompts_per_step * s.group_size
     print(f"\n== {size}: hidden {SIZES[size][0]}, {SIZES[size][1]} layers; {s.prompts_per_step} prompts x "
-          f"G={s.group_size}, {s.max_new_tokens} new tokens, {s.steps} steps, lr {s.lr:g}; start held-out "
-          f"accuracy {start_acc:.3f}")
+          f"G={s.group_size}, {s.max_new_tokens} new tokens, {s.steps} steps, lr {s.lr:g}, seed {s.seed}, "
+          f"{s.precision}, {s.attn} attention; start held-out accuracy {start_acc:.3f}")
     header = (f"{'trainer':<8}{'s/step':>8}{'step 1':>8}{'samples/s':>11}{'tokens/s':>10}{'wall s':>8}"
               f"{'peak MB':>9}{'+train MB':>10}{'len':>6}{'reward 1st':>11}{'reward end':>11}{'held-out':>9}")
     print(header)
@@ -402,6 +402,21 @@ def report(size: str, s: Settings, start_acc: float, runs: dict[str, RunResult])
                   + "  ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in r.extra.items()))
 
 
+def summary(size: str, seeds: list[int], all_runs: list[dict[str, RunResult]]) -> None:
+    """Across seeds: the mean of the per-seed speed ratios, and each trainer's reward and held-out accuracy."""
+    def spread(xs: list[float]) -> str:
+        return f"{statistics.fmean(xs):.3f} +- {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+    print(f"\n== {size}, seeds {seeds[0]}..{seeds[-1]}:")
+    if all("lmrl" in r and "trl" in r for r in all_runs):
+        ratios = [r["trl"].steady_seconds / r["lmrl"].steady_seconds for r in all_runs]
+        print(f"lmrl/TRL samples/s: {statistics.fmean(ratios):.2f}x (per seed: {', '.join(f'{x:.2f}' for x in ratios)})")
+    for name in all_runs[0]:
+        runs = [r[name] for r in all_runs]
+        print(f"{name:<5} s/step {statistics.fmean(r.steady_seconds for r in runs):.2f}  reward end "
+              f"{spread([r.final_reward for r in runs])}  held-out {spread([r.held_out for r in runs])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -415,6 +430,9 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=300, help="supervised warm start (0 = random weights)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="run each trainer with seeds seed..seed+N-1 (one start model) and summarise: reward "
+                             "after a few steps varies with the sampled completions more than between trainers")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: bfloat16 autocast in both trainers (TRL bf16=True, its default), and lmrl "
                              "samples with a bfloat16 copy of the policy (rollout.dtype=bfloat16, TIS-corrected)")
@@ -455,14 +473,19 @@ def main() -> None:
             t = time.perf_counter()
             start_acc = build_start_model(hidden, layers, heads, args.sft_steps, args.seed, init_dir, args.eos)
             print(f"[{size}] start model: {args.sft_steps} warm-start steps in {time.perf_counter() - t:.0f}s", flush=True)
-            s = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
-                         args.lr, args.threads, args.seed, args.precision, args.attn)
-            runs = {}
-            for name in args.trainers:
-                t = time.perf_counter()
-                runs[name] = run_child(name, s)
-                print(f"[{size}] {name}: done in {time.perf_counter() - t:.0f}s", flush=True)
-            report(size, s, start_acc, runs)
+            seeds, all_runs = list(range(args.seed, args.seed + args.seeds)), []
+            for seed in seeds:
+                s = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
+                             args.lr, args.threads, seed, args.precision, args.attn)
+                runs = {}
+                for name in args.trainers:
+                    t = time.perf_counter()
+                    runs[name] = run_child(name, s)
+                    print(f"[{size}] {name}, seed {seed}: done in {time.perf_counter() - t:.0f}s", flush=True)
+                report(size, s, start_acc, runs)
+                all_runs.append(runs)
+            if len(seeds) > 1:
+                summary(size, seeds, all_runs)
 
 
 if __name__ == "__main__":
