@@ -74,6 +74,23 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
     return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype))
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True when oneDNN runs bfloat16 matmuls natively on this CPU (AVX512 and up). Without it (AVX2-only
+    CPUs) a bfloat16 matmul takes a fallback path that was measured ~100x slower than float32."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def slow_bf16_warning(cfg: Config) -> str | None:
+    """One line when the config asks for bfloat16 compute on a CPU that has no fast bfloat16, else None."""
+    asked = [name for name, on in (("train.autocast_bf16=true", cfg.train.autocast_bf16),
+                                   ("model.dtype=bfloat16", cfg.model.dtype == "bfloat16"),
+                                   ("rollout.dtype=bfloat16", cfg.rollout.dtype == "bfloat16")) if on]
+    if not asked or resolve_device(cfg.model.device).type != "cpu" or cpu_has_fast_bf16():
+        return None
+    return (f"{', '.join(asked)}: this CPU has no native bfloat16 matmul (oneDNN needs AVX512), so bfloat16 "
+            "runs far slower than float32 here (see benchmarks/precision.py); float32 is faster on this machine")
+
+
 def sampler_copy(policy: nn.Module, dtype: str | None) -> nn.Module | None:
     """A frozen copy of the policy in `dtype` for generation (`rollout.dtype`), or None when the policy
     itself samples. `copy_weights(policy, copy)` refreshes it."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from lmrl import algorithms as A
-from lmrl.build import KLController, copy_weights, load_data, load_models, make_optimizer
+from lmrl.build import KLController, copy_weights, load_data, load_models, make_optimizer, slow_bf16_warning
 from lmrl.config import Config, config_to_yaml
 from lmrl.data.prompts import PromptSampler
 from lmrl.experience import (
@@ -77,6 +78,8 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
+        if (note := slow_bf16_warning(cfg)) is not None:
+            warnings.warn(note, stacklevel=2)
         self.data = load_data(cfg, reward_funcs, train_dataset, eval_dataset)
         self.models = load_models(cfg, model, tokenizer)
         self.policy, self.tokenizer = self.models.policy, self.models.tokenizer

@@ -204,3 +204,22 @@ def test_adaptive_kl_controller_moves_toward_its_target():
     fixed = KLController(0.1)
     fixed.update(kl=5.0, n=10)
     assert fixed.value == 0.1
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_naming_the_fields(tmp_path, monkeypatch, fast):
+    import warnings
+
+    import lmrl.build
+
+    monkeypatch.setattr(lmrl.build, "cpu_has_fast_bf16", lambda: fast)
+    cfg = load_config(None, ["train.autocast_bf16=true", "rollout.dtype=bfloat16"])
+    note = lmrl.build.slow_bf16_warning(cfg)
+    assert (note is None) == fast
+    if not fast:
+        assert note.startswith("train.autocast_bf16=true, rollout.dtype=bfloat16: this CPU has no native bfloat16")
+    assert lmrl.build.slow_bf16_warning(load_config(None, [])) is None  # float32 asks nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, "train.autocast_bf16=true", "train.steps=1")
+    assert sum("no native bfloat16" in str(w.message) for w in caught) == (0 if fast else 1)

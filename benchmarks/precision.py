@@ -1,18 +1,23 @@
-"""Does bfloat16 autocast speed up lmrl's training step on this CPU? (`train.autocast_bf16`)
+"""float32 vs bfloat16 on this CPU: matmuls, and lmrl's training step in three precision settings.
 
-    python benchmarks/autocast.py                        # matmuls, then hidden 256 / 4 layers and 512 / 8 layers
-    python benchmarks/autocast.py --quick                # small matmuls, hidden 256 / 4 layers, 3 steps: ~1 min
-    python benchmarks/autocast.py --sizes 512x8 --steps 8 --reward-steps 0
+    python benchmarks/precision.py                       # matmuls, then hidden 256 / 4 layers and 512 / 8 layers
+    python benchmarks/precision.py --quick               # small matmuls, hidden 256 / 4 layers, 3 steps: ~1 min
+    python benchmarks/precision.py --sizes 512x8 --steps 8 --reward-steps 0
 
-Three measurements, each float32 vs bfloat16 in the same process, one after the other:
+Three measurements, each setting after the other in the same process:
     matmul     a [M, K] x [K, N] matmul: float32 tensors, bfloat16 tensors, and float32 tensors under
                torch.autocast(bfloat16) (which adds the casts of both inputs). Best of --repeats.
-    step       lmrl's GRPO training step (generate + score + update) with train.autocast_bf16=false / true
-               on the same start weights and prompts: mean of steps 2..N (step 1 is warm-up), and the
-               generate / update split. 8 prompts x G=8 completions, 64 new tokens (EOS cannot be sampled,
-               so both do the same work; see benchmarks/vs_trl.py).
-    reward     does training still improve under autocast? --reward-steps steps at --reward-size from a
-               supervised warm start, both settings: mean training reward of the first and last 5 steps.
+    step       lmrl's GRPO training step (generate + score + update) on the same start weights and prompts,
+               mean of steps 2..N (step 1 is warm-up), and the generate / update split, in three settings:
+                 fp32      float32 everywhere
+                 autocast  train.autocast_bf16=true (bfloat16 autocast in generation and training)
+                 bf16      autocast in training, sampling with a bfloat16 copy of the weights
+                           (rollout.dtype=bfloat16, TIS-corrected), eager attention
+               8 prompts x G=8 completions, 64 new tokens (EOS cannot be sampled, so all do the same work;
+               see benchmarks/vs_trl.py). The reward is random, so that every row is trained on (lmrl skips
+               rows whose advantage is 0, which would hide the update's cost).
+    reward     does training still improve in bfloat16? --reward-steps steps at --reward-size from a
+               supervised warm start, each setting: mean training reward of the first and last 5 steps.
 The CPU may be shared with other processes: compare ratios within one run, and rerun when in doubt.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -34,6 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from vs_trl import SIZES, RewardRecorder, _load, build_start_model  # noqa: E402
 
+SETTINGS = {
+    "fp32": [],
+    "autocast": ["train.autocast_bf16=true"],
+    "bf16": ["train.autocast_bf16=true", "rollout.dtype=bfloat16", "model.attn_implementation=eager"],
+}
 MATMULS = [(4096, 256, 1024), (4096, 512, 2048), (64, 512, 2048), (1024, 1024, 1024)]  # M, K, N
 
 
@@ -64,20 +75,28 @@ def matmul_table(shapes: list[tuple[int, int, int]], repeats: int) -> None:
               f"{fp32 / bf16:>9.2f}x{fp32 / auto:>13.2f}x")
 
 
-def train_run(model, tokenizer, steps: int, autocast: bool, threads: int, lr: float, out: str) -> dict[str, object]:
-    """lmrl GRPO for `steps` steps on a copy of `model`; per-step times and rewards."""
+def random_reward(prompts, completions, **kwargs) -> list[float]:
+    """A seeded random score per completion: every group has a nonzero advantage, so no row is skipped."""
+    return [random_reward.rng.random() for _ in completions]
+
+
+def train_run(model, tokenizer, steps: int, setting: str, threads: int, lr: float, out: str,
+              random_scores: bool) -> dict[str, object]:
+    """lmrl GRPO for `steps` steps on a copy of `model` in one precision setting; per-step times and rewards."""
     from lmrl.config import load_config
     from lmrl.data.tasks import get_task
     from lmrl.trainer import Trainer
 
     recorder = RewardRecorder()
+    random_reward.rng = random.Random(0)
     cfg = load_config(None, [
         "algorithm=grpo", f"train.steps={steps}", "rollout.prompts_per_step=8", "rollout.group_size=8",
-        "rollout.max_new_tokens=64", f"optim.lr={lr}", f"train.autocast_bf16={str(autocast).lower()}",
-        f"train.threads={threads}", f"train.output_dir={out}", "train.eval_every=0", "log.console=false",
-        "log.samples_every=0", "log.jsonl=false", "model.name_or_path=benchmark",
+        "rollout.max_new_tokens=64", f"optim.lr={lr}", f"train.threads={threads}", f"train.output_dir={out}",
+        "train.eval_every=0", "log.console=false", "log.samples_every=0", "log.jsonl=false",
+        "model.name_or_path=benchmark", *SETTINGS[setting],
     ])
-    trainer = Trainer(cfg, model=copy.deepcopy(model), tokenizer=tokenizer, reward_funcs=[recorder],
+    trainer = Trainer(cfg, model=copy.deepcopy(model), tokenizer=tokenizer,
+                      reward_funcs=[random_reward if random_scores else recorder],
                       train_dataset=get_task("addition").train_prompts(), console=False)
     history = trainer.train().history
     steady = history[1:] or history
@@ -109,17 +128,19 @@ def main() -> None:
 
     matmul_table(MATMULS[:2] if args.quick else MATMULS, args.repeats)
 
-    print(f"\n{'model':<7}{'fp32 s/step':>12}{'bf16 s/step':>12}{'speedup':>9}{'gen fp32':>10}{'gen bf16':>10}"
-          f"{'upd fp32':>10}{'upd bf16':>10}")
+    names = list(SETTINGS)
+    print(f"\n{'model':<7}" + "".join(f"{n + ' s/step':>16}" for n in names) + "".join(f"{'x ' + n:>12}" for n in names[1:])
+          + "   generate / update s")
     for size in args.sizes:
         hidden, layers, heads = SIZES[size]
         with tempfile.TemporaryDirectory() as d:
             build_start_model(hidden, layers, heads, 0, 0, d)
             model, tokenizer = _load(d)
-            runs = {ac: train_run(model, tokenizer, args.steps, ac, args.threads, args.lr, d) for ac in (False, True)}
-        f, b = runs[False], runs[True]
-        print(f"{size:<7}{f['step']:>12.2f}{b['step']:>12.2f}{f['step'] / b['step']:>8.2f}x{f['generate']:>10.2f}"
-              f"{b['generate']:>10.2f}{f['update']:>10.2f}{b['update']:>10.2f}", flush=True)
+            runs = {n: train_run(model, tokenizer, args.steps, n, args.threads, args.lr, d, True) for n in names}
+        base = runs["fp32"]["step"]
+        print(f"{size:<7}" + "".join(f"{runs[n]['step']:>16.2f}" for n in names)
+              + "".join(f"{base / runs[n]['step']:>11.2f}x" for n in names[1:]) + "   "
+              + ", ".join(f"{n} {runs[n]['generate']:.2f} / {runs[n]['update']:.2f}" for n in names), flush=True)
 
     if args.reward_steps:
         size = args.reward_size
@@ -127,13 +148,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             start_acc = build_start_model(hidden, layers, heads, args.sft_steps, 0, d)
             model, tokenizer = _load(d)
-            runs = {ac: train_run(model, tokenizer, args.reward_steps, ac, args.threads, args.lr, d)
-                    for ac in (False, True)}
+            runs = {n: train_run(model, tokenizer, args.reward_steps, n, args.threads, args.lr, d, False) for n in names}
         print(f"\nreward check, {size}, {args.sft_steps} warm-start steps (held-out greedy accuracy {start_acc:.3f}), "
               f"{args.reward_steps} GRPO steps, lr {args.lr:g}")
-        for ac, r in runs.items():
+        for n, r in runs.items():
             k = min(5, len(r["rewards"]))
-            print(f"  autocast_bf16={str(ac).lower():<5}  reward first {k} steps {statistics.fmean(r['rewards'][:k]):.3f}"
+            print(f"  {n:<9} reward first {k} steps {statistics.fmean(r['rewards'][:k]):.3f}"
                   f"  last {k} steps {statistics.fmean(r['rewards'][-k:]):.3f}")
 
 
