@@ -24,6 +24,11 @@ What is equal in both trainers:
                float32 (TRL: bf16=False, gradient_checkpointing=False, use_cpu=True).
     threads    torch.set_num_threads(--threads) in both processes.
 
+Same update: before the timed runs (float32), one batch sampled by lmrl goes through lmrl's update and through
+TRL's loss (`GRPOTrainer._compute_loss`) from the same weights; the printed relative difference of the two
+gradients (about 1e-6 to 1e-5, float32 rounding) shows that the updates are the same, so reward differences
+between the trainers come from the sampled completions.
+
 How it measures: each trainer runs in a fresh subprocess, one after the other (never at the same time).
     s/step     mean wall time of steps 2..N (step 1 is warm-up and shown apart): generation, reward,
                forward/backward and the optimizer step. lmrl: its `time/step` metric; TRL: a callback from
@@ -292,6 +297,60 @@ def _timed(obj, name: str, sink: list[float]) -> None:
 RUNNERS = {"lmrl": run_lmrl, "trl": run_trl}
 
 
+def update_difference(s: Settings) -> tuple[float, float]:
+    """Both trainers' loss gradients on one identical batch: (relative L2 difference, cosine).
+
+    lmrl samples and scores one step's batch and computes its update's gradient (no clipping, lr ~0);
+    TRL's GRPOTrainer computes its loss (`_compute_loss`, the function its training step calls) on the
+    same prompt / completion tokens, masks and advantages, from a copy of the same start weights. Equal
+    gradients mean equal updates (both use AdamW with the same settings), so any reward difference after
+    N steps comes from the sampled completions, not from the update.
+    """
+    import copy
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lmrl.config import load_config
+    from lmrl.experience import make_experience
+    from lmrl.trainer import Trainer
+
+    model, tokenizer = _load(s.init_dir, s.attn)
+    twin = copy.deepcopy(model)
+    cfg = load_config(None, [
+        "algorithm=grpo", "train.steps=1", f"rollout.prompts_per_step={s.prompts_per_step}",
+        f"rollout.group_size={s.group_size}", f"rollout.max_new_tokens={s.max_new_tokens}", "optim.lr=1e-30",
+        "optim.max_grad_norm=null", "optim.weight_decay=0.0", "algorithm.kl_coef=0.0",
+        "algorithm.aggregation=seq-mean-token-mean", f"train.seed={s.seed}", "log.console=false",
+        "model.name_or_path=benchmark", f"train.output_dir={tempfile.mkdtemp()}",
+    ])
+    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[RewardRecorder()],
+                      train_dataset=prompt_rows(s), console=False)
+    c = trainer.collect(1)
+    exp = make_experience(c.rollout, c.scores, cfg.algorithm, policy_logprobs=None, kl_coef=0.0,
+                          micro_batch_size=len(c.scores), loss_mask=c.keep, info=c.per_function)
+    trainer.update(exp)  # leaves the (unclipped) gradient in .grad; lr ~0 leaves the weights
+    ours = {n: p.grad for n, p in trainer.policy.named_parameters()}
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=len(c.scores),
+                      num_generations=s.group_size, max_completion_length=s.max_new_tokens, beta=0.0,
+                      loss_type="grpo", use_cpu=True, bf16=False, report_to="none")
+    trl_trainer = GRPOTrainer(model=twin, reward_funcs=[RewardRecorder()], args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list(prompt_rows(s)[: len(c.scores)]))
+    trl_trainer.current_gradient_accumulation_steps = 1  # set by its training loop
+    P = c.rollout.prompt_ids.shape[1]
+    inputs = {"prompt_ids": c.rollout.prompt_ids, "prompt_mask": exp.attention_mask[:, :P].long(),
+              "completion_ids": c.rollout.response_ids, "completion_mask": exp.response_mask.long(),
+              "advantages": exp.advantages[:, 0]}  # GRPO: one advantage per sequence
+    twin.train()
+    trl_trainer._compute_loss(twin, inputs).backward()
+    theirs = {n: p.grad for n, p in twin.named_parameters()}
+    dot = sum((ours[n] * theirs[n]).sum() for n in ours)
+    norm_ours, norm_theirs = (sum((g[n] ** 2).sum() for n in g) ** 0.5 for g in (ours, theirs))
+    diff = sum(((ours[n] - theirs[n]) ** 2).sum() for n in ours) ** 0.5
+    return float(diff / norm_theirs), float(dot / (norm_ours * norm_theirs))
+
+
 def child(trainer: str, settings_json: str, result_path: str) -> None:
     """Subprocess entry: run one trainer and write its RunResult as JSON."""
     import logging
@@ -304,6 +363,9 @@ def child(trainer: str, settings_json: str, result_path: str) -> None:
     s = Settings(**json.loads(settings_json))
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
+    if trainer == "check":
+        Path(result_path).write_text(json.dumps(update_difference(s)))
+        return
     with tempfile.TemporaryDirectory() as out:
         result = RUNNERS[trainer](s, out)
     Path(result_path).write_text(json.dumps(asdict(result)))
@@ -362,7 +424,7 @@ def build_start_model(hidden: int, layers: int, heads: int, sft_steps: int, seed
 
 
 # ------------------------------------------------------------------------------------------- parent
-def run_child(trainer: str, s: Settings) -> RunResult:
+def run_child(trainer: str, s: Settings):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     try:
@@ -371,7 +433,8 @@ def run_child(trainer: str, s: Settings) -> RunResult:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{trainer} subprocess failed:\n{proc.stderr[-4000:]}")
-        return RunResult(**json.loads(Path(path).read_text()))
+        out = json.loads(Path(path).read_text())
+        return out if trainer == "check" else RunResult(**out)
     finally:
         os.unlink(path)
 
@@ -441,7 +504,7 @@ def main() -> None:
     parser.add_argument("--eos", action="store_true",
                         help="let completions end at EOS (the warm start teaches it): unequal work by design, "
                              "lmrl drops finished rows from generation, TRL's model.generate keeps them")
-    parser.add_argument("--child", choices=list(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=[*RUNNERS, "check"], help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -474,6 +537,12 @@ def main() -> None:
             start_acc = build_start_model(hidden, layers, heads, args.sft_steps, args.seed, init_dir, args.eos)
             print(f"[{size}] start model: {args.sft_steps} warm-start steps in {time.perf_counter() - t:.0f}s", flush=True)
             seeds, all_runs = list(range(args.seed, args.seed + args.seeds)), []
+            if set(args.trainers) == set(RUNNERS) and args.precision == "fp32":
+                check = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
+                                 args.lr, args.threads, args.seed, args.precision, args.attn)
+                rel, cos = run_child("check", check)
+                print(f"[{size}] same update: on one batch (same tokens, masks, advantages) lmrl's and TRL's loss "
+                      f"gradients differ by {rel:.1e} (relative L2), cosine {cos:.6f}", flush=True)
             for seed in seeds:
                 s = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
                              args.lr, args.threads, seed, args.precision, args.attn)
