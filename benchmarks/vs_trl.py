@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import resource
 import statistics
@@ -300,7 +301,8 @@ RUNNERS = {"lmrl": run_lmrl, "trl": run_trl}
 def update_difference(s: Settings) -> tuple[float, float]:
     """Both trainers' loss gradients on one identical batch: (relative L2 difference, cosine).
 
-    lmrl samples and scores one step's batch and computes its update's gradient (no clipping, lr ~0);
+    lmrl samples one step's batch, scores it with a random 0 / 1 reward (so that advantages are not all 0)
+    and computes its update's gradient (no clipping, lr ~0);
     TRL's GRPOTrainer computes its loss (`_compute_loss`, the function its training step calls) on the
     same prompt / completion tokens, masks and advantages, from a copy of the same start weights. Equal
     gradients mean equal updates (both use AdamW with the same settings), so any reward difference after
@@ -324,7 +326,12 @@ def update_difference(s: Settings) -> tuple[float, float]:
         "algorithm.aggregation=seq-mean-token-mean", f"train.seed={s.seed}", "log.console=false",
         "model.name_or_path=benchmark", f"train.output_dir={tempfile.mkdtemp()}",
     ])
-    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[RewardRecorder()],
+    coin = random.Random(s.seed)  # a random 0 / 1 reward: every group has signal, whatever the model
+
+    def coin_reward(prompts, completions, **kwargs) -> list[float]:
+        return [float(coin.random() < 0.5) for _ in completions]
+
+    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[coin_reward],
                       train_dataset=prompt_rows(s), console=False)
     c = trainer.collect(1)
     exp = make_experience(c.rollout, c.scores, cfg.algorithm, policy_logprobs=None, kl_coef=0.0,

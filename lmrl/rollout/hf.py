@@ -8,8 +8,7 @@ rollouts need:
 2. for Llama / Qwen2 models (`_SharedPromptDecoder`), decode steps run module by module with
    shared-prompt attention: each prompt's keys and values are stored once, not once per
    completion, and each row attends to them and to its own response keys under one softmax (on
-   CPU attention was over half of a small model's decode time; this halves it). Response keys are
-   kept in blocks of `RESPONSE_BLOCK` tokens, a layout CPU batched matmul reads fast, and rotary
+   CPU attention was over half of a small model's decode time; this halves it). Rotary
    cos / sin are computed once per rollout instead of once per step; q / k / v and gate / up run as
    one matmul each (their weights concatenated once per rollout) and RMSNorm as torch's fused kernel,
    wherever those modules are plain and hook-free (6-16% faster decode on the benchmark models);
@@ -40,10 +39,6 @@ from lmrl.rollout.base import Rollout, SamplingParams
 # of the rows still in the batch has finished: compacting copies the cache, so doing it for every
 # single finished row costs more than it saves.
 COMPACT_FRACTION = 0.25
-# Response keys / values are stored in blocks of this many tokens, `[blocks, B, K, C, D]`: attention
-# reads whole blocks, which CPU batched matmul handles ~2x faster than a slice of a longer buffer
-# (32 keeps each block's [1, D] x [D, C] product out of the slow small-matrix path for D >= 16).
-RESPONSE_BLOCK = 32
 # Stop strings are searched in the decoded last (longest stop string in characters + this) tokens.
 STOP_WINDOW_MARGIN = 8
 
@@ -108,7 +103,7 @@ class _SharedPromptDecoder:
     A decode step of transformers' model spends most of its time in attention over a KV cache that
     holds every prompt `n` times (once per completion). Here each distinct prompt's keys and values
     are kept once, `[U, K, P, D]` (U prompts, K key/value heads, P prompt tokens, D head dim), and
-    each row's response keys and values separately, in blocks of `RESPONSE_BLOCK` tokens. A row's attention scores
+    each row's response keys and values separately, `[b, K, max_new, D]`. A row's attention scores
     over its prompt and over its own response are concatenated before one softmax, so the result is
     ordinary attention over [prompt | response] (the "cascade" / shared-prefix attention of
     Juravsky et al., 2024, Hydragen), while the prompt part reads `n` times less memory.
@@ -195,15 +190,10 @@ class _SharedPromptDecoder:
             torch.equal(self.slot, torch.arange(self.num_slots, device=self.slot.device))
         )
 
-        # zero-filled: unwritten slots get probability 0, and 0 * garbage could be NaN
-        blocks = -(-max_new // RESPONSE_BLOCK)
-        shape = (blocks, row_local.numel(), self.num_kv_heads, RESPONSE_BLOCK, self.head_dim)
-        self.response_keys = [self.prompt_keys[0].new_zeros(shape) for _ in self.layers]
-        self.response_values = [self.prompt_keys[0].new_zeros(shape) for _ in self.layers]
-        # row `length - 1`: additive mask over the response slots, 0 on the first `length`
-        filled = torch.arange(blocks * RESPONSE_BLOCK, device=prompt_mask.device)
-        self.response_bias = torch.zeros(max_new, filled.numel(), dtype=dtype, device=prompt_mask.device)
-        self.response_bias.masked_fill_(filled[None] > filled[:max_new, None], torch.finfo(dtype).min)
+        # preallocated; attention reads the first `length` positions, all written (rows advance together)
+        shape = (row_local.numel(), self.num_kv_heads, max_new, self.head_dim)
+        self.response_keys = [self.prompt_keys[0].new_empty(shape) for _ in self.layers]
+        self.response_values = [self.prompt_keys[0].new_empty(shape) for _ in self.layers]
         positions = torch.arange(prompt_len + max_new, device=prompt_mask.device)[None]
         cos, sin = inner.rotary_emb(prompt_cache.layers[0].keys, position_ids=positions)  # model dtype
         self.cos, self.sin = cos[0], sin[0]  # [P + max_new, D]
@@ -215,8 +205,8 @@ class _SharedPromptDecoder:
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (`[a]` indices) of the response cache."""
-        self.response_keys = [x.index_select(1, keep) for x in self.response_keys]
-        self.response_values = [x.index_select(1, keep) for x in self.response_values]
+        self.response_keys = [x.index_select(0, keep) for x in self.response_keys]
+        self.response_values = [x.index_select(0, keep) for x in self.response_values]
         self.slot = self.slot.index_select(0, keep)
         self.identity_slots = False
 
@@ -225,7 +215,6 @@ class _SharedPromptDecoder:
         b, heads, d = token.shape[0], self.num_kv_heads * self.group, self.head_dim
         cos, sin = self.cos[position][:, None], self.sin[position][:, None]  # [b, 1, D]
         hidden = self.model.model.embed_tokens(token)  # [b, hidden]
-        block, offset = divmod(t, RESPONSE_BLOCK)
         kv = self.num_kv_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -236,8 +225,8 @@ class _SharedPromptDecoder:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             # rotate queries and keys together: [b, heads + kv, D]
             qk = _rotate(torch.cat([q, k], dim=-1).view(b, heads + kv, d), cos, sin)
-            self.response_keys[i][block, :, :, offset] = qk[:, heads:]
-            self.response_values[i][block, :, :, offset] = v.view(b, kv, d)
+            self.response_keys[i][:, :, t] = qk[:, heads:]
+            self.response_values[i][:, :, t] = v.view(b, kv, d)
             out = self._attend(i, qk[:, :heads].view(b, kv, self.group, d), t + 1)
             hidden = hidden + attn.o_proj(out.reshape(b, heads * d).to(x.dtype))
             x = _rms_norm(layer.post_attention_layernorm, hidden)
@@ -260,17 +249,11 @@ class _SharedPromptDecoder:
         scores_prompt = self._from_slots(
             torch.matmul(self._to_slots(q), prompt_keys.transpose(2, 3)) + self.prompt_bias
         )  # [b, K, g, P]
-        # only the filled blocks: each is one contiguous tensor, the fast case of CPU batched matmul
-        blocks = -(-length // RESPONSE_BLOCK)
-        response_keys = self.response_keys[i][:blocks]  # [nb, b, K, C, D]
-        scores_response = torch.matmul(q, response_keys.transpose(3, 4))  # [nb, b, K, g, C]
-        scores_response = scores_response.permute(1, 2, 3, 0, 4).reshape(b, k, g, -1)
-        scores_response = scores_response + self.response_bias[length - 1, : scores_response.shape[-1]]
-        scores = torch.cat([scores_prompt, scores_response], dim=-1)
-        probs = torch.softmax(scores, dim=-1)
+        response_keys = self.response_keys[i][:, :, :length]  # [b, K, length, D]
+        scores_response = torch.matmul(q, response_keys.transpose(2, 3))  # [b, K, g, length]
+        probs = torch.softmax(torch.cat([scores_prompt, scores_response], dim=-1), dim=-1)
         out = self._from_slots(torch.matmul(self._to_slots(probs[..., :prompt_len]), self.prompt_values[i]))
-        probs_response = probs[..., prompt_len:].reshape(b, k, g, blocks, -1).permute(3, 0, 1, 2, 4)
-        return out + torch.matmul(probs_response, self.response_values[i][:blocks]).sum(0)
+        return out + torch.matmul(probs[..., prompt_len:], self.response_values[i][:, :, :length])
 
     def _to_slots(self, x: torch.Tensor) -> torch.Tensor:
         """`[b, K, g, X]` per row -> `[U, K, S * g, X]` per prompt (empty slots are zero)."""
