@@ -77,7 +77,10 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
 def cpu_has_fast_bf16() -> bool:
     """True when oneDNN runs bfloat16 matmuls natively on this CPU (AVX512 and up). Without it (AVX2-only
     CPUs) a bfloat16 matmul takes a fallback path that was measured ~100x slower than float32."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without the check: assume fast, warn nothing
+        return True
 
 
 def slow_bf16_warning(cfg: Config) -> str | None:
