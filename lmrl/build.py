@@ -74,6 +74,10 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
     return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype))
 
 
+class SlowBf16Warning(UserWarning):
+    """bfloat16 compute asked for on a CPU without native bfloat16 (`slow_bf16_warning`)."""
+
+
 def cpu_has_fast_bf16() -> bool:
     """True when oneDNN runs bfloat16 matmuls natively on this CPU (AVX512 and up). Without it (AVX2-only
     CPUs) a bfloat16 matmul takes a fallback path that was measured ~100x slower than float32."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 EXAMPLES = """\
 examples:
@@ -63,11 +64,18 @@ def _train(args) -> int:
         path = overrides.pop(0)
     cfg = load_config(path, overrides)  # fails here, before any model loads
     print("resolved config:\n" + _indent(config_summary(cfg)))
+    from lmrl.build import SlowBf16Warning, slow_bf16_warning
+
+    if (note := slow_bf16_warning(cfg)) is not None:
+        print(f"lmrl: warning: {note}", file=sys.stderr)
     if args.dry_run:
         return 0
     from lmrl.trainer import Trainer
 
-    result = Trainer(cfg).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowBf16Warning)  # printed above, once
+        trainer = Trainer(cfg)
+    result = trainer.train()
     if result.evals:
         first, last = result.evals[0], result.evals[-1]
         print(f"held-out accuracy: {first['eval/accuracy']:.1%} -> {last['eval/accuracy']:.1%} "

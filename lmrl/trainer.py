@@ -32,7 +32,15 @@ from typing import Any
 import torch
 
 from lmrl import algorithms as A
-from lmrl.build import KLController, copy_weights, load_data, load_models, make_optimizer, slow_bf16_warning
+from lmrl.build import (
+    KLController,
+    SlowBf16Warning,
+    copy_weights,
+    load_data,
+    load_models,
+    make_optimizer,
+    slow_bf16_warning,
+)
 from lmrl.config import Config, config_to_yaml
 from lmrl.data.prompts import PromptSampler
 from lmrl.experience import (
@@ -79,7 +87,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
         if (note := slow_bf16_warning(cfg)) is not None:
-            warnings.warn(note, stacklevel=2)
+            warnings.warn(note, SlowBf16Warning, stacklevel=2)
         self.data = load_data(cfg, reward_funcs, train_dataset, eval_dataset)
         self.models = load_models(cfg, model, tokenizer)
         self.policy, self.tokenizer = self.models.policy, self.models.tokenizer

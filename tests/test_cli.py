@@ -49,3 +49,16 @@ def test_examples_cover_every_algorithm():
 
     names = {load_config(p).algorithm.name for p in EXAMPLES}
     assert names >= set(ALGORITHM_PRESETS) - {"reinforce_pp_baseline"}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_on_a_slow_cpu_is_one_warning_line_before_any_model_loads(capsys, monkeypatch, fast):
+    import lmrl.build
+
+    monkeypatch.setattr(lmrl.build, "cpu_has_fast_bf16", lambda: fast)
+    assert main(["train", "train.autocast_bf16=true", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    if fast:
+        assert "warning" not in err
+    else:
+        assert err.count("\n") == 1 and err.startswith("lmrl: warning: train.autocast_bf16=true: this CPU has no native")
