@@ -123,8 +123,9 @@ def main() -> None:
     if args.quick:
         args.sizes, args.steps, args.reward_steps, args.repeats = ["256x4"], 3, 0, 3
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, threads {args.threads}, bf16 supported: "
-          f"{torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    from lmrl.build import cpu_has_fast_bf16
+
+    print(f"torch {torch.__version__}, threads {args.threads}, native bf16: {cpu_has_fast_bf16()}")
 
     matmul_table(MATMULS[:2] if args.quick else MATMULS, args.repeats)
 

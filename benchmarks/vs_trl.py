@@ -55,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -298,7 +298,7 @@ def _timed(obj, name: str, sink: list[float]) -> None:
 RUNNERS = {"lmrl": run_lmrl, "trl": run_trl}
 
 
-def update_difference(s: Settings) -> tuple[float, float]:
+def update_difference(s: Settings, out_dir: str) -> tuple[float, float]:
     """Both trainers' loss gradients on one identical batch: (relative L2 difference, cosine).
 
     lmrl samples one step's batch, scores it with a random 0 / 1 reward (so that advantages are not all 0)
@@ -324,7 +324,7 @@ def update_difference(s: Settings) -> tuple[float, float]:
         f"rollout.group_size={s.group_size}", f"rollout.max_new_tokens={s.max_new_tokens}", "optim.lr=1e-30",
         "optim.max_grad_norm=null", "optim.weight_decay=0.0", "algorithm.kl_coef=0.0",
         "algorithm.aggregation=seq-mean-token-mean", f"train.seed={s.seed}", "log.console=false",
-        "model.name_or_path=benchmark", f"train.output_dir={tempfile.mkdtemp()}",
+        "model.name_or_path=benchmark", f"train.output_dir={out_dir}/lmrl",
     ])
     coin = random.Random(s.seed)  # a random 0 / 1 reward: every group has signal, whatever the model
 
@@ -339,7 +339,7 @@ def update_difference(s: Settings) -> tuple[float, float]:
     trainer.update(exp)  # leaves the (unclipped) gradient in .grad; lr ~0 leaves the weights
     ours = {n: p.grad for n, p in trainer.policy.named_parameters()}
 
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=len(c.scores),
+    args = GRPOConfig(output_dir=f"{out_dir}/trl", max_steps=1, per_device_train_batch_size=len(c.scores),
                       num_generations=s.group_size, max_completion_length=s.max_new_tokens, beta=0.0,
                       loss_type="grpo", use_cpu=True, bf16=False, report_to="none")
     trl_trainer = GRPOTrainer(model=twin, reward_funcs=[RewardRecorder()], args=args, processing_class=tokenizer,
@@ -359,7 +359,7 @@ def update_difference(s: Settings) -> tuple[float, float]:
 
 
 def child(trainer: str, settings_json: str, result_path: str) -> None:
-    """Subprocess entry: run one trainer and write its RunResult as JSON."""
+    """Subprocess entry: run one trainer (or the same-update check) and write its result as JSON."""
     import logging
     import warnings
 
@@ -370,12 +370,9 @@ def child(trainer: str, settings_json: str, result_path: str) -> None:
     s = Settings(**json.loads(settings_json))
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
-    if trainer == "check":
-        Path(result_path).write_text(json.dumps(update_difference(s)))
-        return
     with tempfile.TemporaryDirectory() as out:
-        result = RUNNERS[trainer](s, out)
-    Path(result_path).write_text(json.dumps(asdict(result)))
+        result = update_difference(s, out) if trainer == "check" else asdict(RUNNERS[trainer](s, out))
+    Path(result_path).write_text(json.dumps(result))
 
 
 # -------------------------------------------------------------------------------------- start model
@@ -544,15 +541,14 @@ def main() -> None:
             start_acc = build_start_model(hidden, layers, heads, args.sft_steps, args.seed, init_dir, args.eos)
             print(f"[{size}] start model: {args.sft_steps} warm-start steps in {time.perf_counter() - t:.0f}s", flush=True)
             seeds, all_runs = list(range(args.seed, args.seed + args.seeds)), []
+            base = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
+                            args.lr, args.threads, args.seed, args.precision, args.attn)
             if set(args.trainers) == set(RUNNERS) and args.precision == "fp32":
-                check = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
-                                 args.lr, args.threads, args.seed, args.precision, args.attn)
-                rel, cos = run_child("check", check)
+                rel, cos = run_child("check", base)
                 print(f"[{size}] same update: on one batch (same tokens, masks, advantages) lmrl's and TRL's loss "
                       f"gradients differ by {rel:.1e} (relative L2), cosine {cos:.6f}", flush=True)
             for seed in seeds:
-                s = Settings(init_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens,
-                             args.lr, args.threads, seed, args.precision, args.attn)
+                s = replace(base, seed=seed)
                 runs = {}
                 for name in args.trainers:
                     t = time.perf_counter()
