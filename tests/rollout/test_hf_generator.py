@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lmrl.rollout.hf as hf
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 from lmrl.rollout import Generator, HFGenerator, Rollout, SamplingParams
-from lmrl.rollout.hf import _sample_categorical, _SharedPromptDecoder, _truncate
+from lmrl.rollout.hf import _Linear, _onednn_weight, _sample_categorical, _SharedPromptDecoder, _truncate
 
 TEXTS = ["hello there", "ab", "what is 2+2?", "x"]
 
@@ -445,3 +446,82 @@ def test_hooked_projections_and_norms_are_called_not_fused(tok, monkeypatch):
     assert torch.equal(lean.response_ids, generic.response_ids)
     torch.testing.assert_close(lean.logprobs, generic.logprobs, atol=1e-5, rtol=0)
     assert not torch.allclose(lean.logprobs, unhooked.logprobs)  # the hooks changed something
+
+
+@pytest.fixture
+def packing(monkeypatch):
+    """oneDNN-packed weights for every size (not only large ones) with the 2 threads packing needs."""
+    monkeypatch.setattr(hf, "PACK_MIN_ELEMENTS", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_packing_only_for_large_weights_on_several_threads(monkeypatch):
+    """Where oneDNN measured slower than F.linear (small weights, one thread), weights stay unpacked."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: nothing is ever packed")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert _Linear.of(torch.nn.Linear(256, 512), rows=64).packed is not None
+        assert _Linear.of(torch.nn.Linear(256, 256), rows=64).packed is None
+        assert _Linear.of(torch.nn.Linear(256, 512).to(torch.float64), rows=64).packed is None
+        torch.set_num_threads(1)
+        assert _Linear.of(torch.nn.Linear(256, 512), rows=64).packed is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_with_fused_epilogues_equals_plain_ops(bias, monkeypatch, packing):
+    """`_Linear`: x W^T + b, SiLU of it, plus or times another tensor, for every batch size (the weight
+    layout is chosen for 8 rows), packed for oneDNN where torch has it and plain otherwise."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 48, bias=bias)
+    w, b = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
+    for pack in (True, False):
+        monkeypatch.setattr(hf, "PACK_WEIGHTS", pack)
+        linear = _Linear.of(layer, rows=8)
+        assert (linear.packed is not None) == (pack and torch.backends.mkldnn.is_available())
+        for rows in (1, 5, 8, 13):
+            x, other = torch.randn(rows, 32), torch.randn(rows, 48)
+            with torch.inference_mode():
+                y = torch.nn.functional.linear(x, w, b)
+                close = dict(atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(linear(x), y, **close)
+                torch.testing.assert_close(linear(x, act=torch.nn.SiLU()), torch.nn.functional.silu(y), **close)
+                torch.testing.assert_close(linear(x, add=other), y + other, **close)
+                torch.testing.assert_close(linear(x, mul=other), y * other, **close)
+                torch.testing.assert_close(linear(x, act=torch.nn.GELU(), mul=other), torch.nn.functional.gelu(y) * other, **close)
+
+
+def test_linear_concat_and_modules_called_as_is():
+    """q / k / v concatenated into one `_Linear`; a hooked module is not concatenated and runs itself."""
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(16, n) for n in (16, 8, 8))
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(_Linear.concat([q, k, v], rows=3)(x), torch.cat([q(x), k(x), v(x)], -1), atol=1e-5, rtol=1e-5)
+    assert _Linear.concat([q, torch.nn.Linear(16, 8, bias=False), v], rows=3) is None  # only some have a bias
+    handle = k.register_forward_hook(lambda m, i, o: o * 2)
+    try:
+        assert _Linear.concat([q, k, v], rows=3) is None
+        with torch.inference_mode():
+            expected = 2 * torch.nn.functional.linear(x, k.weight, k.bias) + x[:, :8]
+            torch.testing.assert_close(_Linear.of(k, rows=3)(x, add=x[:, :8]), expected)
+    finally:
+        handle.remove()
+
+
+def test_packed_weights_sample_what_plain_matmuls_sample(tok, monkeypatch, packing):
+    """The oneDNN-packed decode samples the same tokens as plain matmuls (the log-probs differ by rounding)."""
+    model = gqa_model(tok, "qwen2")  # q / k / v with biases
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3)
+    packed = HFGenerator(model, tok).generate(encode(tok), 4, params)
+    assert not torch.backends.mkldnn.is_available() or _onednn_weight(model.lm_head.weight.detach(), 8) is not None
+    monkeypatch.setattr(hf, "PACK_WEIGHTS", False)
+    plain = HFGenerator(model, tok).generate(encode(tok), 4, params)
+    assert torch.equal(packed.response_ids, plain.response_ids)
+    torch.testing.assert_close(packed.logprobs, plain.logprobs, atol=1e-5, rtol=0)
