@@ -144,7 +144,7 @@ class _SharedPromptDecoder:
             getattr(rotary, "rope_type", None) in cls.STATIC_ROPE
             and not getattr(model, "hf_device_map", None)
             and all(type(layer).__name__ in cls.SUPPORTED_LAYERS for layer in inner.layers)
-            and not any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in bypassed)
+            and not any(_hooked(m) or hasattr(m, "_hf_hook") for m in bypassed)
         )
 
     def __init__(
@@ -368,24 +368,29 @@ def _onednn_weight(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
         return None
 
 
+def _hooked(module: nn.Module) -> bool:
+    """A forward (pre-)hook is registered on `module`: it must be called, not bypassed or fused."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def _is_silu(act: nn.Module) -> bool:
     """torch's or transformers' SiLU module, without hooks (what oneDNN's "swish" computes)."""
-    return type(act).__name__ in ("SiLU", "SiLUActivation") and not (act._forward_hooks or act._forward_pre_hooks)
+    return type(act).__name__ in ("SiLU", "SiLUActivation") and not _hooked(act)
 
 
 def _plain_linear(module: nn.Module) -> bool:
-    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+    return type(module) is nn.Linear and not _hooked(module)
 
 
 def _plain_mlp(mlp: nn.Module) -> bool:
     """A Llama / Qwen2 gated MLP: down(act(gate(x)) * up(x)), with no hooks on the module itself."""
-    return type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP") and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+    return type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP") and not _hooked(mlp)
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Llama / Qwen2 RMSNorm with torch's fused kernel: weight * (x / rms(x)) computed in float32, as
     transformers does; other norm modules are called."""
-    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm") or norm._forward_hooks or norm._forward_pre_hooks:
+    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm") or _hooked(norm):
         return norm(x)
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], norm.weight, eps=norm.variance_epsilon)
