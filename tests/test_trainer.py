@@ -223,3 +223,24 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_once_naming_the_fields(tmp_path
         warnings.simplefilter("always")
         make_trainer(tmp_path, "train.autocast_bf16=true", "train.steps=1")
     assert sum("no native bfloat16" in str(w.message) for w in caught) == (0 if fast else 1)
+
+
+def test_optimizer_is_fused_adamw_and_steps_like_the_per_parameter_loop():
+    from lmrl.build import make_optimizer
+
+    tok = char_tokenizer()
+    fused_model, loop_model = (tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0) for _ in range(2))
+    cfg = load_config(None, ["optim.lr=1e-2", "optim.weight_decay=0.1", "optim.betas=[0.8,0.95]"])
+    fused, _ = make_optimizer(cfg, fused_model, None)
+    assert fused.defaults["fused"] is True
+    loop = torch.optim.AdamW(loop_model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, foreach=False)
+    torch.manual_seed(0)
+    for _ in range(3):
+        for a, b in zip(fused_model.parameters(), loop_model.parameters()):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        fused.step()
+        loop.step()
+    for a, b in zip(fused_model.parameters(), loop_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(fused_model.parameters(), tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0).parameters()))
