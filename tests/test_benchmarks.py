@@ -1,0 +1,20 @@
+"""The benchmark that reaches into the decoder's internals still runs (a tiny model, one turn)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_floor_benchmark_runs_and_reports_both_ratios():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "floor.py"), "--hidden", "32", "--layers", "1", "--heads", "2",
+         "--threads", "1", "--rows", "2", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    assert re.search(r"the update runs at \d+% of the mm rate", out), out
+    assert re.search(r"decode .* matmuls only: [\d.]+ s; the matmuls are \d+% of decode time", out), out
