@@ -29,7 +29,8 @@ TRL's loss (`GRPOTrainer._compute_loss`) from the same weights; the printed rela
 gradients (about 1e-6 to 1.5e-5, float32 rounding) shows that the updates are the same, so reward differences
 between the trainers come from the sampled completions.
 
-How it measures: each trainer runs in a fresh subprocess, one after the other (never at the same time).
+How it measures: each trainer runs in a fresh subprocess, one after the other (never at the same time),
+the first trainer alternating from seed to seed.
     s/step     mean wall time of steps 2..N (step 1 is warm-up and shown apart): generation, reward,
                forward/backward and the optimizer step. lmrl: its `time/step` metric; TRL: a callback from
                on_step_begin to on_step_end.
@@ -547,13 +548,15 @@ def main() -> None:
                 rel, cos = run_child("check", base)
                 print(f"[{size}] same update: on one batch (same tokens, masks, advantages) lmrl's and TRL's loss "
                       f"gradients differ by {rel:.1e} (relative L2), cosine {cos:.6f}", flush=True)
-            for seed in seeds:
+            for i, seed in enumerate(seeds):
                 s = replace(base, seed=seed)
                 runs = {}
-                for name in args.trainers:
+                # alternate which trainer goes first, so that a drift in the machine's speed favours neither
+                for name in args.trainers if i % 2 == 0 else args.trainers[::-1]:
                     t = time.perf_counter()
                     runs[name] = run_child(name, s)
                     print(f"[{size}] {name}, seed {seed}: done in {time.perf_counter() - t:.0f}s", flush=True)
+                runs = {name: runs[name] for name in args.trainers}
                 report(size, s, start_acc, runs)
                 all_runs.append(runs)
             if len(seeds) > 1:
