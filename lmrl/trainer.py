@@ -324,13 +324,15 @@ class Trainer:
         self.forward_counts["policy"] += 1
         with torch.set_grad_enabled(grad), self._autocast():
             return model_forward_logprobs(self.policy, seqs, attn, T, self.cfg.rollout.temperature,
-                                          chunk_size=self.cfg.train.logprob_chunk_size, return_entropy=True)
+                                          chunk_size=self.cfg.train.logprob_chunk_size, return_entropy=True,
+                                          share_prompt=self.cfg.train.share_prompt)
 
     def _ref_forward(self, seqs, attn, T: int):
         self.forward_counts["reference"] += 1
         with torch.no_grad(), self._autocast():
             return model_forward_logprobs(self.models.reference, seqs, attn, T, self.cfg.rollout.temperature,
-                                          chunk_size=self.cfg.train.logprob_chunk_size)
+                                          chunk_size=self.cfg.train.logprob_chunk_size,
+                                          share_prompt=self.cfg.train.share_prompt)
 
     def _critic_forward(self, seqs, attn, T: int, grad: bool = False):
         self.forward_counts["critic"] += 1

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lmrl.algorithms.logprobs import token_entropy, token_logprobs
+from lmrl.models.shared_prompt import shared_prompt_hidden
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cpu", "cuda", "auto")
@@ -308,6 +309,7 @@ def model_forward_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     return_entropy: bool = False,
+    share_prompt: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens (the last T columns of `sequences`) under `model`.
 
@@ -326,6 +328,9 @@ def model_forward_logprobs(
         chunk_size: rows of the [B*T, V] logits turned into float32 at once (None: all).
         return_entropy: also return the entropy of softmax(logits / temperature) at each response
             position, from the same logits (no second forward).
+        share_prompt: where rows share a prompt and the model allows it (Llama / Qwen2, see
+            `lmrl.models.shared_prompt`), run each distinct prompt through the model once; the same
+            function, less work when several completions of a prompt are scored together.
 
     Returns:
         [B, T] float32 log-probs, differentiable when grad is enabled; with `return_entropy`, the
@@ -343,15 +348,19 @@ def model_forward_logprobs(
         )
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
-    out = model(
-        input_ids=sequences,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=t + 1,
-        use_cache=False,
-    )
-    # Models that ignore logits_to_keep return all S positions: keep the last T + 1 either way.
-    logits = out.logits[:, -(t + 1) : -1]  # [B, T, V]
+    hidden = shared_prompt_hidden(model, sequences, attention_mask, t) if share_prompt else None
+    if hidden is not None:
+        logits = model.lm_head(hidden)  # [B, T, V]
+    else:
+        out = model(
+            input_ids=sequences,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            logits_to_keep=t + 1,
+            use_cache=False,
+        )
+        # Models that ignore logits_to_keep return all S positions: keep the last T + 1 either way.
+        logits = out.logits[:, -(t + 1) : -1]  # [B, T, V]
     tokens = sequences[:, -t:]  # [B, T]
     logprobs = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
     if not return_entropy:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from lmrl.models.shared_prompt import apply_rotary, bypassable, full_attention, hooked
 from lmrl.rollout.base import Rollout, SamplingParams
 
 # Compact the batch (drop finished rows from the forward pass and the KV cache) once this fraction
@@ -118,34 +119,16 @@ class _SharedPromptDecoder:
     one prompt's rows then form one `[S * g, D]` matrix against that prompt's keys (g = query heads
     per key head). The step also skips transformers' per-step mask construction, rotary
     recomputation and module plumbing: cos / sin are computed once for all positions of the rollout.
-    Only used for the exact decoder classes of `SUPPORTED_LAYERS` with a position-independent rotary
-    embedding; other models use the generic path.
+    Only used for the exact Llama / Qwen2 decoder classes with a position-independent rotary
+    embedding (`supports`); other models use the generic path.
     """
 
-    SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-    SUPPORTED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
-    # rope types whose inverse frequencies do not depend on the sequence length seen so far
-    STATIC_ROPE = ("default", "linear", "llama3")
-
-    @classmethod
-    def supports(cls, model: nn.Module) -> bool:
-        """True if `model` is a causal LM whose decoder layers this class reproduces exactly.
-
-        The layers' and attention modules' own `forward` is bypassed, so models with hooks on them
-        (accelerate's device-map offloading, user hooks) use the generic path. Hooks on the leaf
-        modules called here (projections, MLP, norms, embedding, `lm_head`) still run.
-        """
-        inner = getattr(model, "model", None)
-        rotary = getattr(inner, "rotary_emb", None)
-        if type(model).__name__ not in cls.SUPPORTED_MODELS or rotary is None:
-            return False
-        bypassed = [inner, *inner.layers, *(layer.self_attn for layer in inner.layers)]
-        return (
-            getattr(rotary, "rope_type", None) in cls.STATIC_ROPE
-            and not getattr(model, "hf_device_map", None)
-            and all(type(layer).__name__ in cls.SUPPORTED_LAYERS for layer in inner.layers)
-            and not any(_hooked(m) or hasattr(m, "_hf_hook") for m in bypassed)
-        )
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """True if `model` is a causal LM whose decoder layers this class reproduces exactly
+        (`lmrl.models.shared_prompt.bypassable`: Llama / Qwen2, static rotary, no hooks on the layers and
+        attention modules, whose `forward` is bypassed; hooks on the leaf modules called here still run)."""
+        return bypassable(model)
 
     def __init__(
         self,
@@ -232,7 +215,7 @@ class _SharedPromptDecoder:
             else:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             # rotate queries and keys together: [b, heads + kv, D]
-            qk = _rotate(torch.cat([q, k], dim=-1).view(b, heads + kv, d), cos, sin)
+            qk = apply_rotary(torch.cat([q, k], dim=-1).view(b, heads + kv, d), cos, sin)
             self.response_keys[i][:, :, t] = qk[:, heads:]
             self.response_values[i][:, :, t] = v.view(b, kv, d)
             out = self._attend(i, qk[:, :heads].view(b, kv, self.group, d), t + 1)
@@ -368,39 +351,28 @@ def _onednn_weight(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
         return None
 
 
-def _hooked(module: nn.Module) -> bool:
-    """A forward (pre-)hook is registered on `module`: it must be called, not bypassed or fused."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
 def _is_silu(act: nn.Module) -> bool:
     """torch's or transformers' SiLU module, without hooks (what oneDNN's "swish" computes)."""
-    return type(act).__name__ in ("SiLU", "SiLUActivation") and not _hooked(act)
+    return type(act).__name__ in ("SiLU", "SiLUActivation") and not hooked(act)
 
 
 def _plain_linear(module: nn.Module) -> bool:
-    return type(module) is nn.Linear and not _hooked(module)
+    return type(module) is nn.Linear and not hooked(module)
 
 
 def _plain_mlp(mlp: nn.Module) -> bool:
     """A Llama / Qwen2 gated MLP: down(act(gate(x)) * up(x)), with no hooks on the module itself."""
-    return type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP") and not _hooked(mlp)
+    return type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP") and not hooked(mlp)
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Llama / Qwen2 RMSNorm with torch's fused kernel: weight * (x / rms(x)) computed in float32, as
     transformers does; other norm modules are called."""
-    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm") or _hooked(norm):
+    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm") or hooked(norm):
         return norm(x)
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], norm.weight, eps=norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of `[b, heads, D]` with `[b, 1, D]` cos / sin (Su et al., 2021; HF layout)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 @dataclass
@@ -466,12 +438,8 @@ class HFGenerator:
 
         text_config = model.config.get_text_config(decoder=True)
         self._num_layers = text_config.num_hidden_layers
-        layer_types = getattr(text_config, "layer_types", None)
-        if layer_types is None:  # older configs: a sliding_window attribute means sliding layers
-            sliding = getattr(text_config, "sliding_window", None) is not None
-            layer_types = ["sliding_attention" if sliding else "full_attention"] * self._num_layers
         # the preallocated cache and the ready-made mask assume every layer attends to the full past
-        self._full_attention = all(t == "full_attention" for t in layer_types)
+        self._full_attention = full_attention(model)
         self._attn_implementation = getattr(model.config, "_attn_implementation", None)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:

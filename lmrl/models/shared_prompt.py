@@ -1,0 +1,145 @@
+"""The training forward with each distinct prompt computed once.
+
+A GRPO-style batch holds G completions of every prompt, and a plain forward runs each prompt token G
+times. Here the rows' prompts are deduplicated: the prompt positions of each distinct prompt go
+through every layer once, and each completion attends to its prompt's keys and values (indexed per
+row, so the gradients of all G completions add up in the prompt's activations) and causally to its
+own tokens. It computes the same function as transformers' forward: log-probs and gradients agree to
+float rounding (tests), with the prompt's share of the projection and MLP work divided by G.
+`python benchmarks/shared_prompt.py` measures it.
+
+Only for the Llama / Qwen2 classes whose decoder layers this module reproduces (`bypassable`), with
+full attention, no attention dropout in training and no gradient checkpointing; the modules called
+here (norms, projections, MLP, embeddings, LM head) may be LoRA-wrapped or hooked. Shapes: B rows,
+S = P prompt + T response columns (left-padded prompts), U distinct prompts, H hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies that do not depend on the length seen
+
+
+def bypassable(model: nn.Module) -> bool:
+    """True if `model` is a Llama / Qwen2 causal LM whose model, layer and attention `forward` may be
+    replaced by module-by-module code: the exact classes, a position-independent rotary embedding, no
+    device map, and no hooks on the bypassed modules (hooks on the leaf modules still run)."""
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    if type(model).__name__ not in MODELS or rotary is None:
+        return False
+    bypassed = [inner, *inner.layers, *(layer.self_attn for layer in inner.layers)]
+    return (
+        getattr(rotary, "rope_type", None) in STATIC_ROPE
+        and not getattr(model, "hf_device_map", None)
+        and all(type(layer).__name__ in LAYERS for layer in inner.layers)
+        and not any(hooked(m) or hasattr(m, "_hf_hook") for m in bypassed)
+    )
+
+
+def full_attention(model: nn.Module) -> bool:
+    """Every layer attends to the whole past (no sliding-window layers)."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # older configs: a sliding_window attribute means sliding layers
+        sliding = getattr(config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    return all(t == "full_attention" for t in layer_types)
+
+
+def supports(model: nn.Module) -> bool:
+    """True if `shared_prompt_hidden` computes `model`'s forward exactly."""
+    if not (bypassable(model) and full_attention(model)):
+        return False
+    dropout = getattr(model.config, "attention_dropout", 0.0)
+    return not (model.training and dropout) and not _checkpointing(model)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al., 2021) in Hugging Face's half-split layout."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                         num_response_tokens: int) -> torch.Tensor | None:
+    """`[B, T, H]` final hidden states (after the last norm) at the positions that score the T response
+    tokens, i.e. columns S-T-1 .. S-2, computed with each distinct prompt once. None when `supports(model)`
+    is False or no two rows share a prompt (nothing to save): call the model instead."""
+    num_rows, seq_len = sequences.shape
+    t, p = num_response_tokens, seq_len - num_response_tokens
+    if not supports(model):
+        return None
+    # distinct prompts: the same real tokens at the same columns (padding zeroed out)
+    prompt_mask = attention_mask[:, :p].long()
+    key = torch.cat([sequences[:, :p] * prompt_mask, prompt_mask], dim=1)
+    distinct, row_prompt = torch.unique(key, dim=0, return_inverse=True)  # [U, 2P], [B]
+    num_prompts = distinct.shape[0]
+    if num_prompts == num_rows:
+        return None
+    first = torch.full((num_prompts,), num_rows, device=sequences.device).scatter_reduce(
+        0, row_prompt, torch.arange(num_rows, device=sequences.device), "amin")  # a row of each prompt
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as `position_ids_from_mask`
+    prompt_ids, prompt_pos, prompt_mask = sequences[first, :p], positions[first, :p], prompt_mask[first].bool()
+
+    inner, config = model.model, model.config.get_text_config(decoder=True)
+    attn = inner.layers[0].self_attn
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
+    # [U, P] prompt tokens then [B, T] response tokens as one flat batch of U*P + B*T positions
+    hidden = torch.cat([inner.embed_tokens(prompt_ids).flatten(0, 1), inner.embed_tokens(sequences[:, p:]).flatten(0, 1)])
+    cos, sin = inner.rotary_emb(hidden, torch.cat([prompt_pos.flatten(), positions[:, p:].flatten()])[None])
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [U*P + B*T, 1, D]
+    # masks (True attends): prompts causally over their real tokens (a padding query sees itself, so no
+    # row is empty); responses over their prompt's real tokens, then causally over their own real tokens
+    eye = torch.eye(p, dtype=torch.bool, device=sequences.device)
+    causal = torch.ones(p, p, dtype=torch.bool, device=sequences.device).tril()
+    prompt_attends = ((causal & prompt_mask[:, None, :]) | eye)[:, None]  # [U, 1, P, P]
+    response_mask = attention_mask[:, p:].bool()
+    own = torch.ones(t, t, dtype=torch.bool, device=sequences.device).tril() & response_mask[:, None, :]
+    response_attends = torch.cat([prompt_mask[row_prompt][:, None, :].expand(num_rows, t, p), own], dim=2)[:, None]
+    split = num_prompts * p
+
+    for layer in inner.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(-1, heads, head_dim)
+        k = attn.k_proj(x).view(-1, kv_heads, head_dim)
+        v = attn.v_proj(x).view(-1, kv_heads, head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if heads != kv_heads:
+            k, v = (y.repeat_interleave(heads // kv_heads, dim=1) for y in (k, v))
+
+        def by_row(y: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+            return y.view(rows, length, heads, head_dim).transpose(1, 2)  # [rows, heads, length, D]
+
+        qp, kp, vp = (by_row(y[:split], num_prompts, p) for y in (q, k, v))
+        qr, kr, vr = (by_row(y[split:], num_rows, t) for y in (q, k, v))
+        out_prompt = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=prompt_attends, scale=attn.scaling)
+        keys = torch.cat([kp.index_select(0, row_prompt), kr], dim=2)  # [B, heads, P + T, D]
+        values = torch.cat([vp.index_select(0, row_prompt), vr], dim=2)
+        out_response = F.scaled_dot_product_attention(qr, keys, values, attn_mask=response_attends, scale=attn.scaling)
+        out = torch.cat([out_prompt.transpose(1, 2).flatten(0, 1), out_response.transpose(1, 2).flatten(0, 1)])
+        hidden = hidden + attn.o_proj(out.flatten(1).to(x.dtype))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    prompt_hidden = hidden[:split].view(num_prompts, p, -1)
+    response_hidden = hidden[split:].view(num_rows, t, -1)
+    # column S-T-1 (the prompt's last, always a real token) scores response token 0; column S-T-1+j token j
+    scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden[:, :-1]], dim=1)
+    return inner.norm(scoring)
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Gradient (activation) checkpointing is on: transformers' layers must run to recompute."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
+
+
+def hooked(module: nn.Module) -> bool:
+    """A forward (pre-)hook is registered on `module`: it must be called, not bypassed."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
