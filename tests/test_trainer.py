@@ -245,3 +245,23 @@ def test_optimizer_is_fused_adamw_and_steps_like_the_per_parameter_loop():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     start = tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0)
     assert all(not torch.equal(a, b) for a, b in zip(fused_model.parameters(), start.parameters()))  # the steps moved every weight
+
+
+def test_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
+    import lmrl.models.loading as loading
+
+    calls = []
+    real = loading.shared_prompt_hidden
+    monkeypatch.setattr(loading, "shared_prompt_hidden", lambda *a: calls.append(real(*a)) or calls[-1])
+    params = {}
+    for share in (True, False):
+        trainer = make_trainer(tmp_path / str(share), "train.steps=1", f"train.share_prompt={str(share).lower()}",
+                               "algorithm.kl_coef=0.05")  # a reference forward too
+        trainer.train_step(1)
+        params[share] = [p.detach().clone() for p in trainer.policy.parameters()]
+    # the update's forward and the reference forward took the shared path, and only when asked to
+    assert len(calls) == 2 and all(hidden is not None for hidden in calls)
+    start = tiny_causal_lm(char_tokenizer(), hidden_size=32, num_layers=1, seed=0)
+    assert any(not torch.equal(a, b) for a, b in zip(params[True], start.parameters()))
+    for a, b in zip(params[True], params[False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -1,0 +1,107 @@
+"""The shared-prompt training forward computes transformers' forward: same log-probs, same gradients,
+each distinct prompt run once; and it steps aside wherever it would not be exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from lmrl.models import shared_prompt
+from lmrl.models.loading import model_forward_logprobs
+
+P, T = 5, 4
+# rows 0, 2, 4 share prompt A (2 pads), rows 1, 3 prompt B (no pad), row 5 has its own (1 pad); 0 = padding
+PROMPTS = [[0, 0, 7, 8, 9], [4, 5, 6, 7, 8], [0, 0, 7, 8, 9], [4, 5, 6, 7, 8], [0, 0, 7, 8, 9], [0, 11, 12, 13, 14]]
+
+
+def model_of(arch: str, kv_heads: int = 4, **config):
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=kv_heads, max_position_embeddings=64, **config)
+    return model_cls(cfg).train()
+
+
+def batch(prompts=PROMPTS, response_padding: bool = True):
+    """Left-padded prompts, random responses; with `response_padding`, the last response token of the
+    second-to-last row and the last two of the last row are padding (mask 0)."""
+    rows = len(prompts)
+    responses = torch.randint(3, 40, (rows, T), generator=torch.Generator().manual_seed(1))
+    seqs = torch.cat([torch.tensor(prompts), responses], dim=1)
+    mask = (seqs != 0).long()
+    if response_padding:
+        mask[-2, -1] = 0
+        mask[-1, -2:] = 0
+    return seqs, mask
+
+
+def logprobs_and_grads(model, seqs, mask, **kw):
+    model.zero_grad(set_to_none=True)
+    logp, entropy = model_forward_logprobs(model, seqs, mask, T, temperature=0.7, return_entropy=True, **kw)
+    (logp * torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)).sum().backward()
+    return logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("arch", "kv_heads"), [("llama", 4), ("llama", 2), ("qwen2", 4), ("qwen2", 1)])
+def test_same_logprobs_entropy_and_gradients_as_transformers(arch, kv_heads):
+    """Llama and Qwen2 (q / k / v biases), with grouped-query attention, left-padded prompts of different
+    lengths, rows of one prompt not adjacent, response padding, a temperature."""
+    model = model_of(arch, kv_heads)
+    seqs, mask = batch()
+    plain = logprobs_and_grads(model, seqs, mask)
+    shared = logprobs_and_grads(model, seqs, mask, share_prompt=True)
+    valid = mask[:, P:].bool()
+    torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=2e-6, rtol=0)
+    torch.testing.assert_close(shared[1][valid], plain[1][valid], atol=2e-6, rtol=0)
+    for got, want in zip(shared[2], plain[2]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+def test_each_distinct_prompt_runs_once_and_transformers_forward_is_skipped():
+    model = model_of("llama")
+    seqs, mask = batch()
+    tokens_seen, model_forward = [], []
+    model.model.layers[0].mlp.register_forward_hook(lambda mod, inp, out: tokens_seen.append(inp[0].shape[:-1].numel()))
+    model.model.register_forward_pre_hook(lambda *a: model_forward.append(True))
+    # a hook on the bypassed inner model sends the call to transformers' forward, which must then run
+    with torch.no_grad():
+        model_forward_logprobs(model, seqs, mask, T, share_prompt=True)
+    assert model_forward == [True] and tokens_seen == [6 * (P + T)]
+    model.model._forward_pre_hooks.clear()
+    tokens_seen.clear()
+    with torch.no_grad():
+        model_forward_logprobs(model, seqs, mask, T, share_prompt=True)
+    assert model_forward == [True]  # not called again
+    assert tokens_seen == [3 * P + 6 * T]  # 3 distinct prompts once, then the 6 responses
+
+
+def test_steps_aside_where_it_would_not_be_exact():
+    seqs, mask = batch()
+    assert shared_prompt.supports(model_of("llama"))
+    assert not shared_prompt.supports(model_of("llama", attention_dropout=0.1))  # dropout in training
+    assert shared_prompt.supports(model_of("llama", attention_dropout=0.1).eval())
+    assert not shared_prompt.supports(model_of("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0))
+    checkpointed = model_of("llama")
+    enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
+    enable()
+    assert not shared_prompt.supports(checkpointed)
+    rope = model_of("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert not shared_prompt.supports(rope)
+    # no two rows share a prompt: nothing to save, so the caller runs the model
+    distinct = [[0, 0, 7, 8, 9], [4, 5, 6, 7, 8], [0, 11, 12, 13, 14]]
+    seqs, mask = batch(distinct)
+    assert shared_prompt.shared_prompt_hidden(model_of("llama"), seqs, mask, T) is None
+
+
+def test_same_prompt_tokens_under_different_padding_are_different_prompts():
+    """Rows are grouped by their prompt columns (tokens and mask): a left-padded and an unpadded copy of
+    the same text sit at other positions, so they are not merged; the log-probs stay those of each row."""
+    model = model_of("llama")
+    prompts = [[0, 0, 7, 8, 9], [0, 0, 7, 8, 9], [5, 5, 7, 8, 9], [5, 5, 7, 8, 9], [0, 5, 7, 8, 9], [0, 5, 7, 8, 9]]
+    seqs, mask = batch(prompts, response_padding=False)
+    with torch.no_grad():
+        plain = model_forward_logprobs(model, seqs, mask, T)
+        shared = model_forward_logprobs(model, seqs, mask, T, share_prompt=True)
+    torch.testing.assert_close(shared, plain, atol=2e-6, rtol=0)
