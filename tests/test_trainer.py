@@ -251,8 +251,8 @@ def test_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
     import lmrl.models.loading as loading
 
     calls = []
-    real = loading.shared_prompt_hidden
-    monkeypatch.setattr(loading, "shared_prompt_hidden", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = loading.shared_prompt_logits
+    monkeypatch.setattr(loading, "shared_prompt_logits", lambda *a: calls.append(real(*a)) or calls[-1])
     params = {}
     for share in (True, False):
         trainer = make_trainer(tmp_path / str(share), "train.steps=1", f"train.share_prompt={str(share).lower()}",

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lmrl.algorithms.logprobs import token_entropy, token_logprobs
-from lmrl.models.shared_prompt import shared_prompt_hidden
+from lmrl.models.shared_prompt import shared_prompt_logits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cpu", "cuda", "auto")
@@ -348,10 +348,8 @@ def model_forward_logprobs(
         )
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
-    hidden = shared_prompt_hidden(model, sequences, attention_mask, t) if share_prompt else None
-    if hidden is not None:
-        logits = model.lm_head(hidden)  # [B, T, V]
-    else:
+    logits = shared_prompt_logits(model, sequences, attention_mask, t) if share_prompt else None  # [B, T, V]
+    if logits is None:
         out = model(
             input_ids=sequences,
             attention_mask=attention_mask,

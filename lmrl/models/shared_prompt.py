@@ -10,8 +10,9 @@ float rounding (tests), with the prompt's share of the projection and MLP work d
 
 Only for the Llama / Qwen2 classes whose decoder layers this module reproduces (`bypassable`), with
 full attention, no attention dropout in training and no gradient checkpointing; the modules called
-here (norms, projections, MLP, embeddings, LM head) may be LoRA-wrapped or hooked. Shapes: B rows,
-S = P prompt + T response columns (left-padded prompts), U distinct prompts, H hidden size.
+here (norms, projections, MLP, embeddings, LM head) may be LoRA-wrapped (a peft LoRA model is
+looked through) or hooked. Shapes: B rows, S = P prompt + T response columns (left-padded prompts),
+U distinct prompts, H hidden size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def full_attention(model: nn.Module) -> bool:
 
 
 def supports(model: nn.Module) -> bool:
-    """True if `shared_prompt_hidden` computes `model`'s forward exactly."""
+    """True if `shared_prompt_logits` computes `model`'s forward exactly."""
     if not (bypassable(model) and full_attention(model)):
         return False
     dropout = getattr(model.config, "attention_dropout", 0.0)
@@ -66,13 +67,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                          num_response_tokens: int) -> torch.Tensor | None:
-    """`[B, T, H]` final hidden states (after the last norm) at the positions that score the T response
-    tokens, i.e. columns S-T-1 .. S-2, computed with each distinct prompt once. None when `supports(model)`
-    is False or no two rows share a prompt (nothing to save): call the model instead."""
+    """`[B, T, V]` logits at the positions that score the T response tokens (columns S-T-1 .. S-2),
+    computed with each distinct prompt once. A peft LoRA wrapper is looked through (its forward is the
+    base model's, with the LoRA layers in place). None when `supports` is False or no two rows share a
+    prompt (nothing to save): call the model instead."""
     num_rows, seq_len = sequences.shape
     t, p = num_response_tokens, seq_len - num_response_tokens
+    model = _lora_base(model)
     if not supports(model):
         return None
     # distinct prompts: the same real tokens at the same columns (padding zeroed out)
@@ -131,7 +134,14 @@ def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_ma
     response_hidden = hidden[split:].view(num_rows, t, -1)
     # column S-T-1 (the prompt's last, always a real token) scores response token 0; column S-T-1+j token j
     scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden[:, :-1]], dim=1)
-    return inner.norm(scoring)
+    return model.lm_head(inner.norm(scoring))
+
+
+def _lora_base(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft LoRA wrapper, else `model` (other peft methods change the
+    forward: prompt tuning adds virtual tokens)."""
+    config = getattr(model, "active_peft_config", None)
+    return model.get_base_model() if getattr(config, "peft_type", None) == "LORA" else model
 
 
 def _checkpointing(model: nn.Module) -> bool:

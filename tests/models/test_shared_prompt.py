@@ -41,7 +41,7 @@ def logprobs_and_grads(model, seqs, mask, **kw):
     model.zero_grad(set_to_none=True)
     logp, entropy = model_forward_logprobs(model, seqs, mask, T, temperature=0.7, return_entropy=True, **kw)
     (logp * torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)).sum().backward()
-    return logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+    return logp.detach(), entropy.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize(("arch", "kv_heads"), [("llama", 4), ("llama", 2), ("qwen2", 4), ("qwen2", 1)])
@@ -92,7 +92,7 @@ def test_steps_aside_where_it_would_not_be_exact():
     # no two rows share a prompt: nothing to save, so the caller runs the model
     distinct = [[0, 0, 7, 8, 9], [4, 5, 6, 7, 8], [0, 11, 12, 13, 14]]
     seqs, mask = batch(distinct)
-    assert shared_prompt.shared_prompt_hidden(model_of("llama"), seqs, mask, T) is None
+    assert shared_prompt.shared_prompt_logits(model_of("llama"), seqs, mask, T) is None
 
 
 def test_same_prompt_tokens_under_different_padding_are_different_prompts():
@@ -105,3 +105,24 @@ def test_same_prompt_tokens_under_different_padding_are_different_prompts():
         plain = model_forward_logprobs(model, seqs, mask, T)
         shared = model_forward_logprobs(model, seqs, mask, T, share_prompt=True)
     torch.testing.assert_close(shared, plain, atol=2e-6, rtol=0)
+
+
+def test_a_peft_lora_model_is_looked_through_with_the_same_gradients():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(model_of("qwen2"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                   lora_dropout=0.0, task_type="CAUSAL_LM"))
+    for name, param in model.named_parameters():  # nonzero B matrices, so the adapters change the output
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    seqs, mask = batch()
+    scored = []  # positions the LM head sees: T + 1 in transformers' forward (logits_to_keep), T when shared
+    model.get_base_model().lm_head.register_forward_hook(lambda mod, inp, out: scored.append(inp[0].shape[1]))
+    plain = logprobs_and_grads(model, seqs, mask)
+    shared = logprobs_and_grads(model, seqs, mask, share_prompt=True)
+    assert scored == [T + 1, T]
+    valid = mask[:, P:].bool()
+    torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=2e-6, rtol=0)
+    lora_grads = [(got, want) for (name, _), got, want in zip(model.named_parameters(), shared[2], plain[2]) if "lora_" in name]
+    assert lora_grads and all(want.abs().sum() > 0 for _, want in lora_grads)
+    for got, want in lora_grads:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
