@@ -116,12 +116,9 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if heads != kv_heads:
             k, v = (y.repeat_interleave(heads // kv_heads, dim=1) for y in (k, v))
-
-        def by_row(y: torch.Tensor, rows: int, length: int) -> torch.Tensor:
-            return y.view(rows, length, heads, head_dim).transpose(1, 2)  # [rows, heads, length, D]
-
-        qp, kp, vp = (by_row(y[:split], num_prompts, p) for y in (q, k, v))
-        qr, kr, vr = (by_row(y[split:], num_rows, t) for y in (q, k, v))
+        # [rows, heads, length, D] per prompt and per response
+        qp, kp, vp = (y[:split].view(num_prompts, p, heads, head_dim).transpose(1, 2) for y in (q, k, v))
+        qr, kr, vr = (y[split:].view(num_rows, t, heads, head_dim).transpose(1, 2) for y in (q, k, v))
         out_prompt = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=prompt_attends, scale=attn.scaling)
         keys = torch.cat([kp.index_select(0, row_prompt), kr], dim=2)  # [B, heads, P + T, D]
         values = torch.cat([vp.index_select(0, row_prompt), vr], dim=2)
