@@ -148,5 +148,5 @@ def _checkpointing(model: nn.Module) -> bool:
 
 
 def hooked(module: nn.Module) -> bool:
-    """A forward (pre-)hook is registered on `module`: it must be called, not bypassed."""
+    """A forward (pre-)hook is registered on `module`: it must be called, not bypassed or fused."""
     return bool(module._forward_hooks or module._forward_pre_hooks)
