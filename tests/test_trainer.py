@@ -263,5 +263,7 @@ def test_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
     assert len(calls) == 2 and all(hidden is not None for hidden in calls)
     start = tiny_causal_lm(char_tokenizer(), hidden_size=32, num_layers=1, seed=0)
     assert any(not torch.equal(a, b) for a, b in zip(params[True], start.parameters()))
+    # Adam's first step moves each weight by about lr = 1e-2; float rounding in tiny gradients may move a few
+    # by a little more or less, a different update would move many by ~1e-2
     for a, b in zip(params[True], params[False]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

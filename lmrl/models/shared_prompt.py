@@ -74,9 +74,12 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
     base model's, with the LoRA layers in place). None when `supports` is False or no two rows share a
     prompt (nothing to save): call the model instead."""
     num_rows, seq_len = sequences.shape
-    t, p = num_response_tokens, seq_len - num_response_tokens
+    p = seq_len - num_response_tokens
+    # the last response token scores nothing and no other position attends to it: it is left out, and
+    # the response part runs on the t = T - 1 columns before it
+    t = num_response_tokens - 1
     model = _lora_base(model)
-    if not supports(model):
+    if t < 1 or not supports(model):
         return None
     # distinct prompts: the same real tokens at the same columns (padding zeroed out)
     prompt_mask = attention_mask[:, :p].long()
@@ -93,16 +96,17 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
     inner, config = model.model, model.config.get_text_config(decoder=True)
     attn = inner.layers[0].self_attn
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
-    # [U, P] prompt tokens then [B, T] response tokens as one flat batch of U*P + B*T positions
-    hidden = torch.cat([inner.embed_tokens(prompt_ids).flatten(0, 1), inner.embed_tokens(sequences[:, p:]).flatten(0, 1)])
-    cos, sin = inner.rotary_emb(hidden, torch.cat([prompt_pos.flatten(), positions[:, p:].flatten()])[None])
-    cos, sin = cos[0, :, None], sin[0, :, None]  # [U*P + B*T, 1, D]
+    # [U, P] prompt tokens then [B, t] response tokens as one flat batch of U*P + B*t positions
+    response_ids, response_pos = sequences[:, p : p + t], positions[:, p : p + t]
+    hidden = torch.cat([inner.embed_tokens(prompt_ids).flatten(0, 1), inner.embed_tokens(response_ids).flatten(0, 1)])
+    cos, sin = inner.rotary_emb(hidden, torch.cat([prompt_pos.flatten(), response_pos.flatten()])[None])
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [U*P + B*t, 1, D]
     # masks (True attends): prompts causally over their real tokens (a padding query sees itself, so no
     # row is empty); responses over their prompt's real tokens, then causally over their own real tokens
     eye = torch.eye(p, dtype=torch.bool, device=sequences.device)
     causal = torch.ones(p, p, dtype=torch.bool, device=sequences.device).tril()
     prompt_attends = ((causal & prompt_mask[:, None, :]) | eye)[:, None]  # [U, 1, P, P]
-    response_mask = attention_mask[:, p:].bool()
+    response_mask = attention_mask[:, p : p + t].bool()
     own = torch.ones(t, t, dtype=torch.bool, device=sequences.device).tril() & response_mask[:, None, :]
     response_attends = torch.cat([prompt_mask[row_prompt][:, None, :].expand(num_rows, t, p), own], dim=2)[:, None]
     split = num_prompts * p
@@ -130,7 +134,7 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
     prompt_hidden = hidden[:split].view(num_prompts, p, -1)
     response_hidden = hidden[split:].view(num_rows, t, -1)
     # column S-T-1 (the prompt's last, always a real token) scores response token 0; column S-T-1+j token j
-    scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden[:, :-1]], dim=1)
+    scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden], dim=1)  # [B, T, H]
     return model.lm_head(inner.norm(scoring))
 
 

@@ -74,7 +74,8 @@ def test_each_distinct_prompt_runs_once_and_transformers_forward_is_skipped():
     with torch.no_grad():
         model_forward_logprobs(model, seqs, mask, T, share_prompt=True)
     assert model_forward == [True]  # not called again
-    assert tokens_seen == [3 * P + 6 * T]  # 3 distinct prompts once, then the 6 responses
+    # 3 distinct prompts once, then the 6 responses without their last token (it scores nothing)
+    assert tokens_seen == [3 * P + 6 * (T - 1)]
 
 
 def test_steps_aside_where_it_would_not_be_exact():
