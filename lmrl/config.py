@@ -326,8 +326,7 @@ class TrainConfig(_Section):
     logprob_chunk_size: int | None = 128
     """Rows of the [B*T, V] logits turned into float32 log-probs at once (None = all): bounds memory at large V."""
     share_prompt: bool = True
-    """Forwards of the update (and reference) run each distinct prompt once for all its completions (Llama /
-    Qwen2; others ignore it): the same log-probs and gradients, less work."""
+    """Update and reference forwards run each distinct prompt once for all its completions (Llama / Qwen2)."""
 
 
 class LogConfig(_Section):
