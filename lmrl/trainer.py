@@ -239,7 +239,11 @@ class Trainer:
         for _ in range(a.num_iterations):
             order = torch.randperm(B, generator=self.minibatch_rng) if a.num_minibatches > 1 else torch.arange(B)
             for m in range(a.num_minibatches):
-                for k, v in self._optimizer_step(exp.select(order[m * size:(m + 1) * size])).items():
+                rows = order[m * size:(m + 1) * size]
+                # the same minibatch with a prompt's rows adjacent, so micro-batches share prompts (the
+                # shared-prompt forward) as much as they can; the order inside a minibatch changes nothing else
+                rows = rows[torch.argsort(exp.group_index[rows], stable=True)]
+                for k, v in self._optimizer_step(exp.select(rows)).items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
         return {k: v / count for k, v in totals.items()}

@@ -267,3 +267,19 @@ def test_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
     # by a little more or less, a different update would move many by ~1e-2
     for a, b in zip(params[True], params[False]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_minibatches_keep_a_prompts_rows_adjacent(tmp_path, monkeypatch):
+    """Shuffled minibatches hold the same rows as before; inside one, a prompt's rows are adjacent, so that
+    micro-batches can share prompts."""
+    trainer = make_trainer(tmp_path, "algorithm.num_minibatches=2", "optim.micro_batch_size=2")
+    seen = []
+    real = trainer._optimizer_step
+    monkeypatch.setattr(trainer, "_optimizer_step", lambda mb: seen.append(mb.group_index.clone()) or real(mb))
+    trainer.train_step(1)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(trainer.cfg.train.seed))
+    groups = torch.arange(4).repeat_interleave(4)  # 4 prompts x 4 completions, in group order
+    assert len(seen) == 2
+    for m, got in enumerate(seen):
+        assert torch.equal(got, got.sort().values)  # adjacent
+        assert torch.equal(got.sort().values, groups[order[m * 8:(m + 1) * 8]].sort().values)  # same rows
