@@ -348,12 +348,13 @@ def model_forward_logprobs(
         )
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
-    logits = shared_prompt_logits(model, sequences, attention_mask, t) if share_prompt else None  # [B, T, V]
+    positions = position_ids_from_mask(attention_mask)
+    logits = shared_prompt_logits(model, sequences, attention_mask, positions, t) if share_prompt else None  # [B, T, V]
     if logits is None:
         out = model(
             input_ids=sequences,
             attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
+            position_ids=positions,
             logits_to_keep=t + 1,
             use_cache=False,
         )

@@ -68,9 +68,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                         num_response_tokens: int) -> torch.Tensor | None:
+                         position_ids: torch.Tensor, num_response_tokens: int) -> torch.Tensor | None:
     """`[B, T, V]` logits at the positions that score the T response tokens (columns S-T-1 .. S-2),
-    computed with each distinct prompt once. A peft LoRA wrapper is looked through (its forward is the
+    computed with each distinct prompt once; `position_ids` `[B, S]` as the model's forward takes them. A peft LoRA wrapper is looked through (its forward is the
     base model's, with the LoRA layers in place). None when `supports` is False or no two rows share a
     prompt (nothing to save): call the model instead."""
     num_rows, seq_len = sequences.shape
@@ -90,14 +90,13 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
         return None
     first = torch.full((num_prompts,), num_rows, device=sequences.device).scatter_reduce(
         0, row_prompt, torch.arange(num_rows, device=sequences.device), "amin")  # a row of each prompt
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as `position_ids_from_mask`
-    prompt_ids, prompt_pos, prompt_mask = sequences[first, :p], positions[first, :p], prompt_mask[first].bool()
+    prompt_ids, prompt_pos, prompt_mask = sequences[first, :p], position_ids[first, :p], prompt_mask[first].bool()
 
     inner, config = model.model, model.config.get_text_config(decoder=True)
     attn = inner.layers[0].self_attn
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
     # [U, P] prompt tokens then [B, t] response tokens as one flat batch of U*P + B*t positions
-    response_ids, response_pos = sequences[:, p : p + t], positions[:, p : p + t]
+    response_ids, response_pos = sequences[:, p : p + t], position_ids[:, p : p + t]
     hidden = torch.cat([inner.embed_tokens(prompt_ids).flatten(0, 1), inner.embed_tokens(response_ids).flatten(0, 1)])
     cos, sin = inner.rotary_emb(hidden, torch.cat([prompt_pos.flatten(), response_pos.flatten()])[None])
     cos, sin = cos[0, :, None], sin[0, :, None]  # [U*P + B*t, 1, D]

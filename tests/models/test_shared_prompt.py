@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lmrl.models import shared_prompt
-from lmrl.models.loading import model_forward_logprobs
+from lmrl.models.loading import model_forward_logprobs, position_ids_from_mask
 
 P, T = 5, 4
 # rows 0, 2, 4 share prompt A (2 pads), rows 1, 3 prompt B (no pad), row 5 has its own (1 pad); 0 = padding
@@ -93,7 +93,7 @@ def test_steps_aside_where_it_would_not_be_exact():
     # no two rows share a prompt: nothing to save, so the caller runs the model
     distinct = [[0, 0, 7, 8, 9], [4, 5, 6, 7, 8], [0, 11, 12, 13, 14]]
     seqs, mask = batch(distinct)
-    assert shared_prompt.shared_prompt_logits(model_of("llama"), seqs, mask, T) is None
+    assert shared_prompt.shared_prompt_logits(model_of("llama"), seqs, mask, position_ids_from_mask(mask), T) is None
 
 
 def test_same_prompt_tokens_under_different_padding_are_different_prompts():
