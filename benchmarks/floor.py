@@ -28,9 +28,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from seeded_llama import add_model_args, seeded_llama  # noqa: E402
+
 import lmrl.rollout.hf as hf  # noqa: E402
 from lmrl.models.loading import model_forward_logprobs  # noqa: E402
-from lmrl.models.tiny import char_tokenizer, tiny_causal_lm  # noqa: E402
 from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, PROMPT_LEN = 8, 8, 64, 6
@@ -63,18 +64,11 @@ def timed(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_args(parser)
     parser.add_argument("--rows", type=int, default=32, help="rows in the update (vs_trl.py trains 25-42 of 64)")
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    tokenizer = char_tokenizer()
-    model = tiny_causal_lm(tokenizer, arch="llama", hidden_size=args.hidden, num_layers=args.layers,
-                           num_heads=args.heads, seed=0)
+    model, tokenizer = seeded_llama(args)
     cfg = model.config
     rng = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, threads {args.threads}, hidden {args.hidden}, {args.layers} layers, "

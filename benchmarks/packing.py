@@ -21,27 +21,22 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from seeded_llama import add_model_args, seeded_llama  # noqa: E402
+
 import lmrl.rollout.hf as hf  # noqa: E402
-from lmrl.models.tiny import char_tokenizer, tiny_causal_lm  # noqa: E402
 from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_args(parser)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--all-sizes", action="store_true", help="pack weights of any size (PACK_MIN_ELEMENTS=0)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     if args.all_sizes:
         hf.PACK_MIN_ELEMENTS = 0
 
-    tokenizer = char_tokenizer()
-    model = tiny_causal_lm(tokenizer, arch="llama", hidden_size=args.hidden, num_layers=args.layers,
-                           num_heads=args.heads, seed=0)
+    model, tokenizer = seeded_llama(args)
     rng = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 90, (6,), generator=rng).tolist() for _ in range(8)]
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=0)

@@ -21,8 +21,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from seeded_llama import add_model_args, seeded_llama  # noqa: E402
+
 from lmrl.models.loading import model_forward_logprobs  # noqa: E402
-from lmrl.models.tiny import char_tokenizer, tiny_causal_lm  # noqa: E402
 
 GROUP = 8
 
@@ -37,19 +38,15 @@ def update(model, seqs: torch.Tensor, mask: torch.Tensor, t: int, share: bool) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_args(parser)
     parser.add_argument("--groups", type=int, default=4, help="distinct prompts per batch (x 8 completions)")
     parser.add_argument("--shapes", nargs="+", default=["6x64", "64x64", "128x128", "256x256"],
                         help="prompt x response tokens")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes]
-    model = tiny_causal_lm(char_tokenizer(), arch="llama", hidden_size=args.hidden, num_layers=args.layers,
-                           num_heads=args.heads, max_position_embeddings=max(p + t for p, t in shapes), seed=0).train()
+    model, _ = seeded_llama(args, max_position_embeddings=max(p + t for p, t in shapes))
+    model.train()
     print(f"torch {torch.__version__}, threads {args.threads}, hidden {args.hidden}, {args.layers} layers, float32; "
           f"{args.groups} prompts x {GROUP} completions, forward + backward")
     print(f"{'prompt x response':>18}{'plain s':>9}{'shared s':>10}{'speedup':>9}{'quartiles':>12}")
