@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from lmrl.kernels import DecodeKernels
+from lmrl.kernels import load as load_kernels
 from lmrl.models.shared_prompt import apply_rotary, bypassable, full_attention, hooked
 from lmrl.rollout.base import Rollout, SamplingParams
 
@@ -185,7 +187,7 @@ class _SharedPromptDecoder:
         self.response_values = [self.prompt_keys[0].new_empty(shape) for _ in self.layers]
         positions = torch.arange(prompt_len + max_new, device=prompt_mask.device)[None]
         cos, sin = inner.rotary_emb(prompt_cache.layers[0].keys, position_ids=positions)  # model dtype
-        self.cos, self.sin = cos[0], sin[0]  # [P + max_new, D]
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [P + max_new, D]
         # q, k, v as one matmul (weights concatenated once per rollout) where they are plain nn.Linear
         # (not LoRA-wrapped or hooked); None: call the modules. Then every projection is a `_Linear`.
         rows = row_local.numel()
@@ -193,19 +195,30 @@ class _SharedPromptDecoder:
         self.o_proj = [_Linear.of(layer.self_attn.o_proj, rows) for layer in self.layers]
         self.mlp = [_GatedMLP(m, rows) if _plain_mlp(m) else None for m in (layer.mlp for layer in self.layers)]
         self.lm_head = _Linear.of(model.lm_head, rows)
+        # the C kernels (`lmrl.kernels`) on CPU float32 models with fused q / k / v: rotary, the cache
+        # write and attention as one call per layer, and RMSNorm; else (or without a C compiler) PyTorch
+        self.kernels = None
+        if (self.cos.device.type == "cpu" and self.cos.dtype == torch.float32 and dtype == torch.float32
+                and all(qkv is not None for qkv in self.qkv) and self.head_dim % 2 == 0):
+            self.kernels = load_kernels()
+        self.row_prompt = self.slot // self.slots_per_prompt  # [b] for the kernel
+        self.prompt_bias_rows = self.prompt_bias[:, 0, 0].contiguous()  # [U, P]
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (`[a]` indices) of the response cache."""
         self.response_keys = [x.index_select(0, keep) for x in self.response_keys]
         self.response_values = [x.index_select(0, keep) for x in self.response_values]
         self.slot = self.slot.index_select(0, keep)
+        self.row_prompt = self.slot // self.slots_per_prompt
         self.identity_slots = False
 
     def step(self, token: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
         """Feed `[b]` tokens at `[b]` positions as response token t; return `[b, V]` next-token logits."""
         b, heads, d = token.shape[0], self.num_kv_heads * self.group, self.head_dim
-        cos, sin = self.cos[position][:, None], self.sin[position][:, None]  # [b, 1, D]
         hidden = self.model.model.embed_tokens(token)  # [b, hidden]
+        if self.kernels is not None:
+            return self._kernel_step(hidden, position, t)
+        cos, sin = self.cos[position][:, None], self.sin[position][:, None]  # [b, 1, D]
         kv = self.num_kv_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -223,6 +236,22 @@ class _SharedPromptDecoder:
             x = _rms_norm(layer.post_attention_layernorm, hidden)
             hidden = self.mlp[i](x, residual=hidden) if self.mlp[i] is not None else hidden + layer.mlp(x)
         return self.lm_head(_rms_norm(self.model.model.norm, hidden))
+
+    def _kernel_step(self, hidden: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
+        """`step` with the C kernels: per layer, RMSNorm, the fused q / k / v matmul, then one
+        `decode_attention` call for rotary, the cache write and attention."""
+        kernels, heads, position = self.kernels, self.num_kv_heads * self.group, position.contiguous()
+        for i, layer in enumerate(self.layers):
+            x = _rms_norm(layer.input_layernorm, hidden, kernels)
+            out = kernels.decode_attention(
+                self.qkv[i](x).contiguous(), self.cos, self.sin, position, self.prompt_keys[i], self.prompt_values[i],
+                self.prompt_bias_rows, self.response_keys[i], self.response_values[i], self.row_prompt,
+                heads, t, self.scaling,
+            )
+            hidden = self.o_proj[i](out, add=hidden)
+            x = _rms_norm(layer.post_attention_layernorm, hidden, kernels)
+            hidden = self.mlp[i](x, residual=hidden) if self.mlp[i] is not None else hidden + layer.mlp(x)
+        return self.lm_head(_rms_norm(self.model.model.norm, hidden, kernels))
 
     def _attend(self, i: int, q: torch.Tensor, length: int) -> torch.Tensor:
         """`[b, K, g, D]` queries -> `[b, K, g, D]` attention over the prompt and `length` response tokens.
@@ -365,11 +394,13 @@ def _plain_mlp(mlp: nn.Module) -> bool:
     return type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP") and not hooked(mlp)
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Llama / Qwen2 RMSNorm with torch's fused kernel: weight * (x / rms(x)) computed in float32, as
-    transformers does; other norm modules are called."""
+def _rms_norm(norm: nn.Module, x: torch.Tensor, kernels: DecodeKernels | None = None) -> torch.Tensor:
+    """Llama / Qwen2 RMSNorm with torch's fused kernel, or the C one (`kernels`, float32 `[b, hidden]`
+    on CPU): weight * (x / rms(x)) computed in float32, as transformers does; other norm modules are called."""
     if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm") or hooked(norm):
         return norm(x)
+    if kernels is not None and x.dim() == 2 and x.dtype == norm.weight.dtype == torch.float32 and x.device.type == "cpu":
+        return kernels.rms_norm(x.contiguous(), norm.weight.detach(), norm.variance_epsilon)
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], norm.weight, eps=norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)

@@ -1,0 +1,131 @@
+"""CPU kernels for the decode step, in C, compiled on first use with the machine's C compiler.
+
+A decode step of a small model on a CPU runs dozens of tiny tensor operations per layer, and each
+costs far more than its arithmetic (dispatch, an OpenMP fork and join, a fresh output). `decode.c`
+does two of those pieces as one call each:
+
+    decode_attention   rotary of the new query and key, the key / value write into the row's cache, and
+                       attention over the shared prompt keys and the row's own response keys (see
+                       `lmrl.rollout.hf._SharedPromptDecoder`)
+    rms_norm           RMSNorm of a `[rows, hidden]` activation
+
+The source is compiled with `$CC` (default `cc`), `-O3 -march=native -fopenmp`, into
+`$LMRL_CACHE_DIR/kernels` (default `~/.cache/lmrl/kernels`), once per source, compiler and CPU; later
+processes load the cached library. The library uses the OpenMP runtime torch has already loaded, so
+its threads are torch's (`torch.set_num_threads`).
+
+Nothing here is required: without a C compiler, or with `LMRL_KERNELS=0`, `load()` returns None and the
+decoder uses its PyTorch path (same results to float32 rounding; slower). Loaded through ctypes, with
+pointers to contiguous float32 CPU tensors the caller checks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+_UNSET = object()
+_library: object = _UNSET
+
+
+class DecodeKernels:
+    """The compiled `decode.c`, with typed entry points."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
+        self._attention = library.lmrl_decode_attention
+        self._attention.restype = ctypes.c_int
+        self._attention.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        self._rms_norm = library.lmrl_rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+
+    def decode_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+                         prompt_keys: torch.Tensor, prompt_values: torch.Tensor, prompt_bias: torch.Tensor,
+                         response_keys: torch.Tensor, response_values: torch.Tensor, row_prompt: torch.Tensor,
+                         heads: int, t: int, scale: float) -> torch.Tensor:
+        """`[b, heads * D]` attention output of response token t; writes its key and value into the caches.
+
+        Args:
+            qkv: `[b, (heads + 2K) * D]` the fused q / k / v projection of each row's new token.
+            cos, sin: `[L, D]` rotary tables by position; position: `[b]` int64 position of each row.
+            prompt_keys, prompt_values: `[U, K, P, D]`; prompt_bias: `[U, P]` additive (padding: -inf-like).
+            response_keys, response_values: `[b, K, capacity, D]`, written at position t.
+            row_prompt: `[b]` int64 prompt of each row.
+        All float32 / int64, contiguous, on the CPU.
+        """
+        b, (u, kv, p, d), capacity = qkv.shape[0], prompt_keys.shape, response_keys.shape[2]
+        out = qkv.new_empty((b, heads * d))
+        failed = self._attention(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), position.data_ptr(), prompt_keys.data_ptr(),
+            prompt_values.data_ptr(), prompt_bias.data_ptr(), response_keys.data_ptr(), response_values.data_ptr(),
+            row_prompt.data_ptr(), out.data_ptr(), b, heads, kv, d, p, capacity, t, scale,
+        )
+        if failed:
+            raise MemoryError("lmrl decode_attention: could not allocate its scratch memory")
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`weight * x / sqrt(mean(x^2) + eps)` over the last dim of a contiguous float32 `[rows, n]` x."""
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+
+def load() -> DecodeKernels | None:
+    """The decode kernels, compiled on the first call of the process if not cached; None when
+    `LMRL_KERNELS=0` or they cannot be built (a warning says why, once)."""
+    global _library
+    if os.environ.get("LMRL_KERNELS", "1") == "0":
+        return None
+    if _library is _UNSET:
+        try:
+            _library = DecodeKernels(ctypes.CDLL(str(_build())))
+        except (OSError, subprocess.SubprocessError, AttributeError) as err:
+            warnings.warn(f"lmrl: C decode kernels unavailable, using the PyTorch path ({err})", stacklevel=2)
+            _library = None
+    return _library
+
+
+def _build() -> Path:
+    """Path of the compiled library: from the cache, or compiled now (written under a temporary name and
+    renamed, so concurrent processes never load a half-written file)."""
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _cpu_id()])).hexdigest()[:16]
+    cache = Path(os.environ.get("LMRL_CACHE_DIR", Path.home() / ".cache" / "lmrl")) / "kernels"
+    target = cache / f"decode-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        # with OpenMP (torch's runtime, already loaded, serves the library), else single-threaded
+        for extra in (["-fopenmp"], []):
+            result = subprocess.run([compiler, *FLAGS, *extra, "-o", str(built), str(SOURCE), "-lm"],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                os.replace(built, target)
+                return target
+    raise OSError(f"{compiler} could not compile {SOURCE.name}: {result.stderr.strip().splitlines()[-1:]}")
+
+
+def _cpu_id() -> bytes:
+    """What `-march=native` compiles for: the machine and, on Linux, the CPU's model and feature flags."""
+    parts = [platform.machine()]
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        parts += sorted({line for line in info if line.startswith(("model name", "flags"))})
+    except OSError:
+        pass
+    return "\n".join(parts).encode()

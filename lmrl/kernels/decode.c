@@ -1,0 +1,122 @@
+/* One decode step of attention for one layer, with shared prompt keys and values (float32, CPU).
+ *
+ * For each row r (one completion) and query head h, with kv head kh = h / (H / K) and prompt u of r:
+ *   1. rotary position embedding (Hugging Face's half-split layout) of the new query and key at the
+ *      row's position; the new key and value are written at response position t of the row's cache;
+ *   2. scores = [q . prompt_key[u, kh, p] + prompt_bias[u, p] for p < P]
+ *             + [q . response_key[r, kh, j] for j <= t], times `scale`;
+ *   3. out[r, h] = softmax(scores) . [prompt_value[u, kh] ; response_value[r, kh, :t + 1]].
+ *
+ * The same computation as lmrl.rollout.hf._SharedPromptDecoder's PyTorch path (rotary, cache writes and
+ * `_attend`), as one call instead of about twenty small tensor operations per layer and step. Rows and
+ * heads are split across OpenMP threads (torch's own OpenMP runtime, already loaded in the process).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *y, float w, const float *x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += w * x[i];
+}
+
+/* x rotated: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]] */
+static inline void rotate(float *dst, const float *x, const float *cos, const float *sin, int64_t d) {
+    int64_t half = d / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) dst[i] = x[i] * cos[i] - x[i + half] * sin[i];
+#pragma omp simd
+    for (int64_t i = half; i < d; i++) dst[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+/* qkv:        [b, (H + 2K) * D]  the fused q / k / v projection of the new token of each row
+ * cos, sin:   [L, D]             rotary tables by position; position: [b] row positions
+ * prompt_*:   [U, K, P, D]       keys / values of the distinct prompts; prompt_bias: [U, P] additive
+ * response_*: [b, K, capacity, D] each row's response keys / values, written here at position t
+ * row_prompt: [b]                prompt (0..U-1) of each row
+ * out:        [b, H * D]
+ * Returns 0, or 1 when scratch memory could not be allocated (nothing is written to `out` then). */
+int lmrl_decode_attention(const float *qkv, const float *cos, const float *sin, const int64_t *position,
+                          const float *prompt_keys, const float *prompt_values, const float *prompt_bias,
+                          float *response_keys, float *response_values, const int64_t *row_prompt, float *out,
+                          int64_t b, int64_t H, int64_t K, int64_t D, int64_t P, int64_t capacity, int64_t t,
+                          float scale) {
+    const int64_t width = (H + 2 * K) * D, group = H / K, length = t + 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < b; r++) {
+            const float *row = qkv + r * width;
+            const float *c = cos + position[r] * D, *s = sin + position[r] * D;
+            for (int64_t kh = 0; kh < K; kh++) {
+                int64_t at = ((r * K + kh) * capacity + t) * D;
+                rotate(response_keys + at, row + (H + kh) * D, c, s, D);
+                const float *v = row + (H + K + kh) * D;
+                for (int64_t i = 0; i < D; i++) response_values[at + i] = v[i];
+            }
+        }
+        /* implicit barrier: every row's new key and value are in place */
+        float *scratch = malloc(sizeof(float) * (size_t)(P + length + 2 * D));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *scores = scratch, *q = scratch + P + length, *acc = q + D;
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t r = 0; r < b; r++) {
+                for (int64_t h = 0; h < H; h++) {
+                    const int64_t kh = h / group, u = row_prompt[r];
+                    rotate(q, qkv + r * width + h * D, cos + position[r] * D, sin + position[r] * D, D);
+                    const float *pk = prompt_keys + (u * K + kh) * P * D, *pv = prompt_values + (u * K + kh) * P * D;
+                    const float *rk = response_keys + (r * K + kh) * capacity * D;
+                    const float *rv = response_values + (r * K + kh) * capacity * D;
+                    const float *bias = prompt_bias + u * P;
+                    float top = -INFINITY;
+                    for (int64_t p = 0; p < P; p++) {
+                        scores[p] = dot(q, pk + p * D, D) * scale + bias[p];
+                        top = scores[p] > top ? scores[p] : top;
+                    }
+                    for (int64_t j = 0; j < length; j++) {
+                        scores[P + j] = dot(q, rk + j * D, D) * scale;
+                        top = scores[P + j] > top ? scores[P + j] : top;
+                    }
+                    float total = 0.0f;
+                    for (int64_t j = 0; j < P + length; j++) {
+                        scores[j] = expf(scores[j] - top);
+                        total += scores[j];
+                    }
+                    for (int64_t i = 0; i < D; i++) acc[i] = 0.0f;
+                    for (int64_t p = 0; p < P; p++) axpy(acc, scores[p], pv + p * D, D);
+                    for (int64_t j = 0; j < length; j++) axpy(acc, scores[P + j], rv + j * D, D);
+                    float *o = out + (r * H + h) * D, inv = 1.0f / total;
+                    for (int64_t i = 0; i < D; i++) o[i] = acc[i] * inv;
+                }
+            }
+        }
+        free(scratch);
+    }
+    return failed;
+}
+
+/* RMSNorm of `rows` rows of width n: out = weight * x / sqrt(mean(x^2) + eps), in one thread (a decode
+ * step's [b, hidden] activations are too small for a parallel region to pay). */
+void lmrl_rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        float ss = dot(xr, xr, n);
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (xr[i] * inv);
+    }
+}

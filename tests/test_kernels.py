@@ -1,0 +1,145 @@
+"""The C decode kernels (`lmrl.kernels`): each against PyTorch written out, the rollout with and without
+them, and the fallbacks (disabled, no compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lmrl.kernels as kernels
+import lmrl.rollout.hf as hf
+from lmrl.models.shared_prompt import apply_rotary
+from lmrl.rollout import HFGenerator, SamplingParams
+from tests.rollout.test_hf_generator import encode, gqa_model, reference_logprobs, scrambled_model
+
+
+@pytest.fixture(scope="module")
+def lib():
+    loaded = kernels.load()
+    assert loaded is not None, "the C kernels did not build: is a C compiler (cc) installed?"
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from lmrl.models.tiny import char_tokenizer
+
+    return char_tokenizer()
+
+
+def attention_by_hand(qkv, cos, sin, position, pk, pv, bias, rk, rv, row_prompt, heads, t, scale):
+    """What `decode_attention` computes, with plain tensor ops (rows one by one)."""
+    b = qkv.shape[0]
+    _, kv, _, d = pk.shape
+    group = heads // kv
+    q, k, v = qkv.split([heads * d, kv * d, kv * d], dim=-1)
+    c, s = cos[position][:, None], sin[position][:, None]
+    q, k = apply_rotary(q.view(b, heads, d), c, s), apply_rotary(k.view(b, kv, d), c, s)
+    keys, values = rk.clone(), rv.clone()
+    keys[:, :, t], values[:, :, t] = k, v.view(b, kv, d)
+    out = torch.empty(b, heads, d)
+    for r in range(b):
+        u = int(row_prompt[r])
+        for h in range(heads):
+            kh = h // group
+            all_keys = torch.cat([pk[u, kh], keys[r, kh, : t + 1]])
+            all_values = torch.cat([pv[u, kh], values[r, kh, : t + 1]])
+            scores = all_keys @ q[r, h] * scale + torch.cat([bias[u], torch.zeros(t + 1)])
+            out[r, h] = torch.softmax(scores, -1) @ all_values
+    return out.view(b, heads * d), keys, values
+
+
+@pytest.mark.parametrize("heads, kv", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("t", [0, 5])
+def test_decode_attention_equals_plain_ops(lib, heads, kv, t):
+    """Rotary, the cache writes and attention over [prompt | response], with grouped-query heads, two
+    prompts of which one is padded (-inf-like bias), rows not in prompt order."""
+    g = torch.Generator().manual_seed(heads * 10 + kv + t)
+    b, d, p, capacity, u = 5, 8, 3, 9, 2
+    qkv = torch.randn(b, (heads + 2 * kv) * d, generator=g)
+    angles = torch.arange(20.0)[:, None] * torch.linspace(0.1, 1.0, d // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [L, D] HF layout
+    position = torch.tensor([3, 4, 5, 6, 4])
+    pk, pv = torch.randn(u, kv, p, d, generator=g), torch.randn(u, kv, p, d, generator=g)
+    bias = torch.zeros(u, p)
+    bias[1, 0] = torch.finfo(torch.float32).min  # prompt 1 is left-padded
+    rk, rv = torch.randn(b, kv, capacity, d, generator=g), torch.randn(b, kv, capacity, d, generator=g)
+    row_prompt = torch.tensor([1, 0, 1, 1, 0])
+    expected, keys, values = attention_by_hand(qkv, cos, sin, position, pk, pv, bias, rk, rv, row_prompt, heads, t, 0.3)
+    out = lib.decode_attention(qkv, cos, sin, position, pk, pv, bias, rk, rv, row_prompt, heads, t, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rk, keys, atol=1e-6, rtol=1e-6)  # written at t, the rest untouched
+    torch.testing.assert_close(rv, values, atol=0, rtol=0)
+
+
+def test_rms_norm_equals_torch(lib):
+    x = torch.randn(7, 48) * 3
+    weight = torch.rand(48) + 0.5
+    torch.testing.assert_close(lib.rms_norm(x, weight, 1e-6), F.rms_norm(x, (48,), weight, eps=1e-6), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_rollout_with_kernels_equals_pytorch_path(lib, tok, arch, monkeypatch):
+    """The same seeded rollout with and without the kernels: same tokens, log-probs to float32 rounding
+    and equal to a full forward pass; grouped-query attention, padded prompts, rows leaving the batch."""
+    model = gqa_model(tok, arch)
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tok.eos_token_id] = 1.5  # EOS likely: rows finish early and leave the batch
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    used = []
+    real_step = hf._SharedPromptDecoder._kernel_step
+    monkeypatch.setattr(hf._SharedPromptDecoder, "_kernel_step", lambda self, *a: used.append(1) or real_step(self, *a))
+    try:
+        params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
+        fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
+        assert used, "the kernel path did not run"
+        monkeypatch.setattr(hf, "load_kernels", lambda: None)
+        plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
+        expected = reference_logprobs(model, fast, 0.9)
+    finally:
+        handle.remove()
+    assert fast.finished.any() and (~fast.finished).any()
+    assert torch.equal(fast.response_ids, plain.response_ids)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast.logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_kernels_only_for_float32(lib, tok):
+    """16-bit models decode with the PyTorch path (the kernel reads float32 only)."""
+    model = scrambled_model(tok).to(torch.bfloat16)
+    seen = []
+    real_init = hf._SharedPromptDecoder.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        seen.append(self.kernels)
+
+    hf._SharedPromptDecoder.__init__ = spy
+    try:
+        HFGenerator(model, tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
+        HFGenerator(model.float(), tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
+    finally:
+        hf._SharedPromptDecoder.__init__ = real_init
+    assert seen[0] is None and seen[1] is lib
+
+
+def test_disabled_or_no_compiler_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_library", kernels._UNSET)
+    monkeypatch.setenv("LMRL_KERNELS", "0")
+    assert kernels.load() is None
+    monkeypatch.delenv("LMRL_KERNELS")
+    monkeypatch.setenv("LMRL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(UserWarning, match="C decode kernels unavailable"):
+        assert kernels.load() is None
+    assert kernels.load() is None  # decided once per process
+
+
+def test_compiled_once_then_loaded_from_cache(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_library", kernels._UNSET)
+    monkeypatch.setenv("LMRL_CACHE_DIR", str(tmp_path))
+    first = kernels._build()
+    stamp = first.stat().st_mtime_ns
+    assert first.parent == tmp_path / "kernels" and kernels._build() == first
+    assert first.stat().st_mtime_ns == stamp and [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
