@@ -64,7 +64,7 @@ class DecodeKernels:
             row_prompt: `[b]` int64 prompt of each row.
         All float32 / int64, contiguous, on the CPU.
         """
-        b, (u, kv, p, d), capacity = qkv.shape[0], prompt_keys.shape, response_keys.shape[2]
+        b, (_, kv, p, d), capacity = qkv.shape[0], prompt_keys.shape, response_keys.shape[2]
         out = qkv.new_empty((b, heads * d))
         failed = self._attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), position.data_ptr(), prompt_keys.data_ptr(),
