@@ -105,8 +105,9 @@ def test_rollout_with_kernels_equals_pytorch_path(lib, tok, arch, monkeypatch):
     torch.testing.assert_close(fast.logprobs, expected, atol=1e-4, rtol=0)
 
 
-def test_kernels_only_for_float32(lib, tok):
-    """16-bit models decode with the PyTorch path (the kernel reads float32 only)."""
+def test_kernels_only_for_float32_and_when_switched_on(lib, tok, monkeypatch):
+    """16-bit models decode with the PyTorch path (the kernel reads float32 only), as does any model with
+    `USE_KERNELS` off."""
     model = scrambled_model(tok).to(torch.bfloat16)
     seen = []
     real_init = hf._SharedPromptDecoder.__init__
@@ -115,13 +116,12 @@ def test_kernels_only_for_float32(lib, tok):
         real_init(self, *args, **kwargs)
         seen.append(self.kernels)
 
-    hf._SharedPromptDecoder.__init__ = spy
-    try:
-        HFGenerator(model, tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
-        HFGenerator(model.float(), tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
-    finally:
-        hf._SharedPromptDecoder.__init__ = real_init
-    assert seen[0] is None and seen[1] is lib
+    monkeypatch.setattr(hf._SharedPromptDecoder, "__init__", spy)
+    HFGenerator(model, tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
+    HFGenerator(model.float(), tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
+    monkeypatch.setattr(hf, "USE_KERNELS", False)
+    HFGenerator(model, tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
+    assert seen == [None, lib, None]
 
 
 def test_disabled_or_no_compiler_falls_back(monkeypatch, tmp_path):

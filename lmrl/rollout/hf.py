@@ -50,6 +50,9 @@ STOP_WINDOW_MARGIN = 8
 # PACK_MIN_ELEMENTS elements when torch runs 2+ threads (see `_Linear`, `_onednn_weight`).
 PACK_WEIGHTS = True
 PACK_MIN_ELEMENTS = 2**17
+# The C decode kernels (`lmrl.kernels`) where they apply; off here (or `LMRL_KERNELS=0` in the
+# environment) decodes with the PyTorch ops alone (`benchmarks/decode_ab.py` compares the two).
+USE_KERNELS = True
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -198,7 +201,7 @@ class _SharedPromptDecoder:
         # the C kernels (`lmrl.kernels`) on CPU float32 models with fused q / k / v: rotary, the cache
         # write and attention as one call per layer, and RMSNorm; else (or without a C compiler) PyTorch
         self.kernels = None
-        if (self.cos.device.type == "cpu" and self.cos.dtype == torch.float32 and dtype == torch.float32
+        if (USE_KERNELS and self.cos.device.type == "cpu" and self.cos.dtype == torch.float32 and dtype == torch.float32
                 and all(qkv is not None for qkv in self.qkv) and self.head_dim % 2 == 0):
             self.kernels = load_kernels()
         self.row_prompt = self.slot // self.slots_per_prompt  # [b] for the kernel
@@ -297,7 +300,7 @@ class _Linear:
     into oneDNN's blocked layout and the activation (SiLU), add or multiply run inside the matmul
     kernel (`torch.ops.mkldnn`, what torch.compile's CPU backend emits for linears with frozen
     weights): rollouts of the vs-TRL benchmark's hidden 256 / 4 layers model are 1.14x faster
-    (`benchmarks/packing.py`). Elsewhere it is `F.linear` (or `addmm` for an add) and plain ops.
+    (`benchmarks/decode_ab.py`). Elsewhere it is `F.linear` (or `addmm` for an add) and plain ops.
     A module that is not a plain, hook-free nn.Linear (LoRA, quantised, hooked) is called as is.
     """
 

@@ -1,13 +1,19 @@
-"""Decode with oneDNN-packed weights vs plain `F.linear`: lmrl's HFGenerator with `PACK_WEIGHTS` on and off.
+"""lmrl's decode with one of its CPU speed-ups on and off, in paired rollouts of the same HFGenerator.
 
-    python benchmarks/packing.py                                   # hidden 256, 4 layers, 2 threads
-    python benchmarks/packing.py --hidden 64 --layers 2 --threads 1
-    python benchmarks/packing.py --all-sizes                       # pack every weight, not only 2**17+
+    python benchmarks/decode_ab.py                                  # the C kernels, hidden 256, 4 layers, 2 threads
+    python benchmarks/decode_ab.py --toggle pack                    # oneDNN-packed weights vs plain F.linear
+    python benchmarks/decode_ab.py --toggle pack --all-sizes        # pack every weight, not only 2**17+
+    python benchmarks/decode_ab.py --hidden 64 --layers 2 --threads 1
+
+--toggle kernels: the C decode kernels (`lmrl.kernels`: rotary, KV write and shared-prompt attention in
+one call per layer, RMSNorm) vs the PyTorch ops (`lmrl.rollout.hf.USE_KERNELS`).
+--toggle pack: decode matmuls with weights reordered for oneDNN and fused epilogues vs `F.linear`
+(`lmrl.rollout.hf.PACK_WEIGHTS`).
 
 A seeded Llama built from a config (random weights, char tokenizer), 8 prompts x 8 completions of
 exactly 64 tokens (no EOS), the vs_trl.py shape. The two settings take turns, one rollout each, for
---repeats pairs; the printed ratio is the median over pairs of (time unpacked / time packed), so a
-pair sees one machine state even when the machine's speed drifts between pairs.
+--repeats pairs; the printed ratio is the median over pairs of (time off / time on), so a pair sees
+one machine state even when the machine's speed drifts between pairs.
 """
 
 from __future__ import annotations
@@ -24,17 +30,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from seeded_llama import add_model_args, seeded_llama  # noqa: E402
 
 import lmrl.rollout.hf as hf  # noqa: E402
+from lmrl.kernels import load as load_kernels  # noqa: E402
 from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
+
+SWITCHES = {"kernels": "USE_KERNELS", "pack": "PACK_WEIGHTS"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
+    parser.add_argument("--toggle", choices=sorted(SWITCHES), default="kernels", help="the speed-up to turn on and off")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--all-sizes", action="store_true", help="pack weights of any size (PACK_MIN_ELEMENTS=0)")
     args = parser.parse_args()
     if args.all_sizes:
         hf.PACK_MIN_ELEMENTS = 0
+    if args.toggle == "kernels" and load_kernels() is None:
+        sys.exit("decode_ab.py: the C kernels are unavailable here (see the warning above), nothing to compare")
 
     model, tokenizer = seeded_llama(args)
     rng = torch.Generator().manual_seed(0)
@@ -42,20 +54,20 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=0)
     generator = HFGenerator(model, tokenizer, eos_token_id=[])
 
-    def rollout(pack: bool) -> float:
-        hf.PACK_WEIGHTS = pack
+    def rollout(on: bool) -> float:
+        setattr(hf, SWITCHES[args.toggle], on)
         start = time.perf_counter()
         generator.generate(prompts, 8, params)
         return time.perf_counter() - start
 
     rollout(True), rollout(False)  # warm-up
     pairs = [(rollout(False), rollout(True)) for _ in range(args.repeats)]
-    ratios = sorted(plain / packed for plain, packed in pairs)
+    ratios = sorted(off / on for off, on in pairs)
     packs = hf._onednn_weight(model.model.layers[0].mlp.gate_proj.weight.detach(), 64) is not None
     print(f"torch {torch.__version__}, threads {args.threads}, hidden {args.hidden}, {args.layers} layers, "
-          f"64 rows x 64 tokens; MLP weights packed: {packs}")
-    print(f"plain F.linear: median {statistics.median(p for p, _ in pairs):.3f} s per rollout")
-    print(f"oneDNN packed:  median {statistics.median(q for _, q in pairs):.3f} s per rollout")
+          f"64 rows x 64 tokens; MLP weights packed: {packs}; toggled: {args.toggle} ({SWITCHES[args.toggle]})")
+    print(f"{args.toggle} off: median {statistics.median(off for off, _ in pairs):.3f} s per rollout")
+    print(f"{args.toggle} on:  median {statistics.median(on for _, on in pairs):.3f} s per rollout")
     print(f"speedup (median of {len(ratios)} paired ratios): {statistics.median(ratios):.2f}x, "
           f"quartiles {ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f}")
 
