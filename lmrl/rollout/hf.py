@@ -13,7 +13,8 @@ rollouts need:
    (their weights concatenated once per rollout) and RMSNorm as torch's fused kernel, wherever those
    modules are plain and hook-free. On CPU in float32 the projection weights are also reordered once
    per rollout for oneDNN, and the MLP's SiLU and product and the residual adds run inside the
-   matmuls (`_Linear`);
+   matmuls (`_Linear`); there, with a C compiler, rotary, the cache write and attention run as one
+   C call per layer and RMSNorm as another (`lmrl.kernels`);
 3. other models: the prompt's KV cache is copied to its `n` completions, in a cache preallocated
    for prompt + `max_new_tokens` (no `torch.cat` of the whole cache per step) with, for
    full-attention models, a ready-made 4D attention mask sliced per step;
