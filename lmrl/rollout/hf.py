@@ -48,9 +48,10 @@ COMPACT_FRACTION = 0.25
 # Stop strings are searched in the decoded last (longest stop string in characters + this) tokens.
 STOP_WINDOW_MARGIN = 8
 # Decode-step matmuls with weights reordered for oneDNN on CPU in float32, for weights of at least
-# PACK_MIN_ELEMENTS elements when torch runs 2+ threads (see `_Linear`, `_onednn_weight`).
+# PACK_MIN_ELEMENTS elements when torch runs 2+ threads (see `_Linear`, `_onednn_weight`); None: by
+# the CPU, 2**17 with AVX2 and 2**19 with AVX-512, where plain matmuls are faster on small weights.
 PACK_WEIGHTS = True
-PACK_MIN_ELEMENTS = 2**17
+PACK_MIN_ELEMENTS: int | None = None
 # The C decode kernels (`lmrl.kernels`) where they apply; off here (or `LMRL_KERNELS=0` in the
 # environment) decodes with the PyTorch ops alone (`benchmarks/decode_ab.py` compares the two).
 USE_KERNELS = True
@@ -300,8 +301,8 @@ class _Linear:
     On CPU in float32, where `_onednn_weight` finds it pays, the weight is reordered once per rollout
     into oneDNN's blocked layout and the activation (SiLU), add or multiply run inside the matmul
     kernel (`torch.ops.mkldnn`, what torch.compile's CPU backend emits for linears with frozen
-    weights): rollouts of the vs-TRL benchmark's hidden 256 / 4 layers model are 1.14x faster
-    (`benchmarks/decode_ab.py`). Elsewhere it is `F.linear` (or `addmm` for an add) and plain ops.
+    weights): on an AVX2 CPU, rollouts of the vs-TRL benchmark's hidden 256 / 4 layers model are 1.14x
+    faster (`benchmarks/decode_ab.py --toggle pack`). Elsewhere it is `F.linear` (or `addmm` for an add) and plain ops.
     A module that is not a plain, hook-free nn.Linear (LoRA, quantised, hooked) is called as is.
     """
 
@@ -371,17 +372,26 @@ class _GatedMLP:
 
 def _onednn_weight(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
     """`weight` reordered for oneDNN's matmul with about `rows` input rows, or None where that does not
-    pay or apply: measured on a 2-core AVX2 CPU, oneDNN beat `F.linear` at 64 rows only with 2+ threads
+    pay or apply. Measured at 64 rows on 2 cores: on AVX2, oneDNN beat `F.linear` only with 2+ threads
     and weights of 2**17+ elements (1.2-1.4x at 256 x 768), and lost up to 2x on smaller ones or on one
-    thread. Also None off CPU, for other dtypes, without oneDNN, or with `PACK_WEIGHTS` off."""
+    thread; on AVX-512 (with AMX) whole rollouts lost 0.92-0.93x at hidden 256-320, broke even at 384
+    and won 1.12-1.13x at 512-1024, hence 2**19 there (`pack_min_elements`). Also None off CPU, for
+    other dtypes, without oneDNN, or with `PACK_WEIGHTS` off."""
     if not (PACK_WEIGHTS and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.numel() >= PACK_MIN_ELEMENTS and torch.get_num_threads() > 1
+            and weight.numel() >= pack_min_elements() and torch.get_num_threads() > 1
             and torch.backends.mkldnn.is_available()):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     except (AttributeError, RuntimeError):  # a torch build without the op
         return None
+
+
+def pack_min_elements() -> int:
+    """The smallest weight (in elements) `_onednn_weight` packs: `PACK_MIN_ELEMENTS`, or by the CPU."""
+    if PACK_MIN_ELEMENTS is not None:
+        return PACK_MIN_ELEMENTS
+    return 2**19 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 2**17
 
 
 def _is_silu(act: nn.Module) -> bool:

@@ -458,18 +458,24 @@ def packing(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def test_packing_only_for_large_weights_on_several_threads(monkeypatch):
-    """Where oneDNN measured slower than F.linear (small weights, one thread), weights stay unpacked."""
+@pytest.mark.parametrize("cpu, smallest", [("AVX2", 2**17), ("AVX512", 2**19), ("DEFAULT", 2**17)])
+def test_packing_only_for_large_weights_on_several_threads(monkeypatch, cpu, smallest):
+    """Where oneDNN measured slower than F.linear (small weights for the CPU, one thread), weights stay
+    unpacked; `PACK_MIN_ELEMENTS` overrides the CPU's threshold."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: nothing is ever packed")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
+    assert hf.pack_min_elements() == smallest
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert _Linear.of(torch.nn.Linear(256, 512), rows=64).packed is not None
-        assert _Linear.of(torch.nn.Linear(256, 256), rows=64).packed is None
-        assert _Linear.of(torch.nn.Linear(256, 512).to(torch.float64), rows=64).packed is None
+        assert _Linear.of(torch.nn.Linear(256, smallest // 256), rows=64).packed is not None
+        assert _Linear.of(torch.nn.Linear(256, smallest // 256 - 1), rows=64).packed is None
+        assert _Linear.of(torch.nn.Linear(256, smallest // 256).to(torch.float64), rows=64).packed is None
+        monkeypatch.setattr(hf, "PACK_MIN_ELEMENTS", 2**10)
+        assert _Linear.of(torch.nn.Linear(32, 32), rows=64).packed is not None
         torch.set_num_threads(1)
-        assert _Linear.of(torch.nn.Linear(256, 512), rows=64).packed is None
+        assert _Linear.of(torch.nn.Linear(256, smallest // 256), rows=64).packed is None
     finally:
         torch.set_num_threads(threads)
 
