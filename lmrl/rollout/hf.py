@@ -29,6 +29,7 @@ own `DynamicCache` and mask construction instead of (2) and (3); everything else
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -387,6 +388,14 @@ def _onednn_weight(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
         return None
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` in transformers releases that renamed it
+    (5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`. A peft model
+    passes it through to its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def pack_min_elements() -> int:
     """The smallest weight (in elements) `_onednn_weight` packs: `PACK_MIN_ELEMENTS`, or by the CPU."""
     if PACK_MIN_ELEMENTS is not None:
@@ -485,6 +494,7 @@ class HFGenerator:
         self._num_layers = text_config.num_hidden_layers
         # the preallocated cache and the ready-made mask assume every layer attends to the full past
         self._full_attention = full_attention(model)
+        self._cache_kwarg = cache_keyword(model)
         self._attn_implementation = getattr(model.config, "_attn_implementation", None)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
@@ -550,7 +560,7 @@ class HFGenerator:
             input_ids=prompt_ids,
             attention_mask=prompt_mask.long(),
             position_ids=position_ids,
-            past_key_values=cache,
+            **{self._cache_kwarg: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -610,7 +620,7 @@ class HFGenerator:
                 input_ids=token[:, None],
                 attention_mask=mask[..., :kv_length],
                 position_ids=(next_position + t)[:, None],
-                past_key_values=cache,
+                **{self._cache_kwarg: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )

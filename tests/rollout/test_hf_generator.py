@@ -531,3 +531,29 @@ def test_packed_weights_sample_what_plain_matmuls_sample(tok, monkeypatch, packi
     plain = HFGenerator(model, tok).generate(encode(tok), 4, params)
     assert torch.equal(packed.response_ids, plain.response_ids)
     torch.testing.assert_close(packed.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+
+
+def test_cache_keyword_follows_the_models_forward():
+    """The KV cache goes in as `cache` where transformers renamed the argument, as `past_key_values` before,
+    and a peft-style wrapper is looked through to its base model."""
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs): ...
+
+    assert hf.cache_keyword(Renamed()) == "cache"
+    assert hf.cache_keyword(Old()) == "past_key_values"
+    assert hf.cache_keyword(Wrapper(Renamed())) == "cache"
+    assert hf.cache_keyword(Wrapper(Old())) == "past_key_values"
