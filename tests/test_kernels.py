@@ -143,3 +143,53 @@ def test_compiled_once_then_loaded_from_cache(monkeypatch, tmp_path):
     stamp = first.stat().st_mtime_ns
     assert first.parent == tmp_path / "kernels" and kernels._build() == first
     assert first.stat().st_mtime_ns == stamp and [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
+
+
+def test_rollout_under_bf16_autocast_decodes_with_pytorch(lib, tok, monkeypatch):
+    """Under bfloat16 autocast (train.autocast_bf16) the projections come out in bfloat16, which the
+    float32 kernel must never read: the step takes the PyTorch path, and samples what it samples."""
+    model = gqa_model(tok, "llama")
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1)
+    used = []
+    real_step = hf._SharedPromptDecoder._kernel_step
+    monkeypatch.setattr(hf._SharedPromptDecoder, "_kernel_step", lambda self, *a: used.append(1) or real_step(self, *a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
+        monkeypatch.setattr(hf, "load_kernels", lambda: None)
+        plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
+    assert not used
+    assert torch.equal(fast.response_ids, plain.response_ids)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=0, rtol=0)
+
+
+def test_kernel_entry_points_refuse_what_they_cannot_read(lib):
+    """Wrong dtype, layout or shape, or an index out of range, is an error before any memory is touched."""
+    b, heads, kv, d, p, capacity, u = 2, 4, 2, 8, 3, 5, 2
+
+    def args(**change):
+        a = dict(qkv=torch.randn(b, (heads + 2 * kv) * d), cos=torch.ones(10, d), sin=torch.zeros(10, d),
+                 position=torch.tensor([3, 4]), prompt_keys=torch.randn(u, kv, p, d), prompt_values=torch.randn(u, kv, p, d),
+                 prompt_bias=torch.zeros(u, p), response_keys=torch.zeros(b, kv, capacity, d),
+                 response_values=torch.zeros(b, kv, capacity, d), row_prompt=torch.tensor([0, 1]), heads=heads, t=0, scale=0.5)
+        return a | change
+
+    assert lib.decode_attention(**args()).shape == (b, heads * d)
+    bad = {
+        "qkv": torch.randn(b, (heads + 2 * kv) * d).bfloat16(),
+        "prompt_keys": torch.randn(u, kv, d, p).transpose(2, 3),
+        "response_values": torch.zeros(b, kv, capacity - 1, d),
+        "position": torch.tensor([3, 10]),
+        "row_prompt": torch.tensor([0, 2]),
+        "t": capacity,
+        "heads": 3,
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match="decode_attention"):
+            lib.decode_attention(**args(**{name: value}))
+    for name in ("qkv", "position"):  # checked at every call, also after `check_attention` passed the rest
+        with pytest.raises(ValueError, match="decode_attention"):
+            lib.decode_attention(**args(**{name: bad[name].bfloat16()}), checked=True)
+    with pytest.raises(ValueError, match="rms_norm"):
+        lib.rms_norm(torch.randn(3, 8).bfloat16(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="rms_norm"):
+        lib.rms_norm(torch.randn(3, 8), torch.ones(6), 1e-6)

@@ -45,7 +45,7 @@ class DecodeKernels:
         self.library = library
         self._attention = library.lmrl_decode_attention
         self._attention.restype = ctypes.c_int
-        self._attention.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        self._attention.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_int64] * 2
         self._rms_norm = library.lmrl_rms_norm
         self._rms_norm.restype = None
         self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -53,7 +53,7 @@ class DecodeKernels:
     def decode_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
                          prompt_keys: torch.Tensor, prompt_values: torch.Tensor, prompt_bias: torch.Tensor,
                          response_keys: torch.Tensor, response_values: torch.Tensor, row_prompt: torch.Tensor,
-                         heads: int, t: int, scale: float) -> torch.Tensor:
+                         heads: int, t: int, scale: float, checked: bool = False) -> torch.Tensor:
         """`[b, heads * D]` attention output of response token t; writes its key and value into the caches.
 
         Args:
@@ -62,24 +62,63 @@ class DecodeKernels:
             prompt_keys, prompt_values: `[U, K, P, D]`; prompt_bias: `[U, P]` additive (padding: -inf-like).
             response_keys, response_values: `[b, K, capacity, D]`, written at position t.
             row_prompt: `[b]` int64 prompt of each row.
-        All float32 / int64, contiguous, on the CPU.
+            checked: the tensors other than `qkv` and `position` already passed `check_attention` (a
+                decoder checks them once per rollout and after each change, not at every step).
+        All float32 / int64, contiguous, on the CPU: anything else, or an index out of range, is a
+        ValueError before the kernel touches memory.
         """
-        b, (_, kv, p, d), capacity = qkv.shape[0], prompt_keys.shape, response_keys.shape[2]
+        if not checked:
+            self.check_attention(cos, sin, prompt_keys, prompt_values, prompt_bias, response_keys, response_values,
+                                 row_prompt, heads)
+        (b, kv, capacity, d), (u, _, p, _) = response_keys.shape, prompt_keys.shape
+        _check("decode_attention", "qkv", qkv, torch.float32, (b, (heads + 2 * kv) * d))
+        _check("decode_attention", "position", position, torch.int64, (b,))
         out = qkv.new_empty((b, heads * d))
         failed = self._attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), position.data_ptr(), prompt_keys.data_ptr(),
             prompt_values.data_ptr(), prompt_bias.data_ptr(), response_keys.data_ptr(), response_values.data_ptr(),
-            row_prompt.data_ptr(), out.data_ptr(), b, heads, kv, d, p, capacity, t, scale,
+            row_prompt.data_ptr(), out.data_ptr(), b, heads, kv, d, p, capacity, t, scale, cos.shape[0], u,
         )
+        if failed == 2:
+            raise ValueError(f"lmrl decode_attention: t={t}, a position or a row's prompt is out of range "
+                             f"(capacity {capacity}, {cos.shape[0]} rotary positions, {u} prompts)")
         if failed:
             raise MemoryError("lmrl decode_attention: could not allocate its scratch memory")
         return out
 
+    @staticmethod
+    def check_attention(cos: torch.Tensor, sin: torch.Tensor, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
+                        prompt_bias: torch.Tensor, response_keys: torch.Tensor, response_values: torch.Tensor,
+                        row_prompt: torch.Tensor, heads: int) -> None:
+        """ValueError unless `decode_attention` can read these (see there) through raw pointers."""
+        u, kv, p, d = prompt_keys.shape if prompt_keys.dim() == 4 else (-1,) * 4
+        b, capacity = (response_keys.shape[0], response_keys.shape[2]) if response_keys.dim() == 4 else (-1, -1)
+        shapes = {"cos": (cos.shape[0], d), "sin": cos.shape, "prompt_keys": (u, kv, p, d), "prompt_values": (u, kv, p, d),
+                  "prompt_bias": (u, p), "response_keys": (b, kv, capacity, d), "response_values": (b, kv, capacity, d),
+                  "row_prompt": (b,)}
+        given = {"cos": cos, "sin": sin, "prompt_keys": prompt_keys, "prompt_values": prompt_values,
+                 "prompt_bias": prompt_bias, "response_keys": response_keys, "response_values": response_values,
+                 "row_prompt": row_prompt}
+        for name, x in given.items():
+            _check("decode_attention", name, x, torch.int64 if name == "row_prompt" else torch.float32, shapes[name])
+        if d % 2 or kv < 1 or heads % kv:
+            raise ValueError(f"lmrl decode_attention: {heads} query heads over {kv} kv heads of size {d} "
+                             "(need whole groups and an even head size)")
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`weight * x / sqrt(mean(x^2) + eps)` over the last dim of a contiguous float32 `[rows, n]` x."""
+        _check("rms_norm", "x", x, torch.float32, (x.shape[0], weight.shape[-1]))
+        _check("rms_norm", "weight", weight, torch.float32, (x.shape[-1],))
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
+
+
+def _check(kernel: str, name: str, x: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """What the C code reads through a raw pointer: `x` must be a contiguous CPU tensor of this dtype and shape."""
+    if x.dtype != dtype or not x.is_cpu or x.shape != shape or not x.is_contiguous():
+        raise ValueError(f"lmrl {kernel}: {name} must be a contiguous {dtype} CPU tensor of shape {tuple(shape)}, "
+                         f"got {x.dtype} {x.device.type} {tuple(x.shape)}{'' if x.is_contiguous() else ' (not contiguous)'}")
 
 
 def load() -> DecodeKernels | None:

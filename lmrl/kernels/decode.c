@@ -42,14 +42,20 @@ static inline void rotate(float *dst, const float *x, const float *cos, const fl
  * response_*: [b, K, capacity, D] each row's response keys / values, written here at position t
  * row_prompt: [b]                prompt (0..U-1) of each row
  * out:        [b, H * D]
- * Returns 0, or 1 when scratch memory could not be allocated (nothing is written to `out` then). */
+ * L, U:       rows of cos / sin, and distinct prompts: every position must lie in [0, L), every
+ *             row_prompt in [0, U), and t in [0, capacity)
+ * Returns 0; 1 when scratch memory could not be allocated; 2 when an index is out of range (nothing is
+ * written then). */
 int lmrl_decode_attention(const float *qkv, const float *cos, const float *sin, const int64_t *position,
                           const float *prompt_keys, const float *prompt_values, const float *prompt_bias,
                           float *response_keys, float *response_values, const int64_t *row_prompt, float *out,
                           int64_t b, int64_t H, int64_t K, int64_t D, int64_t P, int64_t capacity, int64_t t,
-                          float scale) {
+                          float scale, int64_t L, int64_t U) {
     const int64_t width = (H + 2 * K) * D, group = H / K, length = t + 1;
     int failed = 0;
+    if (t < 0 || t >= capacity) return 2;
+    for (int64_t r = 0; r < b; r++)
+        if (position[r] < 0 || position[r] >= L || row_prompt[r] < 0 || row_prompt[r] >= U) return 2;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)

@@ -209,6 +209,7 @@ class _SharedPromptDecoder:
             self.kernels = load_kernels()
         self.row_prompt = self.slot // self.slots_per_prompt  # [b] for the kernel
         self.prompt_bias_rows = self.prompt_bias[:, 0, 0].contiguous()  # [U, P]
+        self.kernel_inputs_checked = False  # the kernel's per-rollout tensors, checked at its first step
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (`[a]` indices) of the response cache."""
@@ -217,12 +218,13 @@ class _SharedPromptDecoder:
         self.slot = self.slot.index_select(0, keep)
         self.row_prompt = self.slot // self.slots_per_prompt
         self.identity_slots = False
+        self.kernel_inputs_checked = False
 
     def step(self, token: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
         """Feed `[b]` tokens at `[b]` positions as response token t; return `[b, V]` next-token logits."""
         b, heads, d = token.shape[0], self.num_kv_heads * self.group, self.head_dim
         hidden = self.model.model.embed_tokens(token)  # [b, hidden]
-        if self.kernels is not None:
+        if self.kernels is not None and not torch.is_autocast_enabled("cpu"):  # autocast: bf16 projections
             return self._kernel_step(hidden, position, t)
         cos, sin = self.cos[position][:, None], self.sin[position][:, None]  # [b, 1, D]
         kv = self.num_kv_heads
@@ -247,12 +249,17 @@ class _SharedPromptDecoder:
         """`step` with the C kernels: per layer, RMSNorm, the fused q / k / v matmul, then one
         `decode_attention` call for rotary, the cache write and attention."""
         kernels, heads, position = self.kernels, self.num_kv_heads * self.group, position.contiguous()
+        if not self.kernel_inputs_checked:  # what the kernel reads by pointer, once per change (select)
+            for i in range(len(self.layers)):
+                kernels.check_attention(self.cos, self.sin, self.prompt_keys[i], self.prompt_values[i], self.prompt_bias_rows,
+                                        self.response_keys[i], self.response_values[i], self.row_prompt, heads)
+            self.kernel_inputs_checked = True
         for i, layer in enumerate(self.layers):
             x = _rms_norm(layer.input_layernorm, hidden, kernels)
             out = kernels.decode_attention(
                 self.qkv[i](x).contiguous(), self.cos, self.sin, position, self.prompt_keys[i], self.prompt_values[i],
                 self.prompt_bias_rows, self.response_keys[i], self.response_values[i], self.row_prompt,
-                heads, t, self.scaling,
+                heads, t, self.scaling, checked=True,
             )
             hidden = self.o_proj[i](out, add=hidden)
             x = _rms_norm(layer.post_attention_layernorm, hidden, kernels)
