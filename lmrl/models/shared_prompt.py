@@ -11,7 +11,9 @@ float rounding (tests), with the prompt's share of the projection and MLP work d
 Only for the Llama / Qwen2 classes whose decoder layers this module reproduces (`bypassable`), with
 full attention, no attention dropout in training and no gradient checkpointing; the modules called
 here (norms, projections, MLP, embeddings, LM head) may be LoRA-wrapped (a peft LoRA model is
-looked through) or hooked. Shapes: B rows, S = P prompt + T response columns (left-padded prompts),
+looked through) or hooked. Attention is torch's sdpa, or explicit matmuls with a float32 softmax for a
+model loaded with attn_implementation="eager" (as transformers' eager attention; on CPU under bfloat16
+autocast it trains faster than sdpa, whose backward is slow there). Shapes: B rows, S = P prompt + T response columns (left-padded prompts),
 U distinct prompts, H hidden size, V vocabulary.
 """
 
@@ -109,6 +111,8 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
     own = torch.ones(t, t, dtype=torch.bool, device=sequences.device).tril() & response_mask[:, None, :]
     response_attends = torch.cat([prompt_mask[row_prompt][:, None, :].expand(num_rows, t, p), own], dim=2)[:, None]
     split = num_prompts * p
+    # the model's own choice: eager is faster than sdpa under bfloat16 autocast on CPU (sdpa's backward)
+    attend = _eager_attention if config._attn_implementation == "eager" else F.scaled_dot_product_attention
 
     for layer in inner.layers:
         attn = layer.self_attn
@@ -122,10 +126,10 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
         # [rows, heads, length, D] per prompt and per response
         qp, kp, vp = (y[:split].view(num_prompts, p, heads, head_dim).transpose(1, 2) for y in (q, k, v))
         qr, kr, vr = (y[split:].view(num_rows, t, heads, head_dim).transpose(1, 2) for y in (q, k, v))
-        out_prompt = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=prompt_attends, scale=attn.scaling)
+        out_prompt = attend(qp, kp, vp, attn_mask=prompt_attends, scale=attn.scaling)
         keys = torch.cat([kp.index_select(0, row_prompt), kr], dim=2)  # [B, heads, P + T, D]
         values = torch.cat([vp.index_select(0, row_prompt), vr], dim=2)
-        out_response = F.scaled_dot_product_attention(qr, keys, values, attn_mask=response_attends, scale=attn.scaling)
+        out_response = attend(qr, keys, values, attn_mask=response_attends, scale=attn.scaling)
         out = torch.cat([out_prompt.transpose(1, 2).flatten(0, 1), out_response.transpose(1, 2).flatten(0, 1)])
         hidden = hidden + attn.o_proj(out.flatten(1).to(x.dtype))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -135,6 +139,15 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
     # column S-T-1 (the prompt's last, always a real token) scores response token 0; column S-T-1+j token j
     scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden], dim=1)  # [B, T, H]
     return model.lm_head(inner.norm(scoring))
+
+
+def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v with the softmax in float32, as transformers' eager attention;
+    `attn_mask` is boolean (True attends), broadcast over heads."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value)
 
 
 def _lora_base(model: nn.Module) -> nn.Module:
