@@ -4,6 +4,7 @@
     python benchmarks/decode_ab.py --toggle pack                    # oneDNN-packed weights vs plain F.linear
     python benchmarks/decode_ab.py --toggle pack --all-sizes        # pack every weight, not only 2**17+
     python benchmarks/decode_ab.py --hidden 64 --layers 2 --threads 1
+    python benchmarks/decode_ab.py --dtype bfloat16                 # a bfloat16 sampler (rollout.dtype=bfloat16)
 
 --toggle kernels: the C decode kernels (`lmrl.kernels`: rotary, KV write and shared-prompt attention in
 one call per layer, RMSNorm) vs the PyTorch ops (`lmrl.rollout.hf.USE_KERNELS`).
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--toggle", choices=sorted(SWITCHES), default="kernels", help="the speed-up to turn on and off")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--all-sizes", action="store_true", help="pack weights of any size (PACK_MIN_ELEMENTS=0)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's weights")
     args = parser.parse_args()
     if args.all_sizes:
         hf.PACK_MIN_ELEMENTS = 0
@@ -49,6 +51,7 @@ def main() -> None:
         sys.exit("decode_ab.py: the C kernels are unavailable here (see the warning above), nothing to compare")
 
     model, tokenizer = seeded_llama(args)
+    model.to(getattr(torch, args.dtype))
     rng = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 90, (6,), generator=rng).tolist() for _ in range(8)]
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=0)
@@ -65,7 +68,7 @@ def main() -> None:
     ratios = sorted(off / on for off, on in pairs)
     packs = hf._onednn_weight(model.model.layers[0].mlp.gate_proj.weight.detach(), 64) is not None
     print(f"torch {torch.__version__}, threads {args.threads}, hidden {args.hidden}, {args.layers} layers, "
-          f"64 rows x 64 tokens; MLP weights packed: {packs}; toggled: {args.toggle} ({SWITCHES[args.toggle]})")
+          f"{args.dtype}, 64 rows x 64 tokens; MLP weights packed: {packs}; toggled: {args.toggle} ({SWITCHES[args.toggle]})")
     print(f"{args.toggle} off: median {statistics.median(off for off, _ in pairs):.3f} s per rollout")
     print(f"{args.toggle} on:  median {statistics.median(on for _, on in pairs):.3f} s per rollout")
     print(f"speedup (median of {len(ratios)} paired ratios): {statistics.median(ratios):.2f}x, "

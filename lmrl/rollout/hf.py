@@ -201,12 +201,14 @@ class _SharedPromptDecoder:
         self.o_proj = [_Linear.of(layer.self_attn.o_proj, rows) for layer in self.layers]
         self.mlp = [_GatedMLP(m, rows) if _plain_mlp(m) else None for m in (layer.mlp for layer in self.layers)]
         self.lm_head = _Linear.of(model.lm_head, rows)
-        # the C kernels (`lmrl.kernels`) on CPU float32 models with fused q / k / v: rotary, the cache
-        # write and attention as one call per layer, and RMSNorm; else (or without a C compiler) PyTorch
+        # the C kernels (`lmrl.kernels`) on CPU with fused q / k / v and float32 attention (float32 and
+        # 16-bit models): rotary, the cache write and attention as one call per layer, and RMSNorm of
+        # float32 models; else (or without a C compiler) PyTorch
         self.kernels = None
-        if (USE_KERNELS and self.cos.device.type == "cpu" and self.cos.dtype == torch.float32 and dtype == torch.float32
+        if (USE_KERNELS and self.cos.device.type == "cpu" and dtype == torch.float32
                 and all(qkv is not None for qkv in self.qkv) and self.head_dim % 2 == 0):
             self.kernels = load_kernels()
+            self.kernel_cos, self.kernel_sin = self.cos.float(), self.sin.float()  # [P + max_new, D]
         self.row_prompt = self.slot // self.slots_per_prompt  # [b] for the kernel
         self.prompt_bias_rows = self.prompt_bias[:, 0, 0].contiguous()  # [U, P]
         self.kernel_inputs_checked = False  # the kernel's per-rollout tensors, checked at its first step
@@ -249,19 +251,21 @@ class _SharedPromptDecoder:
         """`step` with the C kernels: per layer, RMSNorm, the fused q / k / v matmul, then one
         `decode_attention` call for rotary, the cache write and attention."""
         kernels, heads, position = self.kernels, self.num_kv_heads * self.group, position.contiguous()
+        cos, sin = self.kernel_cos, self.kernel_sin
         if not self.kernel_inputs_checked:  # what the kernel reads by pointer, once per change (select)
             for i in range(len(self.layers)):
-                kernels.check_attention(self.cos, self.sin, self.prompt_keys[i], self.prompt_values[i], self.prompt_bias_rows,
+                kernels.check_attention(cos, sin, self.prompt_keys[i], self.prompt_values[i], self.prompt_bias_rows,
                                         self.response_keys[i], self.response_values[i], self.row_prompt, heads)
             self.kernel_inputs_checked = True
         for i, layer in enumerate(self.layers):
             x = _rms_norm(layer.input_layernorm, hidden, kernels)
+            # 16-bit models: q / k / v upcast, attention in float32 (as the PyTorch path), output back
             out = kernels.decode_attention(
-                self.qkv[i](x).contiguous(), self.cos, self.sin, position, self.prompt_keys[i], self.prompt_values[i],
+                self.qkv[i](x).float().contiguous(), cos, sin, position, self.prompt_keys[i], self.prompt_values[i],
                 self.prompt_bias_rows, self.response_keys[i], self.response_values[i], self.row_prompt,
                 heads, t, self.scaling, checked=True,
             )
-            hidden = self.o_proj[i](out, add=hidden)
+            hidden = self.o_proj[i](out.to(hidden.dtype), add=hidden)
             x = _rms_norm(layer.post_attention_layernorm, hidden, kernels)
             hidden = self.mlp[i](x, residual=hidden) if self.mlp[i] is not None else hidden + layer.mlp(x)
         return self.lm_head(_rms_norm(self.model.model.norm, hidden, kernels))
