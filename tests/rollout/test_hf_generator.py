@@ -480,6 +480,29 @@ def test_packing_only_for_large_weights_on_several_threads(monkeypatch, cpu, sma
         torch.set_num_threads(threads)
 
 
+def test_gate_and_up_too_small_to_pack_stay_unpacked_when_concatenated(monkeypatch):
+    """gate / up below the threshold run as one concatenated matmul, never packed even when the
+    concatenation reaches the threshold (no epilogue to fuse there: it measured slower); above it each
+    is packed with its epilogue."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: nothing is ever packed")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(hf, "PACK_MIN_ELEMENTS", 64 * 256)  # the concatenation's size, twice gate's
+        gated = hf._GatedMLP(mlp, rows=8)
+        assert gated.gate.packed is None and gated.gate_up is not None and gated.gate_up.packed is None
+        monkeypatch.setattr(hf, "PACK_MIN_ELEMENTS", 64 * 128)
+        gated = hf._GatedMLP(mlp, rows=8)
+        assert gated.gate.packed is not None and gated.gate_up is None
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_with_fused_epilogues_equals_plain_ops(bias, monkeypatch, packing):
     """`_Linear`: x W^T + b, SiLU of it, plus or times another tensor, for every batch size (the weight
