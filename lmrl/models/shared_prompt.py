@@ -11,10 +11,11 @@ float rounding (tests), with the prompt's share of the projection and MLP work d
 Only for the Llama / Qwen2 classes whose decoder layers this module reproduces (`bypassable`), with
 full attention, no attention dropout in training and no gradient checkpointing; the modules called
 here (norms, projections, MLP, embeddings, LM head) may be LoRA-wrapped (a peft LoRA model is
-looked through) or hooked. Attention is torch's sdpa, or explicit matmuls with a float32 softmax for a
-model loaded with attn_implementation="eager" (as transformers' eager attention; on CPU under bfloat16
-autocast it trains faster than sdpa, whose backward is slow there). Shapes: B rows, S = P prompt + T response columns (left-padded prompts),
-U distinct prompts, H hidden size, V vocabulary.
+looked through) or hooked. Attention is torch's sdpa, or explicit matmuls with a float32 softmax for
+a model loaded with attn_implementation="eager" (as transformers' eager attention; on CPU under
+bfloat16 autocast it trains faster than sdpa, whose backward is slow there). Shapes: B rows,
+S = P prompt + T response columns (left-padded prompts), U distinct prompts, H hidden size,
+V vocabulary.
 """
 
 from __future__ import annotations

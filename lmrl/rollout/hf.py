@@ -314,7 +314,8 @@ class _Linear:
     into oneDNN's blocked layout and the activation (SiLU), add or multiply run inside the matmul
     kernel (`torch.ops.mkldnn`, what torch.compile's CPU backend emits for linears with frozen
     weights): on an AVX2 CPU, rollouts of the vs-TRL benchmark's hidden 256 / 4 layers model are 1.14x
-    faster (`benchmarks/decode_ab.py --toggle pack`). Elsewhere it is `F.linear` (or `addmm` for an add) and plain ops.
+    faster (`benchmarks/decode_ab.py --toggle pack`). Elsewhere it is `F.linear` (or `addmm` for an
+    add) and plain ops.
     A module that is not a plain, hook-free nn.Linear (LoRA, quantised, hooked) is called as is.
     """
 
