@@ -30,6 +30,15 @@ def tok():
     return char_tokenizer()
 
 
+@pytest.fixture
+def kernel_steps(monkeypatch):
+    """A list that gets one entry per decode step taken with the kernels."""
+    steps = []
+    real_step = hf._SharedPromptDecoder._kernel_step
+    monkeypatch.setattr(hf._SharedPromptDecoder, "_kernel_step", lambda self, *a: steps.append(1) or real_step(self, *a))
+    return steps
+
+
 def attention_by_hand(qkv, cos, sin, position, pk, pv, bias, rk, rv, row_prompt, heads, t, scale):
     """What `decode_attention` computes, with plain tensor ops (rows one by one)."""
     b = qkv.shape[0]
@@ -82,20 +91,17 @@ def test_rms_norm_equals_torch(lib):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_rollout_with_kernels_equals_pytorch_path(lib, tok, arch, monkeypatch):
+def test_rollout_with_kernels_equals_pytorch_path(lib, tok, arch, monkeypatch, kernel_steps):
     """The same seeded rollout with and without the kernels: same tokens, log-probs to float32 rounding
     and equal to a full forward pass; grouped-query attention, padded prompts, rows leaving the batch."""
     model = gqa_model(tok, arch)
     bias = torch.zeros(model.config.vocab_size)
     bias[tok.eos_token_id] = 1.5  # EOS likely: rows finish early and leave the batch
     handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
-    used = []
-    real_step = hf._SharedPromptDecoder._kernel_step
-    monkeypatch.setattr(hf._SharedPromptDecoder, "_kernel_step", lambda self, *a: used.append(1) or real_step(self, *a))
     try:
         params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
         fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
-        assert used, "the kernel path did not run"
+        assert kernel_steps, "the kernel path did not run"
         monkeypatch.setattr(hf, "load_kernels", lambda: None)
         plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
         expected = reference_logprobs(model, fast, 0.9)
@@ -127,19 +133,16 @@ def test_kernels_for_float32_attention_and_when_switched_on(lib, tok, monkeypatc
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bf16_sampler_with_kernels_is_as_close_to_the_float32_policy(lib, tok, arch, monkeypatch):
+def test_bf16_sampler_with_kernels_is_as_close_to_the_float32_policy(lib, tok, arch, monkeypatch, kernel_steps):
     """A bfloat16 sampler (rollout.dtype=bfloat16) decodes with the kernel too: its sampled log-probs are
     as close to the float32 policy's (which truncated importance sampling corrects toward) as the
     PyTorch path's. Both attend in float32; the kernel also rotates q / k in float32. Measured on
     seeds 3-5: mean |delta log-prob| 0.019-0.023 with the kernel, 0.021-0.028 without."""
     policy = gqa_model(tok, arch)
     model = copy.deepcopy(policy).to(torch.bfloat16)
-    used = []
-    real_step = hf._SharedPromptDecoder._kernel_step
-    monkeypatch.setattr(hf._SharedPromptDecoder, "_kernel_step", lambda self, *a: used.append(1) or real_step(self, *a))
     params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3)
     fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
-    assert used
+    assert kernel_steps
     monkeypatch.setattr(hf, "load_kernels", lambda: None)
     plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
 
@@ -170,19 +173,16 @@ def test_compiled_once_then_loaded_from_cache(monkeypatch, tmp_path):
     assert first.stat().st_mtime_ns == stamp and [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 
-def test_rollout_under_bf16_autocast_decodes_with_pytorch(lib, tok, monkeypatch):
+def test_rollout_under_bf16_autocast_decodes_with_pytorch(lib, tok, monkeypatch, kernel_steps):
     """Under bfloat16 autocast (train.autocast_bf16) the projections come out in bfloat16, which the
     float32 kernel must never read: the step takes the PyTorch path, and samples what it samples."""
     model = gqa_model(tok, "llama")
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1)
-    used = []
-    real_step = hf._SharedPromptDecoder._kernel_step
-    monkeypatch.setattr(hf._SharedPromptDecoder, "_kernel_step", lambda self, *a: used.append(1) or real_step(self, *a))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
         monkeypatch.setattr(hf, "load_kernels", lambda: None)
         plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
-    assert not used
+    assert not kernel_steps
     assert torch.equal(fast.response_ids, plain.response_ids)
     torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=0, rtol=0)
 

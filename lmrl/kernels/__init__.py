@@ -93,14 +93,14 @@ class DecodeKernels:
         """ValueError unless `decode_attention` can read these (see there) through raw pointers."""
         u, kv, p, d = prompt_keys.shape if prompt_keys.dim() == 4 else (-1,) * 4
         b, capacity = (response_keys.shape[0], response_keys.shape[2]) if response_keys.dim() == 4 else (-1, -1)
-        shapes = {"cos": (cos.shape[0], d), "sin": cos.shape, "prompt_keys": (u, kv, p, d), "prompt_values": (u, kv, p, d),
-                  "prompt_bias": (u, p), "response_keys": (b, kv, capacity, d), "response_values": (b, kv, capacity, d),
-                  "row_prompt": (b,)}
-        given = {"cos": cos, "sin": sin, "prompt_keys": prompt_keys, "prompt_values": prompt_values,
-                 "prompt_bias": prompt_bias, "response_keys": response_keys, "response_values": response_values,
-                 "row_prompt": row_prompt}
-        for name, x in given.items():
-            _check("decode_attention", name, x, torch.int64 if name == "row_prompt" else torch.float32, shapes[name])
+        f32 = torch.float32
+        for name, x, dtype, shape in [
+            ("cos", cos, f32, (cos.shape[0], d)), ("sin", sin, f32, cos.shape),
+            ("prompt_keys", prompt_keys, f32, (u, kv, p, d)), ("prompt_values", prompt_values, f32, (u, kv, p, d)),
+            ("prompt_bias", prompt_bias, f32, (u, p)), ("response_keys", response_keys, f32, (b, kv, capacity, d)),
+            ("response_values", response_values, f32, (b, kv, capacity, d)), ("row_prompt", row_prompt, torch.int64, (b,)),
+        ]:
+            _check("decode_attention", name, x, dtype, shape)
         if d % 2 or kv < 1 or heads % kv:
             raise ValueError(f"lmrl decode_attention: {heads} query heads over {kv} kv heads of size {d} "
                              "(need whole groups and an even head size)")

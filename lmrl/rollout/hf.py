@@ -211,7 +211,7 @@ class _SharedPromptDecoder:
             self.kernel_cos, self.kernel_sin = self.cos.float(), self.sin.float()  # [P + max_new, D]
         self.row_prompt = self.slot // self.slots_per_prompt  # [b] for the kernel
         self.prompt_bias_rows = self.prompt_bias[:, 0, 0].contiguous()  # [U, P]
-        self.kernel_inputs_checked = False  # the kernel's per-rollout tensors, checked at its first step
+        self._check_kernel_inputs()
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (`[a]` indices) of the response cache."""
@@ -220,7 +220,7 @@ class _SharedPromptDecoder:
         self.slot = self.slot.index_select(0, keep)
         self.row_prompt = self.slot // self.slots_per_prompt
         self.identity_slots = False
-        self.kernel_inputs_checked = False
+        self._check_kernel_inputs()
 
     def step(self, token: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
         """Feed `[b]` tokens at `[b]` positions as response token t; return `[b, V]` next-token logits."""
@@ -252,11 +252,6 @@ class _SharedPromptDecoder:
         `decode_attention` call for rotary, the cache write and attention."""
         kernels, heads, position = self.kernels, self.num_kv_heads * self.group, position.contiguous()
         cos, sin = self.kernel_cos, self.kernel_sin
-        if not self.kernel_inputs_checked:  # what the kernel reads by pointer, once per change (select)
-            for i in range(len(self.layers)):
-                kernels.check_attention(cos, sin, self.prompt_keys[i], self.prompt_values[i], self.prompt_bias_rows,
-                                        self.response_keys[i], self.response_values[i], self.row_prompt, heads)
-            self.kernel_inputs_checked = True
         for i, layer in enumerate(self.layers):
             x = _rms_norm(layer.input_layernorm, hidden, kernels)
             # 16-bit models: q / k / v upcast, attention in float32 (as the PyTorch path), output back
@@ -269,6 +264,17 @@ class _SharedPromptDecoder:
             x = _rms_norm(layer.post_attention_layernorm, hidden, kernels)
             hidden = self.mlp[i](x, residual=hidden) if self.mlp[i] is not None else hidden + layer.mlp(x)
         return self.lm_head(_rms_norm(self.model.model.norm, hidden, kernels))
+
+    def _check_kernel_inputs(self) -> None:
+        """What the kernel reads by pointer besides each step's q / k / v and positions, checked once per
+        change (here and in `select`) so that its steps can pass `checked=True`."""
+        if self.kernels is None:
+            return
+        heads = self.num_kv_heads * self.group
+        for i in range(len(self.layers)):
+            self.kernels.check_attention(self.kernel_cos, self.kernel_sin, self.prompt_keys[i], self.prompt_values[i],
+                                         self.prompt_bias_rows, self.response_keys[i], self.response_values[i],
+                                         self.row_prompt, heads)
 
     def _attend(self, i: int, q: torch.Tensor, length: int) -> torch.Tensor:
         """`[b, K, g, D]` queries -> `[b, K, g, D]` attention over the prompt and `length` response tokens.
