@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 import warnings
+
+from lmrl.errors import LmrlError
 
 EXAMPLES = """\
 examples:
@@ -12,6 +15,8 @@ examples:
   lmrl train algorithm=dapo train.steps=50     another algorithm, any field overridden with key=value
   lmrl train examples/gsm8k_qwen.yaml          a YAML config, then overrides on top
   lmrl train --help-config                     every config field with its default and meaning
+  lmrl train train.save_every=50 train.resume=auto
+                                               checkpoint every 50 steps; rerun the same command to resume
   lmrl eval --model runs/tiny-addition/final --task addition --k 8
 """
 
@@ -38,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--num-prompts", type=int, default=200)
     ev.add_argument("--max-new-tokens", type=int, default=None)
 
+    for p in (tr, ev):
+        p.add_argument("--traceback", action="store_true", help="on an error, print the full Python traceback")
+
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -46,10 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
         return _eval(args)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        # bad input is one line, not a traceback
-        print(f"lmrl: error: {e}", file=sys.stderr)
-        return 2
+    except (LmrlError, ValueError, FileNotFoundError, ImportError) as e:
+        # what a user can act on is one line, not a traceback (--traceback shows it)
+        if args.traceback:
+            traceback.print_exc()
+        print(f"lmrl: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    except KeyboardInterrupt:  # lmrl eval, or train before its loop installs its own handler
+        print("lmrl: interrupted", file=sys.stderr)
+        return 130
 
 
 def _train(args) -> int:
@@ -70,6 +83,9 @@ def _train(args) -> int:
         print(f"lmrl: warning: {note}", file=sys.stderr)
     if args.dry_run:
         return 0
+    from lmrl.checkpoint import plan_run
+
+    plan_run(cfg)  # an output directory that must not be written, or a bad resume, fails before any model loads
     from lmrl.trainer import Trainer
 
     with warnings.catch_warnings():

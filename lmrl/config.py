@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lmrl.errors import ConfigError
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_TIS_CAP = 2.0  # truncated importance sampling cap when the sampler is another dtype
@@ -316,7 +318,16 @@ class TrainConfig(_Section):
     eval_every: int = 10
     """Evaluate on held-out prompts every this many steps (0 = only at start and end)."""
     save_every: int = 0
-    """Save a checkpoint every this many steps (0 = only the final model)."""
+    """Save a resumable checkpoint every this many steps, and at the last step (0 = none: only `final/`,
+    and a checkpoint when a signal or a failing reward stops the run)."""
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints (None = keep all)."""
+    resume: str | None = None
+    """Continue a run: "auto" from the newest complete checkpoint in output_dir (starts afresh when there
+    is none), or a checkpoint directory's path. Only steps, cadences, max_minutes, threads and log.* may
+    differ from the checkpoint's config."""
+    overwrite: bool = False
+    """Start afresh in an output_dir that holds an earlier run, deleting that run's files."""
     max_minutes: float | None = None
     """Stop (after an evaluation and a save) once this much wall time has passed."""
     autocast_bf16: bool = False
@@ -327,6 +338,38 @@ class TrainConfig(_Section):
     """Rows of the [B*T, V] logits turned into float32 log-probs at once (None = all): bounds memory at large V."""
     share_prompt: bool = True
     """Update and reference forwards run each distinct prompt once for all its completions (Llama / Qwen2)."""
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # train.resume=true reads as "auto"
+            return "auto" if value else None
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        _positive(self, "keep_last")
+        return self
+
+
+class GuardConfig(_Section):
+    max_skipped_steps: int = 3
+    """Steps in a row whose loss or gradient was not finite (each is skipped: no weight changes) before
+    the run stops, keeping its last good checkpoint."""
+    max_unscored_steps: int = 3
+    """Steps in a row where no reward function scored any completion (all None / NaN) before the run stops."""
+    collapse_entropy: float = 0.02
+    """Collapse warning: the policy's per-token entropy (nats) is below this ..."""
+    collapse_drop: float = 0.5
+    """... and held-out accuracy (or, without evaluation, the mean reward of the last 10 steps) fell by
+    this fraction of its best. Warned once and recorded as `guard/collapse`; the run goes on."""
+
+    @model_validator(mode="after")
+    def _check(self) -> GuardConfig:
+        _positive(self, "max_skipped_steps", "max_unscored_steps")
+        if not 0 < self.collapse_drop <= 1:
+            raise ValueError(f"collapse_drop must be in (0, 1] (got {self.collapse_drop})")
+        return self
 
 
 class LogConfig(_Section):
@@ -354,6 +397,7 @@ class Config(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
@@ -386,10 +430,6 @@ class Config(_Section):
     def needs_reference(self) -> bool:
         """The reference model is loaded only when a KL term can use it."""
         return self.algorithm.kl_coef > 0 or self.algorithm.kl_target is not None
-
-
-class ConfigError(ValueError):
-    """An invalid configuration: one line naming the field and what is allowed."""
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -518,6 +558,24 @@ def _section_at(path: str) -> type[BaseModel] | None:
             return None
         model = found
     return model
+
+
+# fields a resumed run may change: none of them can make the saved state mean something else
+RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.max_minutes",
+                     "train.resume", "train.overwrite", "train.threads", "train.output_dir", "log.")
+
+
+def resume_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """`section.field (old -> new)` for every field that differs from a checkpoint's config and may not."""
+    out = []
+    now = cfg.model_dump(mode="json")
+    for section, fields in now.items():
+        for name, value in fields.items():
+            key = f"{section}.{name}"
+            old = (saved.get(section) or {}).get(name, value)
+            if old != value and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_CHANGES):
+                out.append(f"{key} ({old!r} -> {value!r})")
+    return out
 
 
 def config_to_yaml(cfg: Config) -> str:

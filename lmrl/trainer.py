@@ -23,6 +23,12 @@ How lmrl departs from a textbook PPO loop, and why:
 from __future__ import annotations
 
 import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -41,8 +47,24 @@ from lmrl.build import (
     make_optimizer,
     slow_bf16_warning,
 )
+from lmrl.checkpoint import (
+    RunLock,
+    all_finite,
+    atomic_directory,
+    clear_run,
+    load_model_state,
+    newest_checkpoint,
+    plan_run,
+    prune,
+    quiet_progress_bars,
+    remove_partial,
+    rng_state,
+    save_model_state,
+    set_rng_state,
+)
 from lmrl.config import Config, config_to_yaml
 from lmrl.data.prompts import PromptSampler
+from lmrl.errors import Interrupted, LmrlError, LmrlWarning, RunError
 from lmrl.experience import (
     Experience,
     concat_rollouts,
@@ -51,7 +73,9 @@ from lmrl.experience import (
     select_rollout,
     shape_scores,
 )
+from lmrl.guards import Guards
 from lmrl.logging import Console, make_sinks
+from lmrl.logging.sinks import jsonl_row
 from lmrl.models.loading import encode_prompts, model_forward_logprobs
 from lmrl.rewards import score as score_rewards
 from lmrl.rollout import HFGenerator, Rollout, SamplingParams
@@ -74,6 +98,11 @@ class Collected:
     rows: list[dict[str, Any]]  # dataset rows of the kept groups, in group order
     metrics: dict[str, float]
     per_function: dict[str, torch.Tensor]  # "reward/<name>" -> [B] raw scores (NaN where None)
+
+
+class _AbandonStep(BaseException):
+    """Raised by the signal handler inside steps 1-3. A BaseException, so that no `except Exception` in a
+    reward function or library on the way swallows it."""
 
 
 class Trainer:
@@ -99,59 +128,104 @@ class Trainer:
         self.out = Path(cfg.train.output_dir)
         self.console = Console(cfg.log.console if console is None else console, cfg.train.steps, cfg.log.every)
         self.forward_counts = {"policy": 0, "reference": 0, "critic": 0}
+        self.guards = Guards(cfg.guard, self.data.rewards.names, cfg.optim.lr)
+        self.result = TrainResult(self.out)
+        self.rows: list[dict[str, Any]] = []  # every metrics row written, as metrics.jsonl holds them
+        self._elapsed = 0.0  # training seconds before this process (a resumed run continues the clock)
+        self._saved_step: int | None = None
+        self._stop_signal: int | None = None  # the signal that asked the run to stop
+        self._abandon_at: int | None = None  # the step a signal may abandon now (steps 1-3 of it)
+        self._running = False
 
     def train(self) -> TrainResult:
-        cfg, result = self.cfg, TrainResult(self.out)
+        """Run (or resume) the loop. Holds `output_dir`'s lock for its life; SIGINT / SIGTERM stop it after
+        a checkpoint (`lmrl.errors.Interrupted`); a failing step writes a checkpoint of the last good one."""
+        cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(config_to_yaml(cfg))
-        sinks = make_sinks(self.out, cfg.log.jsonl, cfg.log.tensorboard, cfg.log.wandb, cfg.model_dump(mode="json"))
+        with RunLock(self.out), self._signals():
+            start_step = self._begin()
+            sinks = make_sinks(self.out, cfg.log.jsonl, cfg.log.tensorboard, cfg.log.wandb, cfg.model_dump(mode="json"),
+                               previous=self.rows, purge_step=start_step + 1 if start_step else None)
+            self._running = True
+            try:
+                self._loop(start_step, sinks)
+            except LmrlError as e:
+                if not isinstance(e, Interrupted):
+                    e.exit_code = 1  # the run had started: not a usage error
+                raise
+            finally:
+                self._running = False
+                for sink in sinks:
+                    sink.close()
+        return self.result
+
+    def _loop(self, start_step: int, sinks) -> None:
+        cfg, result = self.cfg, self.result
         self.console.print(f"[bold]lmrl[/] {cfg.algorithm.name} on {cfg.model.name_or_path}: "
-                           f"{len(self.data.train_rows)} prompts, output in {self.out}")
-        start = time.time()
+                           f"{len(self.data.train_rows)} prompts, output in {self.out}"
+                           + (f", resumed at step {start_step}" if start_step else ""))
+        start, step = time.time() - self._elapsed, start_step
         with self.console:
-            if self.data.eval_rows:
-                result.evals.append(self._log(sinks, {**self.evaluate(), "time/elapsed": 0.0}, 0) | {"step": 0})
-            for step in range(1, cfg.train.steps + 1):
+            self.console.start_at(start_step)
+            if self.data.eval_rows and start_step == 0:
+                with self._abandonable(0):  # a signal here stops the run: nothing to save yet
+                    evals = self.evaluate()
+                result.evals.append(self._log(sinks, {**evals, "time/elapsed": 0.0}, 0) | {"step": 0})
+            for step in range(start_step + 1, cfg.train.steps + 1):
                 metrics = self.train_step(step)
-                metrics["time/elapsed"] = elapsed = time.time() - start
+                self._elapsed = elapsed = time.time() - start
+                metrics["time/elapsed"] = elapsed
                 out_of_time = cfg.train.max_minutes is not None and elapsed > 60 * cfg.train.max_minutes
                 last = step == cfg.train.steps or out_of_time
                 if self.data.eval_rows and (last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)):
                     metrics.update(self.evaluate())
                     result.evals.append({k: v for k, v in metrics.items() if k.startswith("eval/")}
                                         | {"step": step, "time/elapsed": elapsed})
-                result.history.append(self._log(sinks, metrics, step))
-                if cfg.train.save_every and step % cfg.train.save_every == 0 and not last:
-                    self.save(self.out / f"checkpoint-{step}")
+                try:
+                    warned = self.guards.check(step, metrics)
+                finally:  # a guard that stops the run still logs the step that tripped it
+                    result.history.append(self._log(sinks, metrics, step))
+                for line in warned:
+                    self._warn(line)
+                if not all_finite(self._trained_modules()):
+                    raise RunError(f"step {step}: the weights became non-finite in the optimizer step; nothing "
+                                   f"was saved ({self._last_good()})")
+                if cfg.train.save_every and (step % cfg.train.save_every == 0 or last):
+                    self.save_checkpoint(step)
+                if self._stop_signal is not None:
+                    raise self._interrupted(step, self.save_checkpoint(step))
                 if out_of_time:
                     self.console.print(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
                     break
-        self.save(self.out / "final", final=True)
-        for sink in sinks:
-            sink.close()
-        return result
+        if step > start_step or not (self.out / "final").exists():
+            self.save(self.out / "final", final=True)
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
-        # 1-2. sample prompts, generate, score
-        c = self.collect(step)
-        rollout, rows, metrics = c.rollout, c.rows, c.metrics
-        t1 = time.time()
-        # 3. experience: old / reference log-probs, values, KL, advantages
-        exp = make_experience(
-            rollout, c.scores, cfg.algorithm,
-            policy_logprobs=self._policy_forward if self._needs_old_forward else None,
-            ref_logprobs=self._ref_forward if self.models.reference is not None else None,
-            critic_values=self._critic_forward if self.models.critic is not None else None,
-            kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep, info=c.per_function,
-        )
-        t2 = time.time()
+        with self._abandonable(step):  # 1-3 change nothing but RNGs: a signal or a failure here keeps step - 1
+            # 1-2. sample prompts, generate, score
+            c = self.collect(step)
+            rollout, rows, metrics = c.rollout, c.rows, c.metrics
+            t1 = time.time()
+            # 3. experience: old / reference log-probs, values, KL, advantages
+            exp = make_experience(
+                rollout, c.scores, cfg.algorithm,
+                policy_logprobs=self._policy_forward if self._needs_old_forward else None,
+                ref_logprobs=self._ref_forward if self.models.reference is not None else None,
+                critic_values=self._critic_forward if self.models.critic is not None else None,
+                kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep,
+                info=c.per_function,
+            )
+            t2 = time.time()
         # 4. update
         metrics.update(self.update(exp))
         t3 = time.time()
         # 5. metrics
-        if "kl" in exp.info:
-            self.kl.update(exp.info["kl"].mean().item(), len(exp))
+        if "kl" in exp.info and math.isfinite(kl := exp.info["kl"].mean().item()):
+            self.kl.update(kl, len(exp))
+        # the mean negative log-prob of the sampled tokens estimates the policy's entropy even when the
+        # update skipped every row (the collapse guard reads it)
+        metrics["rollout/entropy_estimate"] = -A.masked_mean(rollout.logprobs, rollout.response_mask).item()
         metrics.update(self._experience_metrics(exp))
         metrics.update({"time/generate": t1 - t0, "time/experience": t2 - t1, "time/update": t3 - t2,
                         "time/step": t3 - t0, "eps": len(exp) / (t3 - t0), "lr": self.scheduler.get_last_lr()[0],
@@ -261,6 +335,7 @@ class Trainer:
         mb = mb.select(live)  # the losses keep the whole minibatch's normalizer; metrics average over `live`
         metric_norm = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norm_length)
         self.optimizer.zero_grad(set_to_none=True)
+        finite = True
         for start in range(0, len(mb), cfg.optim.micro_batch_size):
             micro = mb.select(torch.arange(start, min(start + cfg.optim.micro_batch_size, len(mb))))
             share = len(micro) / len(mb)  # metrics average over micro-batches by size
@@ -291,6 +366,7 @@ class Trainer:
                 vloss, vm = A.value_loss(values, micro.values, micro.returns, micro.response_mask, clip=a.value_clip, normalizer=vnorm)
                 loss = loss + a.vf_coef * vloss
                 step_stats.update({"loss/value_avg": vloss.item() / share, "val/clipfrac_avg": vm.vf_clipfrac})
+            finite = finite and math.isfinite(step_stats["loss/policy_avg"]) and math.isfinite(step_stats.get("loss/value_avg", 0.0))
             loss.backward()
             for k, v in step_stats.items():
                 stats[k] = stats.get(k, 0.0) + v * share
@@ -298,8 +374,14 @@ class Trainer:
         if len(mb) == 0:  # no row carries a gradient: a zero gradient still moves Adam (momentum, decay)
             for p in params:
                 p.grad = torch.zeros_like(p)
-        if cfg.optim.max_grad_norm is not None:
-            stats["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm))
+        # the norm is needed either way: a non-finite gradient skips the step (max_norm=inf scales by exactly 1)
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+        stats["policy/grad_norm"] = grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        stats["guard/skipped_updates"] = 0.0
+        if not (finite and math.isfinite(grad_norm)):  # no weight, optimizer state or LR moves (guards.py)
+            self.optimizer.zero_grad(set_to_none=True)
+            stats["guard/skipped_updates"] = 1.0
+            return stats
         self.optimizer.step()
         self.scheduler.step()
         return stats
@@ -378,22 +460,167 @@ class Trainer:
 
     def _log(self, sinks, metrics: dict[str, float], step: int) -> dict[str, float]:
         metrics = {k: float(v) for k, v in metrics.items()}
+        self.rows.append(jsonl_row(metrics, step))
         for sink in sinks:
             sink.log(metrics, step)
         self.console.step(step, metrics)
         return metrics
 
-    def save(self, directory: Path, final: bool = False) -> None:
-        """A model plain transformers loads (`save_pretrained`), its tokenizer and the run's config. A LoRA
-        run saves adapters in checkpoints and merges them into the final model."""
-        directory.mkdir(parents=True, exist_ok=True)
+    def save(self, directory: str | Path, final: bool = False) -> None:
+        """A model plain transformers loads (`save_pretrained`), its tokenizer and the run's config, written
+        atomically. A LoRA run saves adapters in checkpoints and merges them into the final model."""
+        if not all_finite(self._trained_modules()):
+            raise RunError(f"{directory}: the weights are not finite; refusing to save them ({self._last_good()})")
+        with atomic_directory(Path(directory)) as tmp:
+            self._save_model_files(tmp, final)
+
+    def _save_model_files(self, directory: Path, final: bool = False) -> None:
         model = self.policy.merge_and_unload() if final and hasattr(self.policy, "merge_and_unload") else self.policy
-        model.save_pretrained(directory)
+        with quiet_progress_bars():
+            model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
         (directory / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
         if self.models.critic is not None:
             self.models.critic.save_pretrained(directory / "critic")
 
+    # ------------------------------------------------------------------------------ checkpoint, resume
+    def save_checkpoint(self, step: int, rng: dict[str, Any] | None = None) -> Path:
+        """Everything a resumed run needs to continue exactly after `step` (layout: `lmrl.checkpoint`).
+        `rng`: the RNG states to record (default: the current ones)."""
+        path = self.out / f"checkpoint-{step}"
+        if self._saved_step == step and path.is_dir():
+            return path
+        if not all_finite(self._trained_modules()):
+            raise RunError(f"step {step}: the weights are not finite; no checkpoint written ({self._last_good()})")
+        state = {"step": step, "elapsed": self._elapsed, "scheduler": self.scheduler.state_dict(),
+                 "kl": self.kl.state_dict(), "guards": self.guards.state_dict(), "evals": self.result.evals,
+                 "episode": step * self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size, "world_size": 1}
+        with atomic_directory(path) as tmp:
+            save_model_state(tmp / "state", self._stateful_modules(), self.optimizer)
+            torch.save(rng or rng_state(self._generators()), tmp / "rng_state_0.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+            (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            self._save_model_files(tmp)  # with lmrl_config.yaml, the config a resume is checked against
+        prune(self.out, self.cfg.train.keep_last)
+        self._saved_step = step
+        return path
+
+    def _begin(self) -> int:
+        """Act on `plan_run` under the run's lock: clean partial checkpoints, clear an overwritten run, load
+        the checkpoint to resume from, write config.yaml. Returns the step to continue after (0: a new run)."""
+        for path in remove_partial(self.out):
+            self._warn(f"removed {path.name}: a checkpoint that a killed run left half-written")
+        plan = plan_run(self.cfg)
+        if plan.clear:
+            clear_run(self.out)
+        step = self._load_checkpoint(plan.checkpoint) if plan.checkpoint is not None else 0
+        (self.out / "config.yaml").write_text(config_to_yaml(self.cfg))
+        return step
+
+    def _load_checkpoint(self, path: Path) -> int:
+        load_model_state(path / "state", self._stateful_modules(), self.optimizer)
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl.load_state_dict(state["kl"])
+        self.guards.load_state_dict(state["guards"])
+        set_rng_state(torch.load(path / "rng_state_0.pt", weights_only=True), self._generators())
+        self._elapsed, self._saved_step = float(state["elapsed"]), int(state["step"])
+        self.rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        self.result.evals = list(state["evals"])
+        self.result.history = [{k: math.nan if v is None else v for k, v in r.items() if k not in ("step", "time")}
+                               for r in self.rows if r["step"] > 0]
+        return int(state["step"])
+
+    def _stateful_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules whose trainable weights a checkpoint holds (keys prefix their parameter names)."""
+        return {"policy": self.policy} | ({"critic": self.models.critic} if self.models.critic is not None else {})
+
+    def _trained_modules(self) -> list[torch.nn.Module]:
+        return list(self._stateful_modules().values())
+
+    def _generators(self) -> dict[str, torch.Generator]:
+        return {"minibatch": self.minibatch_rng, "sampler": self.generator._rng}
+
+    def _last_good(self) -> str:
+        found = newest_checkpoint(self.out)
+        return f"last good checkpoint: {found}" if found is not None else "no checkpoint was written"
+
+    # --------------------------------------------------------------------------- signals and failures
+    @contextlib.contextmanager
+    def _signals(self):
+        """SIGINT / SIGTERM: the first stops the run after a checkpoint (at once when the step can still be
+        abandoned, else once it ends); a second one exits immediately. Main thread only (signal's rule)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in previous:
+            signal.signal(s, self._on_signal)
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self._stop_signal is not None:
+            print(f"lmrl: {name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self._stop_signal = signum
+        print(f"lmrl: {name} received: stopping after a checkpoint ({name} again to exit at once)",
+              file=sys.stderr, flush=True)
+        if self._abandon_at is not None:
+            raise _AbandonStep(signum)
+
+    @contextlib.contextmanager
+    def _abandonable(self, step: int):
+        """Steps 1-3 of a step change no state but the RNGs, recorded here: a signal abandons them at once, and
+        a failure in them (a reward function raising under reward.on_error=fail, ...) first writes a
+        checkpoint of the last completed step, so that the run resumes where it was."""
+        if not self._running:  # train_step called on its own: no checkpoints, no signal handling
+            yield
+            return
+        rng = rng_state(self._generators())
+        self._abandon_at = step
+        try:
+            yield
+        except _AbandonStep:
+            self._abandon_at = None
+            raise self._interrupted(step - 1, self._checkpoint_before(step, rng)) from None
+        except Exception as e:
+            self._abandon_at = None
+            try:
+                path = self._checkpoint_before(step, rng)
+            except Exception:  # noqa: BLE001 - the original failure is the one to report
+                path = None
+            if isinstance(e, LmrlError):
+                e.exit_code = 1
+                where = f"; {path} written: add train.resume=auto to continue" if path is not None else ""
+                e.args = (f"step {step}: {e}{where}",)
+            raise
+        finally:
+            self._abandon_at = None
+
+    def _checkpoint_before(self, step: int, rng: dict[str, Any]) -> Path | None:
+        """A checkpoint after step - 1 (nothing when no step completed)."""
+        if step <= 1:
+            return None
+        return self.save_checkpoint(step - 1, rng)
+
+    def _interrupted(self, step: int, path: Path | None) -> Interrupted:
+        name = signal.Signals(self._stop_signal).name
+        if path is None:
+            return Interrupted(f"{name}: stopped before step {step + 1} ended; no checkpoint to resume from "
+                               f"({'no step had completed' if step < 1 else self._last_good()})", self._stop_signal)
+        return Interrupted(f"{name}: stopped after step {step}; checkpoint {path} written; add train.resume=auto "
+                           "to the same command to continue", self._stop_signal)
+
+    def _warn(self, line: str) -> None:
+        if self.console.enabled:
+            self.console.print(f"lmrl: warning: {line}", style="yellow", markup=False, highlight=False)
+        else:
+            warnings.warn(line, LmrlWarning, stacklevel=3)
 
 def _prompt_text(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else " | ".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)

@@ -51,6 +51,10 @@ class Console:
     def __exit__(self, *exc) -> None:
         self.progress.stop()
 
+    def start_at(self, step: int) -> None:
+        """A resumed run's progress starts where its checkpoint was."""
+        self.progress.update(self._task, completed=step)
+
     def print(self, *args, **kwargs) -> None:
         if self.enabled:
             self.progress.console.print(*args, **kwargs)

@@ -15,31 +15,39 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
-class JsonlSink:
-    """Appends one JSON object per step: {"step": n, "time": unix seconds, metric: value, ...}."""
+def jsonl_row(metrics: dict[str, float], step: int) -> dict:
+    """{"step": n, "time": unix seconds, metric: value, ...}; JSON has no NaN / inf: they become null
+    rather than an unreadable file."""
+    row = {"step": step, "time": round(time.time(), 3)}
+    row.update({k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()})
+    return row
 
-    def __init__(self, path: str | Path):
+
+class JsonlSink:
+    """One JSON object per step (`jsonl_row`). A new run starts a new file; a resumed one starts it with
+    the rows its checkpoint holds (`previous`), so the file never has a step twice."""
+
+    def __init__(self, path: str | Path, previous: list[dict] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("w", buffering=1)  # a new run starts a new file
+        self._file = self.path.open("w", buffering=1)
+        for row in previous or []:
+            self._file.write(json.dumps(row) + "\n")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        row = {"step": step, "time": round(time.time(), 3)}
-        # JSON has no NaN / inf: write them as null rather than producing an unreadable file
-        row.update({k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()})
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(jsonl_row(metrics, step)) + "\n")
 
     def close(self) -> None:
         self._file.close()
 
 
 class TensorBoardSink:
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise ImportError("log.tensorboard=true needs TensorBoard: pip install 'lmrl[tensorboard]'") from e
-        self._writer = SummaryWriter(str(log_dir))
+        self._writer = SummaryWriter(str(log_dir), purge_step=purge_step)  # a resumed run drops later events
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
@@ -64,12 +72,15 @@ class WandbSink:
         self._run.finish()
 
 
-def make_sinks(output_dir: str | Path, jsonl: bool, tensorboard: bool, wandb: bool, config: dict) -> list[MetricSink]:
+def make_sinks(output_dir: str | Path, jsonl: bool, tensorboard: bool, wandb: bool, config: dict,
+               previous: list[dict] | None = None, purge_step: int | None = None) -> list[MetricSink]:
+    """The chosen sinks. A resumed run passes the rows its checkpoint holds (`previous`) and the first step it
+    will log (`purge_step`), so that nothing logged after the checkpoint by the interrupted run remains."""
     sinks: list[MetricSink] = []
     if jsonl:
-        sinks.append(JsonlSink(Path(output_dir) / "metrics.jsonl"))
+        sinks.append(JsonlSink(Path(output_dir) / "metrics.jsonl", previous))
     if tensorboard:
-        sinks.append(TensorBoardSink(Path(output_dir) / "tensorboard"))
+        sinks.append(TensorBoardSink(Path(output_dir) / "tensorboard", purge_step))
     if wandb:
         sinks.append(WandbSink(output_dir, config))
     return sinks

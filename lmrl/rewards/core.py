@@ -43,14 +43,12 @@ from typing import Any, Literal
 
 import torch
 
+from lmrl.errors import RewardError
+
 RewardFn = Callable[..., "Sequence[float | None] | Awaitable[Sequence[float | None]]"]
 """fn(prompts, completions, **kwargs) -> list[float | None], sync or async."""
 
 RESERVED_KWARGS = ("prompts", "completions")
-
-
-class RewardError(RuntimeError):
-    """A reward function failed, timed out or returned something unusable (one-line message)."""
 
 
 def reward_name(fn: Callable[..., Any]) -> str:

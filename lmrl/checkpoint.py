@@ -1,0 +1,360 @@
+"""Checkpoints: what one holds, how it is written so that no crash leaves one that looks complete, and
+how a run finds the newest one to resume from.
+
+    runs/x/
+      .lmrl.lock               held (flock) by the run writing here; a second run is refused
+      config.yaml  metrics.jsonl
+      checkpoint-40/
+        COMPLETE               written last: {"step": 40, "time": ..., "world_size": 1}
+        state/                 torch.distributed.checkpoint: trainable policy weights, critic, optimizer
+        trainer_state.json     step, LR scheduler, KL controller, guard counters, elapsed time, evaluations
+        rng_state_0.pt         rank 0's RNGs: Python, NumPy, torch (CPU, CUDA), minibatch shuffler, sampler
+        metrics.jsonl          the metrics rows up to step 40
+        config.yaml            the resolved config of the run
+        config.json, model.safetensors, tokenizer files, critic/
+                               the policy (its adapters for LoRA) as `from_pretrained` loads it
+      final/                   a plain `from_pretrained` model directory, written the same atomic way
+      .tmp-checkpoint-48-1234/ a checkpoint a killed process was writing: removed at the next start
+
+Writing: everything goes into `.tmp-<name>-<pid>/`; files and directories are fsynced, COMPLETE is
+written, then one `rename` makes `<name>/` appear. A reader trusts only directories with COMPLETE.
+
+The state goes through `torch.distributed.checkpoint` (one process here; the same calls save and
+load sharded state under torchrun). Frozen weights (a LoRA run's base model) are not saved: a resumed
+run loads them from `model.name_or_path` as the first run did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from lmrl.errors import RunError
+
+COMPLETE = "COMPLETE"
+LOCK = ".lmrl.lock"
+TMP_PREFIX = ".tmp-"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# what makes a directory "hold a run": a new run into it must resume or overwrite
+RUN_FILES = ("config.yaml", "metrics.jsonl", "final", "tensorboard")
+
+
+# ------------------------------------------------------------------------------------ atomic writes
+@contextlib.contextmanager
+def atomic_directory(target: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `target`; when the block succeeds, fsync it, write COMPLETE
+    and rename it to `target` (replacing an older `target`). When it fails, nothing appears."""
+    target = Path(target)
+    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        _write_synced(tmp / COMPLETE, json.dumps({"name": target.name, "time": round(time.time(), 3)}) + "\n")
+        _fsync_dir(tmp)
+        if target.exists():  # an older copy: move it aside first, so that the rename below is one step
+            old = target.parent / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}"
+            target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def is_complete(directory: Path) -> bool:
+    return (Path(directory) / COMPLETE).is_file()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+# ------------------------------------------------------------------------------ finding checkpoints
+def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Complete `checkpoint-N` directories of a run, oldest first."""
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        m = _CHECKPOINT.match(path.name)
+        if m and path.is_dir() and is_complete(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def newest_checkpoint(output_dir: Path) -> Path | None:
+    found = checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def checkpoint_step(directory: Path) -> int:
+    """The step a complete checkpoint was written at (its trainer_state.json)."""
+    return int(json.loads((Path(directory) / "trainer_state.json").read_text())["step"])
+
+
+def remove_partial(output_dir: Path) -> list[Path]:
+    """Remove what killed processes left half-written (`.tmp-*`); return what was removed."""
+    removed = []
+    for path in Path(output_dir).glob(f"{TMP_PREFIX}*"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def prune(output_dir: Path, keep_last: int | None) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints (None keeps all)."""
+    found = checkpoints(output_dir)
+    if keep_last is None or len(found) <= keep_last:
+        return []
+    doomed = [path for _, path in found[: len(found) - keep_last]]
+    for path in doomed:
+        # rename first: a kill during rmtree leaves a .tmp- directory, never a half-deleted checkpoint
+        trash = path.parent / f"{TMP_PREFIX}pruned-{path.name}-{os.getpid()}"
+        path.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def holds_run(output_dir: Path) -> list[str]:
+    """What in `output_dir` belongs to an earlier run (empty when nothing does)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    found += sorted(p.name for p in out.glob("checkpoint-*") if _CHECKPOINT.match(p.name))
+    return found
+
+
+def clear_run(output_dir: Path) -> None:
+    """Remove an earlier run's files (`train.overwrite=true`): only what lmrl writes."""
+    out = Path(output_dir)
+    for name in holds_run(out):
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    remove_partial(out)
+
+
+@dataclass
+class RunPlan:
+    checkpoint: Path | None  # the checkpoint to resume from
+    clear: bool  # delete the earlier run's files first
+
+
+def plan_run(cfg) -> RunPlan:
+    """What a run into `cfg.train.output_dir` will do, given train.resume and train.overwrite; a RunError (one
+    line) when it must not start. No side effects: the CLI calls it before any model loads, the trainer again
+    under the run's lock."""
+    t = cfg.train
+    out, resume, checkpoint = Path(t.output_dir), t.resume, None
+    if resume == "auto":
+        checkpoint = newest_checkpoint(out)
+    elif resume is not None:
+        checkpoint = Path(resume)
+        if not checkpoint.is_dir() or not is_complete(checkpoint):
+            raise RunError(f"train.resume: {checkpoint} is not a complete checkpoint (no {COMPLETE} file in it)")
+    own = checkpoint is not None and checkpoint.resolve().parent == out.resolve()
+    if t.overwrite and own:
+        raise RunError(f"train.overwrite=true would delete {checkpoint}, which train.resume={resume} resumes from; "
+                       "use one or the other")
+    earlier = holds_run(out)
+    if earlier and not t.overwrite and not own and not (resume == "auto" and "final" not in earlier):
+        what = "a finished run with no checkpoint to resume" if resume == "auto" else "a run"
+        raise RunError(f"train.output_dir: {out} holds {what} ({', '.join(earlier[:4])}); resume it with "
+                       "train.resume=auto, or start afresh with train.overwrite=true (deletes it)")
+    if checkpoint is not None:
+        from lmrl.config import RESUMABLE_CHANGES, resume_differences
+
+        saved = yaml.safe_load((checkpoint / "lmrl_config.yaml").read_text()) or {}
+        if diffs := resume_differences(saved, cfg):
+            allowed = ", ".join(k.rstrip(".") + ("*" if k.endswith(".") else "") for k in RESUMABLE_CHANGES)
+            raise RunError(f"train.resume: the config differs from {checkpoint}'s in {', '.join(diffs)}; "
+                           f"only {allowed} may change on resume")
+    # a run killed before its first checkpoint (resume=auto finds none) has nothing to keep: start afresh
+    return RunPlan(checkpoint, clear=bool(earlier) and not own)
+
+
+def quiet_progress_bars():
+    """transformers' save_pretrained draws a progress bar per save: none in the middle of the console."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def off():
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if was:
+                hf_logging.enable_progress_bar()
+
+    return off()
+
+
+# ------------------------------------------------------------------------------------------- lock
+class RunLock:
+    """An exclusive `flock` on `<output_dir>/.lmrl.lock` for the life of a run. The kernel drops it when
+    the process ends, however it ends (SIGKILL included), so a stale lock cannot outlive its run."""
+
+    def __init__(self, output_dir: Path):
+        self.path = Path(output_dir) / LOCK
+        self._file = None
+
+    def acquire(self) -> RunLock:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, one run at a time is the user's to ensure
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # noqa: SIM115 - held open for the run's life
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise RunError(f"train.output_dir: {self.path.parent} is in use by another lmrl run (pid {holder}); "
+                           "wait for it to end or choose another train.output_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._file = f
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing drops the flock
+            self._file = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ------------------------------------------------------------------------------- model + optimizer
+def _state_dict_options(loading: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # frozen weights (a LoRA base) come from model.name_or_path, as when the run started; the load is not
+    # strict about them, while dcp.load itself fails on any saved key the checkpoint lacks
+    return StateDictOptions(ignore_frozen_params=True, strict=not loading)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    with warnings.catch_warnings():  # one process without a process group is what we mean: no warning
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
+
+
+def save_model_state(directory: Path, modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> None:
+    """Trainable weights of `modules` and the optimizer's state, with torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(nn.ModuleDict(modules), optimizer, options=_state_dict_options(False))
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+
+
+def load_model_state(directory: Path, modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> None:
+    """Load what `save_model_state` wrote into the same (freshly built) modules and optimizer, in place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    wrapper = nn.ModuleDict(modules)
+    model_sd, optim_sd = get_state_dict(wrapper, optimizer, options=_state_dict_options(False))
+    state = {"model": model_sd, "optim": optim_sd}
+    with _single_process_quiet():
+        try:
+            dcp.load(state, checkpoint_id=str(directory))
+        except Exception as e:  # noqa: BLE001 - one line naming the checkpoint
+            first = " ".join(str(e).split())[:300]
+            raise RunError(f"train.resume: cannot load {directory}: {type(e).__name__}: {first}") from e
+    set_state_dict(wrapper, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_state_dict_options(True))
+
+
+def all_finite(modules: list[nn.Module]) -> bool:
+    """True when every parameter of every module is finite (nothing non-finite is ever saved)."""
+    params = [p.detach() for m in modules for p in m.parameters() if p.is_floating_point()]
+    if not params:
+        return True
+    norms = torch._foreach_norm(params)  # one fused pass; a NaN or inf anywhere makes its norm non-finite
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+
+# -------------------------------------------------------------------------------------------- RNGs
+def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
+    """Every RNG a step can draw from: Python's, NumPy's (when imported), torch's CPU and CUDA
+    generators, and the trainer's own `torch.Generator`s. Plain values and tensors only, so that
+    `torch.load(weights_only=True)` reads it back."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(),
+                             "generators": {k: g.get_state() for k, g in generators.items()}}
+    if "numpy" in sys.modules:
+        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    for k, g in generators.items():
+        if k in state["generators"]:
+            g.set_state(state["generators"][k])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,42 @@
+"""The errors a user can act on: one small family, each message one line.
+
+    LmrlError        any of them; the CLI prints `lmrl: error: <message>`
+      ConfigError    an invalid configuration, found before a model loads (exit 2)
+      RunError       a run that cannot start or cannot go on: its output directory, its checkpoint,
+                     a guard that stopped it (exit 2 before the first step, 1 after)
+      RewardError    a reward function failed, timed out or returned something unusable
+      Interrupted    SIGINT / SIGTERM stopped the run cleanly after writing a checkpoint (exit 128 + signal)
+"""
+
+from __future__ import annotations
+
+
+class LmrlError(Exception):
+    """An error with a one-line message that says what is wrong and, where it can, what to do."""
+
+    exit_code = 2
+
+
+class ConfigError(LmrlError, ValueError):
+    """An invalid configuration: one line naming the field and what is allowed."""
+
+
+class RunError(LmrlError, RuntimeError):
+    """The run cannot start (its directory, lock or checkpoint) or a guard stopped it."""
+
+
+class RewardError(LmrlError, RuntimeError):
+    """A reward function failed, timed out or returned something unusable (one-line message)."""
+
+
+class Interrupted(LmrlError):
+    """A signal stopped the run; a checkpoint was written first (when a step had completed)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class LmrlWarning(UserWarning):
+    """Something a run survives but the user should know (a guard's warning, a cleaned partial checkpoint).
+    The console prints these as `lmrl: warning: ...`; without a console they go through `warnings`."""

@@ -1,0 +1,114 @@
+"""Guards that stop a run from doing silent harm, checked once per step from its metrics.
+
+- non-finite: a step whose loss or gradient is not finite is skipped by the update (no weight moves,
+  `guard/skipped_updates`); `max_skipped_steps` such steps in a row stop the run with one line naming
+  the step and the likely cause. Nothing non-finite is ever saved (`lmrl.checkpoint.all_finite`).
+- unscored: a step where no reward function scored any completion (every value None / NaN) trains on
+  nothing; warned once with the functions' names, counted (`guard/unscored_steps`), and
+  `max_unscored_steps` in a row stop the run.
+- collapse: the policy's entropy near 0 while held-out accuracy (or the recent mean reward) fell far
+  below its best. Warned once and recorded as `guard/collapse`; the run goes on.
+
+`Guards.check` returns the warnings to print and raises `RunError` to stop; its state is part of a
+checkpoint, so a resumed run counts on from where it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+from lmrl.errors import RunError
+
+RECENT = 10  # steps in the running mean of the reward that the collapse check uses without evaluation
+
+
+class Guards:
+    def __init__(self, cfg, reward_names: list[str], lr: float):
+        self.cfg, self.reward_names, self.lr = cfg, reward_names, lr
+        self.skipped_in_a_row = self.unscored_in_a_row = self.unscored_total = 0
+        self.warned_unscored = self.warned_collapse = False
+        self.best_eval: float | None = None
+        self.best_recent: float | None = None
+        self.recent: deque[float] = deque(maxlen=RECENT)
+
+    def check(self, step: int, metrics: dict[str, float]) -> list[str]:
+        """Update the counters with one step's metrics (adding `guard/*` to them); return warning lines."""
+        warnings = []
+        skipped = metrics.get("guard/skipped_updates", 0.0) > 0
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.skipped_in_a_row >= self.cfg.max_skipped_steps:
+            raise RunError(f"step {step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradient "
+                           f"and were skipped (guard.max_skipped_steps={self.cfg.max_skipped_steps}); "
+                           f"likely cause: {self._nonfinite_cause(metrics)}")
+
+        unscored = metrics.get("reward/all_none_frac", 0.0) >= 1.0
+        self.unscored_in_a_row = self.unscored_in_a_row + 1 if unscored else 0
+        self.unscored_total += unscored
+        metrics["guard/unscored_steps"] = float(self.unscored_total)
+        names = ", ".join(self.reward_names)
+        if unscored and not self.warned_unscored:
+            self.warned_unscored = True
+            warnings.append(f"step {step}: no reward function ({names}) scored any completion: every value was "
+                            "None or NaN, so the batch scores 0 and trains nothing")
+        if self.unscored_in_a_row >= self.cfg.max_unscored_steps:
+            raise RunError(f"step {step}: {self.unscored_in_a_row} steps in a row where no reward function ({names}) "
+                           f"scored any completion (guard.max_unscored_steps={self.cfg.max_unscored_steps}); "
+                           "check that the functions' columns and answer format match the dataset")
+
+        metrics["guard/collapse"] = 0.0
+        line = self._collapse(step, metrics)
+        if line is not None:
+            metrics["guard/collapse"] = 1.0
+            if not self.warned_collapse:
+                self.warned_collapse = True
+                warnings.append(line)
+        return warnings
+
+    def _nonfinite_cause(self, m: dict[str, float]) -> str:
+        if not _finite(m.get("objective/raw_scores")):
+            return f"the rewards are not finite (mean raw score {m.get('objective/raw_scores')})"
+        if not _finite(m.get("objective/scores")) or not _finite(m.get("val/advantage_mean")):
+            return "the shaped rewards or advantages are not finite (overflow in reward scaling?)"
+        return (f"the update diverged (loss {m.get('loss/policy_avg')}, grad norm {m.get('policy/grad_norm')}): "
+                f"a learning rate too high (optim.lr={self.lr:g}) or low-precision overflow")
+
+    def _collapse(self, step: int, m: dict[str, float]) -> str | None:
+        """A warning line when entropy is near 0 and quality fell `collapse_drop` of the way from its best."""
+        entropy = m.get("policy/entropy_avg", m.get("rollout/entropy_estimate"))
+        quality, label = None, ""
+        if _finite(m.get("eval/accuracy")):
+            quality, label = m["eval/accuracy"], "eval/accuracy"
+            self.best_eval = quality if self.best_eval is None else max(self.best_eval, quality)
+            best = self.best_eval
+        elif _finite(m.get("objective/scores")):
+            self.recent.append(m["objective/scores"])
+            if len(self.recent) < RECENT:
+                return None
+            quality, label = sum(self.recent) / len(self.recent), f"mean reward of the last {RECENT} steps"
+            self.best_recent = quality if self.best_recent is None else max(self.best_recent, quality)
+            best = self.best_recent
+        if quality is None or not _finite(entropy) or entropy >= self.cfg.collapse_entropy:
+            return None
+        if quality > best - self.cfg.collapse_drop * abs(best) or best == 0:
+            return None
+        return (f"step {step}: the policy may have collapsed: entropy {entropy:.4f} < guard.collapse_entropy="
+                f"{self.cfg.collapse_entropy:g} and {label} {quality:.4g} against a best of {best:.4g}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_in_a_row": self.skipped_in_a_row, "unscored_in_a_row": self.unscored_in_a_row,
+                "unscored_total": self.unscored_total, "warned_unscored": self.warned_unscored,
+                "warned_collapse": self.warned_collapse, "best_eval": self.best_eval,
+                "best_recent": self.best_recent, "recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            if k == "recent":
+                self.recent = deque(v, maxlen=RECENT)
+            elif hasattr(self, k):
+                setattr(self, k, v)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
