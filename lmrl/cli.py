@@ -83,9 +83,12 @@ def _train(args) -> int:
         print(f"lmrl: warning: {note}", file=sys.stderr)
     if args.dry_run:
         return 0
-    from lmrl.checkpoint import plan_run
+    from lmrl.checkpoint import RunLock, plan_run
 
-    plan_run(cfg)  # an output directory that must not be written, or a bad resume, fails before any model loads
+    # a directory in use or holding a run, or a resume that cannot work, fails before any model loads
+    # (the trainer checks both again, holding the lock)
+    with RunLock(cfg.train.output_dir):
+        plan_run(cfg)
     from lmrl.trainer import Trainer
 
     with warnings.catch_warnings():

@@ -128,7 +128,9 @@ class Trainer:
         self.out = Path(cfg.train.output_dir)
         self.console = Console(cfg.log.console if console is None else console, cfg.train.steps, cfg.log.every)
         self.forward_counts = {"policy": 0, "reference": 0, "critic": 0}
-        self.guards = Guards(cfg.guard, self.data.rewards.names, cfg.optim.lr)
+        self.guards = Guards(cfg.guard, self.data.rewards.names, cfg.optim.lr,
+                             vocab_size=getattr(self.policy.config.get_text_config(), "vocab_size", None),
+                             evaluates=bool(self.data.eval_rows))
         self.result = TrainResult(self.out)
         self.rows: list[dict[str, Any]] = []  # every metrics row written, as metrics.jsonl holds them
         self._elapsed = 0.0  # training seconds before this process (a resumed run continues the clock)
@@ -170,6 +172,7 @@ class Trainer:
             if self.data.eval_rows and start_step == 0:
                 with self._abandonable(0):  # a signal here stops the run: nothing to save yet
                     evals = self.evaluate()
+                self.guards.record_eval(evals)
                 result.evals.append(self._log(sinks, {**evals, "time/elapsed": 0.0}, 0) | {"step": 0})
             for step in range(start_step + 1, cfg.train.steps + 1):
                 metrics = self.train_step(step)
