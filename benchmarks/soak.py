@@ -1,38 +1,35 @@
-"""Soak test: a training run with injected faults must lose no sample and end with the weights of a clean run.
+"""Soak test: a training run with injected faults must lose no sample and end with a clean run's weights.
 
-    python benchmarks/soak.py            # 20 steps: about a minute on a 2-core CPU
-    python benchmarks/soak.py --quick    # 10 steps
-    python benchmarks/soak.py --steps 40 --seed 1 --keep    # keep the runs' directories to look at
+    python benchmarks/soak.py            # 20 steps: about 45 s on a 2-core CPU
+    python benchmarks/soak.py --quick    # 10 steps: about 40 s (start-up dominates)
+    python benchmarks/soak.py --steps 40 --seed 1 --keep     # keep the runs' directories and logs
 
-Two runs of `lmrl train` (each a subprocess: `python -m lmrl.cli train ...`) on the shipped tiny model and the
-addition task, 8 prompts x 8 completions per step, a checkpoint every 2 steps, the same seed and config:
-    clean      one process, no kills; its remote scorer drops nothing.
-    faulted    the same run, with four kinds of fault injected:
-      flaky reward      `flaky_exact_match` below: the task's exact match, raising on the batches whose content
-                        (prompts and completions) hashes to 0 mod 10, about 1 call in 10; reward.on_error=zero
-                        scores such a batch 0 for it. The failure follows the data, never the clock, so the
-                        clean run fails on the same batches.
-      dropped requests  a second reward, `remote`, asks an HTTP server started here (stdlib, 127.0.0.1) for the
-                        same exact match; the server drops every 5th request, alternately closing the
-                        connection unanswered and answering 503. lmrl retries (max_retries=3, backoff 0.05 s).
-      SIGKILL           once step N/3 is in metrics.jsonl (polled), the trainer is killed; a rerun with
-                        train.resume=auto continues from the newest complete checkpoint.
-      SIGTERM           once step 2N/3 is logged, the trainer gets SIGTERM: it must write a checkpoint and exit
-                        with 143; a rerun with train.resume=auto finishes the run.
-The signals land where polling finds the trainer, a step or two either way: exact resume makes that irrelevant.
+Two runs of `lmrl train` (subprocesses: `python -m lmrl.cli train ...`), the same config and seed: the shipped
+tiny model on the addition task, 8 prompts x 8 completions per step, a checkpoint every 2 steps, an evaluation
+every 6, reward.on_error=zero, two reward functions:
+    flaky    `flaky_digits` below, partial credit per digit; it raises on every 10th distinct batch it is given
+             (numbered by first appearance in a ledger file, so a step redone after a kill meets the same fate).
+             The fault follows the data, never the clock: the clean run fails on the same batches.
+    remote   exact match, asked of an HTTP server started here (stdlib, 127.0.0.1), max_retries=3, backoff 0.05 s.
+The two rewards differ on purpose: GRPO's advantages ignore a reward's scale, so with two copies of one reward,
+losing either would leave the weights unchanged and the weights check blind to it.
+    clean    one process; its server answers every request.
+    faulted  its server drops every 5th request, alternately closing the connection unanswered and answering 503;
+             once metrics.jsonl (polled) shows step N/3, the trainer is SIGKILLed and rerun with train.resume=auto;
+             once the rerun logs step 2N/3, it gets SIGTERM (it must checkpoint and exit with 143) and is rerun
+             again to finish. Where a signal lands varies by a step or so; exact resume makes that irrelevant.
 
 What it prints:
-    injected   flaky reward: the distinct batches it raised on (it logs every call; a step redone after the
-               SIGKILL is the same batch), split into training steps and evaluations; dropped requests: the
-               server's count; kills: the signals sent.
-    handled    flaky reward: the steps whose final metrics row has reward/flaky/errors=1, in a run that went on;
-               dropped requests: every step has reward/remote/errors=0 and none_frac=0; SIGKILL / SIGTERM: the
-               next process resumed from a complete checkpoint (the rows it logged start right after it) and
-               the last one finished with exit code 0.
-    samples lost   completions of steps missing from, or repeated in, the final metrics.jsonl, or whose
-               `episode` is not step x 64. Must be 0.
-    metrics / weights equal   every metric of every step equals the clean run's (time/*, eps and
-               reward/*/seconds aside), and torch.equal holds for every tensor of final/model.safetensors.
+    injected       flaky: distinct batches it raised on (training steps / evaluations) and calls made (steps redone
+                   after the SIGKILL call it again); dropped requests: the server's count; the signals sent.
+    handled        flaky: steps whose final metrics row has reward/flaky/errors=1, in a run that went on;
+                   dropped: every step has reward/remote/errors=0 and none_frac=0; SIGKILL / SIGTERM: the next
+                   process resumed from the newest complete checkpoint (the rows it logged start right after it),
+                   no half-written checkpoint remains, and the last process exited 0.
+    samples lost   completions of the steps 1..N missing from or repeated in the final metrics.jsonl, or whose
+                   `episode` is not 64 x step. Must be 0.
+    equal          every metric of every step equals the clean run's (time, time/*, eps, reward/*/seconds aside),
+                   and torch.equal holds for every tensor of final/model.safetensors.
 Exits 1 when a sample was lost, a fault was not handled, or the metrics or weights differ from the clean run's.
 """
 
@@ -61,7 +58,6 @@ from lmrl.data.tasks import exact_match_reward  # noqa: E402
 
 PROMPTS, GROUP = 8, 8
 BATCH = PROMPTS * GROUP
-TIMING = ("time", "time/", "eps")  # keys that differ from run to run; and reward/*/seconds
 
 
 # ------------------------------------------------------------------------ the faults (reward side)
@@ -124,7 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(out.encode())
 
     def log_message(self, *args):  # quiet
-        pass
+        return
 
 
 # ------------------------------------------------------------------------------- running the trainer
@@ -213,10 +209,10 @@ def main() -> int:
     t1, scorer = time.time(), Scorer(drop_every=5)
     run, notes, resumed_from = Run(work, "faulted", N, args.seed, scorer), [], []
     run.start()
-    seen = run.wait_for_step(N // 3)
+    seen = run.wait_for_step(max(N // 3, 3))  # checkpoint-2 is complete by then
     run.proc.send_signal(signal.SIGKILL)
     run.finish(-signal.SIGKILL)
-    resumed_from.append(complete_checkpoints(run.out)[-1])
+    resumed_from.append((complete_checkpoints(run.out) or [0])[-1])
     partial = ", ".join(p.name for p in run.out.glob(".tmp-*")) or "none"
     notes.append(f"SIGKILL when it had logged step {seen}: newest complete checkpoint-{resumed_from[0]}, "
                  f"half-written: {partial}")
@@ -267,7 +263,7 @@ def main() -> int:
     print(f"\nsteps completed: {len(set(logged))} / {N}")
     print("faults injected:")
     print(f"  flaky reward      {len(failing)} of {len({c['batch'] for c in calls})} distinct batches raised "
-          f"({failing_train} training steps, {len(failing) - failing_train} evaluations; {len(calls)} calls), "
+          f"(in training steps: {failing_train}, in evaluations: {len(failing) - failing_train}; {len(calls)} calls), "
           f"the same batches as in the clean run: {same_failures}")
     print(f"  dropped requests  {drops} of {scorer.requests} requests ({scorer.drops['closed']} closed unanswered, "
           f"{scorer.drops['503']} answered 503)")
@@ -277,7 +273,7 @@ def main() -> int:
           "reward/flaky/errors=1 and the run went on")
     print(f"  dropped requests  {drops if remote_ok else 0}: reward/remote/errors=0 and none_frac=0 at every step: {remote_ok}")
     print(f"  SIGKILL           {int(resumed[0] and not leftover)}: resumed from checkpoint-{resumed_from[0]}, "
-          "half-written checkpoint removed, finished")
+          "no half-written checkpoint left, finished")
     print(f"  SIGTERM           {int(resumed[1])}: exit 143 after checkpoint-{resumed_from[1]}, resumed from it, finished")
     print(f"samples lost: {lost}")
     print(f"metrics equal to the clean run's (timings aside): {metrics_equal}")

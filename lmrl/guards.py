@@ -76,9 +76,10 @@ class Guards:
             self.best_eval = acc if self.best_eval is None else max(self.best_eval, acc)
 
     def _nonfinite_cause(self, m: dict[str, float]) -> str:
-        if not _finite(m.get("objective/raw_scores")):
-            return f"the rewards are not finite (mean raw score {m.get('objective/raw_scores')})"
-        if not _finite(m.get("objective/scores")) or not _finite(m.get("val/advantage_mean")):
+        bad = lambda key: key in m and not _finite(m[key])  # noqa: E731
+        if bad("objective/raw_scores"):
+            return f"the rewards are not finite (mean raw score {m['objective/raw_scores']})"
+        if bad("objective/scores") or bad("val/advantage_mean"):
             return "the shaped rewards or advantages are not finite (overflow in reward scaling?)"
         return (f"the update diverged (loss {m.get('loss/policy_avg')}, grad norm {m.get('policy/grad_norm')}): "
                 f"a learning rate too high (optim.lr={self.lr:g}) or low-precision overflow")
