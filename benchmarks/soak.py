@@ -200,30 +200,27 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="lmrl-soak-"))
     print(f"soak: {N} steps x {BATCH} completions, seed {args.seed}, a checkpoint every 2 steps, in {work}")
     t0 = time.time()
-
     clean = Run(work, "clean", N, args.seed, Scorer(drop_every=0))
     clean.start()
     clean.finish(0)
     print(f"clean run:   1 process, no faults, {time.time() - t0:.1f} s")
 
-    t1, scorer = time.time(), Scorer(drop_every=5)
-    run, notes, resumed_from = Run(work, "faulted", N, args.seed, scorer), [], []
+    t1, scorer, notes, ckpt = time.time(), Scorer(drop_every=5), [], []  # ckpt: the checkpoint each rerun resumes
+    run = Run(work, "faulted", N, args.seed, scorer)
     run.start()
     seen = run.wait_for_step(max(N // 3, 3))  # checkpoint-2 is complete by then
     run.proc.send_signal(signal.SIGKILL)
     run.finish(-signal.SIGKILL)
-    resumed_from.append((complete_checkpoints(run.out) or [0])[-1])
+    ckpt.append((complete_checkpoints(run.out) or [0])[-1])
     partial = ", ".join(p.name for p in run.out.glob(".tmp-*")) or "none"
-    notes.append(f"SIGKILL when it had logged step {seen}: newest complete checkpoint-{resumed_from[0]}, "
-                 f"half-written: {partial}")
+    notes.append(f"SIGKILL when it had logged step {seen}: newest complete checkpoint-{ckpt[0]}, half-written: {partial}")
     run.start(resume=True)
     seen = run.wait_for_step(2 * N // 3)
     run.proc.send_signal(signal.SIGTERM)
     run.finish(128 + signal.SIGTERM)
-    resumed_from.append(complete_checkpoints(run.out)[-1])
-    said = [line for line in run.log("err").read_text().splitlines() if "SIGTERM" in line]
-    notes.append(f"SIGTERM when it had logged step {seen}: exit 143, checkpoint-{resumed_from[1]}; its stderr:"
-                 + "".join(f"\n        {line}" for line in said))
+    ckpt.append(complete_checkpoints(run.out)[-1])
+    said = "".join(f"\n        {line}" for line in run.log("err").read_text().splitlines() if "SIGTERM" in line)
+    notes.append(f"SIGTERM when it had logged step {seen}: exit 143, checkpoint-{ckpt[1]}; its stderr:{said}")
     run.start(resume=True)
     run.finish(0)
     leftover = sorted(p.name for p in run.out.glob(".tmp-*"))
@@ -232,16 +229,14 @@ def main() -> int:
 
     # --- what the final metrics.jsonl says
     rows = [r for r in run.rows() if r["step"] > 0]
-    by_step = {r["step"]: r for r in rows}
-    logged = [r["step"] for r in rows]
+    by_step, logged = {r["step"]: r for r in rows}, [r["step"] for r in rows]
     lost = sum(BATCH for s in range(1, N + 1) if logged.count(s) != 1 or by_step[s]["episode"] != s * BATCH)
     owner = {r["step"]: sum(r["time"] >= t for t in run.starts) for r in rows}  # the process that logged it
-    first = [min((s for s, p in owner.items() if p == i), default=None) for i in (2, 3)]
-    resumed = [first[i] == resumed_from[i] + 1 for i in (0, 1)]  # its rows start right after its checkpoint
+    kept = [sorted(s for s, o in owner.items() if o == p) for p in (1, 2, 3)]
+    resumed = [bool(kept[i + 1]) and kept[i + 1][0] == ckpt[i] + 1 for i in (0, 1)]  # rows start after the checkpoint
     for p in (1, 2, 3):
-        head = f"resumed from checkpoint-{resumed_from[p - 2]}, " if p > 1 else ""
-        print(f"  process {p}: {head}steps {span(sorted(s for s, o in owner.items() if o == p))} kept; {notes[p - 1]}")
-
+        head = f"resumed from checkpoint-{ckpt[p - 2]}, " if p > 1 else ""
+        print(f"  process {p}: {head}steps {span(kept[p - 1])} kept; {notes[p - 1]}")
     calls = read_jsonl(run.ledger)
     failing = {(c["batch"], c["n"]) for c in calls if c["failed"]}
     failing_train = sum(n == BATCH for _, n in failing)
@@ -250,38 +245,31 @@ def main() -> int:
     remote_ok = all(by_step.get(s, {}).get("reward/remote/errors") == 0 and by_step[s]["reward/remote/none_frac"] == 0
                     for s in range(1, N + 1))
     drops = sum(scorer.drops.values())
-    clean_rows = {r["step"]: r for r in clean.rows()}
-    final_rows = {r["step"]: r for r in run.rows()}
+    clean_rows, final_rows = ({r["step"]: r for r in x.rows()} for x in (clean, run))
     metrics_equal = clean_rows.keys() == final_rows.keys() and all(same_metrics(clean_rows[s], final_rows[s]) for s in clean_rows)
-
     import torch
     from safetensors.torch import load_file
 
-    a, b = (load_file(r.out / "final" / "model.safetensors") for r in (clean, run))
+    a, b = (load_file(x.out / "final" / "model.safetensors") for x in (clean, run))
     weights_equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     print(f"\nsteps completed: {len(set(logged))} / {N}")
-    print("faults injected:")
-    print(f"  flaky reward      {len(failing)} of {len({c['batch'] for c in calls})} distinct batches raised "
-          f"(in training steps: {failing_train}, in evaluations: {len(failing) - failing_train}; {len(calls)} calls), "
-          f"the same batches as in the clean run: {same_failures}")
+    print(f"faults injected:\n  flaky reward      {len(failing)} of {len({c['batch'] for c in calls})} distinct batches "
+          f"raised (in training steps: {failing_train}, in evaluations: {len(failing) - failing_train}; "
+          f"{len(calls)} calls), the same batches as in the clean run: {same_failures}")
     print(f"  dropped requests  {drops} of {scorer.requests} requests ({scorer.drops['closed']} closed unanswered, "
-          f"{scorer.drops['503']} answered 503)")
-    print("  SIGKILL           1\n  SIGTERM           1")
-    print("faults handled:")
-    print(f"  flaky reward      {len(flaky_steps)}: steps {', '.join(map(str, flaky_steps)) or 'none'} logged "
-          "reward/flaky/errors=1 and the run went on")
+          f"{scorer.drops['503']} answered 503)\n  SIGKILL           1\n  SIGTERM           1")
+    print(f"faults handled:\n  flaky reward      {len(flaky_steps)}: steps {', '.join(map(str, flaky_steps)) or 'none'} "
+          "logged reward/flaky/errors=1 and the run went on")
     print(f"  dropped requests  {drops if remote_ok else 0}: reward/remote/errors=0 and none_frac=0 at every step: {remote_ok}")
-    print(f"  SIGKILL           {int(resumed[0] and not leftover)}: resumed from checkpoint-{resumed_from[0]}, "
+    print(f"  SIGKILL           {int(resumed[0] and not leftover)}: resumed from checkpoint-{ckpt[0]}, "
           "no half-written checkpoint left, finished")
-    print(f"  SIGTERM           {int(resumed[1])}: exit 143 after checkpoint-{resumed_from[1]}, resumed from it, finished")
+    print(f"  SIGTERM           {int(resumed[1])}: exit 143 after checkpoint-{ckpt[1]}, resumed from it, finished")
     print(f"samples lost: {lost}")
     print(f"metrics equal to the clean run's (timings aside): {metrics_equal}")
     print(f"weights equal: {weights_equal} ({len(a)} tensors of final/model.safetensors, torch.equal)")
-    print(f"total {time.time() - t0:.1f} s")
-    if args.keep:
-        print(f"kept: {work}")
-    else:
+    print(f"total {time.time() - t0:.1f} s" + (f"; kept {work}" if args.keep else ""))
+    if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     handled = len(flaky_steps) == failing_train and same_failures and remote_ok and all(resumed) and not leftover
     return 0 if lost == 0 and handled and metrics_equal and weights_equal else 1

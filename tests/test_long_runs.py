@@ -292,7 +292,7 @@ def test_skipped_steps_must_be_in_a_row_to_stop_the_run():
     g = _guards(max_skipped_steps=2)
     for step, skipped in enumerate([1.0, 0.0, 1.0, 0.0], start=1):
         g.check(step, {"guard/skipped_updates": skipped})
-    with pytest.raises(RunError, match="step 6: 2 steps in a row .* optim.lr=0.0001"):
+    with pytest.raises(RunError, match=r"step 6: 2 steps in a row .*\(optim.lr=0.0001\)"):
         for step in (5, 6):
             g.check(step, {"guard/skipped_updates": 1.0, "objective/raw_scores": 0.5})
 
