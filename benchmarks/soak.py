@@ -15,9 +15,10 @@ The two rewards differ on purpose: GRPO's advantages ignore a reward's scale, so
 losing either would leave the weights unchanged and the weights check blind to it.
     clean    one process; its server answers every request.
     faulted  its server drops every 5th request, alternately closing the connection unanswered and answering 503;
-             once metrics.jsonl (polled) shows step N/3, the trainer is SIGKILLed and rerun with train.resume=auto;
-             once the rerun logs step 2N/3, it gets SIGTERM (it must checkpoint and exit with 143) and is rerun
-             again to finish. Where a signal lands varies by a step or so; exact resume makes that irrelevant.
+             once metrics.jsonl (polled) shows step N/3 (3 at least), the trainer is SIGKILLed and rerun with
+             train.resume=auto; once the rerun logs step 2N/3, it gets SIGTERM (it must checkpoint and exit with
+             143) and is rerun again to finish. Where a signal lands varies by a step or so (it may catch a
+             checkpoint half-written); exact resume makes that irrelevant.
 
 What it prints:
     injected       flaky: distinct batches it raised on (training steps / evaluations) and calls made (steps redone
@@ -72,11 +73,8 @@ def flaky_digits(prompts, completions, answer, ledger, every=10, **kwargs):
     number = numbers.get(digest, len(numbers) + 1)
     failed = number % every == 0
     line = json.dumps({"batch": digest, "number": number, "n": len(completions), "failed": failed}) + "\n"
-    fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # one write(): never half a line
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    with open(ledger, "a") as f:  # one short write() at close: a kill leaves no half line
+        f.write(line)
     if failed:
         raise RuntimeError(f"injected failure on batch {number} ({digest})")
     return [sum(x == y for x, y in zip(c.strip(), a)) / max(len(c.strip()), len(a)) for c, a in zip(completions, answer)]
@@ -120,7 +118,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(out.encode())
 
     def log_message(self, *args):  # quiet
-        return
+        pass
 
 
 # ------------------------------------------------------------------------------- running the trainer

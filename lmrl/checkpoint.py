@@ -197,15 +197,18 @@ def plan_run(cfg) -> RunPlan:
                        "use one or the other")
     earlier = holds_run(out)
     if earlier and not t.overwrite and not own and not (resume == "auto" and "final" not in earlier):
-        what = "a finished run with no checkpoint to resume" if resume == "auto" else "a run"
-        raise RunError(f"train.output_dir: {out} holds {what} ({', '.join(earlier[:4])}); resume it with "
+        if resume == "auto":
+            raise RunError(f"train.output_dir: {out} holds a finished run with no checkpoint to resume "
+                           f"({', '.join(earlier[:4])}); start afresh with train.overwrite=true (deletes it), "
+                           "or choose another train.output_dir")
+        raise RunError(f"train.output_dir: {out} holds a run ({', '.join(earlier[:4])}); resume it with "
                        "train.resume=auto, or start afresh with train.overwrite=true (deletes it)")
     if checkpoint is not None:
         from lmrl.config import RESUMABLE_CHANGES, resume_differences
 
         saved = yaml.safe_load((checkpoint / "lmrl_config.yaml").read_text()) or {}
         if diffs := resume_differences(saved, cfg):
-            allowed = ", ".join(k.rstrip(".") + ("*" if k.endswith(".") else "") for k in RESUMABLE_CHANGES)
+            allowed = ", ".join(k + ("*" if k.endswith(".") else "") for k in RESUMABLE_CHANGES)
             raise RunError(f"train.resume: the config differs from {checkpoint}'s in {', '.join(diffs)}; "
                            f"only {allowed} may change on resume")
     # a run killed before its first checkpoint (resume=auto finds none) has nothing to keep: start afresh

@@ -174,6 +174,9 @@ class Trainer:
                     evals = self.evaluate()
                 self.guards.record_eval(evals)
                 result.evals.append(self._log(sinks, {**evals, "time/elapsed": 0.0}, 0) | {"step": 0})
+            if start_step >= cfg.train.steps:
+                self.console.print(f"the run already ended at step {start_step} (train.steps={cfg.train.steps}): "
+                                   "raise train.steps to train on")
             for step in range(start_step + 1, cfg.train.steps + 1):
                 metrics = self.train_step(step)
                 self._elapsed = elapsed = time.time() - start
@@ -590,7 +593,7 @@ class Trainer:
             yield
         except _AbandonStep:
             self._abandon_at = None
-            raise self._interrupted(step - 1, self._checkpoint_before(step, rng)) from None
+            raise self._interrupted(max(step - 1, 0), self._checkpoint_before(step, rng)) from None
         except Exception as e:
             self._abandon_at = None
             try:
