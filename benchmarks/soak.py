@@ -257,8 +257,8 @@ def main() -> int:
           f"{len(calls)} calls), the same batches as in the clean run: {same_failures}")
     print(f"  dropped requests  {drops} of {scorer.requests} requests ({scorer.drops['closed']} closed unanswered, "
           f"{scorer.drops['503']} answered 503)\n  SIGKILL           1\n  SIGTERM           1")
-    print(f"faults handled:\n  flaky reward      {len(flaky_steps)}: steps {', '.join(map(str, flaky_steps)) or 'none'} "
-          "logged reward/flaky/errors=1 and the run went on")
+    print(f"faults handled:\n  flaky reward      {len(flaky_steps)}: reward/flaky/errors=1 logged at steps "
+          f"{', '.join(map(str, flaky_steps)) or 'none'}, and the run went on")
     print(f"  dropped requests  {drops if remote_ok else 0}: reward/remote/errors=0 and none_frac=0 at every step: {remote_ok}")
     print(f"  SIGKILL           {int(resumed[0] and not leftover)}: resumed from checkpoint-{ckpt[0]}, "
           "no half-written checkpoint left, finished")

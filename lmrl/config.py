@@ -324,8 +324,8 @@ class TrainConfig(_Section):
     """Keep only the newest this many checkpoints (None = keep all)."""
     resume: str | None = None
     """Continue a run: "auto" from the newest complete checkpoint in output_dir (starts afresh when there
-    is none), or a checkpoint directory's path. Only steps, cadences, max_minutes, threads and log.* may
-    differ from the checkpoint's config."""
+    is none), or a checkpoint directory's path. Only steps, cadences, max_minutes, threads, output_dir,
+    reward.timeout and log.* may differ from the checkpoint's config."""
     overwrite: bool = False
     """Start afresh in an output_dir that holds an earlier run, deleting that run's files."""
     max_minutes: float | None = None
@@ -562,7 +562,7 @@ def _section_at(path: str) -> type[BaseModel] | None:
 
 # fields a resumed run may change: none of them can make the saved state mean something else
 RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.max_minutes",
-                     "train.resume", "train.overwrite", "train.threads", "train.output_dir", "log.")
+                     "train.resume", "train.overwrite", "train.threads", "train.output_dir", "reward.timeout", "log.")
 
 
 def resume_differences(saved: dict[str, Any], cfg: Config) -> list[str]:

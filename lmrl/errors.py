@@ -36,7 +36,3 @@ class Interrupted(LmrlError):
         super().__init__(message)
         self.exit_code = 128 + signum
 
-
-class LmrlWarning(UserWarning):
-    """Something a run survives but the user should know (a guard's warning, a cleaned partial checkpoint).
-    The console prints these as `lmrl: warning: ...`; without a console they go through `warnings`."""

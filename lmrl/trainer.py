@@ -64,7 +64,7 @@ from lmrl.checkpoint import (
 )
 from lmrl.config import Config, config_to_yaml
 from lmrl.data.prompts import PromptSampler
-from lmrl.errors import Interrupted, LmrlError, LmrlWarning, RunError
+from lmrl.errors import Interrupted, LmrlError, RunError
 from lmrl.experience import (
     Experience,
     concat_rollouts,
@@ -626,7 +626,7 @@ class Trainer:
         if self.console.enabled:
             self.console.print(f"lmrl: warning: {line}", style="yellow", markup=False, highlight=False)
         else:
-            warnings.warn(line, LmrlWarning, stacklevel=3)
+            print(f"lmrl: warning: {line}", file=sys.stderr, flush=True)
 
 def _prompt_text(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else " | ".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)
