@@ -600,10 +600,12 @@ class Trainer:
                 path = self._checkpoint_before(step, rng)
             except Exception:  # noqa: BLE001 - the original failure is the one to report
                 path = None
+            where = f"{path} written: add train.resume=auto to continue" if path is not None else ""
             if isinstance(e, LmrlError):
                 e.exit_code = 1
-                where = f"; {path} written: add train.resume=auto to continue" if path is not None else ""
-                e.args = (f"step {step}: {e}{where}",)
+                e.args = (f"step {step}: {e}" + (f"; {where}" if where else ""),)
+            elif where:  # an unexpected failure keeps its traceback; say what was saved first
+                self._warn(f"step {step} failed ({type(e).__name__}); {where}")
             raise
         finally:
             self._abandon_at = None

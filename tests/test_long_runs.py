@@ -167,7 +167,7 @@ def test_an_existing_run_is_never_overwritten_by_accident(tmp_path):
     first = (tmp_path / "metrics.jsonl").read_text()
     again = lmrl_train(tmp_path, *SMALL, "train.steps=1")
     assert again.returncode == 2
-    assert again.stderr.strip() .splitlines()[-1] == (
+    assert again.stderr.strip().splitlines()[-1] == (
         f"lmrl: error: train.output_dir: {tmp_path} holds a run (config.yaml, metrics.jsonl, final, checkpoint-1); "
         "resume it with train.resume=auto, or start afresh with train.overwrite=true (deletes it)")
     assert "Loading weights" not in again.stderr  # refused before any model loads
