@@ -125,11 +125,6 @@ def newest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def checkpoint_step(directory: Path) -> int:
-    """The step a complete checkpoint was written at (its trainer_state.json)."""
-    return int(json.loads((Path(directory) / "trainer_state.json").read_text())["step"])
-
-
 def remove_partial(output_dir: Path) -> list[Path]:
     """Remove what killed processes left half-written (`.tmp-*`); return what was removed."""
     removed = []

@@ -193,9 +193,6 @@ class Trainer:
                     result.history.append(self._log(sinks, metrics, step))
                 for line in warned:
                     self._warn(line)
-                if not all_finite(self._trained_modules()):
-                    raise RunError(f"step {step}: the weights became non-finite in the optimizer step; nothing "
-                                   f"was saved ({self._last_good()})")
                 if cfg.train.save_every and (step % cfg.train.save_every == 0 or last):
                     self.save_checkpoint(step)
                 if self._stop_signal is not None:
