@@ -4,6 +4,9 @@
       ConfigError    an invalid configuration, found before a model loads (exit 2)
       RunError       a run that cannot start or cannot go on: its output directory, its checkpoint,
                      a guard that stopped it (exit 2 before the first step, 1 after)
+      DataError      a prompt dataset (file or in-memory rows) that cannot be trained on: names the file and
+                     line, or the dataset index, and counts the other bad rows
+      ModelError     a model or tokenizer that cannot be loaded or used (its path and the reason)
       RewardError    a reward function failed, timed out or returned something unusable
       Interrupted    SIGINT / SIGTERM stopped the run cleanly after writing a checkpoint (exit 128 + signal)
 """
@@ -23,6 +26,14 @@ class ConfigError(LmrlError, ValueError):
 
 class RunError(LmrlError, RuntimeError):
     """The run cannot start (its directory, lock or checkpoint) or a guard stopped it."""
+
+
+class DataError(LmrlError, ValueError):
+    """A bad prompt dataset: one line naming the file and line (or the dataset index) and what is wrong."""
+
+
+class ModelError(LmrlError, ValueError):
+    """A model or tokenizer that cannot be loaded or used: one line naming its path and the reason."""
 
 
 class RewardError(LmrlError, RuntimeError):
