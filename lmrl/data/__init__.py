@@ -1,5 +1,5 @@
 """Prompt datasets (local JSONL / JSON / parquet, in-memory lists, hub datasets) and built-in tasks."""
 
-from lmrl.data.prompts import PromptDataset, PromptSampler, load_prompts
+from lmrl.data.prompts import BadRow, CheckedRows, PromptDataset, PromptSampler, check_rows, load_prompts
 
-__all__ = ["PromptDataset", "PromptSampler", "load_prompts"]
+__all__ = ["BadRow", "CheckedRows", "PromptDataset", "PromptSampler", "check_rows", "load_prompts"]

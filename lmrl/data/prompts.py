@@ -8,31 +8,260 @@ The sampler's order is a pure function of (seed, position): epoch e is the permu
 generator seeded with (seed, e), and the step-th batch of size b is positions [s*b, (s+1)*b) of the
 concatenated epochs. A resumed run that knows its step (or the number of prompts consumed) draws
 exactly the prompts the interrupted run would have drawn, without replaying anything.
+
+Every row is checked before a model loads (`check_rows`: the row is an object, its prompt is a
+non-blank string or chat messages, the columns rewards need are there, the prompt fits
+`rollout.max_prompt_length`), and an error says where the row came from: `FILE line N` for JSONL
+(the file's real line, blank lines counted), `FILE item N` for a JSON list, `FILE row N` for a JSON
+column table, a parquet file or a hub split, `NAME index N` for rows in memory (all 0-based but
+JSONL lines). A bad row stops the run with one line naming the first bad row in full and counting
+the others (`on_bad_row="fail"`), or is left out and listed (`"skip"`).
+
+Importing this module does not import torch (the CLI checks data first); `PromptSampler` does.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
-import torch
+from lmrl.errors import DataError
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet")
+ON_BAD_ROW = ("fail", "skip")
 
 # Distinct seeds must not share epochs: with `seed + epoch`, seed=1 would replay epoch 1 of seed=0.
 _EPOCH_STRIDE = 1_000_003
+# prompts per call of a `prompt_length` function: enough for a fast tokenizer to batch, few enough to bound memory
+_LENGTH_BATCH = 1024
+# bad rows an error names after the first one; the rest are only counted
+_OTHERS_NAMED = 3
+
+PromptLength = Callable[[list[Any]], Sequence[int]]
+"""Token counts of a batch of prompts (strings or message lists), one int per prompt, in order."""
 
 
-def _is_message_list(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) > 0
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
-    )
+class BadRow(NamedTuple):
+    """A row that failed a check: where it came from (e.g. "train.jsonl line 600") and what is wrong."""
+
+    where: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class CheckedRows:
+    """What `check_rows` kept and what it left out.
+
+    Attributes:
+        rows: the rows that passed every check, in their order (the caller's objects, not copies).
+        where: where each kept row came from, parallel to `rows`.
+        skipped: the rows left out, in their order (always empty with `on_bad_row="fail"`).
+    """
+
+    rows: list[Mapping[str, Any]]
+    where: list[str]
+    skipped: list[BadRow]
+
+
+def _short_repr(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with a prompt, or None: a non-blank string, or messages with some non-blank content."""
+    if isinstance(prompt, str):
+        if not prompt:
+            return "prompt is empty"
+        return "prompt is only whitespace" if prompt.isspace() else None
+    if not isinstance(prompt, (list, tuple)):
+        return (
+            "prompt must be a string or a list of {'role', 'content'} messages, "
+            f"got {type(prompt).__name__}"
+        )
+    if not prompt:
+        return "prompt is an empty list of messages"
+    for k, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            return f"prompt message {k} is a {type(message).__name__}, not a {{'role', 'content'}} object"
+        missing = [key for key in ("role", "content") if key not in message]
+        if missing:
+            return f"prompt message {k} has no {' or '.join(map(repr, missing))}"
+        role, content = message["role"], message["content"]
+        if not isinstance(role, str) or not role.strip():
+            return f"prompt message {k}: role must be a non-empty string, got {_short_repr(role)}"
+        if not isinstance(content, str):
+            return f"prompt message {k}: content must be a string, got {type(content).__name__}"
+    if all(not m["content"].strip() for m in prompt):
+        return "prompt messages have no content (every one is empty or whitespace)"
+    return None
+
+
+def _needed_by(rewards: Sequence[str] | str) -> str:
+    names = [rewards] if isinstance(rewards, str) else list(rewards)
+    if not names:
+        return ""
+    return f" (needed by reward{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))})"
+
+
+def _row_problem(
+    row: Any, prompt_column: str, required_columns: Mapping[str, Sequence[str]] | None
+) -> str | None:
+    """The first thing wrong with a row (shape, then prompt, then required columns), or None."""
+    if not isinstance(row, Mapping):
+        return f"row is a {type(row).__name__}, not an object of columns"
+    if prompt_column not in row:
+        present = list(row)
+        shown = f"{present[:10]}"[:-1] + ", ...]" if len(present) > 10 else f"{present}"
+        return f"no prompt column {prompt_column!r}; columns present: {shown} (set data.prompt_column)"
+    problem = _prompt_problem(row[prompt_column])
+    if problem is not None:
+        return problem
+    for column, rewards in (required_columns or {}).items():
+        if row.get(column) is None:
+            state = "missing" if column not in row else "None"
+            return f"column {column!r}{_needed_by(rewards)} is {state}"
+    return None
+
+
+def _too_long(
+    rows: Sequence[Mapping[str, Any]],
+    indices: list[int],
+    prompt_column: str,
+    prompt_length: PromptLength,
+    max_prompt_length: int,
+) -> list[tuple[int, str]]:
+    """(index, problem) of the rows among `indices` whose prompt has more than `max_prompt_length` tokens."""
+    out = []
+    for start in range(0, len(indices), _LENGTH_BATCH):
+        chunk = indices[start : start + _LENGTH_BATCH]
+        lengths = list(prompt_length([rows[i][prompt_column] for i in chunk]))
+        if len(lengths) != len(chunk):
+            raise ValueError(f"prompt_length: returned {len(lengths)} lengths for {len(chunk)} prompts")
+        out += [
+            (i, f"prompt is {n} tokens, longer than rollout.max_prompt_length={max_prompt_length}")
+            for i, n in zip(chunk, lengths)
+            if n > max_prompt_length
+        ]
+    return out
+
+
+def _located(field: str | None, where: str) -> str:
+    """`where` behind the config field it came from, unless `where` already starts with that name."""
+    if not field or where == field or where.startswith(field + " "):
+        return where
+    return f"{field}: {where}"
+
+
+def _after_source(where: str, first: str) -> str:
+    """`where` without the source it shares with `first`: "train.jsonl line 40" -> "line 40"."""
+    source = first.rsplit(" ", 2)[0] + " "
+    return where[len(source) :] if first.count(" ") >= 2 and where.startswith(source) else where
+
+
+def _bad_rows_message(field: str | None, bad: list[BadRow], kept: int) -> str:
+    """One line: the first bad row in full, then how many others and where the first few are."""
+    first, others = bad[0], bad[1:]
+    msg = f"{_located(field, first.where)}: {first.problem}"
+    if others:
+        named = [_after_source(b.where, first.where) for b in others[:_OTHERS_NAMED]]
+        more = ", ..." if len(others) > _OTHERS_NAMED else ""
+        msg += f" ({len(others)} other bad row{'s' if len(others) > 1 else ''}: {', '.join(named)}{more})"
+    if kept == 0:
+        return msg + "; every row is bad, so there is nothing to train on"
+    them = "them" if others else "it"
+    return msg + f"; fix {them}, or set data.on_bad_row=skip to leave {them} out"
+
+
+def check_rows(
+    rows: Sequence[Any] | PromptDataset,
+    *,
+    prompt_column: str | None = None,
+    required_columns: Mapping[str, Sequence[str]] | None = None,
+    prompt_length: PromptLength | None = None,
+    max_prompt_length: int | None = None,
+    on_bad_row: Literal["fail", "skip"] = "fail",
+    field: str | None = None,
+    name: str | None = None,
+    where: Sequence[str] | None = None,
+) -> CheckedRows:
+    """Check every row of a prompt dataset, so bad input stops the run (or is left out) before training.
+
+    Each row must be a mapping with the prompt column; the prompt a string that is not empty or only
+    whitespace, or a non-empty list of {"role": str, "content": str} messages of which at least one
+    has non-blank content; each of `required_columns` present and not None; and, with
+    `prompt_length`, at most `max_prompt_length` tokens long. A row's first problem is reported.
+
+    Args:
+        rows: the rows, or a `PromptDataset` (its prompt column, name and row locations are used).
+        prompt_column: the column holding the prompt (default: the dataset's, else "prompt").
+        required_columns: column -> names of the reward functions that read it, e.g.
+            {"answer": ["math"]}; the names go into the message.
+        prompt_length: token counts of a *list* of prompts (called with up to 1024 prompts at a
+            time, only for rows that passed the other checks), e.g.
+            `lambda ps: [len(ids) for ids in encode_prompts(tok, ps, 10**9)]`.
+        max_prompt_length: the longest prompt in tokens (`rollout.max_prompt_length`); needed
+            with `prompt_length`.
+        on_bad_row: "fail" raises on any bad row; "skip" leaves bad rows out and lists them in
+            `CheckedRows.skipped` (the caller warns once with the count).
+        field: the config field or argument the rows came from ("data.path", "data.eval_path",
+            "train_dataset", ...); it starts the error message.
+        name: how row locations name in-memory rows ("NAME index N"; default: `field`, else
+            "dataset"); ignored when `where` is given or `rows` is a `PromptDataset`.
+        where: where each row came from (e.g. "train.jsonl line 12"), parallel to `rows`.
+
+    Returns:
+        The kept rows with their locations, and the skipped ones.
+
+    Raises:
+        DataError: there are no rows; a row is bad and `on_bad_row` is "fail"; or every row is bad.
+            One line, e.g. `data.path: train.jsonl line 600: prompt is 812 tokens, longer than
+            rollout.max_prompt_length=512 (3 other bad rows: line 12, line 40, line 77); fix them,
+            or set data.on_bad_row=skip to leave them out`.
+        ValueError: a bad argument (`on_bad_row`, `where` of the wrong length, `prompt_length`
+            without `max_prompt_length` or returning the wrong number of lengths).
+    """
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row: must be one of {', '.join(ON_BAD_ROW)}, got {on_bad_row!r}")
+    if prompt_length is not None and max_prompt_length is None:
+        raise ValueError("max_prompt_length: needed to check prompt lengths")
+    if isinstance(rows, PromptDataset):
+        prompt_column = prompt_column or rows.prompt_column
+        name = rows.name
+        where = where if where is not None else [rows.where(i) for i in range(len(rows))]
+        rows = rows.rows
+    prompt_column = prompt_column or "prompt"
+    name = name or field or "dataset"
+    if where is None:
+        where = [f"{name} index {i}" for i in range(len(rows))]
+    elif len(where) != len(rows):
+        raise ValueError(f"where: {len(where)} locations for {len(rows)} rows")
+    if len(rows) == 0:
+        raise DataError(f"{_located(field, name)} has no rows")
+
+    bad: list[tuple[int, str]] = []
+    good: list[int] = []
+    for i, row in enumerate(rows):
+        problem = _row_problem(row, prompt_column, required_columns)
+        if problem is None:
+            good.append(i)
+        else:
+            bad.append((i, problem))
+    if prompt_length is not None and good:
+        too_long = _too_long(rows, good, prompt_column, prompt_length, max_prompt_length)
+        if too_long:
+            dropped = {i for i, _ in too_long}
+            good = [i for i in good if i not in dropped]
+            bad = sorted(bad + too_long)
+
+    skipped = [BadRow(where[i], problem) for i, problem in bad]
+    if skipped and (on_bad_row == "fail" or not good):
+        raise DataError(_bad_rows_message(field, skipped, len(good)))
+    return CheckedRows(rows=[rows[i] for i in good], where=[where[i] for i in good], skipped=skipped)
 
 
 def _looks_like_file(source: str) -> bool:
@@ -44,50 +273,58 @@ def _looks_like_file(source: str) -> bool:
     )
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"dataset {str(path)!r}: line {line_no} is not valid JSON: {err.msg}"
-                ) from err
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"dataset {str(path)!r}: line {line_no} is a {type(row).__name__}, not an object"
-                )
-            rows.append(row)
-    return rows
+def _read_jsonl(path: Path, label: str, field: str) -> tuple[list[Any], list[str]]:
+    rows, where = [], []
+    line_no = 0
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{field}: {label} line {line_no}: not valid JSON ({err.msg})") from err
+                where.append(f"{label} line {line_no}")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{field}: {label} line {line_no + 1}: not UTF-8 text") from err
+    return rows, where
 
 
-def _read_json(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        try:
+def _read_json(path: Path, label: str, field: str) -> tuple[list[Any], list[str]]:
+    try:
+        with path.open(encoding="utf-8") as f:
             data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"dataset {str(path)!r}: not valid JSON: {err.msg} (line {err.lineno})") from err
+    except json.JSONDecodeError as err:
+        raise DataError(f"{field}: {label} line {err.lineno}: not valid JSON ({err.msg})") from err
+    except UnicodeDecodeError as err:
+        raise DataError(f"{field}: {label}: not UTF-8 text") from err
     # Either a list of row objects, or a {column: [values]} table (what pandas' to_json writes).
     if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
         lengths = {len(v) for v in data.values()}
         if len(lengths) != 1:
-            raise ValueError(f"dataset {str(path)!r}: columns have different lengths {sorted(lengths)}")
+            raise DataError(f"{field}: {label}: columns have different lengths {sorted(lengths)}")
         names = list(data)
-        return [dict(zip(names, values)) for values in zip(*data.values())]
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(
-            f"dataset {str(path)!r}: expected a list of objects or a {{column: [values]}} object"
+        rows = [dict(zip(names, values)) for values in zip(*data.values())]
+        return rows, [f"{label} row {i}" for i in range(len(rows))]
+    if not isinstance(data, list):
+        raise DataError(
+            f"{field}: {label}: expected a list of objects or a {{column: [values]}} object, "
+            f"got {type(data).__name__}"
         )
-    return data
+    return data, [f"{label} item {i}" for i in range(len(data))]
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq  # a dependency of `datasets`
+def _read_parquet(path: Path, label: str, field: str) -> tuple[list[Any], list[str]]:
+    import pyarrow as pa  # a dependency of `datasets`
+    import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{field}: {label}: not a readable parquet file ({reason})") from err
+    return rows, [f"{label} row {i}" for i in range(len(rows))]
 
 
 def _read_hub(name: str, split: str, subset: str | None) -> list[dict[str, Any]]:
@@ -97,46 +334,61 @@ def _read_hub(name: str, split: str, subset: str | None) -> list[dict[str, Any]]
 
 
 class PromptDataset(Sequence):
-    """A validated list of rows, each with a prompt column; indexable and sized.
+    """A checked list of rows, each with a prompt column; indexable and sized.
+
+    Every row is checked on construction (see `check_rows`, fail mode): a bad row raises a one-line
+    `DataError` naming it and counting the others.
 
     Args:
-        rows: the rows (dicts); kept as given.
+        rows: the rows (dicts); copied.
         prompt_column: the column that holds the prompt.
-        name: how errors and logs name the dataset.
+        name: how errors and logs name the dataset (a file's path, or e.g. "train_dataset").
+        where: where each row came from (e.g. "train.jsonl line 12"); default "NAME index N".
+        field: the config field the rows came from, which starts error messages (e.g. "data.path").
+        skipped: rows left out before construction (`load_prompts(on_bad_row="skip")`), kept to report.
     """
 
     def __init__(
-        self, rows: Sequence[Mapping[str, Any]], prompt_column: str = "prompt", name: str = "<in-memory>"
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        prompt_column: str = "prompt",
+        name: str = "dataset",
+        *,
+        where: Sequence[str] | None = None,
+        field: str | None = None,
+        skipped: Sequence[BadRow] = (),
     ):
-        if len(rows) == 0:
-            raise ValueError(f"dataset {name!r} has no rows")
-        columns: dict[str, None] = {}
-        for i, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise ValueError(
-                    f"dataset {name!r}: row {i} is a {type(row).__name__}, not a dict of columns"
-                )
-            columns.update(dict.fromkeys(row))
-            if prompt_column not in row:
-                raise ValueError(
-                    f"dataset {name!r}: row {i} has no prompt column {prompt_column!r}; "
-                    f"columns present: {list(row)} (set data.prompt_column)"
-                )
-            prompt = row[prompt_column]
-            if isinstance(prompt, str):
-                if not prompt:
-                    raise ValueError(f"dataset {name!r}: row {i} has an empty prompt")
-            elif isinstance(prompt, list) and not prompt:
-                raise ValueError(f"dataset {name!r}: row {i} has an empty list of messages as prompt")
-            elif not _is_message_list(prompt):
-                raise ValueError(
-                    f"dataset {name!r}: row {i}: prompt must be a string or a list of "
-                    f"{{'role', 'content'}} messages, got {type(prompt).__name__}"
-                )
+        checked = check_rows(rows, prompt_column=prompt_column, field=field, name=name, where=where)
+        self._keep(checked.rows, prompt_column, name, checked.where, skipped)
+
+    @classmethod
+    def _of_checked(cls, checked: CheckedRows, prompt_column: str, name: str) -> PromptDataset:
+        """A dataset of rows `check_rows` has passed: a large file is not checked twice."""
+        dataset = cls.__new__(cls)
+        dataset._keep(checked.rows, prompt_column, name, checked.where, checked.skipped)
+        return dataset
+
+    def _keep(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        prompt_column: str,
+        name: str,
+        where: list[str],
+        skipped: Sequence[BadRow],
+    ) -> None:
         self.rows = [dict(r) for r in rows]
         self.prompt_column = prompt_column
         self.name = name
+        self.skipped = list(skipped)
+        self._where = where
+        columns: dict[str, None] = {}
+        for row in self.rows:
+            columns.update(dict.fromkeys(row))
         self._columns = list(columns)
+
+    def where(self, index: int) -> str:
+        """Where row `index` came from: "FILE line N", "FILE item N", "FILE row N" or "NAME index N"."""
+        return self._where[index]
 
     @property
     def columns(self) -> list[str]:
@@ -204,6 +456,8 @@ class PromptSampler:
         """The permutation of range(n) used by epoch `epoch`."""
         if not self.shuffle:
             return list(range(self.n))
+        import torch  # here, not at the top: checking data must not wait for torch
+
         gen = torch.Generator().manual_seed(self.seed * _EPOCH_STRIDE + epoch)
         return torch.randperm(self.n, generator=gen).tolist()
 
@@ -238,8 +492,19 @@ def load_prompts(
     prompt_column: str = "prompt",
     subset: str | None = None,
     max_rows: int | None = None,
+    *,
+    field: str | None = None,
+    name: str | None = None,
+    on_bad_row: Literal["fail", "skip"] = "fail",
+    required_columns: Mapping[str, Sequence[str]] | None = None,
+    prompt_length: PromptLength | None = None,
+    max_prompt_length: int | None = None,
 ) -> PromptDataset:
     """Load a prompt dataset from a file, a list of dicts, or (only when asked) the Hugging Face hub.
+
+    Every row (of the first `max_rows`) is checked with `check_rows` before this returns; pass the
+    reward functions' columns and a prompt-length function to check those too, all in one pass, so
+    one error counts every bad row.
 
     Args:
         source: a local `.jsonl` (one object per line), `.json` (a list of objects, or a
@@ -248,37 +513,63 @@ def load_prompts(
         split: the split of a hub dataset; a local file is a single split and ignores it.
         prompt_column: the column holding the prompt (a string or a list of messages).
         subset: the configuration of a hub dataset (e.g. "main" for gsm8k).
-        max_rows: keep only the first `max_rows` rows (quick runs).
+        max_rows: keep only the first `max_rows` rows (quick runs); later rows are not checked.
+        field: the config field or argument that named the source, which starts error messages:
+            default "data.path" for a file or hub name, none for a list (pass e.g. "data.eval_path",
+            "train_dataset").
+        name: how row locations name a list's rows ("NAME index N"; default `field`, else "dataset").
+        on_bad_row, required_columns, prompt_length, max_prompt_length: as in `check_rows`; with
+            "skip" the bad rows are left out and listed in the dataset's `skipped`.
 
     Returns:
-        A `PromptDataset` that keeps every column.
+        A `PromptDataset` that keeps every column and where each row came from (`where(i)`).
 
     Raises:
-        ValueError: the file does not exist or has an unsupported extension, the dataset has no
-            rows, the prompt column is missing, or a row's prompt is not a string or a list of messages.
+        DataError: one line naming the source: the file does not exist, is a directory, has an
+            unsupported extension, is not valid JSON (with its line) or has no rows; or rows are bad
+            (see `check_rows`).
     """
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"max_rows: must be >= 1, got {max_rows}")
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
+        field = field or "data.path"
         if isinstance(source, os.PathLike) or _looks_like_file(text):
             path = Path(text).expanduser()
+            if path.is_dir():
+                raise DataError(f"{field}: {text}: is a directory, expected a {'/'.join(FILE_FORMATS)} file")
             if not path.is_file():
-                raise ValueError(f"data.source: file not found: {text!r}")
+                raise DataError(f"{field}: {text}: file not found")
             readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
             if path.suffix not in readers:
-                raise ValueError(
-                    f"data.source: {text!r} has an unsupported extension; use one of {list(FILE_FORMATS)}"
+                raise DataError(
+                    f"{field}: {text}: unsupported extension {path.suffix!r}, "
+                    f"expected a {'/'.join(FILE_FORMATS)} file"
                 )
-            rows, name = readers[path.suffix](path), text
+            rows, where = readers[path.suffix](path, text, field)
+            name = text
         else:
-            rows, name = _read_hub(text, split, subset), f"{text}:{split}"
+            name = f"{text}:{split}"
+            rows = _read_hub(text, split, subset)
+            where = [f"{name} row {i}" for i in range(len(rows))]
     elif isinstance(source, Sequence):
-        rows, name = list(source), "<in-memory>"
+        rows, name = list(source), name or field or "dataset"
+        where = [f"{name} index {i}" for i in range(len(rows))]
     else:
         raise TypeError(
             f"source: expected a path, a hub dataset name or a list of dicts, got {type(source).__name__}"
         )
     if max_rows is not None:
-        rows = rows[:max_rows]
-    return PromptDataset(rows, prompt_column=prompt_column, name=name)
+        rows, where = rows[:max_rows], where[:max_rows]
+    checked = check_rows(
+        rows,
+        prompt_column=prompt_column,
+        required_columns=required_columns,
+        prompt_length=prompt_length,
+        max_prompt_length=max_prompt_length,
+        on_bad_row=on_bad_row,
+        field=field,
+        name=name,
+        where=where,
+    )
+    return PromptDataset._of_checked(checked, prompt_column, name)
