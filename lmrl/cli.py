@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 import warnings
@@ -21,8 +22,39 @@ examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one `lmrl: error:` line like every other error."""
+
+    def error(self, message: str):
+        print(f"lmrl: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} (got {value})")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {text})")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmrl", description="Reinforcement-learning post-training of language models.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -38,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--task", default=None, help="built-in task name (default: addition)")
     ev.add_argument("--data", default=None, help="a prompt dataset file instead of a task")
     ev.add_argument("--reward", action="append", default=None, help="reward function(s) for --data")
-    ev.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k (temperature sampling)")
-    ev.add_argument("--temperature", type=float, default=1.0)
-    ev.add_argument("--num-prompts", type=int, default=200)
-    ev.add_argument("--max-new-tokens", type=int, default=None)
+    ev.add_argument("--k", type=_at_least(1), default=1, help="samples per prompt for pass@k (temperature sampling)")
+    ev.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature of pass@k")
+    ev.add_argument("--num-prompts", type=_at_least(1), default=200, help="held-out prompts to evaluate")
+    ev.add_argument("--max-new-tokens", type=_at_least(1), default=None, help="longest completion in tokens")
 
     for p in (tr, ev):
-        p.add_argument("--traceback", action="store_true", help="on an error, print the full Python traceback")
+        p.add_argument("--traceback", action="store_true",
+                       help="on an error, print the full Python traceback (or set LMRL_TRACEBACK=1)")
 
     args = parser.parse_args(argv)
     if args.command is None:
@@ -54,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
         return _eval(args)
-    except (LmrlError, ValueError, FileNotFoundError, ImportError) as e:
+    except (LmrlError, ValueError, OSError, ImportError) as e:
         # what a user can act on is one line, not a traceback (--traceback shows it)
-        if args.traceback:
+        if args.traceback or os.environ.get("LMRL_TRACEBACK", "") not in ("", "0"):
             traceback.print_exc()
-        print(f"lmrl: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"lmrl: error: {_one_line(e)}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:  # lmrl eval, or train before its loop installs its own handler
         print("lmrl: interrupted", file=sys.stderr)
@@ -120,6 +153,12 @@ def _eval(args) -> int:
         line += f"  pass@{args.k} (T={args.temperature}) {pk:.1%}"
     print(f"{len(trainer.data.eval_rows)} held-out prompts: {line}")
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and not isinstance(e, LmrlError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"  # a disk error: the path and what the system said
+    return " ".join(str(e).split())
 
 
 def _indent(text: str) -> str:

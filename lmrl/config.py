@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,33 +23,64 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_TIS_CAP = 2.0  # truncated importance sampling cap when the sampler is another dtype
 
 
-def _positive(section: BaseModel, *names: str) -> None:
-    for name in names:
-        if getattr(section, name) is not None and getattr(section, name) < 1:
-            raise ValueError(f"{name} must be >= 1 (got {getattr(section, name)})")
+# Ranges live in the field types, so that every value is checked on load, before torch is imported, and
+# errors name the full key with the value given. No negative or zero value keeps an accidental meaning.
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+MAX_SEED = 2**32 - 1
+
+
+def _takes_number(annotation: Any) -> bool:
+    """The field holds an int or float (possibly optional, annotated or a tuple of them), not a bool."""
+    args = get_args(annotation)
+    if annotation in (int, float):
+        return True
+    if annotation is bool or bool in args:
+        return False
+    return any(_takes_number(a) for a in args)
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bools_for_numbers(cls, data: Any) -> Any:
+        # pydantic would read `train.steps=true` as 1: a bool where a number belongs is a mistake
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if field is not None and _takes_number(field.annotation) and _holds_bool(value):
+                    raise ValueError(f"{name}: expected a number, got {value!r}")
+        return data
+
+
+def _holds_bool(value: Any) -> bool:
+    return isinstance(value, bool) or (isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value))
 
 
 class LoraConfig(_Section):
-    r: int = 16
+    r: PositiveInt = 16
     """LoRA rank."""
-    alpha: int = 32
+    alpha: PositiveFloat = 32
     """LoRA scaling numerator (the update is scaled by alpha / r)."""
-    dropout: float = 0.0
-    """Dropout on the LoRA input."""
-    target_modules: list[str] | str = "all-linear"
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Dropout on the LoRA input, in [0, 1)."""
+    target_modules: Annotated[list[NonEmptyStr], Field(min_length=1)] | NonEmptyStr = "all-linear"
     """Module names to adapt, or "all-linear"."""
 
 
 class ModelConfig(_Section):
-    name_or_path: str = "tiny-addition"
+    name_or_path: NonEmptyStr = "tiny-addition"
     """Policy model: a local directory, a hub id, or "tiny-addition" (the model shipped with lmrl)."""
     dtype: Dtype = "float32"
     """Weights' dtype. float32 is the safe default on CPU; bfloat16 halves memory on GPUs."""
-    device: str = "auto"
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = "auto"
     """"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1", ..."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository (only for models you trust)."""
@@ -57,7 +88,7 @@ class ModelConfig(_Section):
     """Recompute activations in the backward pass: less memory, ~30% more compute."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (needs `pip install lmrl[peft]`) instead of all weights."""
-    critic_name_or_path: str | None = None
+    critic_name_or_path: NonEmptyStr | None = None
     """PPO critic: a separate model; None copies the policy's backbone and adds a value head."""
     chat_template: bool | None = None
     """Apply the tokenizer's chat template to chat-style prompts (None: when prompts are message lists)."""
@@ -69,18 +100,22 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     task: str | None = "addition"
     """A built-in task (prompts, reward and held-out split), e.g. "addition". Ignored when `path` is set."""
-    path: str | None = None
+    path: NonEmptyStr | None = None
     """Prompt dataset: a .jsonl / .json / .parquet file, or a hub dataset name (needs network)."""
     split: str = "train"
     """Split of `path` to train on."""
-    eval_path: str | None = None
+    eval_path: NonEmptyStr | None = None
     """Held-out prompts for evaluation (defaults to the task's held-out split)."""
     eval_split: str = "test"
     """Split of `eval_path` (or of `path` when `eval_path` is unset) to evaluate on."""
-    prompt_column: str = "prompt"
+    prompt_column: NonEmptyStr = "prompt"
     """Column holding the prompt: a string or a list of chat messages."""
-    num_eval_prompts: int = 200
-    """How many held-out prompts each evaluation uses."""
+    num_eval_prompts: NonNegativeInt = 200
+    """How many held-out prompts each evaluation uses (0 = no evaluation)."""
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    """A row that cannot be trained on (no prompt, a blank or over-long prompt, a column a reward needs
+    missing): "fail" stops before the model loads, naming the file and line; "skip" leaves such rows
+    out with one warning and their count. Every row is checked up front either way."""
 
     @model_validator(mode="after")
     def _source(self) -> DataConfig:
@@ -90,38 +125,29 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    prompts_per_step: int = 16
+    prompts_per_step: PositiveInt = 16
     """Prompts sampled per training step."""
-    group_size: int = 8
+    group_size: PositiveInt = 8
     """Completions per prompt (G). Group-relative estimators need G >= 2."""
-    max_prompt_length: int = 512
-    """Longest prompt in tokens; longer prompts are an error, not silently cut."""
-    max_new_tokens: int = 256
+    max_prompt_length: PositiveInt = 512
+    """Longest prompt in tokens; longer prompts are an error (or skipped, data.on_bad_row), never cut."""
+    max_new_tokens: PositiveInt = 256
     """Longest completion in tokens."""
-    temperature: float = 1.0
-    """Sampling temperature; log-probs in training use the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold (1.0 = off)."""
-    top_k: int = 0
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature (> 0); log-probs in training use the same temperature."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling threshold in (0, 1] (1.0 = off)."""
+    top_k: NonNegativeInt = 0
     """Top-k sampling (0 = off)."""
-    stop: list[str] = []
+    stop: list[NonEmptyStr] = []
     """Stop strings that end a completion besides EOS."""
-    batch_size: int | None = None
+    batch_size: PositiveInt | None = None
     """Most sequences generated in one batch (None = all at once)."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Weights the sampler uses. None: the policy itself. Another dtype: a copy of the policy in that
     dtype, refreshed from the policy before every generation; truncated importance sampling
     (algorithm.tis_cap, 2.0 unless set) corrects for the difference between its probabilities and
     the trainer's."""
-
-    @model_validator(mode="after")
-    def _check(self) -> RolloutConfig:
-        _positive(self, "prompts_per_step", "group_size", "max_prompt_length", "max_new_tokens")
-        if self.temperature <= 0:
-            raise ValueError("temperature must be > 0 for RL sampling (greedy rollouts have no variance)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        return self
 
 
 class RewardConfig(_Section):
@@ -131,18 +157,18 @@ class RewardConfig(_Section):
     {fn: NAME, weight: 0.5, OPTION: VALUE} (e.g. {fn: remote, url: "http://host:8000/score"})."""
     weights: list[float] | None = None
     """One weight per function (default: each entry's own weight, else 1.0)."""
-    timeout: float = 60.0
-    """Seconds one reward call may take before it counts as failed."""
+    timeout: PositiveFloat = 60.0
+    """Seconds one reward call may take before it counts as failed (> 0)."""
     on_error: Literal["fail", "zero"] = "fail"
     """What a failing reward function does: stop training, or score 0 and count it in metrics."""
     missing_eos_penalty: float | None = None
     """Subtract this from the score of completions that never produced EOS (TRL)."""
-    overlong_buffer: int | None = None
+    overlong_buffer: PositiveInt | None = None
     """DAPO soft overlong penalty: the last `overlong_buffer` tokens before max_new_tokens cost up to 1."""
     drop_truncated: bool = False
     """Leave completions cut at max_new_tokens out of the loss."""
-    clip: float | None = None
-    """Clip scores to [-clip, clip] (REINFORCE++)."""
+    clip: PositiveFloat | None = None
+    """Clip scores to [-clip, clip] (REINFORCE++; None = no clipping)."""
     normalize: bool = False
     """Normalise scores to mean 0, std 1 over the batch (REINFORCE++)."""
 
@@ -163,19 +189,19 @@ class AlgorithmConfig(_Section):
     """Advantage estimator."""
     loss: Literal["ppo", "cispo"] = "ppo"
     """Policy loss: PPO-style clipped surrogate (GRPO, DAPO, GSPO, RLOO, REINFORCE) or CISPO."""
-    clip_low: float | None = 0.2
-    """Lower clip range: the ratio is kept above 1 - clip_low (None = no clipping below)."""
-    clip_high: float | None = 0.2
+    clip_low: Fraction | None = 0.2
+    """Lower clip range in [0, 1]: the ratio is kept above 1 - clip_low (None = no clipping below)."""
+    clip_high: NonNegativeFloat | None = 0.2
     """Upper clip range: the ratio is kept below 1 + clip_high (DAPO's clip-higher raises it)."""
-    dual_clip: float | None = None
-    """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens."""
+    dual_clip: Annotated[float, Field(gt=1)] | None = None
+    """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens (None = off)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """Importance ratio per token (PPO, GRPO) or per sequence (GSPO)."""
     aggregation: Aggregation = "seq-mean-token-mean"
     """How per-token losses become one number (token-mean is DAPO's, seq-mean-token-sum-norm Dr. GRPO's)."""
-    norm_length: int | None = None
+    norm_length: PositiveInt | None = None
     """Length normaliser of seq-mean-token-sum-norm (None = rollout.max_new_tokens)."""
-    kl_coef: float = 0.0
+    kl_coef: NonNegativeFloat = 0.0
     """Weight of the KL penalty against the reference model (0 skips the reference model entirely)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 = log-ratio (unbiased value), k3 = Schulman's low-variance estimator."""
@@ -183,49 +209,40 @@ class AlgorithmConfig(_Section):
     """Put the KL term in the loss (GRPO) or subtract it from the reward (PPO, RLOO, REINFORCE++)."""
     kl_level: Literal["token", "sequence"] = "token"
     """With kl_in=reward: penalise each token, or the sequence's summed KL on its score."""
-    kl_target: float | None = None
+    kl_target: PositiveFloat | None = None
     """Adaptive KL controller (Ziegler et al. 2019): target KL per sequence; None = fixed kl_coef."""
-    kl_horizon: int = 10000
+    kl_horizon: PositiveInt = 10000
     """Adaptive KL controller horizon in samples."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (0 = none)."""
-    entropy_top_fraction: float | None = None
+    entropy_top_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     """Train only on this top fraction of tokens by entropy (the "forking tokens"; e.g. 0.2)."""
     whiten_advantages: bool = False
     """Whiten advantages across the whole batch (REINFORCE++, PPO)."""
-    gamma: float = 1.0
-    """Discount factor for per-token returns."""
-    lam: float = 0.95
-    """GAE lambda (PPO)."""
-    value_clip: float | None = 0.2
+    gamma: Fraction = 1.0
+    """Discount factor for per-token returns, in [0, 1]."""
+    lam: Fraction = 0.95
+    """GAE lambda (PPO), in [0, 1]."""
+    value_clip: PositiveFloat | None = 0.2
     """PPO value clipping range (None = unclipped)."""
-    vf_coef: float = 0.5
+    vf_coef: NonNegativeFloat = 0.5
     """Value loss weight (PPO)."""
-    num_iterations: int = 1
+    num_iterations: PositiveInt = 1
     """Passes over each batch of experience (PPO epochs)."""
-    num_minibatches: int = 1
+    num_minibatches: PositiveInt = 1
     """Optimizer steps per pass: the batch is split into this many shuffled minibatches."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: PositiveInt = 3
     """DAPO: at most this many generation rounds per step when refilling."""
-    tis_cap: float | None = None
+    tis_cap: PositiveFloat | None = None
     """Truncated importance sampling cap, when the sampler's probabilities differ from the trainer's
     (2.0 when rollout.dtype makes the sampler a copy in another dtype)."""
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError("dual_clip must be > 1")
-        if self.entropy_top_fraction is not None and not 0 < self.entropy_top_fraction <= 1:
-            raise ValueError("entropy_top_fraction must be in (0, 1]")
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ValueError("gamma and lam must be in [0, 1]")
-        if self.kl_coef < 0:
-            raise ValueError("kl_coef must be >= 0")
         if self.kl_target is not None and self.kl_coef == 0:
-            raise ValueError("kl_coef must be > 0 with kl_target: it is the adaptive controller's starting value")
-        _positive(self, "num_iterations", "num_minibatches")
+            raise ValueError("kl_coef: must be > 0 with kl_target: it is the adaptive controller's starting value")
         return self
 
     @property
@@ -283,44 +300,46 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 class OptimConfig(_Section):
-    lr: float = 1e-6
+    lr: PositiveFloat = 1e-6
     """Policy learning rate (AdamW)."""
-    critic_lr: float = 1e-5
+    critic_lr: PositiveFloat = 1e-5
     """Critic learning rate (PPO)."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    warmup_steps: int = 0
-    """Linear warm-up, in optimizer steps."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
+    warmup_steps: NonNegativeInt = 0
+    """Linear warm-up, in optimizer steps (0 = none)."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warm-up."""
     max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm (None = no clipping)."""
-    micro_batch_size: int = 64
+    """Clip the global gradient norm to this (> 0); null = no clipping (0 is refused: it would clip every
+    gradient to zero, although HF Trainer reads it as "off")."""
+    micro_batch_size: PositiveInt = 64
     """Sequences per forward/backward; gradients accumulate over a minibatch (memory knob, same result)."""
 
-    @model_validator(mode="after")
-    def _check(self) -> OptimConfig:
-        if self.lr <= 0:
-            raise ValueError("lr must be > 0")
-        _positive(self, "micro_batch_size")
-        return self
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _clip_norm(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"max_grad_norm: must be > 0, or null for no clipping (got {value!r}; "
+                             f"{value!r} would clip every gradient to zero)")
+        return value
 
 
 class TrainConfig(_Section):
-    steps: int = 100
+    steps: PositiveInt = 100
     """Training steps (one step = one batch of experience)."""
-    seed: int = 0
-    """Seed of every random choice: data order, sampling, initialisation."""
-    output_dir: str = "runs/lmrl"
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
+    """Seed of every random choice: data order, sampling, initialisation (0 to 2**32 - 1)."""
+    output_dir: NonEmptyStr = "runs/lmrl"
     """Where metrics, checkpoints and the final model go."""
-    eval_every: int = 10
+    eval_every: NonNegativeInt = 10
     """Evaluate on held-out prompts every this many steps (0 = only at start and end)."""
-    save_every: int = 0
+    save_every: NonNegativeInt = 0
     """Save a resumable checkpoint every this many steps, and at the last step (0 = none: only `final/`,
     and a checkpoint when a signal or a failing reward stops the run)."""
-    keep_last: int | None = None
+    keep_last: PositiveInt | None = None
     """Keep only the newest this many checkpoints (None = keep all)."""
     resume: str | None = None
     """Continue a run: "auto" from the newest complete checkpoint in output_dir (starts afresh when there
@@ -328,13 +347,13 @@ class TrainConfig(_Section):
     reward.timeout and log.* may differ from the checkpoint's config."""
     overwrite: bool = False
     """Start afresh in an output_dir that holds an earlier run, deleting that run's files."""
-    max_minutes: float | None = None
-    """Stop (after an evaluation and a save) once this much wall time has passed."""
+    max_minutes: PositiveFloat | None = None
+    """Stop (after an evaluation and a save) once this much wall time has passed (None = no limit)."""
     autocast_bf16: bool = False
     """Run forwards under bfloat16 autocast (weights stay in their dtype)."""
-    threads: int | None = None
+    threads: PositiveInt | None = None
     """torch CPU threads (None = torch's default)."""
-    logprob_chunk_size: int | None = 128
+    logprob_chunk_size: PositiveInt | None = 128
     """Rows of the [B*T, V] logits turned into float32 log-probs at once (None = all): bounds memory at large V."""
     share_prompt: bool = True
     """Update and reference forwards run each distinct prompt once for all its completions (Llama / Qwen2)."""
@@ -344,32 +363,25 @@ class TrainConfig(_Section):
     def _resume(cls, value: Any) -> Any:
         if isinstance(value, bool):  # train.resume=true reads as "auto"
             return "auto" if value else None
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("resume: expected \"auto\", true or a checkpoint directory, got an empty string")
         return value
-
-    @model_validator(mode="after")
-    def _check(self) -> TrainConfig:
-        _positive(self, "keep_last")
-        return self
 
 
 class GuardConfig(_Section):
-    max_skipped_steps: int = 3
+    max_skipped_steps: PositiveInt = 3
     """Steps in a row whose loss or gradient was not finite (each is skipped: no weight changes) before
     the run stops, keeping its last good checkpoint."""
-    max_unscored_steps: int = 3
-    """Steps in a row where no reward function scored any completion (all None / NaN) before the run stops."""
-    collapse_entropy: float = 0.02
+    max_unscored_steps: PositiveInt = 3
+    """Steps in a row where no reward function scored any completion (all None) before the run stops."""
+    max_empty_steps: PositiveInt = 3
+    """Steps in a row whose update had nothing to learn from because every completion was left out of the
+    loss (reward.drop_truncated with every completion truncated) before the run stops."""
+    collapse_entropy: NonNegativeFloat = 0.02
     """Collapse warning: the policy's per-token entropy (nats) is below this ..."""
-    collapse_drop: float = 0.5
+    collapse_drop: Annotated[float, Field(gt=0, le=1)] = 0.5
     """... and held-out accuracy (or, without evaluation, the mean reward of the last 10 steps) fell by
     this fraction of its best. Warned once and recorded as `guard/collapse`; the run goes on."""
-
-    @model_validator(mode="after")
-    def _check(self) -> GuardConfig:
-        _positive(self, "max_skipped_steps", "max_unscored_steps")
-        if not 0 < self.collapse_drop <= 1:
-            raise ValueError(f"collapse_drop must be in (0, 1] (got {self.collapse_drop})")
-        return self
 
 
 class LogConfig(_Section):
@@ -381,11 +393,11 @@ class LogConfig(_Section):
     """Write TensorBoard events (needs `pip install lmrl[tensorboard]`)."""
     wandb: bool = False
     """Log to Weights & Biases (needs `pip install lmrl[wandb]`)."""
-    every: int = 1
+    every: PositiveInt = 1
     """Print a metrics line every this many steps (evaluation steps always print)."""
-    samples_every: int = 10
+    samples_every: NonNegativeInt = 10
     """Show a table of sample completions every this many steps (0 = never)."""
-    num_samples: int = 4
+    num_samples: PositiveInt = 4
     """Rows in each sample table."""
 
 
@@ -404,19 +416,21 @@ class Config(_Section):
     def _cross_checks(self) -> Config:
         a, r = self.algorithm, self.rollout
         if a.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_baseline") and r.group_size < 2:
-            raise ValueError(f"rollout.group_size must be >= 2 for the {a.advantage} advantage (got {r.group_size})")
+            raise ValueError(f"rollout.group_size: must be >= 2 for the {a.advantage} advantage (got {r.group_size})")
         batch = r.prompts_per_step * r.group_size
         if batch % a.num_minibatches:
             raise ValueError(
-                f"algorithm.num_minibatches={a.num_minibatches} must divide the batch of "
+                f"algorithm.num_minibatches: {a.num_minibatches} must divide the batch of "
                 f"{batch} sequences (rollout.prompts_per_step x rollout.group_size)"
             )
         if self.reward.weights is not None and self.reward.functions and len(self.reward.weights) != len(
             self.reward.functions
         ):
-            raise ValueError("reward.weights must have one weight per entry of reward.functions")
+            raise ValueError(f"reward.weights: {len(self.reward.weights)} weights for {len(self.reward.functions)} "
+                             "reward.functions; give one weight per function")
         if self.reward.overlong_buffer is not None and not 0 < self.reward.overlong_buffer <= r.max_new_tokens:
-            raise ValueError("reward.overlong_buffer must be in [1, rollout.max_new_tokens]")
+            raise ValueError(f"reward.overlong_buffer: must be <= rollout.max_new_tokens={r.max_new_tokens} "
+                             f"(got {self.reward.overlong_buffer})")
         if self.samples_with_copy and a.tis_cap is None:
             a.tis_cap = DEFAULT_TIS_CAP  # another sampler: correct for it rather than pretend on-policy
         return self
@@ -443,7 +457,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=50")
+            hint = f"; write {item}=VALUE (no spaces around =)" if _looks_like_key(item) else ""
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=50{hint}")
         value = _parse_value(raw)
         parts = key.strip().split(".")
         if len(parts) == 1 and parts[0] in _SHORTHANDS:
@@ -509,23 +524,74 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read a YAML file (optional), apply `key=value` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        raw = read_yaml(path)
     raw = _merge(_normalise_shorthands(raw), parse_overrides(overrides or []))
     return build_config(raw)
 
 
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping of sections; a key written twice is an error (YAML would keep the last)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory, expected a YAML file")
+    if not p.is_file():
+        hint = ""
+        if "=" not in str(path) and _looks_like_key(str(path)):
+            hint = f"; to set a field write {path}=VALUE (no spaces around =)"
+        raise ConfigError(f"config file {str(p)!r} does not exist{hint}")
+    try:
+        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ConfigError as e:
+        raise ConfigError(f"config file {str(p)!r} {e}") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{line}: {problem}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, not a {type(raw).__name__}")
+    return raw
+
+
+def _looks_like_key(text: str) -> bool:
+    """`train.steps` or `algorithm`: what a user meant as an override when they forgot the `=`."""
+    section, _, field = text.partition(".")
+    model = Config.model_fields.get(section)
+    if model is None:
+        return False
+    return not field or field.split(".")[0] in getattr(model.annotation, "model_fields", {})
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping key given twice, naming both lines."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"line {line}: key {key!r} appears twice (first on line {seen[key]}); "
+                                  "YAML would silently keep the second")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+_RANGE_WORDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+                "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+
+
 def _one_line(e: ValidationError) -> str:
+    """The first validation error as `full.key: what is wrong (got VALUE)`."""
     err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
-    if err["type"] == "extra_forbidden":
+    parts = [x for x in err["loc"] if not str(x).startswith("function-")]
+    # pydantic names a union's member in the location (`list[...]`, `constrained-int`): not a user's key
+    parts = [x for x in parts if isinstance(x, int) or "[" not in str(x) and "-" not in str(x)]
+    loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in parts).lstrip(".")
+    kind, got = err["type"], err.get("input")
+    if kind == "extra_forbidden":
         section_path, _, key = loc.rpartition(".")
         section = _section_at(section_path)
         allowed = list(section.model_fields) if section else []
@@ -534,14 +600,30 @@ def _one_line(e: ValidationError) -> str:
         suggestion = f"; did you mean {hint[0]!r}?" if hint else f"; allowed: {', '.join(allowed)}"
         return f"{loc}: {where} has no field {key!r}{suggestion}"
     msg = err["msg"].removeprefix("Value error, ")
+    if kind in _RANGE_WORDS:
+        word, key = _RANGE_WORDS[kind]
+        bound = err["ctx"][key]
+        return f"{loc}: must be {word} {bound:g} (got {got!r})"
+    if kind == "finite_number":
+        return f"{loc}: must be a finite number (got {got!r})"
+    if kind in ("int_from_float", "int_parsing", "int_type"):
+        return f"{loc}: must be a whole number (got {got!r})"
+    if kind in ("float_parsing", "float_type"):
+        return f"{loc}: must be a number (got {got!r})"
+    if kind == "string_too_short":
+        return f"{loc}: must not be empty"
+    if kind == "string_pattern_mismatch" and loc == "model.device":
+        return f"{loc}: must be auto, cpu, cuda or cuda:N (got {got!r})"
     section = _section_at(loc)
-    first = msg.split(" ", 1)[0]
+    first = msg.split(" ", 1)[0].rstrip(":")
     if loc and section is not None and first in section.model_fields:
         return f"{loc}.{msg}"  # a section validator naming its own field
-    if err["type"] == "literal_error":
-        return f"{loc}: got {err['input']!r}; {msg.lower()}"
-    if loc and not err["type"].startswith("value_error"):
-        return f"{loc}: {msg} (got {err.get('input')!r})"
+    if kind == "literal_error":
+        return f"{loc}: got {got!r}; {msg.lower()}"
+    if loc and not kind.startswith("value_error"):
+        return f"{loc}: {msg} (got {got!r})"
+    if loc and msg.startswith(loc.rpartition(".")[2] + ":"):
+        msg = msg.split(":", 1)[1].strip()  # a field validator naming its field: the full key says it
     return f"{loc}: {msg}" if loc else msg
 
 

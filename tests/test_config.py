@@ -44,13 +44,13 @@ def test_override_values_are_parsed_as_yaml():
     [
         (["algorithm.clip_hgh=0.3"], "algorithm.clip_hgh: algorithm has no field 'clip_hgh'; did you mean 'clip_high'?"),
         (["algorithm=foo"], "algorithm.name: unknown algorithm 'foo'"),
-        (["rollout.temperature=0"], "rollout.temperature must be > 0"),
+        (["rollout.temperature=0"], "rollout.temperature: must be > 0 (got 0)"),
         (["algorithm.aggregation=mean"], "algorithm.aggregation: got 'mean'"),
-        (["optim.lr=abc"], "optim.lr: Input should be a valid number"),
-        (["rollout.group_size=1"], "rollout.group_size must be >= 2"),
+        (["optim.lr=abc"], "optim.lr: must be a number (got 'abc')"),
+        (["rollout.group_size=1"], "rollout.group_size: must be >= 2"),
         (["trian.steps=3"], "did you mean 'train'?"),
-        (["algorithm.num_minibatches=3"], "algorithm.num_minibatches=3 must divide"),
-        (["algorithm.dual_clip=0.5"], "algorithm.dual_clip must be > 1"),
+        (["algorithm.num_minibatches=3"], "algorithm.num_minibatches: 3 must divide"),
+        (["algorithm.dual_clip=0.5"], "algorithm.dual_clip: must be > 1 (got 0.5)"),
         (["steps"], "expected key=value"),
     ],
 )
