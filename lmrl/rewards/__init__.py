@@ -10,6 +10,7 @@ from lmrl.rewards.core import (
     RewardOutput,
     RewardSet,
     WeightedReward,
+    required_columns,
     reward_name,
     score,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "overlong_filter_mask",
     "overlong_penalty",
     "regex_reward",
+    "required_columns",
     "resolve_reward",
     "reward_name",
     "reward_set_from_config",

@@ -13,8 +13,12 @@ with these keyword arguments (each a list of length N, aligned with `completions
     completion_ids   list[list[int]]: the generated token ids, when the caller has them
     finished         list[bool]: True when the completion ended with EOS (False = truncated)
 
-Write functions with `**kwargs` so that new columns do not break them. Return one value per
-completion: a float, or None for "not applicable to this sample" (a NaN counts as None too).
+Write functions with `**kwargs` so that new columns do not break them; `required_columns()` lists
+the columns a function names without a default, so that a dataset can be checked before training.
+Return one value per completion (a list, tuple, or 1-D numpy array / torch tensor of length N):
+a finite real number, or None for "not applicable to this sample". Anything else is an error of
+that function: NaN (return None instead), +-inf, a bool (convert with float()), a string, a dict,
+a set, a generator, a 2-D array. Scores are float64, so large finite rewards (1e39) are kept.
 
 Combining several functions (as in TRL): the total is the weighted sum over the functions that
 apply, sum_i w_i * r_i with None terms left out (not renormalised). When *every* function returns
@@ -27,20 +31,31 @@ a stuck function cannot hang the trainer; Python cannot kill a thread, so a time
 keeps running in the background until it returns. Async functions run concurrently on one event
 loop in the calling thread, each under `asyncio.wait_for(timeout)`; an async function that blocks
 without awaiting cannot be interrupted, so write blocking work as a sync function.
+
+A reward function cannot end the run: `sys.exit()` in it, and `os._exit()` while `score()` runs
+(os._exit is swapped for a function that raises), are failures of that function like an exception.
+KeyboardInterrupt and other BaseExceptions still propagate. A function that timed out and calls
+os._exit after `score()` returned does end the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import math
+import numbers
+import os
+import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from lmrl.errors import RewardError
@@ -49,6 +64,8 @@ RewardFn = Callable[..., "Sequence[float | None] | Awaitable[Sequence[float | No
 """fn(prompts, completions, **kwargs) -> list[float | None], sync or async."""
 
 RESERVED_KWARGS = ("prompts", "completions")
+NON_COLUMN_KWARGS = ("prompts", "completions", "completion_ids", "finished")
+"""Keyword arguments score() passes that are not dataset columns."""
 
 
 def reward_name(fn: Callable[..., Any]) -> str:
@@ -131,41 +148,187 @@ class RewardSet:
         return [r.name for r in self.rewards]
 
 
+def _columns_of(fn: Callable[..., Any]) -> list[str]:
+    """The dataset columns one reward function cannot run without (see `required_columns`)."""
+    declared = list(getattr(fn, "columns", None) or [])
+    bound_keywords: set[str] = set()
+    bound_positional = 0
+    target = fn
+    while isinstance(target, functools.partial):
+        bound_keywords |= set(target.keywords)
+        bound_positional += len(target.args)
+        declared += list(getattr(target.func, "columns", None) or [])
+        target = target.func
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # some builtins have no signature: nothing more to learn
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # partial's positional args fill the first parameters; prompts and completions fill the next two
+    skip = {p.name for p in positional[: bound_positional + 2]} | bound_keywords | set(NON_COLUMN_KWARGS)
+    needed = [
+        p.name for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in skip
+    ]
+    return list(dict.fromkeys(declared + needed))
+
+
+def required_columns(reward_set: RewardSet | Sequence[RewardFn | WeightedReward] | RewardFn) -> dict[str, list[str]]:
+    """The dataset columns each reward function needs: column -> names of the functions needing it.
+
+    A function needs the parameters of its signature that have no default and can be passed by
+    keyword, other than its first two positional ones (prompts, completions), `prompts`,
+    `completions`, `completion_ids` and `finished`, and the keywords a functools.partial binds;
+    plus the names in its `columns` attribute (the built-in verifiers given an explicit `column=`
+    set it). A function taking only `**kwargs` needs nothing that can be known in advance.
+
+    Example: `def f(prompts, completions, answer, *, level, hint=None, **kw)` needs "answer" and
+    "level", so `required_columns([f])` is `{"answer": ["f"], "level": ["f"]}`.
+    """
+    rewards = reward_set if isinstance(reward_set, RewardSet) else RewardSet.of(reward_set)
+    needed: dict[str, list[str]] = {}
+    for r in rewards.rewards:
+        for column in _columns_of(r.fn):
+            needed.setdefault(column, []).append(r.name)
+    return needed
+
+
 @dataclass
 class RewardOutput:
     """What `score()` returns.
 
     Attributes:
-        scores: [N] float32, the weighted total per completion.
-        per_function: name -> [N] float32 raw (unweighted) scores, NaN where the function returned None.
+        scores: [N] float64, the weighted total per completion. float64 because a finite reward
+            such as 1e39 overflows float32 to inf; cast where a lower precision is wanted.
+        per_function: name -> [N] float64 raw (unweighted) scores, NaN where the function returned None.
         metrics: `reward/<name>/mean|std|none_frac|errors|seconds`, `reward/mean|std`,
             `reward/all_none_frac`, as Python floats. mean/std are over the non-None values
             (population std); NaN when a function returned None for every sample.
+        errors: name -> one-line message, for each function that failed and was zeroed
+            (`on_error="zero"`); empty when none failed.
     """
 
     scores: torch.Tensor
     per_function: dict[str, torch.Tensor]
     metrics: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class _Failure(RewardError):
+    """A reward failure whose message already names the function (raised and caught inside score)."""
+
+
+class _OsExitCalled(SystemExit):
+    """Raised by the stand-in for os._exit while score() runs reward functions."""
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """repr(value) on one line, cut to about `limit` characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_value(name: str, i: int, v: Any) -> float:
+    """One reward: None -> NaN, a finite real number -> float; anything else raises _Failure."""
+    if v is None:
+        return math.nan
+    if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0:
+        v = v.item()  # a 0-d tensor / array: judged by its Python scalar (bool and complex rejected below)
+    expected = f"for completion {i} (expected a finite number or None)"
+    if isinstance(v, (bool, np.bool_)):
+        raise _Failure(f"reward function {name!r} returned a bool ({v!r}) {expected[:-1]}; convert with float())")
+    if not isinstance(v, numbers.Real):  # rejects complex, str, dict, Decimal, lists, ...
+        raise _Failure(f"reward function {name!r} returned a {type(v).__name__} ({_short(v)}) {expected}")
+    try:
+        x = float(v)
+    except (OverflowError, TypeError, ValueError):  # an int beyond float64, say 10**400
+        x = math.inf
+    if math.isnan(x):
+        raise _Failure(
+            f"reward function {name!r} returned {_short(v)} for completion {i} "
+            "(return None where the reward does not apply)"
+        )
+    if math.isinf(x):
+        raise _Failure(f"reward function {name!r} returned {_short(v)} {expected}")
+    return x
 
 
 def _check_values(name: str, values: Any, n: int) -> list[float]:
-    """Validate one function's return value; None and NaN become NaN."""
-    if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise RewardError(f"reward function {name!r} must return a list of floats, got {type(values).__name__}")
+    """Validate one function's return value: N finite real numbers or None (None becomes NaN)."""
+    expected = f"expected a list of {n} rewards, one per completion"
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        if values.ndim != 1:
+            raise _Failure(
+                f"reward function {name!r} returned a {values.ndim}-D {type(values).__name__} "
+                f"of shape {tuple(values.shape)} ({expected})"
+            )
+        values = values.tolist()  # Python scalars; a bool or complex array gives bools / complexes
+    elif isinstance(values, (str, bytes, bytearray, Mapping)) or not isinstance(values, Sequence):
+        # a Mapping would be read by its keys, a set in no defined order, a generator only once
+        raise _Failure(f"reward function {name!r} returned a {type(values).__name__} ({_short(values)}) ({expected})")
     if len(values) != n:
-        raise RewardError(f"reward function {name!r} returned {len(values)} rewards for {n} completions")
-    out = []
-    for v in values:
-        if v is None:
-            out.append(math.nan)
-            continue
-        try:
-            out.append(float(v))
-        except (TypeError, ValueError):
-            raise RewardError(
-                f"reward function {name!r} returned a {type(v).__name__} ({v!r:.40}), expected float or None"
-            ) from None
-    return out
+        raise _Failure(f"reward function {name!r} returned {len(values)} rewards for {n} completions")
+    return [_check_value(name, i, v) for i, v in enumerate(values)]
+
+
+def _exit_call(e: SystemExit) -> str:
+    """The call that raised e, as written: "sys.exit(0)", "os._exit(1)", "sys.exit()"."""
+    how = "os._exit" if isinstance(e, _OsExitCalled) else "sys.exit"
+    return f"{how}({'' if e.code is None else _short(e.code)})"
+
+
+def _exit_failure(name: str, e: SystemExit) -> _Failure:
+    """The failure a reward function's sys.exit() / os._exit() becomes (the SystemExit as its cause)."""
+    failure = _Failure(f"reward function {name!r} called {_exit_call(e)}")
+    failure.__cause__ = e
+    return failure
+
+
+def _failure_message(name: str, error: BaseException) -> str:
+    """One line naming the function and what went wrong."""
+    if isinstance(error, _Failure):
+        return str(error)
+    if isinstance(error, SystemExit):
+        return str(_exit_failure(name, error))
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    if len(text) > 500:
+        text = text[:497] + "..."
+    return f"reward function {name!r} failed: {text}"
+
+
+# os._exit is swapped for _os_exit_in_reward while any score() call runs reward functions; the
+# depth counts nested and concurrent calls so that the last one out restores the original.
+_os_exit_lock = threading.Lock()
+_os_exit_depth = 0
+_os_exit_original: Callable[[int], Any] = os._exit
+_os_exit_pid = os.getpid()
+
+
+def _os_exit_in_reward(code: int) -> None:
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    # a forked child (multiprocessing ends its children with os._exit) and lmrl's own deliberate exits
+    # (the trainer's second Ctrl-C) exit for real
+    if os.getpid() != _os_exit_pid or caller == "lmrl" or caller.startswith("lmrl."):
+        _os_exit_original(code)
+    raise _OsExitCalled(code)
+
+
+@contextlib.contextmanager
+def _os_exit_guard() -> Iterator[None]:
+    """While inside, os._exit raises a SystemExit subclass instead of ending the process."""
+    global _os_exit_depth, _os_exit_original, _os_exit_pid
+    with _os_exit_lock:
+        if _os_exit_depth == 0:
+            _os_exit_original, _os_exit_pid = os._exit, os.getpid()
+            os._exit = _os_exit_in_reward
+        _os_exit_depth += 1
+    try:
+        yield
+    finally:
+        with _os_exit_lock:
+            _os_exit_depth -= 1
+            if _os_exit_depth == 0:
+                os._exit = _os_exit_original
 
 
 def _start_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
@@ -181,7 +344,7 @@ def _start_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
         t0 = time.perf_counter()
         try:
             value = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises what it must
             fut.seconds = time.perf_counter() - t0  # type: ignore[attr-defined]
             fut.set_exception(e)
         else:
@@ -195,18 +358,25 @@ def _start_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
 async def _run_async_all(
     calls: list[tuple[str, Callable[[], Awaitable[Any]]]], timeout: float | None
 ) -> list[tuple[Any, BaseException | None, float]]:
-    async def one(make: Callable[[], Awaitable[Any]]) -> tuple[Any, BaseException | None, float]:
+    async def one(name: str, make: Callable[[], Awaitable[Any]]) -> tuple[Any, BaseException | None, float]:
+        async def guarded() -> Any:
+            # a SystemExit must become an ordinary exception inside the task that raised it: asyncio
+            # re-raises a task's SystemExit out of the event loop (wait_for runs coro in its own task)
+            try:
+                return await make()
+            except SystemExit as e:
+                raise _exit_failure(name, e) from e
+
         t0 = time.perf_counter()
         try:
-            coro = make()
-            value = await (asyncio.wait_for(coro, timeout) if timeout is not None else coro)
+            value = await (asyncio.wait_for(guarded(), timeout) if timeout is not None else guarded())
             return value, None, time.perf_counter() - t0
         except asyncio.TimeoutError:
             return None, TimeoutError(f"timed out after {timeout:g}s"), time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - reported per function
             return None, e, time.perf_counter() - t0
 
-    return list(await asyncio.gather(*(one(make) for _, make in calls)))
+    return list(await asyncio.gather(*(one(name, make) for name, make in calls)))
 
 
 def _run_coroutine(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
@@ -214,6 +384,10 @@ def _run_coroutine(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        loop_running = False
+    else:
+        loop_running = True
+    if not loop_running:  # outside the except: errors must not carry "no running event loop" as context
         return asyncio.run(coro_fn())
     box: dict[str, Any] = {}
 
@@ -266,14 +440,20 @@ def score(
         finished: N bools (True = ended with EOS), passed as `finished` when given.
         weights: one weight per function, when `reward_fns` is a plain list.
         timeout: seconds allowed for each function call; None waits forever.
-        on_error: "fail" raises RewardError naming the function and the exception; "zero" gives
-            the failed function's samples 0.0 and counts the failure in `reward/<name>/errors`.
-            A wrong count or a non-numeric value counts as a failure too.
+        on_error: "fail" raises a one-line RewardError naming the function and what went wrong;
+            "zero" gives the failed function's samples 0.0, counts the failure in
+            `reward/<name>/errors` and keeps its message in `RewardOutput.errors`. A failure is an
+            exception, a timeout, sys.exit() or os._exit(), a wrong count, or a value that is not a
+            finite real number or None (NaN, inf, bool, str, ...).
         all_none: what a sample gets when every function returned None: "zero" or "error".
 
     Returns:
-        RewardOutput with `scores` [N] (weighted total), `per_function` name -> [N] (NaN = None)
-        and `metrics`.
+        RewardOutput with `scores` [N] float64 (weighted total), `per_function` name -> [N]
+        float64 (NaN = None), `metrics` and `errors`.
+
+    Raises:
+        RewardError: a failure under on_error="fail", a weighted total that overflows float64, or
+            a sample no function applied to under all_none="error".
     """
     if on_error not in ("fail", "zero"):
         raise ValueError(f"on_error: expected 'fail' or 'zero', got {on_error!r}")
@@ -302,6 +482,62 @@ def score(
     def make_args() -> tuple[list[Any], list[str], dict[str, list[Any]]]:
         return list(prompts), list(completions), {k: list(v) for k, v in kwargs.items()}
 
+    with _os_exit_guard():
+        results = _run_all(reward_set, make_args, timeout)
+
+    per_function: dict[str, torch.Tensor] = {}
+    metrics: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    total = torch.zeros(n, dtype=torch.float64)
+    applicable = torch.zeros(n, dtype=torch.bool)
+    for r in reward_set.rewards:
+        value, error, seconds = results[r.name]
+        if error is None:
+            try:
+                values = torch.tensor(_check_values(r.name, value, n), dtype=torch.float64)
+            except _Failure as e:
+                error = e
+        if error is not None:
+            msg = _failure_message(r.name, error)
+            if on_error == "fail":
+                cause = error.__cause__ if isinstance(error, _Failure) else error
+                raise RewardError(msg) from cause
+            errors[r.name] = msg
+            values = torch.zeros(n, dtype=torch.float64)
+        present = ~torch.isnan(values)
+        total = total + torch.where(present, r.weight * values, torch.zeros_like(values))
+        applicable |= present
+        per_function[r.name] = values
+        metrics.update(_function_metrics(r.name, values, present, error is not None, seconds))
+
+    overflow = ~torch.isfinite(total)
+    if overflow.any():  # each reward is finite, but weights times rewards summed can still overflow
+        i = int(overflow.nonzero()[0])
+        terms = {name: v[i].item() for name, v in per_function.items() if not math.isnan(v[i])}
+        raise RewardError(
+            f"the weighted total reward of completion {i} overflows float64 ({_short(terms, 120)}, "
+            f"weights {[r.weight for r in reward_set.rewards]}); scale the rewards or weights down"
+        )
+    if not applicable.all() and all_none == "error":
+        idx = (~applicable).nonzero().flatten().tolist()
+        raise RewardError(f"every reward function returned None for samples {idx[:10]} (all_none='error')")
+    scores = total  # samples no function applied to keep the 0.0 they started with
+    metrics["reward/all_none_frac"] = float((~applicable).double().mean()) if n else 0.0
+    metrics["reward/mean"] = float(scores.mean()) if n else math.nan
+    metrics["reward/std"] = float(scores.std(correction=0)) if n else math.nan
+    return RewardOutput(scores=scores, per_function=per_function, metrics=metrics, errors=errors)
+
+
+def _run_all(
+    reward_set: RewardSet,
+    make_args: Callable[[], tuple[list[Any], list[str], dict[str, list[Any]]]],
+    timeout: float | None,
+) -> dict[str, tuple[Any, BaseException | None, float]]:
+    """Call every function: name -> (returned value, exception or None, seconds).
+
+    Only Exception and SystemExit count as a function's failure: KeyboardInterrupt and other
+    BaseExceptions (the trainer abandons a step with one) propagate.
+    """
     results: dict[str, tuple[Any, BaseException | None, float]] = {}
     async_calls, threaded = [], []
     for r in reward_set.rewards:
@@ -317,53 +553,30 @@ def score(
             t0 = time.perf_counter()
             try:
                 results[r.name] = (call(), None, time.perf_counter() - t0)
-            except Exception as e:  # noqa: BLE001 - reported per function below
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - reported per function
                 results[r.name] = (None, e, time.perf_counter() - t0)
     if async_calls:
-        outs = _run_coroutine(lambda: _run_async_all(async_calls, timeout))
+        t0 = time.perf_counter()
+        try:
+            outs = _run_coroutine(lambda: _run_async_all(async_calls, timeout))
+        except SystemExit as e:
+            # raised in a task or callback a function started itself, so not traceable to one function
+            names = [name for name, _ in async_calls]
+            failure = _Failure(f"an async reward function of {names} called {_exit_call(e)} in a task it started")
+            failure.__cause__ = e
+            outs = [(None, failure, time.perf_counter() - t0)] * len(async_calls)
         results.update({name: out for (name, _), out in zip(async_calls, outs, strict=True)})
     for name, fut, t0 in threaded:
         wait([fut], timeout=max(0.0, t0 + timeout - time.perf_counter()))
         if not fut.done():
             results[name] = (None, TimeoutError(f"timed out after {timeout:g}s"), time.perf_counter() - t0)
         elif fut.exception() is not None:
+            if not isinstance(fut.exception(), (Exception, SystemExit)):
+                raise fut.exception()
             results[name] = (None, fut.exception(), fut.seconds)
         else:
             results[name] = (fut.result(), None, fut.seconds)
-
-    per_function: dict[str, torch.Tensor] = {}
-    metrics: dict[str, float] = {}
-    total = torch.zeros(n, dtype=torch.float64)
-    applicable = torch.zeros(n, dtype=torch.bool)
-    for r in reward_set.rewards:
-        value, error, seconds = results[r.name]
-        if error is None:
-            try:
-                values = torch.tensor(_check_values(r.name, value, n), dtype=torch.float64)
-            except RewardError as e:
-                error = e
-        if error is not None:
-            if on_error == "fail":
-                msg = str(error) if isinstance(error, RewardError) else f"{type(error).__name__}: {error}"
-                msg = " ".join(msg.split())  # one line
-                if isinstance(error, RewardError):
-                    raise RewardError(msg) from None
-                raise RewardError(f"reward function {r.name!r} failed: {msg}") from error
-            values = torch.zeros(n, dtype=torch.float64)
-        present = ~torch.isnan(values)
-        total = total + torch.where(present, r.weight * values, torch.zeros_like(values))
-        applicable |= present
-        per_function[r.name] = values.float()
-        metrics.update(_function_metrics(r.name, values, present, error is not None, seconds))
-
-    if not applicable.all() and all_none == "error":
-        idx = (~applicable).nonzero().flatten().tolist()
-        raise RewardError(f"every reward function returned None for samples {idx[:10]} (all_none='error')")
-    scores = total.float()  # samples no function applied to keep the 0.0 they started with
-    metrics["reward/all_none_frac"] = float((~applicable).double().mean()) if n else 0.0
-    metrics["reward/mean"] = float(scores.double().mean()) if n else math.nan
-    metrics["reward/std"] = float(scores.double().std(correction=0)) if n else math.nan
-    return RewardOutput(scores=scores, per_function=per_function, metrics=metrics)
+    return results
 
 
 def _function_metrics(

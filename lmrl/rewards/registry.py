@@ -10,6 +10,9 @@ A spec is one of:
 For user functions, options are bound as keyword arguments (`functools.partial`). Loading a user
 file runs that file, as importing any module does: only load files you trust. Model outputs, by
 contrast, are never executed.
+
+Every problem is a one-line `lmrl.errors.ConfigError` (a ValueError) naming the spec, and, from
+`reward_set_from_config`, the entry: `reward.functions[2]: reward spec 'r.py:f': file 'r.py' not found`.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
+import math
+import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmrl.errors import ConfigError, LmrlError
 from lmrl.rewards.core import RewardSet, WeightedReward, reward_name
 from lmrl.rewards.verifiers import (
     exact_match_reward,
@@ -56,43 +63,70 @@ BUILTIN_REWARDS: dict[str, Callable[..., Callable[..., Any]]] = {
 }
 
 
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({'' if e.code is None else repr(e.code)})"
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def load_function(spec: str) -> Callable[..., Any]:
     """Load `"path/to/file.py:function"` or `"package.module:function"`.
 
+    Importing runs the file or module; an exception or a sys.exit() there is reported, not
+    propagated (KeyboardInterrupt still is).
+
     Raises:
-        ValueError: a malformed spec, a missing file or module, or a missing / non-callable attribute.
+        ConfigError: a malformed spec, a missing file or module, a file or module that fails to
+            import, or a missing / non-callable attribute; the message names the spec.
     """
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
-        raise ValueError(f"reward spec {spec!r}: expected a built-in name {sorted(BUILTIN_REWARDS)}, "
-                         "'path/to/file.py:function' or 'module.sub:function'")
+        raise ConfigError(f"reward spec {spec!r}: expected a built-in name {sorted(BUILTIN_REWARDS)}, "
+                          "'path/to/file.py:function' or 'module.sub:function'")
     if module_part.endswith(".py"):
         path = Path(module_part).expanduser()
         if not path.is_file():
-            raise ValueError(f"reward spec {spec!r}: file {str(path)!r} not found")
+            raise ConfigError(f"reward spec {spec!r}: file {str(path)!r} not found")
         module_name = f"lmrl_user_reward_{abs(hash(str(path.resolve())))}"
         file_spec = importlib.util.spec_from_file_location(module_name, path)
         if file_spec is None or file_spec.loader is None:
-            raise ValueError(f"reward spec {spec!r}: cannot load {str(path)!r} as a Python module")
+            raise ConfigError(f"reward spec {spec!r}: cannot load {str(path)!r} as a Python module")
         module = importlib.util.module_from_spec(file_spec)
         sys.modules[module_name] = module  # so that pickling and dataclasses inside the file work
         try:
             file_spec.loader.exec_module(module)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             sys.modules.pop(module_name, None)
-            raise ValueError(f"reward spec {spec!r}: importing {str(path)!r} failed: {type(e).__name__}: {e}") from e
+            raise ConfigError(f"reward spec {spec!r}: importing {str(path)!r} failed: {_one_line(e)}") from e
     else:
         try:
             module = importlib.import_module(module_part)
         except ImportError as e:
-            raise ValueError(f"reward spec {spec!r}: cannot import module {module_part!r}: {e}") from e
+            raise ConfigError(f"reward spec {spec!r}: cannot import module {module_part!r}: {_one_line(e)}") from e
+        except (Exception, SystemExit) as e:
+            raise ConfigError(f"reward spec {spec!r}: importing module {module_part!r} failed: {_one_line(e)}") from e
     fn = getattr(module, attr, None)
     if fn is None:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ValueError(f"reward spec {spec!r}: no function {attr!r} in {module_part!r}; callables there: {public}")
+        raise ConfigError(f"reward spec {spec!r}: no function {attr!r} in {module_part!r}; callables there: {public}")
     if not callable(fn):
-        raise ValueError(f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+        raise ConfigError(f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _check_options(spec: str, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
+    """Options bound to a user function must be parameters of it (or go to its **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ConfigError(f"reward {spec!r}: option(s) {unknown} are not parameters of the function; it takes {sorted(names)}")
 
 
 def resolve_reward(spec: str | Callable[..., Any], **options: Any) -> Callable[..., Any]:
@@ -102,20 +136,42 @@ def resolve_reward(spec: str | Callable[..., Any], **options: Any) -> Callable[.
         spec: a built-in name, "file.py:function", "module:function", or a callable (returned as is,
             with options bound).
         **options: factory options for a built-in; bound keyword arguments for a user function.
+
+    Raises:
+        ConfigError: an unknown name, a spec that does not load, options the factory or function
+            does not take, or an option value the built-in rejects.
     """
     if callable(spec):
         fn = spec
     elif not isinstance(spec, str):
-        raise TypeError(f"reward spec: expected a string or a callable, got {type(spec).__name__}")
+        raise ConfigError(f"reward spec: expected a string or a callable, got {type(spec).__name__} ({spec!r:.40})")
     elif spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec](**options)
+        try:
+            return BUILTIN_REWARDS[spec](**options)
+        except (TypeError, ValueError) as e:  # an unknown option, a bad pattern, a bad length ...
+            if isinstance(e, LmrlError):
+                raise type(e)(f"reward {spec!r}: {e}") from e
+            raise ConfigError(f"reward {spec!r}: {' '.join(str(e).split())}") from e
     else:
         fn = load_function(spec)
     if options:
         name = reward_name(fn)
+        _check_options(spec if isinstance(spec, str) else name, fn, options)
         fn = functools.partial(fn, **options)
         fn.name = name  # type: ignore[attr-defined]  # partials have no __name__
     return fn
+
+
+def _weight(i: int, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise ConfigError(f"reward.functions[{i}].weight: expected a finite number, got {value!r:.40}")
+    try:
+        weight = float(value)
+    except (ValueError, OverflowError):
+        weight = math.nan
+    if not math.isfinite(weight):
+        raise ConfigError(f"reward.functions[{i}].weight: expected a finite number, got {value!r:.40}")
+    return weight
 
 
 def reward_set_from_config(entries: Sequence[str | Callable[..., Any] | Mapping[str, Any]]) -> RewardSet:
@@ -129,18 +185,30 @@ def reward_set_from_config(entries: Sequence[str | Callable[..., Any] | Mapping[
             column: solution
           - {fn: format, weight: 0.2}
           - {fn: my_rewards.py:brevity, weight: 0.1}
+
+    Raises:
+        ConfigError: one line starting `reward.functions[i]: ` for the first entry that does not
+            resolve (ModelError and other lmrl errors keep their class, with the same prefix).
     """
     rewards = []
-    for entry in entries:
-        if isinstance(entry, Mapping):
-            options = dict(entry)
-            if "fn" not in options:
-                raise ValueError(f"rewards: entry {dict(entry)!r} has no 'fn' (a built-in name or 'file.py:function')")
-            spec = options.pop("fn")
-            weight = float(options.pop("weight", 1.0))
-            name = options.pop("name", "")
-            fn = resolve_reward(spec, **options)
-            rewards.append(WeightedReward(fn, weight, name))
-        else:
-            rewards.append(WeightedReward(resolve_reward(entry)))
-    return RewardSet(rewards)
+    for i, entry in enumerate(entries):
+        try:
+            if isinstance(entry, Mapping):
+                options = dict(entry)
+                if "fn" not in options:
+                    raise ConfigError(f"entry {dict(entry)!r} has no 'fn' (a built-in name or 'file.py:function')")
+                spec = options.pop("fn")
+                weight = _weight(i, options.pop("weight", 1.0))
+                name = options.pop("name", "")
+                if not isinstance(name, str):
+                    raise ConfigError(f"reward.functions[{i}].name: expected a string, got {name!r:.40}")
+                rewards.append(WeightedReward(resolve_reward(spec, **options), weight, name))
+            else:
+                rewards.append(WeightedReward(resolve_reward(entry)))
+        except LmrlError as e:
+            message = str(e) if str(e).startswith(f"reward.functions[{i}]") else f"reward.functions[{i}]: {e}"
+            raise type(e)(message) from e
+    try:
+        return RewardSet(rewards)
+    except ValueError as e:  # duplicate names
+        raise ConfigError(f"reward.functions: {str(e).removeprefix('rewards: ')}") from e

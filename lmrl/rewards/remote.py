@@ -7,27 +7,32 @@ Protocol (one request per batch):
     {"prompts": [...], "completions": [...], "<column>": [...], ...}   every list has N entries
 
     200 OK
-    {"rewards": [r_0, ..., r_{N-1}]}    floats, or null for "not applicable"
+    {"rewards": [r_0, ..., r_{N-1}]}    finite numbers, or null for "not applicable"
 
 The keyword arguments lmrl passes (dataset columns, `completion_ids`, `finished`) are sent as extra
 keys, all of them by default or those named in `include`. Connection errors, timeouts, 429 and 5xx
 responses are retried up to `max_retries` times with exponential backoff
 (backoff * 2^attempt seconds, at most `max_backoff`); other 4xx responses and malformed answers fail at
-once. Every failure is a one-line RemoteRewardError naming the URL and the last problem.
+once. Every failure is a one-line RemoteRewardError (a `lmrl.errors.RewardError`) naming the URL
+and the last problem: the HTTP status and the start of the body, or the completion whose reward is
+not a finite number (Python's json reads `NaN` and `Infinity`, which are not rewards).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
+from lmrl.errors import RewardError
 
-class RemoteRewardError(RuntimeError):
-    """The reward server could not be reached or gave an unusable answer (one-line message)."""
+
+class RemoteRewardError(RewardError):
+    """The reward server could not be reached or gave an unusable answer (one-line message naming the URL)."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -106,9 +111,21 @@ class RemoteScorer:
         rewards = data["rewards"]
         if len(rewards) != n:
             raise self._fail(attempts, f"server returned {len(rewards)} rewards for {n} completions")
-        if not all(r is None or (isinstance(r, (int, float)) and not isinstance(r, bool)) for r in rewards):
-            raise self._fail(attempts, f"rewards must be numbers or null, got {str(rewards)[:100]}")
-        return [None if r is None else float(r) for r in rewards]
+        out: list[float | None] = []
+        for i, r in enumerate(rewards):
+            if r is None:
+                out.append(None)
+                continue
+            if isinstance(r, bool) or not isinstance(r, (int, float)):
+                raise self._fail(attempts, f"rewards must be numbers or null: completion {i} got {json.dumps(r)[:40]}")
+            try:
+                value = float(r)
+            except OverflowError:  # an integer beyond float64
+                value = math.inf
+            if not math.isfinite(value):
+                raise self._fail(attempts, f"rewards must be finite numbers or null: completion {i} got {str(r)[:40]}")
+            out.append(value)
+        return out
 
     async def __call__(self, prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float | None]:
         body = self.payload(list(prompts), list(completions), **kwargs)

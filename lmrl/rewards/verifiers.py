@@ -83,6 +83,7 @@ def math_reward(
         ]
 
     fn.worker = worker  # type: ignore[attr-defined]
+    fn.columns = [] if column is None else [column]  # type: ignore[attr-defined]  # see required_columns
     return _named(fn, name)
 
 
@@ -133,6 +134,7 @@ def exact_match_reward(
             out.append(1.0 if a == b else 0.0)
         return out
 
+    fn.columns = [] if column is None else [column]  # type: ignore[attr-defined]  # see required_columns
     return _named(fn, name)
 
 

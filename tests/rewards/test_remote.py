@@ -107,7 +107,8 @@ def test_remote_always_500_error_names_url():
             asyncio.run(fn(["p"], ["a"]))  # called directly: the scorer's own error
     assert len(srv.requests) == 3  # first attempt + 2 retries
     msg = str(e.value)
-    assert srv.url in msg and "after 3 attempt(s)" in msg and "HTTP 503" in msg and "\n" not in msg
+    assert srv.url in msg and "after 3 attempt(s)" in msg and "HTTP 503: 'down'" in msg and "\n" not in msg
+    assert isinstance(e.value, RewardError)  # one family: the trainer catches RewardError
 
 
 def test_remote_4xx_is_not_retried():
@@ -115,7 +116,15 @@ def test_remote_4xx_is_not_retried():
     with srv, pytest.raises(RewardError, match="HTTP 400") as e:
         score([RemoteScorer(srv.url, max_retries=3, **FAST)], ["p"], ["a"])
     assert len(srv.requests) == 1
-    assert srv.url in str(e.value)
+    assert srv.url in str(e.value) and "bad request" in str(e.value)  # the start of the body
+
+
+def test_remote_error_body_is_cut_to_one_short_line():
+    body = b"Traceback (most recent call last):\n" + b"x" * 5000
+    with RewardServer(lambda n, b: (500, body, 0)) as srv, pytest.raises(RemoteRewardError) as e:
+        asyncio.run(RemoteScorer(srv.url, max_retries=0, **FAST)(["p"], ["a"]))
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400 and "HTTP 500: 'Traceback (most recent call last):" in msg
 
 
 def test_remote_hanging_server_times_out_within_bounded_time():
@@ -135,7 +144,14 @@ def test_remote_hanging_server_times_out_within_bounded_time():
         (rewards_json([1.0]), "server returned 1 rewards for 2 completions"),
         (b'{"scores": [1, 2]}', 'expected {"rewards": \\[...\\]}'),
         (b"not json", "response is not JSON"),
-        (rewards_json(["1.0", 2.0]), "rewards must be numbers or null"),
+        (rewards_json(["1.0", 2.0]), 'rewards must be numbers or null: completion 0 got "1.0"'),
+        (rewards_json([1.0, True]), "rewards must be numbers or null: completion 1 got true"),
+        (rewards_json([1.0, [2.0]]), "rewards must be numbers or null: completion 1 got \\[2.0\\]"),
+        (b'{"rewards": [1.0, Infinity]}', "rewards must be finite numbers or null: completion 1 got inf"),
+        (b'{"rewards": [-Infinity, 1.0]}', "rewards must be finite numbers or null: completion 0 got -inf"),
+        (b'{"rewards": [NaN, null]}', "rewards must be finite numbers or null: completion 0 got nan"),
+        (b'{"rewards": [1e999, 1]}', "rewards must be finite numbers or null: completion 0 got inf"),
+        (b'{"rewards": [1, 1' + b"0" * 400 + b"]}", "rewards must be finite numbers or null: completion 1 got 1000"),
     ],
 )
 def test_remote_wrong_count_and_malformed_answers(answer, message):
@@ -143,6 +159,18 @@ def test_remote_wrong_count_and_malformed_answers(answer, message):
     with srv, pytest.raises(RewardError, match=message) as e:
         score([RemoteScorer(srv.url, **FAST)], ["p", "q"], ["a", "b"])
     assert srv.url in str(e.value) and len(srv.requests) == 1  # not retried
+    assert str(e.value).startswith("reward function 'remote' failed: RemoteRewardError: remote reward")
+    assert "\n" not in str(e.value)
+    with RewardServer(lambda n, body: (200, answer, 0)) as srv:
+        out = score([RemoteScorer(srv.url, **FAST), lambda p, c, **kw: [1.0] * len(c)], ["p", "q"], ["a", "b"],
+                    on_error="zero")
+    assert out.metrics["reward/remote/errors"] == 1.0 and out.scores.tolist() == [1.0, 1.0]
+
+
+def test_remote_large_finite_rewards_are_kept():
+    with RewardServer(lambda n, body: (200, rewards_json([1e39, -1e300]), 0)) as srv:
+        out = score([RemoteScorer(srv.url, **FAST)], ["p", "q"], ["a", "b"])
+    assert out.scores.tolist() == [1e39, -1e300]
 
 
 def test_remote_connection_refused_is_retried_then_reported():
