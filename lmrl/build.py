@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from lmrl.config import Config
+from lmrl.errors import ConfigError
 from lmrl.models.loading import (
     DTYPES,
     enable_gradient_checkpointing,
     load_causal_lm,
     load_tokenizer,
+    prompt_lengths,
     reference_model,
     resolve_device,
 )
@@ -35,16 +38,26 @@ class Models:
     sampler: nn.Module | None = None  # a copy of the policy in another dtype that generates (rollout.dtype)
 
 
+def policy_path(cfg: Config) -> str:
+    """model.name_or_path, with the shipped model's name resolved to its directory."""
+    path = cfg.model.name_or_path
+    if path in SHIPPED_NAMES:
+        from lmrl.models.shipped import SHIPPED_MODEL
+
+        path = str(SHIPPED_MODEL)
+    return path
+
+
+def load_policy_tokenizer(cfg: Config) -> Any:
+    return load_tokenizer(policy_path(cfg), trust_remote_code=cfg.model.trust_remote_code)
+
+
 def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = None) -> Models:
     """Policy and tokenizer (given, shipped or loaded), and the reference / critic only when used."""
     m = cfg.model
     device = resolve_device(m.device)
     if policy is None:
-        path = m.name_or_path
-        if path in SHIPPED_NAMES:
-            from lmrl.models.shipped import SHIPPED_MODEL
-
-            path = str(SHIPPED_MODEL)
+        path = policy_path(cfg)
         tokenizer = tokenizer or load_tokenizer(path, trust_remote_code=m.trust_remote_code)
         policy = load_causal_lm(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code,
                                 attn_implementation=m.attn_implementation,
@@ -72,6 +85,48 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
         critic.to(device)
     policy.train()
     return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype))
+
+
+def memory_bytes(device: torch.device) -> int:
+    """All the memory of `device`: the GPU's, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rollout_bytes(cfg: Config, model_config: Any, longest_prompt: int) -> int:
+    """A lower bound on the memory one step's generation needs: the KV cache and the logits of one generation
+    batch, and the token tensors of the whole batch. Compared with the device's memory before the first step,
+    so that a size that cannot fit fails at once instead of swapping or hanging."""
+    r = cfg.rollout
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    layers = getattr(text, "num_hidden_layers", 0) or 0
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 0) or 0) // heads
+    vocab = getattr(text, "vocab_size", 0) or 0
+    dtype = r.dtype or cfg.model.dtype
+    itemsize = DTYPES[dtype].itemsize if dtype in DTYPES else 2  # "auto": the checkpoint's, at least 2 bytes
+    sequences = r.prompts_per_step * r.group_size
+    at_once = min(r.batch_size or sequences, sequences)
+    length = longest_prompt + r.max_new_tokens
+    kv_cache = at_once * length * layers * 2 * kv_heads * head_dim * itemsize
+    logits = at_once * vocab * 4
+    tokens = sequences * length * 8 * 4  # ids, masks, log-probs of the whole batch
+    return kv_cache + logits + tokens
+
+
+def check_rollout_fits(cfg: Config, model_config: Any, longest_prompt: int, device: torch.device) -> None:
+    """ConfigError when one step's generation cannot fit in the device's memory (`rollout_bytes`)."""
+    need, have = rollout_bytes(cfg, model_config, longest_prompt), memory_bytes(device)
+    if need <= have:
+        return
+    r, gib = cfg.rollout, 2**30
+    raise ConfigError(
+        f"rollout: a step generates {r.prompts_per_step * r.group_size} sequences (rollout.prompts_per_step="
+        f"{r.prompts_per_step} x rollout.group_size={r.group_size}) of up to {longest_prompt + r.max_new_tokens} "
+        f"tokens, which needs at least {need / gib:,.0f} GiB; this {device.type} has {have / gib:,.0f} GiB: lower "
+        "rollout.prompts_per_step" + ("" if r.batch_size else ", or generate in parts with rollout.batch_size"))
 
 
 class SlowBf16Warning(UserWarning):
@@ -132,44 +187,90 @@ class Data:
     eval_rows: list[dict[str, Any]]
     rewards: Any  # lmrl.rewards.RewardSet
     task_name: str | None = None
+    skipped: list[str] = field(default_factory=list)  # one line per source whose bad rows were left out
+    longest_prompt: int = 0  # tokens
 
 
-def load_data(cfg: Config, reward_fns: list[Any] | None = None, train_rows=None, eval_rows=None) -> Data:
-    """Prompts (a built-in task or a dataset) and reward functions (given, configured, or the task's)."""
-    d, r = cfg.data, cfg.reward
+def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, train_rows=None, eval_rows=None) -> Data:
+    """Prompts (a built-in task or a dataset) and reward functions (given, configured, or the task's).
+
+    Every row is checked here, before a model loads (`lmrl.data.check_rows`): its prompt, the prompt's
+    length in `tokenizer` tokens, and the columns the reward functions need. A bad row stops the run
+    naming its file and line, or is left out under data.on_bad_row=skip.
+    """
+    from lmrl.data.prompts import check_rows, load_prompts
+    from lmrl.rewards import required_columns
+
+    d = cfg.data
     task = None
     if d.path is None and train_rows is None:
         from lmrl.data.tasks import get_task
 
         task = get_task(d.task)
-        train_rows = task.train_prompts()
-        eval_rows = eval_rows if eval_rows is not None else task.eval_prompts()
-    elif train_rows is None:
-        from lmrl.data.prompts import load_prompts
+    rewards = _reward_set(cfg, reward_fns, task)
+    longest = 0
 
-        train_rows = list(load_prompts(d.path, split=d.split, prompt_column=d.prompt_column))
-        if eval_rows is None and d.eval_path is not None:
-            eval_rows = list(load_prompts(d.eval_path, split=d.eval_split, prompt_column=d.prompt_column))
-    eval_rows = list(eval_rows or [])[: d.num_eval_prompts]
-    if not train_rows:
-        raise ValueError("data: the training prompt set is empty")
-    for i, row in enumerate(train_rows[:1]):
-        if d.prompt_column not in row:
-            raise ValueError(f"data.prompt_column: row {i} has no column {d.prompt_column!r} (columns: {sorted(row)})")
+    def lengths(prompts: list[Any]) -> list[int]:
+        nonlocal longest
+        out = prompt_lengths(tokenizer, prompts, use_chat_template=cfg.model.chat_template)
+        longest = max(longest, *(n for n in out if n <= cfg.rollout.max_prompt_length), 0)
+        return out
+
+    check = dict(prompt_column=d.prompt_column, required_columns=required_columns(rewards), prompt_length=lengths,
+                 max_prompt_length=cfg.rollout.max_prompt_length, on_bad_row=d.on_bad_row)
+    skipped: list[str] = []  # one warning line per source that had bad rows left out
+
+    def checked(rows, source: str) -> list[dict[str, Any]]:
+        out = check_rows(rows, field=source, **check)
+        if out.skipped:
+            skipped.append(_left_out(source, out.skipped, len(out.rows)))
+        return list(out.rows)
+
+    def from_file(path: str, split: str, source: str) -> list[dict[str, Any]]:
+        dataset = load_prompts(path, split=split, field=source, **check)
+        if dataset.skipped:
+            skipped.append(_left_out(source, dataset.skipped, len(dataset)))
+        return list(dataset)
+
+    if task is not None:
+        train_rows = checked(task.train_prompts(), f"data.task={task.name}")
+    elif train_rows is not None:
+        train_rows = checked(list(train_rows), "train_dataset")
+    else:
+        train_rows = from_file(d.path, d.split, "data.path")
+    if d.num_eval_prompts == 0:
+        eval_rows = []
+    elif eval_rows is not None:
+        eval_rows = checked(list(eval_rows)[: d.num_eval_prompts], "eval_dataset")
+    elif task is not None:
+        eval_rows = checked(task.eval_prompts()[: d.num_eval_prompts], f"data.task={task.name}")
+    elif d.eval_path is not None:
+        eval_rows = from_file(d.eval_path, d.eval_split, "data.eval_path")[: d.num_eval_prompts]
+    else:
+        eval_rows = []
+    return Data(train_rows, eval_rows, rewards, getattr(task, "name", None), skipped, longest)
+
+
+def _left_out(source: str, bad: list[Any], kept: int) -> str:
+    rows = "row" if len(bad) == 1 else "rows"
+    return (f"{source}: left out {len(bad)} bad {rows} of {len(bad) + kept} (data.on_bad_row=skip); "
+            f"the first, {bad[0].where}: {bad[0].problem}")
+
+
+def _reward_set(cfg: Config, reward_fns: Any, task: Any):
+    from lmrl.rewards import RewardSet
 
     if reward_fns is None:
-        if r.functions:
+        if cfg.reward.functions:
             from lmrl.rewards import reward_set_from_config
 
-            reward_fns = reward_set_from_config(r.functions)
+            reward_fns = reward_set_from_config(cfg.reward.functions)
         elif task is not None:
             reward_fns = list(task.reward_funcs)
         else:
-            raise ValueError("reward.functions: a dataset needs at least one reward function, e.g. reward.functions=[math]")
-    from lmrl.rewards import RewardSet
-
-    reward_set = RewardSet.of(reward_fns.rewards if isinstance(reward_fns, RewardSet) else reward_fns, r.weights)
-    return Data(list(train_rows), eval_rows, reward_set, task_name=getattr(task, "name", None))
+            raise ConfigError("reward.functions: a dataset needs at least one reward function, "
+                              "e.g. reward.functions=[math]")
+    return RewardSet.of(reward_fns.rewards if isinstance(reward_fns, RewardSet) else reward_fns, cfg.reward.weights)
 
 
 def make_optimizer(cfg: Config, policy: nn.Module, critic: nn.Module | None):

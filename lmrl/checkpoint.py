@@ -3,14 +3,15 @@ how a run finds the newest one to resume from.
 
     runs/x/
       .lmrl.lock               held (flock) by the run writing here; a second run is refused
-      config.yaml  metrics.jsonl
+      lmrl_config.yaml         the resolved config (never a user's config.yaml)
+      metrics.jsonl
       checkpoint-40/
         COMPLETE               written last: {"step": 40, "time": ..., "world_size": 1}
         state/                 torch.distributed.checkpoint: trainable policy weights, critic, optimizer
         trainer_state.json     step, LR scheduler, KL controller, guard counters, elapsed time, evaluations
         rng_state_0.pt         rank 0's RNGs: Python, NumPy, torch (CPU, CUDA), minibatch shuffler, sampler
         metrics.jsonl          the metrics rows up to step 40
-        config.yaml            the resolved config of the run
+        lmrl_config.yaml       the resolved config of the run
         config.json, model.safetensors, tokenizer files, critic/
                                the policy (its adapters for LoRA) as `from_pretrained` loads it
       final/                   a plain `from_pretrained` model directory, written the same atomic way
@@ -51,7 +52,7 @@ LOCK = ".lmrl.lock"
 TMP_PREFIX = ".tmp-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # what makes a directory "hold a run": a new run into it must resume or overwrite
-RUN_FILES = ("config.yaml", "metrics.jsonl", "final", "tensorboard")
+RUN_FILES = ("lmrl_config.yaml", "metrics.jsonl", "final", "tensorboard")
 
 
 # ------------------------------------------------------------------------------------ atomic writes
@@ -184,7 +185,9 @@ def plan_run(cfg) -> RunPlan:
         checkpoint = newest_checkpoint(out)
     elif resume is not None:
         checkpoint = Path(resume)
-        if not checkpoint.is_dir() or not is_complete(checkpoint):
+        if not checkpoint.is_dir():
+            raise RunError(f"train.resume: {checkpoint} does not exist; give a checkpoint directory, or auto")
+        if not is_complete(checkpoint):
             raise RunError(f"train.resume: {checkpoint} is not a complete checkpoint (no {COMPLETE} file in it)")
     own = checkpoint is not None and checkpoint.resolve().parent == out.resolve()
     if t.overwrite and own:
@@ -208,26 +211,6 @@ def plan_run(cfg) -> RunPlan:
                            f"only {allowed} may change on resume")
     # a run killed before its first checkpoint (resume=auto finds none) has nothing to keep: start afresh
     return RunPlan(checkpoint, clear=bool(earlier) and not own)
-
-
-def quiet_progress_bars():
-    """transformers' save_pretrained draws a progress bar per save: none in the middle of the console."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def off():
-        was = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            yield
-        finally:
-            if was:
-                hf_logging.enable_progress_bar()
-
-    return off()
 
 
 # ------------------------------------------------------------------------------------------- lock

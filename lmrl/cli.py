@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 from lmrl.errors import LmrlError
 
@@ -119,8 +120,12 @@ def _train(args) -> int:
     from lmrl.checkpoint import RunLock, plan_run
 
     # a directory in use or holding a run, or a resume that cannot work, fails before any model loads
-    # (the trainer checks both again, holding the lock)
-    with RunLock(cfg.train.output_dir):
+    # (the trainer checks both again, holding the lock); a directory that does not exist is not made here,
+    # so that a run refused before training leaves nothing behind
+    if Path(cfg.train.output_dir).is_dir():
+        with RunLock(cfg.train.output_dir):
+            plan_run(cfg)
+    else:
         plan_run(cfg)
     from lmrl.trainer import Trainer
 

@@ -459,7 +459,10 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or not key:
             hint = f"; write {item}=VALUE (no spaces around =)" if _looks_like_key(item) else ""
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=50{hint}")
-        value = _parse_value(raw)
+        try:
+            value = _parse_value(raw)
+        except ConfigError as e:
+            raise ConfigError(f"override {key.strip()}: {e}") from None
         parts = key.strip().split(".")
         if len(parts) == 1 and parts[0] in _SHORTHANDS:
             parts.append(_SHORTHANDS[parts[0]])
@@ -476,7 +479,12 @@ def _parse_value(raw: str) -> Any:
     """YAML, except that numbers YAML 1.1 leaves as strings ("1e-3") become floats."""
     if not raw.strip():
         return None
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"value {raw!r} is not valid YAML ({problem}); quote the whole key=value for the shell, "
+                          "e.g. 'reward.functions=[{fn: math}]'") from None
     if isinstance(value, str):
         try:
             return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
@@ -603,7 +611,14 @@ def _one_line(e: ValidationError) -> str:
     if kind in _RANGE_WORDS:
         word, key = _RANGE_WORDS[kind]
         bound = err["ctx"][key]
-        return f"{loc}: must be {word} {bound:g} (got {got!r})"
+        bound = int(bound) if float(bound).is_integer() else bound
+        return f"{loc}: must be {word} {bound} (got {got!r})"
+    if got is None and kind.endswith("_type"):
+        return f"{loc}: must be set (got null or an empty value)"
+    if kind == "missing" and parts and isinstance(parts[-1], int):
+        return f"{loc.rpartition('[')[0]}: too few values (got {got!r})"
+    if kind == "too_long":
+        return f"{loc}: too many values (got {got!r})"
     if kind == "finite_number":
         return f"{loc}: must be a finite number (got {got!r})"
     if kind in ("int_from_float", "int_parsing", "int_type"):
@@ -657,6 +672,17 @@ def resume_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
             old = (saved.get(section) or {}).get(name, value)
             if old != value and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_CHANGES):
                 out.append(f"{key} ({old!r} -> {value!r})")
+    return out
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Values that are valid but quietly waste a run: one line each, printed when a run starts."""
+    out = []
+    o, a = cfg.optim, cfg.algorithm
+    updates = cfg.train.steps * a.num_iterations * a.num_minibatches
+    if o.warmup_steps > updates:
+        out.append(f"optim.warmup_steps={o.warmup_steps} is longer than the run's {updates} optimizer steps: the "
+                   f"learning rate never reaches optim.lr (it ends at {updates / o.warmup_steps:.0%} of it)")
     return out
 
 

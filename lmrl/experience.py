@@ -21,6 +21,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.config import AlgorithmConfig, RewardConfig
+from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
 
 
@@ -157,8 +158,16 @@ def compute_advantages(
     sequence-level baseline-corrected reward. Without a per-token KL reward that is the advantage of every
     token; with one, the per-token rewards (KL penalty on each token, the corrected score on the last)
     are summed into returns-to-go, as REINFORCE++ does. gae runs GAE over the per-token rewards.
+
+    Everything is computed in float64 and returned in float32: a group's std of rewards near 1e20 overflows
+    float32, and normalising estimators (grpo, whitened advantages) learn from rewards of any finite size
+    as from scaled small ones. Advantages that still do not fit float32 (an estimator that keeps the
+    reward's scale, with rewards beyond 3e38) are a RewardError rather than a silently skipped step.
     """
     mask = mask.bool()
+    scores = scores.double()
+    kl = kl.double() if kl is not None else None
+    values = values.double() if values is not None else None
     kl_in_reward = kl is not None and cfg.kl_in == "reward" and kl_coef > 0
     if kl_in_reward and cfg.kl_level == "sequence":
         scores = scores - kl_coef * A.masked_sum(kl, mask, dim=1)  # penalise the sequence's total KL
@@ -183,6 +192,12 @@ def compute_advantages(
     if cfg.whiten_advantages:
         out.advantages = A.masked_whiten(out.advantages, mask)
     out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
+    wide = out.advantages
+    out = Advantages(*(None if x is None else x.float() for x in (out.advantages, out.returns, out.rewards)))
+    if bool(torch.isfinite(wide).all()) and not bool(torch.isfinite(out.advantages).all()):
+        raise RewardError(f"advantages overflow float32: rewards up to {scores.abs().max().item():.3g} with "
+                          f"algorithm.advantage={cfg.advantage}, which keeps the rewards' scale; scale the rewards "
+                          "down, or set reward.normalize=true")
     return out
 
 
@@ -276,7 +291,7 @@ def make_experience(
     if ref is not None:
         behaviour = old if old is not None else rollout.logprobs.float()
         kl = A.kl_penalty(behaviour, ref, estimator=cfg.kl_estimator if cfg.kl_in == "reward" else "k1")
-    adv = compute_advantages(cfg, scores.float(), mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values)
+    adv = compute_advantages(cfg, scores, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values)
 
     info["length"] = rollout.response_mask.sum(1)
     info["finished"] = rollout.finished
@@ -290,7 +305,7 @@ def make_experience(
         response_mask=mask,
         old_logprobs=old,
         advantages=adv.advantages,
-        scores=scores.float(),
+        scores=scores.double(),  # rewards beyond float32's range stay finite in metrics
         group_index=rollout.prompt_index,
         ref_logprobs=ref,
         values=values,

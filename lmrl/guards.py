@@ -3,9 +3,13 @@
 - non-finite: a step whose loss or gradient is not finite is skipped by the update (no weight moves,
   `guard/skipped_updates`); `max_skipped_steps` such steps in a row stop the run with one line naming
   the step and the likely cause. Nothing non-finite is ever saved (`lmrl.checkpoint.all_finite`).
-- unscored: a step where no reward function scored any completion (every value None / NaN) trains on
+- unscored: a step where no reward function scored any completion (every value None) trains on
   nothing; warned once with the functions' names, counted (`guard/unscored_steps`), and
   `max_unscored_steps` in a row stop the run.
+- empty: a step whose every completion was left out of the loss (reward.drop_truncated with every
+  completion cut at rollout.max_new_tokens) learns nothing; warned once with the cause (`guard/empty_update`),
+  and `max_empty_steps` in a row stop the run. A step whose groups all scored alike (no learning signal:
+  `update/rows_skipped` = 1) is normal now and then; `max_empty_steps` of them in a row are warned once.
 - collapse: the policy's entropy near 0 (it says one thing whatever the prompt) or near the uniform
   ln V (a step too large scrambled it: measured with optim.lr=1e3 on the shipped model) while held-out
   accuracy (or the recent mean reward) fell far below its best. Warned once and recorded as
@@ -32,7 +36,8 @@ class Guards:
         self.cfg, self.reward_names, self.lr, self.evaluates = cfg, reward_names, lr, evaluates
         self.uniform_entropy = math.log(vocab_size) if vocab_size else math.inf  # ln V: a uniform policy
         self.skipped_in_a_row = self.unscored_in_a_row = self.unscored_total = 0
-        self.warned_unscored = self.warned_collapse = False
+        self.empty_in_a_row = self.unsignalled_in_a_row = 0
+        self.warned_unscored = self.warned_collapse = self.warned_empty = self.warned_unsignalled = False
         self.best_eval: float | None = None
         self.best_recent: float | None = None
         self.recent: deque[float] = deque(maxlen=RECENT)
@@ -61,6 +66,8 @@ class Guards:
                            f"scored any completion (guard.max_unscored_steps={self.cfg.max_unscored_steps}); "
                            "check that the functions' columns and answer format match the dataset")
 
+        warnings += self._empty(step, metrics)
+
         metrics["guard/collapse"] = 0.0
         line = self._collapse(step, metrics)
         if line is not None:
@@ -68,6 +75,29 @@ class Guards:
             if not self.warned_collapse:
                 self.warned_collapse = True
                 warnings.append(line)
+        return warnings
+
+    def _empty(self, step: int, m: dict[str, float]) -> list[str]:
+        """Steps whose update had nothing to learn from: every completion dropped (stops the run after
+        `max_empty_steps` in a row), or no group with a signal (warned once after as many in a row)."""
+        limit, warnings = self.cfg.max_empty_steps, []
+        empty = m.get("guard/empty_update", 0.0) > 0
+        self.empty_in_a_row = self.empty_in_a_row + 1 if empty else 0
+        why = ("every completion was cut at rollout.max_new_tokens and reward.drop_truncated=true leaves them all "
+               "out of the loss; raise rollout.max_new_tokens or set reward.drop_truncated=false")
+        if empty and not self.warned_empty:
+            self.warned_empty = True
+            warnings.append(f"step {step}: the update learned nothing: {why}")
+        if self.empty_in_a_row >= limit:
+            raise RunError(f"step {step}: {self.empty_in_a_row} steps in a row learned nothing "
+                           f"(guard.max_empty_steps={limit}): {why}")
+        unsignalled = not empty and m.get("update/rows_skipped", 0.0) >= 1.0
+        self.unsignalled_in_a_row = self.unsignalled_in_a_row + 1 if unsignalled else 0
+        if self.unsignalled_in_a_row >= limit and not self.warned_unsignalled:
+            self.warned_unsignalled = True
+            warnings.append(f"step {step}: {self.unsignalled_in_a_row} steps in a row where every group's completions "
+                            "scored alike, so no completion had an advantage to learn from; the task may be too hard "
+                            "or too easy for the policy, or the reward may not tell completions apart")
         return warnings
 
     def record_eval(self, metrics: dict[str, float]) -> None:
@@ -112,6 +142,8 @@ class Guards:
     def state_dict(self) -> dict[str, Any]:
         return {"skipped_in_a_row": self.skipped_in_a_row, "unscored_in_a_row": self.unscored_in_a_row,
                 "unscored_total": self.unscored_total, "warned_unscored": self.warned_unscored,
+                "empty_in_a_row": self.empty_in_a_row, "unsignalled_in_a_row": self.unsignalled_in_a_row,
+                "warned_empty": self.warned_empty, "warned_unsignalled": self.warned_unsignalled,
                 "warned_collapse": self.warned_collapse, "best_eval": self.best_eval,
                 "best_recent": self.best_recent, "recent": list(self.recent)}
 

@@ -41,9 +41,11 @@ from lmrl import algorithms as A
 from lmrl.build import (
     KLController,
     SlowBf16Warning,
+    check_rollout_fits,
     copy_weights,
     load_data,
     load_models,
+    load_policy_tokenizer,
     make_optimizer,
     slow_bf16_warning,
 )
@@ -56,15 +58,14 @@ from lmrl.checkpoint import (
     newest_checkpoint,
     plan_run,
     prune,
-    quiet_progress_bars,
     remove_partial,
     rng_state,
     save_model_state,
     set_rng_state,
 )
-from lmrl.config import Config, config_to_yaml
+from lmrl.config import Config, config_to_yaml, config_warnings
 from lmrl.data.prompts import PromptSampler
-from lmrl.errors import Interrupted, LmrlError, RunError
+from lmrl.errors import Interrupted, LmrlError, ModelError, RunError
 from lmrl.experience import (
     Experience,
     concat_rollouts,
@@ -76,7 +77,7 @@ from lmrl.experience import (
 from lmrl.guards import Guards
 from lmrl.logging import Console, make_sinks
 from lmrl.logging.sinks import jsonl_row
-from lmrl.models.loading import encode_prompts, model_forward_logprobs
+from lmrl.models.loading import encode_prompts, model_forward_logprobs, quiet_progress_bars, resolve_device
 from lmrl.rewards import score as score_rewards
 from lmrl.rollout import HFGenerator, Rollout, SamplingParams
 
@@ -100,6 +101,11 @@ class Collected:
     per_function: dict[str, torch.Tensor]  # "reward/<name>" -> [B] raw scores (NaN where None)
 
 
+# the real os._exit, kept at import: while reward functions run, lmrl.rewards replaces os._exit so that a
+# reward calling it fails instead of ending the run with exit 0; a second Ctrl-C must still exit at once
+_EXIT_NOW = os._exit
+
+
 class _AbandonStep(BaseException):
     """Raised by the signal handler inside steps 1-3. A BaseException, so that no `except Exception` in a
     reward function or library on the way swallows it."""
@@ -117,9 +123,18 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         if (note := slow_bf16_warning(cfg)) is not None:
             warnings.warn(note, SlowBf16Warning, stacklevel=2)
-        self.data = load_data(cfg, reward_funcs, train_dataset, eval_dataset)
+        device = resolve_device(cfg.model.device)
+        if model is not None and tokenizer is None:
+            raise ValueError("tokenizer: pass the tokenizer together with a policy model")
+        # every row is checked (prompt, its length in tokens, the rewards' columns) before a model loads
+        tokenizer = tokenizer or load_policy_tokenizer(cfg)
+        self.data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset)
         self.models = load_models(cfg, model, tokenizer)
         self.policy, self.tokenizer = self.models.policy, self.models.tokenizer
+        if not all_finite([self.policy]):
+            raise ModelError(f"model: {cfg.model.name_or_path if model is None else 'the given model'} has non-finite "
+                             "weights (NaN or inf); refusing to train or evaluate it")
+        check_rollout_fits(cfg, self.policy.config, self.data.longest_prompt, device)
         self.optimizer, self.scheduler = make_optimizer(cfg, self.policy, self.models.critic)
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         self.sampler = PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
@@ -166,6 +181,8 @@ class Trainer:
         self.console.print(f"[bold]lmrl[/] {cfg.algorithm.name} on {cfg.model.name_or_path}: "
                            f"{len(self.data.train_rows)} prompts, output in {self.out}"
                            + (f", resumed at step {start_step}" if start_step else ""))
+        for line in self.data.skipped + config_warnings(cfg):
+            self._warn(line)
         start, step = time.time() - self._elapsed, start_step
         with self.console:
             self.console.start_at(start_step)
@@ -183,16 +200,23 @@ class Trainer:
                 metrics["time/elapsed"] = elapsed
                 out_of_time = cfg.train.max_minutes is not None and elapsed > 60 * cfg.train.max_minutes
                 last = step == cfg.train.steps or out_of_time
+                failed = None  # a reward failing in the evaluation: the step is kept (logged, saved), then the run stops
                 if self.data.eval_rows and (last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)):
-                    metrics.update(self.evaluate())
-                    result.evals.append({k: v for k, v in metrics.items() if k.startswith("eval/")}
-                                        | {"step": step, "time/elapsed": elapsed})
+                    try:
+                        metrics.update(self.evaluate())
+                        result.evals.append({k: v for k, v in metrics.items() if k.startswith("eval/")}
+                                            | {"step": step, "time/elapsed": elapsed})
+                    except Exception as e:  # noqa: BLE001 - raised again below, once the step is safe
+                        failed = e
                 try:
                     warned = self.guards.check(step, metrics)
                 finally:  # a guard that stops the run still logs the step that tripped it
                     result.history.append(self._log(sinks, metrics, step))
                 for line in warned:
                     self._warn(line)
+                if failed is not None:
+                    self._explain(failed, step, self.save_checkpoint(step))
+                    raise failed
                 if cfg.train.save_every and (step % cfg.train.save_every == 0 or last):
                     self.save_checkpoint(step)
                 if self._stop_signal is not None:
@@ -230,6 +254,7 @@ class Trainer:
         # update skipped every row (the collapse guard reads it)
         metrics["rollout/entropy_estimate"] = -A.masked_mean(rollout.logprobs, rollout.response_mask).item()
         metrics.update(self._experience_metrics(exp))
+        metrics["guard/empty_update"] = float(c.keep is not None and not bool(c.keep.any()))
         metrics.update({"time/generate": t1 - t0, "time/experience": t2 - t1, "time/update": t3 - t2,
                         "time/step": t3 - t0, "eps": len(exp) / (t3 - t0), "lr": self.scheduler.get_last_lr()[0],
                         "episode": step * cfg.rollout.prompts_per_step * cfg.rollout.group_size,
@@ -494,7 +519,8 @@ class Trainer:
         if self._saved_step == step and path.is_dir():
             return path
         if not all_finite(self._trained_modules()):
-            raise RunError(f"step {step}: the weights are not finite; no checkpoint written ({self._last_good()})")
+            raise RunError(f"step {step}: the weights are not finite after the update (optim.lr={self.cfg.optim.lr:g} too "
+                           f"high?); no checkpoint written ({self._last_good()})")
         state = {"step": step, "elapsed": self._elapsed, "scheduler": self.scheduler.state_dict(),
                  "kl": self.kl.state_dict(), "guards": self.guards.state_dict(), "evals": self.result.evals,
                  "episode": step * self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size, "world_size": 1}
@@ -510,14 +536,15 @@ class Trainer:
 
     def _begin(self) -> int:
         """Act on `plan_run` under the run's lock: clean partial checkpoints, clear an overwritten run, load
-        the checkpoint to resume from, write config.yaml. Returns the step to continue after (0: a new run)."""
+        the checkpoint to resume from, write lmrl_config.yaml. Returns the step to continue after (0: a new run)."""
         for path in remove_partial(self.out):
             self._warn(f"removed {path.name}: a checkpoint that a killed run left half-written")
         plan = plan_run(self.cfg)
         if plan.clear:
             clear_run(self.out)
         step = self._load_checkpoint(plan.checkpoint) if plan.checkpoint is not None else 0
-        (self.out / "config.yaml").write_text(config_to_yaml(self.cfg))
+        # lmrl_config.yaml, not config.yaml: output_dir may be the folder holding the user's own config
+        (self.out / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
         return step
 
     def _load_checkpoint(self, path: Path) -> int:
@@ -546,7 +573,7 @@ class Trainer:
 
     def _last_good(self) -> str:
         found = newest_checkpoint(self.out)
-        return f"last good checkpoint: {found}" if found is not None else "no checkpoint was written"
+        return f"last good checkpoint: {found}" if found is not None else "there is no earlier checkpoint"
 
     # --------------------------------------------------------------------------- signals and failures
     @contextlib.contextmanager
@@ -569,7 +596,7 @@ class Trainer:
         name = signal.Signals(signum).name
         if self._stop_signal is not None:
             print(f"lmrl: {name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+            _EXIT_NOW(128 + signum)
         self._stop_signal = signum
         print(f"lmrl: {name} received: stopping after a checkpoint ({name} again to exit at once)",
               file=sys.stderr, flush=True)
@@ -590,28 +617,32 @@ class Trainer:
             yield
         except _AbandonStep:
             self._abandon_at = None
-            raise self._interrupted(max(step - 1, 0), self._checkpoint_before(step, rng)) from None
+            raise self._interrupted(max(step - 1, 0), self._checkpoint_of(step - 1, rng)) from None
         except Exception as e:
             self._abandon_at = None
             try:
-                path = self._checkpoint_before(step, rng)
+                path = self._checkpoint_of(step - 1, rng)
             except Exception:  # noqa: BLE001 - the original failure is the one to report
                 path = None
-            where = f"{path} written: add train.resume=auto to continue" if path is not None else ""
-            if isinstance(e, LmrlError):
-                e.exit_code = 1
-                e.args = (f"step {step}: {e}" + (f"; {where}" if where else ""),)
-            elif where:  # an unexpected failure keeps its traceback; say what was saved first
-                self._warn(f"step {step} failed ({type(e).__name__}); {where}")
+            self._explain(e, step, path)
             raise
         finally:
             self._abandon_at = None
 
-    def _checkpoint_before(self, step: int, rng: dict[str, Any]) -> Path | None:
-        """A checkpoint after step - 1 (nothing when no step completed)."""
-        if step <= 1:
+    def _explain(self, e: Exception, step: int, path: Path | None) -> None:
+        """A failure at `step` names the step and the checkpoint written before it was raised on."""
+        where = f"{path} written: add train.resume=auto to continue" if path is not None else ""
+        if isinstance(e, LmrlError):
+            e.exit_code = 1
+            e.args = (f"step {step}: {e}" + (f"; {where}" if where else ""),)
+        elif where:  # an unexpected failure keeps its traceback; say what was saved first
+            self._warn(f"step {step} failed ({type(e).__name__}); {where}")
+
+    def _checkpoint_of(self, step: int, rng: dict[str, Any]) -> Path | None:
+        """A checkpoint after `step` (nothing when no step completed)."""
+        if step < 1:
             return None
-        return self.save_checkpoint(step - 1, rng)
+        return self.save_checkpoint(step, rng)
 
     def _interrupted(self, step: int, path: Path | None) -> Interrupted:
         name = signal.Signals(self._stop_signal).name

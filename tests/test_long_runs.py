@@ -168,7 +168,7 @@ def test_an_existing_run_is_never_overwritten_by_accident(tmp_path):
     again = lmrl_train(tmp_path, *SMALL, "train.steps=1")
     assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1] == (
-        f"lmrl: error: train.output_dir: {tmp_path} holds a run (config.yaml, metrics.jsonl, final, checkpoint-1); "
+        f"lmrl: error: train.output_dir: {tmp_path} holds a run (lmrl_config.yaml, metrics.jsonl, final, checkpoint-1); "
         "resume it with train.resume=auto, or start afresh with train.overwrite=true (deletes it)")
     assert "Loading weights" not in again.stderr  # refused before any model loads
     assert (tmp_path / "metrics.jsonl").read_text() == first
@@ -184,7 +184,7 @@ def test_a_directory_in_use_by_another_run_is_refused(tmp_path):
         f"lmrl: error: train.output_dir: {tmp_path} is in use by another lmrl run (pid {os.getpid()}); "
         "wait for it to end or choose another train.output_dir")
     assert "Loading weights" not in refused.stderr  # refused before any model loads
-    assert not (tmp_path / "config.yaml").exists()
+    assert not (tmp_path / "lmrl_config.yaml").exists()
 
 
 def test_plan_run_rules(tmp_path):
@@ -195,9 +195,12 @@ def test_plan_run_rules(tmp_path):
     (tmp_path / "final").mkdir()
     with pytest.raises(RunError, match="holds a finished run with no checkpoint to resume"):
         plan_run(cfg("train.resume=auto"))
-    with pytest.raises(RunError, match="is not a complete checkpoint"):
+    with pytest.raises(RunError, match="checkpoint-9 does not exist; give a checkpoint directory, or auto"):
         plan_run(cfg(f"train.resume={tmp_path / 'checkpoint-9'}"))
-    with pytest.raises(ConfigError, match="train.keep_last must be >= 1"):
+    (tmp_path / "checkpoint-9").mkdir()
+    with pytest.raises(RunError, match="checkpoint-9 is not a complete checkpoint"):
+        plan_run(cfg(f"train.resume={tmp_path / 'checkpoint-9'}"))
+    with pytest.raises(ConfigError, match=r"train.keep_last: must be >= 1 \(got 0\)"):
         cfg("train.keep_last=0")
 
 
@@ -233,8 +236,10 @@ def boom(prompts, completions, **kw):
         1 / 0
     return [1.0] * len(completions)
 
-def infinite(prompts, completions, **kw):
-    return [math.inf] * len(completions)
+def late_inf(prompts, completions, **kw):
+    calls = int(os.environ.get("LMRL_TEST_CALLS", "0")) + 1
+    os.environ["LMRL_TEST_CALLS"] = str(calls)
+    return [math.inf if calls == 4 else 1.0] * len(completions)
 
 def never(prompts, completions, **kw):
     return [None] * len(completions)
@@ -254,22 +259,41 @@ def test_a_failing_reward_is_one_line_after_a_checkpoint(tmp_path):
     assert [s for s, _ in checkpoints(out)] == [2]
 
 
-def test_non_finite_rewards_skip_steps_then_stop_the_run_saving_nothing(tmp_path):
+def test_a_reward_failing_in_an_evaluation_keeps_the_step_before_it(tmp_path):
+    """The 4th call is the evaluation after step 2: step 2 is logged and saved (save_every=0 saves nothing
+    else), the line names the value; the weights saved are finite and the run resumes from them."""
     (tmp_path / "rw.py").write_text(REWARDS)
     out = tmp_path / "run"
-    stopped = lmrl_train(out, *SMALL, "train.steps=10", f"reward.functions=[{tmp_path / 'rw.py'}:infinite]")
+    stopped = lmrl_train(out, *SMALL, "train.save_every=0", f"reward.functions=[{tmp_path / 'rw.py'}:late_inf]")
     assert stopped.returncode == 1
-    assert stopped.stderr.strip().splitlines()[-1] == (
-        "lmrl: error: step 3: 3 steps in a row had a non-finite loss or gradient and were skipped "
-        "(guard.max_skipped_steps=3); likely cause: the rewards are not finite (mean raw score inf)")
-    rows = metric_rows(out)
-    assert [r["guard/skipped_updates"] for r in rows[1:]] == [1.0, 1.0, 1.0]
-    assert not (out / "final").exists()
-    # the skipped steps moved no weight: checkpoint-2 holds the shipped model's weights
-    from lmrl.models.shipped import SHIPPED_MODEL
+    assert stopped.stderr.strip().splitlines() == [
+        "lmrl: error: step 2: reward function 'late_inf' returned inf for completion 0 (expected a finite number or "
+        f"None); {out / 'checkpoint-2'} written: add train.resume=auto to continue"]
+    assert [r["step"] for r in metric_rows(out)] == [0, 1, 2]
+    assert [s for s, _ in checkpoints(out)] == [2] and not (out / "final").exists()
+    saved = load_file(out / "checkpoint-2" / "model.safetensors")
+    assert all(bool(torch.isfinite(t).all()) for t in saved.values())
 
-    start, saved = load_file(SHIPPED_MODEL / "model.safetensors"), load_file(out / "checkpoint-2" / "model.safetensors")
-    assert all(torch.equal(start[k], saved[k]) for k in start)
+
+def test_a_non_finite_loss_skips_the_update_moving_nothing():
+    """A NaN in the experience (here an advantage) makes the loss non-finite: no weight, Adam moment or
+    learning-rate step moves, and the step is counted in guard/skipped_updates."""
+    from lmrl.experience import make_experience
+    from lmrl.trainer import Trainer
+
+    cfg = load_config(None, [*SMALL, "algorithm.entropy_coef=0.01", "optim.warmup_steps=4"])
+    trainer = Trainer(cfg)
+    c = trainer.collect(1)
+    exp = make_experience(c.rollout, c.scores, cfg.algorithm, policy_logprobs=None)
+    exp.advantages[0, 0] = math.nan
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    stats = trainer.update(exp)
+    assert stats["guard/skipped_updates"] == 1.0 and not math.isfinite(stats["loss/policy_avg"])
+    assert all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
+    assert trainer.optimizer.state_dict()["state"] == {} and trainer.scheduler.last_epoch == 0
+    exp.advantages[0, 0] = 0.0  # the same batch, finite: the update moves the weights
+    assert trainer.update(exp)["guard/skipped_updates"] == 0.0
+    assert not all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
 
 
 def test_batches_no_reward_function_scores_warn_once_then_stop(tmp_path):

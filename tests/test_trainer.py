@@ -138,7 +138,7 @@ def test_experience_info_carries_per_reward_scores(tmp_path):
     c = trainer.collect(1)
     per = c.per_function["reward/digit_share"]
     assert per.shape == c.scores.shape
-    torch.testing.assert_close(per, torch.tensor(digit_share(None, c.rollout.texts, ["digits"] * len(c.rollout.texts))))
+    torch.testing.assert_close(per, torch.tensor(digit_share(None, c.rollout.texts, ["digits"] * len(c.rollout.texts)), dtype=torch.float64))
 
 
 def test_same_seed_same_run(tmp_path):

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from lmrl.errors import ConfigError
+
 RewardFn = Callable[..., list[float]]
 
 
@@ -134,7 +136,7 @@ TASKS: dict[str, type[AdditionTask]] = {"addition": AdditionTask}
 def get_task(name: str, **kwargs: Any) -> AdditionTask:
     """The built-in task called `name`, built with `kwargs` (e.g. `seed=1`)."""
     if name not in TASKS:
-        raise ValueError(f"task: unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+        raise ConfigError(f"data.task: unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name](**kwargs)
 
 

@@ -15,8 +15,10 @@ Two conventions hold everywhere in lmrl and start here:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from lmrl.algorithms.logprobs import token_entropy, token_logprobs
+from lmrl.errors import ConfigError, ModelError
 from lmrl.models.shared_prompt import shared_prompt_logits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,8 +53,28 @@ def _looks_local(name_or_path: str) -> bool:
 def _check_exists(name_or_path: str | os.PathLike, config_key: str, what: str) -> str:
     path = os.fspath(name_or_path)
     if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
-        raise ValueError(f"{config_key}: cannot load {what}{path!r}: no such file or directory")
+        raise ModelError(f"{config_key}: cannot load {what}{path!r}: no such file or directory")
     return os.path.expanduser(path) if _looks_local(path) else path
+
+
+def quiet_progress_bars():
+    """transformers draws a progress bar per load and save: none in the middle of the console or of stderr."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def off():
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if was:
+                hf_logging.enable_progress_bar()
+
+    return off()
 
 
 def _first_line(err: BaseException) -> str:
@@ -89,10 +112,10 @@ def load_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:  # transformers raises both, often over several lines
-        raise ValueError(f"{config_key}: cannot load tokenizer {path!r}: {_first_line(err)}") from err
+        raise ModelError(f"{config_key}: cannot load tokenizer {path!r}: {_first_line(err)}") from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"{config_key}: tokenizer {path!r} has neither a pad token nor an EOS token")
+            raise ModelError(f"{config_key}: tokenizer {path!r} has neither a pad token nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     return tokenizer
@@ -105,9 +128,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device: must be one of {list(DEVICES)} (or 'cuda:N'), got {device!r}")
+        raise ConfigError(f"model.device: must be one of {list(DEVICES)} (or 'cuda:N'), got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested but no CUDA device is available; use device=cpu")
+        raise ConfigError(f"model.device: {device!r} asked for, but this machine has no CUDA device; "
+                          "use model.device=cpu (or auto)")
     return torch.device(device)
 
 
@@ -153,9 +177,10 @@ def load_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with quiet_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:  # transformers raises both, often over several lines
-        raise ValueError(f"{config_key}: cannot load {path!r}: {_first_line(err)}") from err
+        raise ModelError(f"{config_key}: cannot load {path!r}: {_first_line(err)}") from err
     model.to(target)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -287,6 +312,11 @@ def encode_prompts(
             )
         encoded.append(ids)
     return encoded
+
+
+def prompt_lengths(tokenizer, prompts: Sequence[Prompt], use_chat_template: bool | None = None) -> list[int]:
+    """Each prompt's length in tokens, as `encode_prompts` encodes it (for checking rows up front)."""
+    return [len(ids) for ids in encode_prompts(tokenizer, prompts, sys.maxsize, use_chat_template)]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

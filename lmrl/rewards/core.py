@@ -47,7 +47,6 @@ import inspect
 import math
 import numbers
 import os
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -305,10 +304,9 @@ _os_exit_pid = os.getpid()
 
 
 def _os_exit_in_reward(code: int) -> None:
-    caller = sys._getframe(1).f_globals.get("__name__", "")
-    # a forked child (multiprocessing ends its children with os._exit) and lmrl's own deliberate exits
-    # (the trainer's second Ctrl-C) exit for real
-    if os.getpid() != _os_exit_pid or caller == "lmrl" or caller.startswith("lmrl."):
+    # a forked child (multiprocessing ends its children with os._exit) exits for real; lmrl's own deliberate
+    # exit (the trainer's second Ctrl-C) calls the os._exit it kept at import, not this one
+    if os.getpid() != _os_exit_pid:
         _os_exit_original(code)
     raise _OsExitCalled(code)
 

@@ -535,10 +535,10 @@ def forks(prompts, completions, **kwargs):  # multiprocessing ends a forked chil
 
 print("fork exit code", score([forks], ["p"], ["c"]).scores.tolist(), flush=True)
 
-# lmrl's own deliberate exit (the trainer's second Ctrl-C) ends the process, even inside score()
-trainer = {"__name__": "lmrl.fake_trainer", "os": os}
-exec("def exit_now():\\n    os._exit(7)\\n", trainer)
-score([lambda prompts, completions, **kwargs: trainer["exit_now"]()], ["p"], ["c"])
+# the trainer's deliberate exit (a second Ctrl-C) uses the os._exit it kept at import: it ends the process,
+# even inside score()
+from lmrl.trainer import _EXIT_NOW
+score([lambda prompts, completions, **kwargs: _EXIT_NOW(7)], ["p"], ["c"])
 print("not reached")
 """
 
