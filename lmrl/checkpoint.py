@@ -175,12 +175,24 @@ class RunPlan:
     clear: bool  # delete the earlier run's files first
 
 
+def _check_writable(out: Path) -> None:
+    """A RunError naming train.output_dir when it is a file, or lies under a file or a read-only directory."""
+    if out.exists() and not out.is_dir():
+        raise RunError(f"train.output_dir: {out} is a file, not a directory")
+    parent = next(p for p in [out, *out.absolute().parents] if p.exists())
+    if not parent.is_dir():
+        raise RunError(f"train.output_dir: {out} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RunError(f"train.output_dir: {out} cannot be written: {parent} is not writable by this user")
+
+
 def plan_run(cfg) -> RunPlan:
     """What a run into `cfg.train.output_dir` will do, given train.resume and train.overwrite; a RunError (one
     line) when it must not start. No side effects: the CLI calls it before any model loads, the trainer again
     under the run's lock."""
     t = cfg.train
     out, resume, checkpoint = Path(t.output_dir), t.resume, None
+    _check_writable(out)
     if resume == "auto":
         checkpoint = newest_checkpoint(out)
     elif resume is not None:

@@ -170,6 +170,10 @@ class Trainer:
                 if not isinstance(e, Interrupted):
                     e.exit_code = 1  # the run had started: not a usage error
                 raise
+            except OSError as e:  # a full disk, a directory removed under the run: one line, not a traceback
+                error = RunError(f"cannot write {e.filename or self.out}: {e.strerror or e} ({self._last_good()})")
+                error.exit_code = 1
+                raise error from e
             finally:
                 self._running = False
                 for sink in sinks:

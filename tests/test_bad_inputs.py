@@ -164,7 +164,8 @@ BAD: dict[str, Bad] = {
     "task unknown": Bad("train data.task=subtraction", "data.task: unknown task 'subtraction'; known tasks: addition", real=False),
     # --- models
     "model missing": Bad("train model=./no-model", "model.name_or_path: cannot load tokenizer './no-model': no such file or directory"),
-    "model not a model": Bad("train model=./data", "model.name_or_path: cannot load tokenizer './data'", real=False),
+    "model not a model": Bad("train model=./data", "model.name_or_path: cannot load tokenizer './data': the directory holds no tokenizer_config.json or tokenizer.json or config.json", real=False),
+    "output_dir under a file": Bad("train train.output_dir=rows.jsonl/run", "train.output_dir: rows.jsonl/run cannot be created: ", real=False),
     "no CUDA here": Bad("train model.device=cuda", "model.device: 'cuda' asked for, but this machine has no CUDA device; use model.device=cpu", real=False),
     "eval NaN weights": Bad("eval --model nan-model", "model: nan-model has non-finite weights (NaN or inf); refusing to train or evaluate it"),
     "rollout cannot fit": Bad("train rollout.prompts_per_step=100000000", "rollout: a step generates 800000000 sequences", real=False),

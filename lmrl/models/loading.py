@@ -54,6 +54,11 @@ def _check_exists(name_or_path: str | os.PathLike, config_key: str, what: str) -
     path = os.fspath(name_or_path)
     if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
         raise ModelError(f"{config_key}: cannot load {what}{path!r}: no such file or directory")
+    local = os.path.expanduser(path)
+    needs = ("tokenizer_config.json", "tokenizer.json", "config.json") if what else ("config.json",)
+    if os.path.isdir(local) and not any(os.path.isfile(os.path.join(local, name)) for name in needs):
+        raise ModelError(f"{config_key}: cannot load {what}{path!r}: the directory holds no {' or '.join(needs)}, so it "
+                         "is not one written by save_pretrained")
     return os.path.expanduser(path) if _looks_local(path) else path
 
 
