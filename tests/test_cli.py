@@ -62,3 +62,20 @@ def test_bf16_on_a_slow_cpu_is_one_warning_line_before_any_model_loads(capsys, m
         assert "warning" not in err
     else:
         assert err.count("\n") == 1 and err.startswith("lmrl: warning: train.autocast_bf16=true: this CPU has no native")
+
+
+@pytest.mark.parametrize("how", ["--traceback", "LMRL_TRACEBACK=1"])
+def test_the_full_traceback_is_one_flag_or_variable_away(how, capsys, monkeypatch):
+    monkeypatch.delenv("LMRL_TRACEBACK", raising=False)
+    args = ["train", "train.steps=-3"]
+    if how == "--traceback":
+        args.append(how)
+    else:
+        monkeypatch.setenv("LMRL_TRACEBACK", "1")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert err.splitlines()[-1] == "lmrl: error: train.steps: must be >= 1 (got -3)"
+    monkeypatch.setenv("LMRL_TRACEBACK", "0")  # 0 and unset both mean off
+    assert main(["train", "train.steps=-3"]) == 2
+    assert capsys.readouterr().err == "lmrl: error: train.steps: must be >= 1 (got -3)\n"
