@@ -115,7 +115,11 @@ def _train(args) -> int:
 
     if (note := slow_bf16_warning(cfg)) is not None:
         print(f"lmrl: warning: {note}", file=sys.stderr)
-    if args.dry_run:
+    if args.dry_run:  # a run prints these when it starts
+        from lmrl.config import config_warnings
+
+        for line in config_warnings(cfg):
+            print(f"lmrl: warning: {line}", file=sys.stderr)
         return 0
     from lmrl.checkpoint import RunLock, plan_run
 
