@@ -21,6 +21,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.config import AlgorithmConfig, RewardConfig
+from lmrl.distributed import ONE_PROCESS, World, masked_whiten
 from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
 
@@ -144,6 +145,7 @@ def compute_advantages(
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     values: torch.Tensor | None = None,
+    world: World = ONE_PROCESS,
 ) -> Advantages:
     """Advantages for the estimator `cfg.advantage`.
 
@@ -153,6 +155,7 @@ def compute_advantages(
         kl: [B, T] per-token KL estimate of the sampling policy against the reference, used only when
             `cfg.kl_in == "reward"`.
         values: [B, T] critic values (gae only).
+        world: the ranks sharing the batch (`lmrl.distributed`): batch whitening uses all of their rows.
 
     Group estimators (grpo, dr_grpo, rloo, reinforce_baseline) and plain REINFORCE turn the scores into a
     sequence-level baseline-corrected reward. Without a per-token KL reward that is the advantage of every
@@ -189,8 +192,8 @@ def compute_advantages(
             out = Advantages(ret, None, rewards)
         else:
             out = Advantages(seq[:, None].expand(mask.shape).clone())
-    if cfg.whiten_advantages:
-        out.advantages = A.masked_whiten(out.advantages, mask)
+    if cfg.whiten_advantages:  # over the whole batch: every rank's share of it
+        out.advantages = masked_whiten(out.advantages, mask, world)
     out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
     wide = out.advantages
     out = Advantages(*(None if x is None else x.float() for x in (out.advantages, out.returns, out.rewards)))
@@ -244,6 +247,7 @@ def make_experience(
     micro_batch_size: int = 64,
     loss_mask: torch.Tensor | None = None,
     info: dict[str, torch.Tensor] | None = None,
+    world: World = ONE_PROCESS,
 ) -> Experience:
     """Turn a scored rollout into an Experience.
 
@@ -256,6 +260,7 @@ def make_experience(
             the sampling log-probs (`rollout_logprobs`). A second forward here could not change anything.
         ref_logprobs / critic_values: same shape contract; None skips that forward.
         loss_mask: [B] bool, False drops a whole completion from the loss (e.g. truncated ones).
+        world: the ranks sharing the batch, this rollout being one rank's share (`lmrl.distributed`).
     """
     seqs, attn = rollout.sequences, rollout.attention_mask
     T = rollout.response_ids.shape[1]
@@ -291,7 +296,7 @@ def make_experience(
     if ref is not None:
         behaviour = old if old is not None else rollout.logprobs.float()
         kl = A.kl_penalty(behaviour, ref, estimator=cfg.kl_estimator if cfg.kl_in == "reward" else "k1")
-    adv = compute_advantages(cfg, scores, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values)
+    adv = compute_advantages(cfg, scores, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values, world=world)
 
     info["length"] = rollout.response_mask.sum(1)
     info["finished"] = rollout.finished

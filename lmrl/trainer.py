@@ -65,6 +65,7 @@ from lmrl.checkpoint import (
 )
 from lmrl.config import Config, config_to_yaml, config_warnings
 from lmrl.data.prompts import PromptSampler
+from lmrl.distributed import init_world
 from lmrl.errors import Interrupted, LmrlError, ModelError, RunError
 from lmrl.experience import (
     Experience,
@@ -118,6 +119,7 @@ class Trainer:
     def __init__(self, cfg: Config, *, model=None, tokenizer=None, reward_funcs=None, train_dataset=None,
                  eval_dataset=None, console: bool | None = None):
         self.cfg = cfg
+        self.world = init_world()  # one rank unless started by torchrun
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
@@ -239,14 +241,7 @@ class Trainer:
             rollout, rows, metrics = c.rollout, c.rows, c.metrics
             t1 = time.time()
             # 3. experience: old / reference log-probs, values, KL, advantages
-            exp = make_experience(
-                rollout, c.scores, cfg.algorithm,
-                policy_logprobs=self._policy_forward if self._needs_old_forward else None,
-                ref_logprobs=self._ref_forward if self.models.reference is not None else None,
-                critic_values=self._critic_forward if self.models.critic is not None else None,
-                kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep,
-                info=c.per_function,
-            )
+            exp = self.experience(c)
             t2 = time.time()
         # 4. update
         metrics.update(self.update(exp))
@@ -307,6 +302,19 @@ class Trainer:
         per_function = {f"reward/{k}": torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}  # [B], NaN = None
         return Collected(rollout, scores, keep, rows_kept, metrics, per_function)
 
+    def experience(self, c: Collected) -> Experience:
+        """A scored rollout (this rank's share of the batch) -> Experience: old / reference log-probs, values,
+        KL, advantages."""
+        cfg = self.cfg
+        return make_experience(
+            c.rollout, c.scores, cfg.algorithm,
+            policy_logprobs=self._policy_forward if self._needs_old_forward else None,
+            ref_logprobs=self._ref_forward if self.models.reference is not None else None,
+            critic_values=self._critic_forward if self.models.critic is not None else None,
+            kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep,
+            info=c.per_function, world=self.world,
+        )
+
     def generate_and_score(self, rows: list[dict[str, Any]], n: int, seed: int | None = None,
                            temperature: float | None = None) -> tuple[Rollout, Any]:
         """n completions of each row's prompt and their rewards (`lmrl.rewards.RewardOutput`)."""
@@ -352,15 +360,17 @@ class Trainer:
                 for k, v in self._optimizer_step(exp.select(rows)).items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
-        return {k: v / count for k, v in totals.items()}
+        return self.world.reduce_metrics({k: v / count for k, v in totals.items()})
 
     def _optimizer_step(self, mb: Experience) -> dict[str, float]:
         """One optimizer step on a minibatch, accumulating gradients over micro-batches. Every loss is
         normalised by the whole minibatch (`normalizer`), so the micro-batch split never changes the update."""
         cfg, a = self.cfg, self.cfg.algorithm
         norm_length = a.norm_length or cfg.rollout.max_new_tokens
+        # normalised by the global minibatch: every rank's share of it (token-sum's normaliser is 1 on every rank)
         norm = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norm_length)
-        vnorm = A.loss_normalizer(mb.response_mask, "token-mean")
+        norm = norm if a.aggregation == "token-sum" else self.world.sum(norm)
+        vnorm = self.world.sum(A.loss_normalizer(mb.response_mask, "token-mean"))
         loss_fn, kw = (A.cispo_loss, {}) if a.loss == "cispo" else (A.policy_loss, {"dual_clip": a.dual_clip, "ratio_level": a.ratio_level})
         live = self._rows_with_gradient(mb)
         stats: dict[str, float] = {"update/rows_skipped": 1.0 - len(live) / len(mb)}
@@ -406,6 +416,8 @@ class Trainer:
         if len(mb) == 0:  # no row carries a gradient: a zero gradient still moves Adam (momentum, decay)
             for p in params:
                 p.grad = torch.zeros_like(p)
+        self.world.sum_gradients(params)  # the global minibatch's gradient (lmrl.distributed)
+        finite = self.world.all(finite)  # every rank skips, or none
         # the norm is needed either way: a non-finite gradient skips the step (max_norm=inf scales by exactly 1)
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
         stats["policy/grad_norm"] = grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
