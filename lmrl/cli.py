@@ -110,10 +110,12 @@ def _train(args) -> int:
     if overrides and "=" not in overrides[0]:
         path = overrides.pop(0)
     cfg = load_config(path, overrides)  # fails here, before any model loads
-    print("resolved config:\n" + _indent(config_summary(cfg)))
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and checks the directory
+    if main_rank:
+        print("resolved config:\n" + _indent(config_summary(cfg)))
     from lmrl.build import SlowBf16Warning, slow_bf16_warning
 
-    if (note := slow_bf16_warning(cfg)) is not None:
+    if (note := slow_bf16_warning(cfg)) is not None and main_rank:
         print(f"lmrl: warning: {note}", file=sys.stderr)
     if args.dry_run:  # a run prints these when it starts
         from lmrl.config import config_warnings
@@ -126,10 +128,10 @@ def _train(args) -> int:
     # a directory in use or holding a run, or a resume that cannot work, fails before any model loads
     # (the trainer checks both again, holding the lock); a directory that does not exist is not made here,
     # so that a run refused before training leaves nothing behind
-    if Path(cfg.train.output_dir).is_dir():
+    if main_rank and Path(cfg.train.output_dir).is_dir():
         with RunLock(cfg.train.output_dir):
             plan_run(cfg)
-    else:
+    elif main_rank:
         plan_run(cfg)
     from lmrl.trainer import Trainer
 
@@ -137,7 +139,7 @@ def _train(args) -> int:
         warnings.simplefilter("ignore", SlowBf16Warning)  # printed above, once
         trainer = Trainer(cfg)
     result = trainer.train()
-    if result.evals:
+    if result.evals and main_rank:
         first, last = result.evals[0], result.evals[-1]
         print(f"held-out accuracy: {first['eval/accuracy']:.1%} -> {last['eval/accuracy']:.1%} "
               f"in {last['time/elapsed']:.0f} s; model saved to {result.output_dir / 'final'}")

@@ -51,6 +51,10 @@ class World:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
 
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
     def all(self, flag: bool) -> bool:
         """True when `flag` is True on every rank."""
         if not self.distributed:

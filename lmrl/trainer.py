@@ -66,7 +66,7 @@ from lmrl.checkpoint import (
 from lmrl.config import Config, config_to_yaml, config_warnings
 from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import init_world
-from lmrl.errors import Interrupted, LmrlError, ModelError, RunError
+from lmrl.errors import ConfigError, Interrupted, LmrlError, ModelError, RunError
 from lmrl.experience import (
     Experience,
     concat_rollouts,
@@ -120,6 +120,11 @@ class Trainer:
                  eval_dataset=None, console: bool | None = None):
         self.cfg = cfg
         self.world = init_world()  # one rank unless started by torchrun
+        if self.world.distributed:
+            self.world.shard(cfg.rollout.prompts_per_step)  # a share of whole groups per rank, or one line now
+            if cfg.train.save_every or cfg.train.resume:
+                raise ConfigError(f"train.save_every / train.resume: checkpoints of a run on {self.world.size} ranks are "
+                                  "not built yet (docs/scaling.md); use train.save_every=0 under torchrun for now")
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
@@ -143,7 +148,8 @@ class Trainer:
         self.generator = HFGenerator(self.models.sampler or self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size)
         self.minibatch_rng = torch.Generator().manual_seed(cfg.train.seed)
         self.out = Path(cfg.train.output_dir)
-        self.console = Console(cfg.log.console if console is None else console, cfg.train.steps, cfg.log.every)
+        shown = (cfg.log.console if console is None else console) and self.world.main  # rank 0 alone prints
+        self.console = Console(shown, cfg.train.steps, cfg.log.every)
         self.forward_counts = {"policy": 0, "reference": 0, "critic": 0}
         self.guards = Guards(cfg.guard, self.data.rewards.names, cfg.optim.lr,
                              vocab_size=getattr(self.policy.config.get_text_config(), "vocab_size", None),
@@ -161,10 +167,11 @@ class Trainer:
         a checkpoint (`lmrl.errors.Interrupted`); a failing step writes a checkpoint of the last good one."""
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        with RunLock(self.out), self._signals():
+        world = self.world
+        with RunLock(self.out) if world.main else contextlib.nullcontext(), self._signals():
             start_step = self._begin()
             sinks = make_sinks(self.out, cfg.log.jsonl, cfg.log.tensorboard, cfg.log.wandb, cfg.model_dump(mode="json"),
-                               previous=self.rows, purge_step=start_step + 1 if start_step else None)
+                               previous=self.rows, purge_step=start_step + 1 if start_step else None) if world.main else []
             self._running = True
             try:
                 self._loop(start_step, sinks)
@@ -230,7 +237,7 @@ class Trainer:
                 if out_of_time:
                     self.console.print(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
                     break
-        if step > start_step or not (self.out / "final").exists():
+        if self.world.main and (step > start_step or not (self.out / "final").exists()):
             self.save(self.out / "final", final=True)
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -244,16 +251,17 @@ class Trainer:
             exp = self.experience(c)
             t2 = time.time()
         # 4. update
-        metrics.update(self.update(exp))
+        updated = self.update(exp)  # reduced over ranks
         t3 = time.time()
-        # 5. metrics
-        if "kl" in exp.info and math.isfinite(kl := exp.info["kl"].mean().item()):
-            self.kl.update(kl, len(exp))
+        # 5. metrics: this rank's share's, then averaged over ranks (every rank sees the same values)
         # the mean negative log-prob of the sampled tokens estimates the policy's entropy even when the
         # update skipped every row (the collapse guard reads it)
         metrics["rollout/entropy_estimate"] = -A.masked_mean(rollout.logprobs, rollout.response_mask).item()
         metrics.update(self._experience_metrics(exp))
         metrics["guard/empty_update"] = float(c.keep is not None and not bool(c.keep.any()))
+        metrics = self.world.reduce_metrics(metrics) | updated
+        if "objective/kl" in metrics and math.isfinite(kl := metrics["objective/kl"]):
+            self.kl.update(kl, len(exp) * self.world.size)
         metrics.update({"time/generate": t1 - t0, "time/experience": t2 - t1, "time/update": t3 - t2,
                         "time/step": t3 - t0, "eps": len(exp) / (t3 - t0), "lr": self.scheduler.get_last_lr()[0],
                         "episode": step * cfg.rollout.prompts_per_step * cfg.rollout.group_size,
@@ -271,10 +279,14 @@ class Trainer:
         cfg, G = self.cfg, self.cfg.rollout.group_size
         rounds = cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1
         parts, rows_kept, metrics, filtered = [], [], {}, 0
+        share = self.world.shard(cfg.rollout.prompts_per_step)  # this rank's prompts: whole groups
+        wanted = share.stop - share.start
         for r in range(rounds):
-            need = cfg.rollout.prompts_per_step - len(rows_kept)
-            rows = [self.data.train_rows[i] for i in self.sampler.indices(step * rounds + r, cfg.rollout.prompts_per_step)]
-            rollout, out = self.generate_and_score(rows, G, seed=cfg.train.seed * 1_000_003 + step * 101 + r)
+            need = wanted - len(rows_kept)
+            indices = self.sampler.indices(step * rounds + r, cfg.rollout.prompts_per_step)[share]
+            rows = [self.data.train_rows[i] for i in indices]
+            seed = cfg.train.seed * 1_000_003 + step * 101 + r + 7919 * self.world.rank
+            rollout, out = self.generate_and_score(rows, G, seed=seed)
             metrics = metrics or dict(out.metrics)  # reward metrics of the first round: the unfiltered policy
             scores, per_fn = out.scores, out.per_function
             if cfg.algorithm.dynamic_sampling:
@@ -290,7 +302,7 @@ class Trainer:
             if rows:
                 parts.append((rollout, scores, per_fn))
                 rows_kept += rows
-            if len(rows_kept) >= cfg.rollout.prompts_per_step:
+            if len(rows_kept) >= wanted:
                 break
         if cfg.algorithm.dynamic_sampling:
             metrics.update({"dynamic_sampling/rounds": float(r + 1), "dynamic_sampling/filtered_groups": float(filtered),
@@ -477,10 +489,16 @@ class Trainer:
     # -------------------------------------------------------------------------------- eval, log, save
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions of the held-out prompts: mean reward, and accuracy = fraction scoring > 0."""
-        rollout, out = self.generate_and_score(self.data.eval_rows, 1, temperature=0.0)
-        return {"eval/reward": out.scores.mean().item(), "eval/accuracy": (out.scores > 0).float().mean().item(),
-                "eval/response_length": rollout.lengths.float().mean().item()}
+        """Greedy completions of the held-out prompts: mean reward, and accuracy = fraction scoring > 0. Several
+        ranks evaluate a share of the prompts each, and the means are over all of them."""
+        rows = self.data.eval_rows[self.world.rank::self.world.size]
+        sums = torch.zeros(4, dtype=torch.float64)
+        if rows:
+            rollout, out = self.generate_and_score(rows, 1, temperature=0.0)
+            sums = torch.stack([out.scores.double().sum(), (out.scores > 0).double().sum(),
+                                rollout.lengths.double().sum(), torch.tensor(float(len(rows)), dtype=torch.float64)])
+        reward, correct, length, n = self.world.sum(sums).tolist()
+        return {"eval/reward": reward / n, "eval/accuracy": correct / n, "eval/response_length": length / n}
 
     @torch.no_grad()
     def pass_at_k(self, k: int, temperature: float = 1.0) -> float:
@@ -553,14 +571,16 @@ class Trainer:
     def _begin(self) -> int:
         """Act on `plan_run` under the run's lock: clean partial checkpoints, clear an overwritten run, load
         the checkpoint to resume from, write lmrl_config.yaml. Returns the step to continue after (0: a new run)."""
-        for path in remove_partial(self.out):
+        main = self.world.main
+        for path in remove_partial(self.out) if main else []:
             self._warn(f"removed {path.name}: a checkpoint that a killed run left half-written")
         plan = plan_run(self.cfg)
-        if plan.clear:
+        self.world.barrier()  # every rank planned before rank 0 writes anything
+        if plan.clear and main:
             clear_run(self.out)
         step = self._load_checkpoint(plan.checkpoint) if plan.checkpoint is not None else 0
-        # lmrl_config.yaml, not config.yaml: output_dir may be the folder holding the user's own config
-        (self.out / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
+        if main:  # lmrl_config.yaml, not config.yaml: output_dir may be the folder holding the user's own config
+            (self.out / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
         return step
 
     def _load_checkpoint(self, path: Path) -> int:
@@ -596,8 +616,8 @@ class Trainer:
     def _signals(self):
         """SIGINT / SIGTERM: the first stops the run after a checkpoint (at once when the step can still be
         abandoned, else once it ends); a second one exits immediately. Main thread only (signal's rule)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
+        if threading.current_thread() is not threading.main_thread() or self.world.distributed:
+            yield  # under torchrun a signal ends every rank without a checkpoint (not built yet: docs/scaling.md)
             return
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in previous:
@@ -624,7 +644,7 @@ class Trainer:
         """Steps 1-3 of a step change no state but the RNGs, recorded here: a signal abandons them at once, and
         a failure in them (a reward function raising under reward.on_error=fail, ...) first writes a
         checkpoint of the last completed step, so that the run resumes where it was."""
-        if not self._running:  # train_step called on its own: no checkpoints, no signal handling
+        if not self._running or self.world.distributed:  # train_step on its own, or several ranks: no checkpoint
             yield
             return
         rng = rng_state(self._generators())
@@ -669,6 +689,8 @@ class Trainer:
                            "to the same command to continue", self._stop_signal)
 
     def _warn(self, line: str) -> None:
+        if not self.world.main:
+            return
         if self.console.enabled:
             self.console.print(f"lmrl: warning: {line}", style="yellow", markup=False, highlight=False)
         else:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lmrl.config import load_config
+from lmrl.distributed import ONE_PROCESS
 from lmrl.experience import select_rollout
 from lmrl.trainer import Collected, Trainer
 
@@ -37,8 +38,10 @@ def main(out: Path, algorithms: list[str]) -> None:
     for name in algorithms:
         cfg = load_config(None, [*COMMON, f"algorithm={name}", f"train.output_dir={out}/{name}"])
         trainer = Trainer(cfg)
-        c = trainer.collect(1)  # the global batch: seeded, the same on every rank
-        trainer.update(trainer.experience(share(c, trainer.world, cfg.rollout.group_size)))
+        world, trainer.world = trainer.world, ONE_PROCESS
+        c = trainer.collect(1)  # the global batch as one process collects it: seeded, the same on every rank
+        trainer.world = world
+        trainer.update(trainer.experience(share(c, world, cfg.rollout.group_size)))
         if trainer.world.main:
             params = {f"policy.{k}": v for k, v in trainer.policy.state_dict().items()}
             if trainer.models.critic is not None:
