@@ -45,6 +45,7 @@ import torch
 import yaml
 from torch import nn
 
+from lmrl.distributed import ONE_PROCESS, World
 from lmrl.errors import RunError
 
 COMPLETE = "COMPLETE"
@@ -57,15 +58,26 @@ RUN_FILES = ("lmrl_config.yaml", "metrics.jsonl", "final", "tensorboard")
 
 # ------------------------------------------------------------------------------------ atomic writes
 @contextlib.contextmanager
-def atomic_directory(target: Path) -> Iterator[Path]:
+def atomic_directory(target: Path, world: World = ONE_PROCESS) -> Iterator[Path]:
     """Yield a temporary directory beside `target`; when the block succeeds, fsync it, write COMPLETE
-    and rename it to `target` (replacing an older `target`). When it fails, nothing appears."""
+    and rename it to `target` (replacing an older `target`). When it fails, nothing appears.
+
+    With several ranks every rank enters the block with the same directory (each writes its part: its
+    shard of the state, its RNGs); rank 0 makes it, and finishes it once every rank is done."""
     target = Path(target)
-    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
+    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{world.first(os.getpid())}"
+    if not world.main:
+        world.barrier()  # rank 0 has made the directory
+        yield tmp
+        world.barrier()  # every rank has written its part
+        world.barrier()  # rank 0 has renamed it
+        return
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    world.barrier()
     try:
         yield tmp
+        world.barrier()
         _fsync_tree(tmp)
         _write_synced(tmp / COMPLETE, json.dumps({"name": target.name, "time": round(time.time(), 3)}) + "\n")
         _fsync_dir(tmp)
@@ -77,6 +89,7 @@ def atomic_directory(target: Path) -> Iterator[Path]:
         else:
             tmp.rename(target)
         _fsync_dir(target.parent)
+        world.barrier()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

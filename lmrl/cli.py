@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         # what a user can act on is one line, not a traceback (--traceback shows it)
         if args.traceback or os.environ.get("LMRL_TRACEBACK", "") not in ("", "0"):
             traceback.print_exc()
-        print(f"lmrl: error: {_one_line(e)}", file=sys.stderr)
+        line = _one_line(e)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not line.startswith("rank "):  # under torchrun: which rank
+            line = f"rank {os.environ.get('RANK', '?')}: {line}"
+        print(f"lmrl: error: {line}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:  # lmrl eval, or train before its loop installs its own handler
         print("lmrl: interrupted", file=sys.stderr)

@@ -16,6 +16,7 @@ one rank and no collective is called.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -23,7 +24,19 @@ import torch
 import torch.distributed as dist
 
 from lmrl import algorithms as A
-from lmrl.errors import ConfigError
+from lmrl.errors import ConfigError, RunError
+
+
+@contextlib.contextmanager
+def _collective(rank: int):
+    """A collective that fails because another rank died (gloo: "Connection closed by peer") is one line on
+    this rank; the rank that failed first has printed its own."""
+    try:
+        yield
+    except RuntimeError as e:
+        error = RunError(f"rank {rank}: another rank stopped (its error is above), so this one stops too")
+        error.exit_code = 1
+        raise error from e
 
 
 @dataclass(frozen=True)
@@ -48,19 +61,31 @@ class World:
         if not self.distributed:
             return x
         out = x.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        with _collective(self.rank):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
+
+    def first(self, value):
+        """Rank 0's `value` on every rank (a picklable object)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        with _collective(self.rank):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with _collective(self.rank):
+                dist.barrier()
 
     def all(self, flag: bool) -> bool:
         """True when `flag` is True on every rank."""
         if not self.distributed:
             return flag
         t = torch.tensor([0.0 if flag else 1.0])
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        with _collective(self.rank):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.item() == 0.0
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -69,7 +94,8 @@ class World:
         if not self.distributed:
             return metrics
         every: list[dict[str, float]] = [{} for _ in range(self.size)]
-        dist.all_gather_object(every, metrics)
+        with _collective(self.rank):
+            dist.all_gather_object(every, metrics)
         out = {}
         for key in sorted({k for m in every for k in m}):
             values = [m[key] for m in every if key in m]
@@ -83,7 +109,8 @@ class World:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        with _collective(self.rank):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
         for p, g in zip(params, grads, strict=True):
             n = g.numel()

@@ -66,7 +66,7 @@ from lmrl.checkpoint import (
 from lmrl.config import Config, config_to_yaml, config_warnings
 from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import init_world
-from lmrl.errors import ConfigError, Interrupted, LmrlError, ModelError, RunError
+from lmrl.errors import Interrupted, LmrlError, ModelError, RunError
 from lmrl.experience import (
     Experience,
     concat_rollouts,
@@ -120,11 +120,7 @@ class Trainer:
                  eval_dataset=None, console: bool | None = None):
         self.cfg = cfg
         self.world = init_world()  # one rank unless started by torchrun
-        if self.world.distributed:
-            self.world.shard(cfg.rollout.prompts_per_step)  # a share of whole groups per rank, or one line now
-            if cfg.train.save_every or cfg.train.resume:
-                raise ConfigError(f"train.save_every / train.resume: checkpoints of a run on {self.world.size} ranks are "
-                                  "not built yet (docs/scaling.md); use train.save_every=0 under torchrun for now")
+        self.world.shard(cfg.rollout.prompts_per_step)  # a share of whole groups per rank, or one line now
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
@@ -557,14 +553,17 @@ class Trainer:
                            f"high?); no checkpoint written ({self._last_good()})")
         state = {"step": step, "elapsed": self._elapsed, "scheduler": self.scheduler.state_dict(),
                  "kl": self.kl.state_dict(), "guards": self.guards.state_dict(), "evals": self.result.evals,
-                 "episode": step * self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size, "world_size": 1}
-        with atomic_directory(path) as tmp:
-            save_model_state(tmp / "state", self._stateful_modules(), self.optimizer)
-            torch.save(rng or rng_state(self._generators()), tmp / "rng_state_0.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
-            (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-            self._save_model_files(tmp)  # with lmrl_config.yaml, the config a resume is checked against
-        prune(self.out, self.cfg.train.keep_last)
+                 "episode": step * self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size,
+                 "world_size": self.world.size}
+        with atomic_directory(path, self.world) as tmp:  # every rank writes its part (a shared filesystem)
+            save_model_state(tmp / "state", self._stateful_modules(), self.optimizer)  # collective
+            torch.save(rng or rng_state(self._generators()), tmp / f"rng_state_{self.world.rank}.pt")
+            if self.world.main:
+                (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+                (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+                self._save_model_files(tmp)  # with lmrl_config.yaml, the config a resume is checked against
+        if self.world.main:
+            prune(self.out, self.cfg.train.keep_last)
         self._saved_step = step
         return path
 
@@ -589,7 +588,9 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl.load_state_dict(state["kl"])
         self.guards.load_state_dict(state["guards"])
-        set_rng_state(torch.load(path / "rng_state_0.pt", weights_only=True), self._generators())
+        # this rank's RNGs; a rank the saving run did not have (another world size) continues from rank 0's
+        rng = path / f"rng_state_{self.world.rank}.pt"
+        set_rng_state(torch.load(rng if rng.is_file() else path / "rng_state_0.pt", weights_only=True), self._generators())
         self._elapsed, self._saved_step = float(state["elapsed"]), int(state["step"])
         self.rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
         self.result.evals = list(state["evals"])
@@ -644,8 +645,15 @@ class Trainer:
         """Steps 1-3 of a step change no state but the RNGs, recorded here: a signal abandons them at once, and
         a failure in them (a reward function raising under reward.on_error=fail, ...) first writes a
         checkpoint of the last completed step, so that the run resumes where it was."""
-        if not self._running or self.world.distributed:  # train_step on its own, or several ranks: no checkpoint
+        if not self._running:  # train_step called on its own: no checkpoints, no signal handling
             yield
+            return
+        if self.world.distributed:  # other ranks are in the middle of their step: no checkpoint (docs/scaling.md)
+            try:
+                yield
+            except Exception as e:
+                self._explain(e, step, None)
+                raise
             return
         rng = rng_state(self._generators())
         self._abandon_at = step

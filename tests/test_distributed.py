@@ -101,14 +101,64 @@ def test_lmrl_train_under_torchrun_is_one_job(tmp_path):
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_checkpoints_under_torchrun_are_refused_in_one_line(tmp_path):
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=10", "train.output_dir=out",
+         "log.console=false", "train.threads=1", "train.save_every=1"]
+
+
+def _train(cwd: Path, launcher: list[str], *args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmrl.cli", "train",
-         "train.save_every=1", "train.output_dir=out", "log.console=false"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*launcher, "-m", "lmrl.cli", "train", *SMALL, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
+    """2 ranks write sharded state (one torch.distributed.checkpoint file per rank, each rank's RNGs); one
+    process resumes from it with exactly the saved weights and optimizer, and 2 ranks resume from that."""
+    _train(tmp_path, TORCHRUN, "train.steps=2")
+    saved = tmp_path / "out" / "checkpoint-2"
+    assert sorted(p.name for p in (saved / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert (saved / "rng_state_0.pt").is_file() and (saved / "rng_state_1.pt").is_file()
+    assert json.loads((saved / "trainer_state.json").read_text())["world_size"] == 2
+
+    from safetensors.torch import load_file
+
+    from lmrl.config import load_config
+    from lmrl.trainer import Trainer
+
+    trainer = Trainer(load_config(None, [*SMALL, f"train.output_dir={tmp_path / 'out'}", "train.steps=3"]))
+    assert trainer._load_checkpoint(saved) == 2
+    weights = load_file(saved / "model.safetensors")
+    for name, p in trainer.policy.named_parameters():
+        assert torch.equal(p.detach(), weights[name]), name
+    assert all(int(s["step"]) == 2 for s in trainer.optimizer.state_dict()["state"].values())
+
+    _train(tmp_path, [sys.executable], "train.steps=3", "train.resume=auto")  # 2 ranks -> 1 process
+    _train(tmp_path, TORCHRUN, "train.steps=4", "train.resume=auto")  # 1 process -> 2 ranks
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())["world_size"] == 2
+
+
+FAILING = '''
+import os
+
+def fail_on_1(prompts, completions, **kw):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("scorer down on rank 1")
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_failure_on_one_rank_ends_every_rank_with_one_line_each(tmp_path):
+    (tmp_path / "r.py").write_text(FAILING)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*TORCHRUN, "-m", "lmrl.cli", "train", *SMALL, "train.steps=2", "train.save_every=0",
+                           "data.num_eval_prompts=0", "reward.functions=[r.py:fail_on_1]"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # no hang
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrl: error:")]
-    assert errors and set(errors) == {"lmrl: error: train.save_every / train.resume: checkpoints of a run on 2 ranks "
-                                      "are not built yet (docs/scaling.md); use train.save_every=0 under torchrun for now"}
-    assert not (tmp_path / "out").exists()
+    lines = proc.stderr.splitlines()
+    assert ("lmrl: error: rank 1: step 1: reward function 'fail_on_1' failed: RuntimeError: scorer down on rank 1"
+            in lines), proc.stderr[-3000:]
+    assert not any(line.startswith("[rank") for line in lines), proc.stderr[-3000:]  # no rank's traceback
