@@ -17,6 +17,8 @@ examples:
   lmrl train algorithm=dapo train.steps=50     another algorithm, any field overridden with key=value
   lmrl train examples/gsm8k_qwen.yaml          a YAML config, then overrides on top
   lmrl train --help-config                     every config field with its default and meaning
+  lmrl train --nproc 2 rollout.prompts_per_step=32
+                                               one job on 2 processes (torchrun; docs/scaling.md)
   lmrl train train.save_every=50 train.resume=auto
                                                checkpoint every 50 steps; rerun the same command to resume
   lmrl eval --model runs/tiny-addition/final --task addition --k 8
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("args", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
     tr.add_argument("--help-config", action="store_true", help="list every config field and exit")
     tr.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
+    tr.add_argument("--nproc", type=_at_least(1), default=None, metavar="N",
+                    help="train on N processes of this machine (torchrun --standalone --nproc_per_node N)")
 
     ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model on a task or dataset")
     ev.add_argument("--model", default="tiny-addition", help="model directory (or 'tiny-addition')")
@@ -113,6 +117,8 @@ def _train(args) -> int:
     if overrides and "=" not in overrides[0]:
         path = overrides.pop(0)
     cfg = load_config(path, overrides)  # fails here, before any model loads
+    if args.nproc and args.nproc > 1 and not args.dry_run and "WORLD_SIZE" not in os.environ:
+        _exec_torchrun(args)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and checks the directory
     if main_rank:
         print("resolved config:\n" + _indent(config_summary(cfg)))
@@ -167,6 +173,15 @@ def _eval(args) -> int:
         line += f"  pass@{args.k} (T={args.temperature}) {pk:.1%}"
     print(f"{len(trainer.data.eval_rows)} held-out prompts: {line}")
     return 0
+
+
+def _exec_torchrun(args) -> None:
+    """Become `torchrun --standalone --nproc_per_node N -m lmrl.cli train ARGS` (this process is replaced, so
+    signals reach torchrun, which passes them to every rank)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "lmrl.cli", "train", *args.args, *(["--traceback"] if args.traceback else [])]
+    sys.stdout.flush()
+    os.execv(sys.executable, cmd)
 
 
 def _one_line(e: BaseException) -> str:

@@ -162,3 +162,17 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_line_each(tmp_path):
     assert ("lmrl: error: rank 1: step 1: reward function 'fail_on_1' failed: RuntimeError: scorer down on rank 1"
             in lines), proc.stderr[-3000:]
     assert not any(line.startswith("[rank") for line in lines), proc.stderr[-3000:]  # no rank's traceback
+
+
+def test_lmrl_train_nproc_starts_torchrun(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", *SMALL, "train.steps=1",
+                           "train.save_every=0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("resolved config:") == 1
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    bad = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", "rollout.prompts_per_step=7"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0  # each rank refuses a share that is not whole groups, in one line
+    assert "lmrl: error: rank 0: rollout.prompts_per_step: 7 does not split evenly over 2 ranks" in bad.stderr
