@@ -223,8 +223,8 @@ class Trainer:
                     result.history.append(self._log(sinks, metrics, step))
                 for line in warned:
                     self._warn(line)
-                if failed is not None:
-                    self._explain(failed, step, self.save_checkpoint(step))
+                if failed is not None:  # (several ranks: the others are not here to write a checkpoint with it)
+                    self._explain(failed, step, None if self.world.distributed else self.save_checkpoint(step))
                     raise failed
                 if cfg.train.save_every and (step % cfg.train.save_every == 0 or last):
                     self.save_checkpoint(step)
