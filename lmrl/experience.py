@@ -324,9 +324,11 @@ def make_experience(
 
 # ------------------------------------------------------------------------------------- reward shaping
 
-def shape_scores(rollout: Rollout, scores: torch.Tensor, cfg: RewardConfig, max_new_tokens: int):
+def shape_scores(rollout: Rollout, scores: torch.Tensor, cfg: RewardConfig, max_new_tokens: int,
+                 world: World = ONE_PROCESS):
     """Reward-side options in the order they compose: missing-EOS penalty, DAPO overlong penalty, clip,
-    normalise. Returns (scores [B], keep [B] bool or None: False leaves a truncated completion out of the loss)."""
+    normalise (over the whole batch: every rank's share of it). Returns (scores [B], keep [B] bool or None:
+    False leaves a truncated completion out of the loss)."""
     from lmrl.rewards import shaping
 
     if cfg.missing_eos_penalty is not None:
@@ -335,7 +337,9 @@ def shape_scores(rollout: Rollout, scores: torch.Tensor, cfg: RewardConfig, max_
         scores = scores + shaping.overlong_penalty(rollout.lengths, max_new_tokens, cfg.overlong_buffer)
     if cfg.clip is not None:
         scores = shaping.clip_rewards(scores, cfg.clip)
-    if cfg.normalize:
+    if cfg.normalize and world.distributed:
+        scores = masked_whiten(scores, torch.ones_like(scores, dtype=torch.bool), world)
+    elif cfg.normalize:
         scores = shaping.normalize_rewards(scores)
     keep = shaping.overlong_filter_mask(rollout.finished) if cfg.drop_truncated else None
     return scores, keep

@@ -305,7 +305,7 @@ class Trainer:
                             "dynamic_sampling/kept_groups": float(len(rows_kept))})
         rollout = concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
         raw = torch.cat([p[1] for p in parts])
-        scores, keep = shape_scores(rollout, raw, cfg.reward, cfg.rollout.max_new_tokens)
+        scores, keep = shape_scores(rollout, raw, cfg.reward, cfg.rollout.max_new_tokens, self.world)
         metrics["objective/raw_scores"] = raw.mean().item()
         per_function = {f"reward/{k}": torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}  # [B], NaN = None
         return Collected(rollout, scores, keep, rows_kept, metrics, per_function)

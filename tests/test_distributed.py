@@ -176,3 +176,13 @@ def test_lmrl_train_nproc_starts_torchrun(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0  # each rank refuses a share that is not whole groups, in one line
     assert "lmrl: error: rank 0: rollout.prompts_per_step: 7 does not split evenly over 2 ranks" in bad.stderr
+
+
+def test_reward_normalisation_on_one_rank_is_the_single_process_one():
+    """What reward.normalize uses under torchrun (whitening with the statistics of every rank) gives, on one
+    rank, the single-process normalisation."""
+    from lmrl.rewards.shaping import normalize_rewards
+
+    scores = torch.tensor([0.0, 3.0, 1.0, 1.0, 5.0], dtype=torch.float64)
+    ones = torch.ones_like(scores, dtype=torch.bool)
+    torch.testing.assert_close(masked_whiten(scores, ones, World(size=1)), normalize_rewards(scores))
