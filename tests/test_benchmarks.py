@@ -1,4 +1,4 @@
-"""The benchmark that reaches into the decoder's internals still runs (a tiny model, one turn)."""
+"""Benchmarks still run: the one that reaches into the decoder's internals (a tiny model, one turn) and the scaling one."""
 
 from __future__ import annotations
 
@@ -18,3 +18,11 @@ def test_floor_benchmark_runs_and_reports_both_ratios():
     ).stdout
     assert re.search(r"the update runs at \d+% of the mm rate", out), out
     assert re.search(r"decode .* matmuls only: [\d.]+ s; the matmuls are \d+% of decode time", out), out
+
+
+def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--steps", "2"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    ratios = re.findall(r"completions/s\s+([\d.]+)x", out)
+    assert len(ratios) == 3 and ratios[0] == "1.00", out
+    assert "2 ranks x 1 thread" in out
