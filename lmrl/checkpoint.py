@@ -9,7 +9,7 @@ how a run finds the newest one to resume from.
         COMPLETE               written last: {"step": 40, "time": ..., "world_size": 1}
         state/                 torch.distributed.checkpoint: trainable policy weights, critic, optimizer
         trainer_state.json     step, LR scheduler, KL controller, guard counters, elapsed time, evaluations
-        rng_state_0.pt         rank 0's RNGs: Python, NumPy, torch (CPU, CUDA), minibatch shuffler, sampler
+        rng_state_<r>.pt       rank r's RNGs: Python, NumPy, torch (CPU, CUDA), minibatch shuffler, sampler
         metrics.jsonl          the metrics rows up to step 40
         lmrl_config.yaml       the resolved config of the run
         config.json, model.safetensors, tokenizer files, critic/
