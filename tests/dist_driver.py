@@ -34,9 +34,15 @@ def share(c: Collected, world, group_size: int) -> Collected:
                      {k: v[index] for k, v in c.per_function.items()})
 
 
+# variants of GRPO that must keep working on several ranks
+VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"],
+            "grpo-checkpointing": ["algorithm=grpo", "model.gradient_checkpointing=true"]}
+
+
 def main(out: Path, algorithms: list[str]) -> None:
     for name in algorithms:
-        cfg = load_config(None, [*COMMON, f"algorithm={name}", f"train.output_dir={out}/{name}"])
+        chosen = VARIANTS.get(name, [f"algorithm={name}"])
+        cfg = load_config(None, [*COMMON, *chosen, f"train.output_dir={out}/{name}"])
         trainer = Trainer(cfg)
         world, trainer.world = trainer.world, ONE_PROCESS
         c = trainer.collect(1)  # the global batch as one process collects it: seeded, the same on every rank

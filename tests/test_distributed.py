@@ -19,8 +19,9 @@ from lmrl.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "dist_driver.py"
 # grpo: group statistics (local to a rank); rloo: KL in the reward against a reference model; ppo: a critic,
-# GAE and batch whitening; reinforce_pp: whitening across the batch of both ranks
-ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp"]
+# GAE and batch whitening; reinforce_pp: whitening across the batch of both ranks; and GRPO with LoRA adapters
+# and with gradient checkpointing (tests/dist_driver.py)
+ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpointing"]
 
 
 def _run(cmd: list[str], out: Path) -> None:
@@ -43,7 +44,10 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path):
     for name in ALGORITHMS:
         a, b = torch.load(one / f"{name}.pt"), torch.load(two / f"{name}.pt")
         assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == (name == "ppo")
-        moved = max((a[f"policy.{k}"] - v).abs().max().item() for k, v in start.items())
+        if name == "grpo-lora":  # the adapters moved; the base is frozen
+            moved = max(v.abs().max().item() for k, v in a.items() if "lora_B" in k)
+        else:
+            moved = max((a[f"policy.{k}"] - v).abs().max().item() for k, v in start.items())
         assert moved > 5e-4, name  # the step did something (lr 1e-3)
         for k in a:  # without the gradient sum over ranks the difference is 2e-3
             torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=f"{name}: {k}")
