@@ -46,6 +46,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    device: str = "cpu"  # where collectives' tensors must live: "cuda:<local rank>" with NCCL
 
     @property
     def main(self) -> bool:
@@ -60,10 +61,10 @@ class World:
         """x summed over ranks (a new tensor; x itself on one rank)."""
         if not self.distributed:
             return x
-        out = x.detach().clone()
+        out = x.detach().to(self.device, copy=True)
         with _collective(self.rank):
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out
+        return out.to(x.device)
 
     def first(self, value):
         """Rank 0's `value` on every rank (a picklable object)."""
@@ -83,7 +84,7 @@ class World:
         """True when `flag` is True on every rank."""
         if not self.distributed:
             return flag
-        t = torch.tensor([0.0 if flag else 1.0])
+        t = torch.tensor([0.0 if flag else 1.0], device=self.device)
         with _collective(self.rank):
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.item() == 0.0
@@ -108,13 +109,13 @@ class World:
         if not self.distributed or not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        flat = torch.cat([g.reshape(-1).to(self.device, torch.float32) for g in grads])
         with _collective(self.rank):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
         for p, g in zip(params, grads, strict=True):
             n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(g).to(g.dtype)
+            p.grad = flat[offset:offset + n].view_as(g).to(g.device, g.dtype)
             offset += n
 
     def shard(self, count: int, what: str = "rollout.prompts_per_step") -> slice:
@@ -151,9 +152,9 @@ def init_world() -> World:
     if size <= 1:
         return World()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    nccl = torch.cuda.is_available()
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        if nccl:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend)
-    return World(rank, size, local_rank)
+        dist.init_process_group("nccl" if nccl else "gloo")
+    return World(rank, size, local_rank, f"cuda:{local_rank}" if nccl else "cpu")
