@@ -1,7 +1,9 @@
-"""Data-parallel scaling on one machine: training throughput at 1 and 2 ranks against 1 rank with 2 threads.
+"""Data-parallel scaling on one machine: training throughput at 1 and 2 ranks against 1 rank with 2 threads, and
+peak memory per rank with the policy sharded (FSDP2) against whole on every rank (ddp).
 
     python benchmarks/scaling.py               # 30 steps of 32 prompts x 8 completions, three ways: about 40 s on 2 cores
     python benchmarks/scaling.py --steps 10    # quicker, noisier
+    python benchmarks/scaling.py --memory      # peak memory per rank, ddp against fsdp: about 1 min
 
 Three runs of `lmrl train` on the shipped tiny model and the addition task, the same config and seed, no evaluation:
     1 rank  x 1 thread    python -m lmrl.cli train train.threads=1
@@ -10,7 +12,11 @@ Three runs of `lmrl train` on the shipped tiny model and the addition task, the 
 Throughput is completions per second over the training steps (the last metrics row's `episode` over its
 `time/elapsed`: process start-up, model loading and the first evaluation excluded), printed with its ratio to
 1 rank x 1 thread, measured in the same run of this script (timings on a shared machine drift; ratios less so).
-Peak memory per rank with FSDP2 against DDP is not measured: FSDP2 is not built yet (docs/scaling.md).
+
+--memory: 2 ranks train a Llama built here with random weights (hidden 1024, 8 layers: 110M parameters, 0.44 GB in
+float32; the shipped tokenizer), 3 steps of 8 prompts x 4, once with train.parallel=ddp and once with fsdp. Peak
+memory is the largest resident set of any rank over the run (the kernel's maxrss of torchrun's children), model
+loading included: each rank loads the whole model before sharding it, and gathers the whole policy to generate.
 """
 
 from __future__ import annotations
@@ -40,11 +46,66 @@ def run(launcher: list[str], out: Path, steps: int, threads: int, seed: int) -> 
     return last["episode"] / last["time/elapsed"]
 
 
+def bigger_model(directory: Path, hidden: int = 1024, layers: int = 8) -> int:
+    """A Llama with random weights and the shipped tokenizer, saved to `directory`; its parameter count."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from lmrl.models.shipped import SHIPPED_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+PEAK = """
+import resource, subprocess, sys
+code = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)
+print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+def peak_rss_gb(command: list[str]) -> float:
+    """The largest resident set (GB) of any process `command` starts, measured in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", PEAK, *command], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1800)
+    code, kb = out.stdout.split() if out.returncode == 0 else ("?", "0")
+    if code != "0":
+        sys.exit(f"scaling: {' '.join(command[:6])} ... failed:\n{out.stderr[-3000:]}")
+    return int(kb) / 2**20
+
+
+def memory(steps: int) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    with tempfile.TemporaryDirectory(prefix="lmrl-memory-") as tmp:
+        count = bigger_model(Path(tmp) / "model")
+        print(f"scaling --memory: a {count / 1e6:.0f}M-parameter Llama ({count * 4 / 1e9:.2f} GB float32), 2 ranks, "
+              f"{steps} steps x 32 completions")
+        peaks = {}
+        for parallel in ("ddp", "fsdp"):
+            args = [f"model.name_or_path={tmp}/model", f"train.steps={steps}", "rollout.prompts_per_step=8",
+                    "rollout.group_size=4", "data.num_eval_prompts=0", "train.threads=1", "log.console=false",
+                    f"train.output_dir={tmp}/{parallel}", f"train.parallel={parallel}", "optim.lr=1e-5"]
+            peaks[parallel] = peak_rss_gb([*torchrun, "-m", "lmrl.cli", "train", *args])
+        for parallel, gb in peaks.items():
+            print(f"  train.parallel={parallel:4}  peak memory per rank {gb:5.2f} GB  {gb / peaks['ddp']:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory", action="store_true", help="peak memory per rank, ddp against fsdp")
     args = parser.parse_args()
+    if args.memory:
+        memory(min(args.steps, 3))
+        return
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     ways = [("1 rank  x 1 thread ", [sys.executable], 1), ("1 rank  x 2 threads", [sys.executable], 2),
             ("2 ranks x 1 thread ", torchrun, 1)]

@@ -45,7 +45,7 @@ import torch
 import yaml
 from torch import nn
 
-from lmrl.distributed import ONE_PROCESS, World
+from lmrl.distributed import ONE_PROCESS, World, local
 from lmrl.errors import RunError
 
 COMPLETE = "COMPLETE"
@@ -327,7 +327,7 @@ def load_model_state(directory: Path, modules: dict[str, nn.Module], optimizer: 
 
 def all_finite(modules: list[nn.Module]) -> bool:
     """True when every parameter of every module is finite (nothing non-finite is ever saved)."""
-    params = [p.detach() for m in modules for p in m.parameters() if p.is_floating_point()]
+    params = [local(p.detach()) for m in modules for p in m.parameters() if p.is_floating_point()]  # this rank's shard
     if not params:
         return True
     norms = torch._foreach_norm(params)  # one fused pass; a NaN or inf anywhere makes its norm non-finite

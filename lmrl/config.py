@@ -357,6 +357,11 @@ class TrainConfig(_Section):
     """Rows of the [B*T, V] logits turned into float32 log-probs at once (None = all): bounds memory at large V."""
     share_prompt: bool = True
     """Update and reference forwards run each distinct prompt once for all its completions (Llama / Qwen2)."""
+    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    """Under torchrun: "ddp" keeps the whole policy on every rank and sums gradients; "fsdp" shards the
+    policy, reference and critic per decoder layer (FSDP2), gathering a layer's weights when it runs and
+    the whole policy for generation; "auto" takes fsdp for a policy of 1e9 parameters or more
+    (`lmrl.distributed.FSDP_AUTO_PARAMS`), whose AdamW state no longer fits every GPU; one process ignores it."""
 
     @field_validator("resume", mode="before")
     @classmethod
@@ -431,6 +436,12 @@ class Config(_Section):
         if self.reward.overlong_buffer is not None and not 0 < self.reward.overlong_buffer <= r.max_new_tokens:
             raise ValueError(f"reward.overlong_buffer: must be <= rollout.max_new_tokens={r.max_new_tokens} "
                              f"(got {self.reward.overlong_buffer})")
+        if self.train.parallel == "fsdp" and self.model.lora is not None:
+            raise ValueError("train.parallel: fsdp does not shard LoRA runs yet; use train.parallel=ddp (the "
+                             "adapters are small; every rank keeps the frozen base)")
+        if self.train.parallel == "fsdp" and self.samples_with_copy:
+            raise ValueError("train.parallel: fsdp does not keep a sampler copy in rollout.dtype; unset rollout.dtype "
+                             "or use train.parallel=ddp")
         if self.samples_with_copy and a.tis_cap is None:
             a.tis_cap = DEFAULT_TIS_CAP  # another sampler: correct for it rather than pretend on-policy
         return self
@@ -659,7 +670,8 @@ def _section_at(path: str) -> type[BaseModel] | None:
 
 # fields a resumed run may change: none of them can make the saved state mean something else
 RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.max_minutes",
-                     "train.resume", "train.overwrite", "train.threads", "train.output_dir", "reward.timeout", "log.")
+                     "train.resume", "train.overwrite", "train.threads", "train.parallel", "train.output_dir",
+                     "reward.timeout", "log.")
 
 
 def resume_differences(saved: dict[str, Any], cfg: Config) -> list[str]:

@@ -10,6 +10,14 @@ Gradients are summed with one all-reduce per step, after the last micro-batch's 
 flat buffer (not torch's DistributedDataParallel, which averages gradients and overlaps the
 reduction with the backward): the sum keeps "normalise by the global batch" exact and readable.
 
+With `train.parallel=fsdp` the policy, reference and critic are sharded instead (FSDP2's
+`fully_shard`, one unit per decoder layer): a unit gathers its weights from every rank when it runs and
+frees them after, and FSDP's reduce-scatter sums (not averages) the gradients into each rank's shard.
+Every forward of a sharded model is then a collective, so ranks must make the same number of them: a
+rank with fewer micro-batches than another makes idle ones (`World.calls`, `IDLE_BATCH`), and
+generation runs on the whole weights gathered once (`full_weights`), where ranks may decode for
+different numbers of steps.
+
 Without torchrun's environment (`WORLD_SIZE` unset) everything here is the identity: `World()` is
 one rank and no collective is called.
 """
@@ -17,7 +25,9 @@ one rank and no collective is called.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +35,10 @@ import torch.distributed as dist
 
 from lmrl import algorithms as A
 from lmrl.errors import ConfigError, RunError
+
+FSDP_AUTO_PARAMS = 10**9
+"""train.parallel=auto shards policies of this many parameters or more (their float32 weights, gradients
+and AdamW moments take 16 GB per rank unsharded)."""
 
 
 @contextlib.contextmanager
@@ -47,6 +61,7 @@ class World:
     size: int = 1
     local_rank: int = 0
     device: str = "cpu"  # where collectives' tensors must live: "cuda:<local rank>" with NCCL
+    sharded: bool = False  # the models are FSDP-sharded: every forward is a collective (`calls`)
 
     @property
     def main(self) -> bool:
@@ -88,6 +103,20 @@ class World:
         with _collective(self.rank):
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.item() == 0.0
+
+    def most(self, n: int) -> int:
+        """The largest `n` of any rank."""
+        if not self.distributed:
+            return n
+        t = torch.tensor([float(n)], device=self.device)
+        with _collective(self.rank):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def calls(self, n: int) -> int:
+        """How many forwards to make when this rank needs `n`: with sharded models every rank makes as many
+        as the rank that needs the most (the extra ones on `IDLE_BATCH`, their outputs unused)."""
+        return self.most(n) if self.sharded else n
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics of the whole batch from each rank's: `loss/*` (each rank's share of the global loss) summed,
@@ -158,3 +187,96 @@ def init_world() -> World:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if nccl else "gloo")
     return World(rank, size, local_rank, f"cuda:{local_rank}" if nccl else "cpu")
+
+
+# ------------------------------------------------------------------------------------------- FSDP2
+def idle_batch(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sequences [1, 2], attention_mask [1, 2], T = 1): the smallest input a causal LM scores, for the
+    forwards a rank makes only to keep in step with the others (`World.calls`)."""
+    return (torch.zeros(1, 2, dtype=torch.long, device=device), torch.ones(1, 2, dtype=torch.bool, device=device), 1)
+
+
+def choose_parallel(setting: str, world: World, policy: torch.nn.Module, lora: bool, sampler_copy: bool) -> str:
+    """"ddp" or "fsdp" for `train.parallel` under torchrun ("none" in one process). auto: fsdp from
+    FSDP_AUTO_PARAMS parameters, except for what fsdp does not shard (a LoRA run, a sampler copy)."""
+    if not world.distributed:
+        return "none"
+    if setting != "auto":
+        return setting
+    big = sum(p.numel() for p in policy.parameters()) >= FSDP_AUTO_PARAMS
+    return "fsdp" if big and not lora and not sampler_copy else "ddp"
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers model (the classes its `_no_split_modules` names, e.g.
+    LlamaDecoderLayer): FSDP's units, each gathered on its own."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def shard(model: torch.nn.Module, world: World, bf16: bool = False) -> list[torch.nn.Module]:
+    """FSDP2 over `model`, in place: each decoder layer one unit, the rest (embeddings, final norm, head,
+    value head) the root unit. Gradients are summed over ranks (divide factor 1), as the ddp path sums
+    them, so that losses normalised by the global batch stay exact. `bf16`: compute in bfloat16 with
+    float32 gradient reduction (FSDP's mixed precision, where `train.autocast_bf16` asks for bfloat16).
+    Returns the units, root last."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(world.device.split(":")[0], (world.size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:  # a plain SUM (gloo has no pre-multiplied sum; a divide factor of 1 is one)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return units
+
+
+@contextlib.contextmanager
+def full_weights(units: list[torch.nn.Module]) -> Iterator[None]:
+    """Every unit's whole weights on this rank for the block, gathered once (a collective: every rank
+    enters it), and sharded again after. Inside, forwards gather nothing, so that ranks may make
+    different numbers of them (generation: a rank's rows finish at their own step)."""
+    if not units:
+        yield
+        return
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+def set_gradient_sync(units: list[torch.nn.Module], sync: bool) -> None:
+    """FSDP reduce-scatters gradients after a backward only when `sync`: the last micro-batch's, once the
+    others have accumulated into the unsharded gradients."""
+    for unit in units:
+        unit.set_requires_gradient_sync(sync, recurse=False)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (a DTensor), or `t`."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def with_sharding(world: World, sharded: bool) -> World:
+    return dataclasses.replace(world, sharded=sharded)
+
+
+def whole_state(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:
+    """The whole state dict of a sharded module on rank 0, in CPU memory (a collective: every rank calls it;
+    the other ranks get an empty dict). None for None."""
+    if module is None:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

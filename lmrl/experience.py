@@ -21,7 +21,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.config import AlgorithmConfig, RewardConfig
-from lmrl.distributed import ONE_PROCESS, World, masked_whiten
+from lmrl.distributed import ONE_PROCESS, World, idle_batch, masked_whiten
 from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
 
@@ -215,13 +215,17 @@ def batched_forward(
     attention_mask: torch.Tensor,
     num_response_tokens: int,
     micro_batch_size: int,
+    world: World = ONE_PROCESS,
 ) -> list:
-    """`fn(sequences, attention_mask, T)` over micro-batches, no grad; the list of per-micro-batch results."""
+    """`fn(sequences, attention_mask, T)` over micro-batches, no grad; the list of per-micro-batch results.
+    With sharded models a rank makes as many forwards as the busiest rank (`World.calls`)."""
+    starts = range(0, sequences.shape[0], micro_batch_size)
     with torch.no_grad():
-        return [
-            fn(sequences[i : i + micro_batch_size], attention_mask[i : i + micro_batch_size], num_response_tokens)
-            for i in range(0, sequences.shape[0], micro_batch_size)
-        ]
+        outs = [fn(sequences[i : i + micro_batch_size], attention_mask[i : i + micro_batch_size], num_response_tokens)
+                for i in starts]
+        for _ in range(world.calls(len(starts)) - len(starts)):
+            fn(*idle_batch(sequences.device))
+    return outs
 
 
 def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
@@ -275,9 +279,9 @@ def make_experience(
         if cfg.tis_cap is not None:
             rollout_logp = rollout.logprobs.float()
     else:
-        outs = batched_forward(policy_logprobs, seqs, attn, T, micro_batch_size)
-        old = torch.cat([o[0] for o in outs]).float()
-        entropy = torch.cat([o[1] for o in outs]).float()
+        outs = batched_forward(policy_logprobs, seqs, attn, T, micro_batch_size, world)
+        old = _cat([o[0] for o in outs], seqs, T)
+        entropy = _cat([o[1] for o in outs], seqs, T)
         if cfg.tis_cap is not None:
             # the sampler's probabilities differ from the trainer's: reweight instead of pretending on-policy
             weights = A.truncated_is_weights(old, rollout.logprobs.float(), mask, cap=cfg.tis_cap)
@@ -288,8 +292,8 @@ def make_experience(
         keep = top_entropy_mask(entropy, mask, cfg.entropy_top_fraction).float()
         weights = keep if weights is None else weights * keep
 
-    ref = torch.cat(batched_forward(ref_logprobs, seqs, attn, T, micro_batch_size)).float() if ref_logprobs else None
-    values = torch.cat(batched_forward(critic_values, seqs, attn, T, micro_batch_size)).float() if critic_values else None
+    ref = _cat(batched_forward(ref_logprobs, seqs, attn, T, micro_batch_size, world), seqs, T) if ref_logprobs else None
+    values = _cat(batched_forward(critic_values, seqs, attn, T, micro_batch_size, world), seqs, T) if critic_values else None
 
     # the KL that enters the reward uses the configured estimator; in the loss it is only reported (k1)
     kl = None
@@ -320,6 +324,11 @@ def make_experience(
         rollout_logprobs=rollout_logp,
         info=info,
     )
+
+
+def _cat(parts: list[torch.Tensor], sequences: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, T] float32 from per-micro-batch results ([0, T] for a rank left without rows)."""
+    return torch.cat(parts).float() if parts else torch.zeros(0, T, device=sequences.device)
 
 
 # ------------------------------------------------------------------------------------- reward shaping

@@ -65,7 +65,16 @@ from lmrl.checkpoint import (
 )
 from lmrl.config import Config, config_to_yaml, config_warnings
 from lmrl.data.prompts import PromptSampler
-from lmrl.distributed import init_world
+from lmrl.distributed import (
+    choose_parallel,
+    full_weights,
+    idle_batch,
+    init_world,
+    set_gradient_sync,
+    shard,
+    whole_state,
+    with_sharding,
+)
 from lmrl.errors import Interrupted, LmrlError, ModelError, RunError
 from lmrl.experience import (
     Experience,
@@ -138,6 +147,8 @@ class Trainer:
             raise ModelError(f"model: {cfg.model.name_or_path if model is None else 'the given model'} has non-finite "
                              "weights (NaN or inf); refusing to train or evaluate it")
         check_rollout_fits(cfg, self.policy.config, self.data.longest_prompt, device)
+        self.notes: list[str] = []  # printed under the run's header
+        self.units = self._shard_models()  # FSDP units per model name (empty unless train.parallel is fsdp)
         self.optimizer, self.scheduler = make_optimizer(cfg, self.policy, self.models.critic)
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         self.sampler = PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
@@ -190,6 +201,8 @@ class Trainer:
         self.console.print(f"[bold]lmrl[/] {cfg.algorithm.name} on {cfg.model.name_or_path}: "
                            f"{len(self.data.train_rows)} prompts, output in {self.out}"
                            + (f", resumed at step {start_step}" if start_step else ""))
+        for line in self.notes:
+            self._note(line)
         for line in self.data.skipped + config_warnings(cfg):
             self._warn(line)
         start, step = time.time() - self._elapsed, start_step
@@ -233,7 +246,7 @@ class Trainer:
                 if out_of_time:
                     self.console.print(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
                     break
-        if self.world.main and (step > start_step or not (self.out / "final").exists()):
+        if step > start_step or not self.world.first((self.out / "final").exists()):  # every rank: a collective
             self.save(self.out / "final", final=True)
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -254,7 +267,7 @@ class Trainer:
         # update skipped every row (the collapse guard reads it)
         metrics["rollout/entropy_estimate"] = -A.masked_mean(rollout.logprobs, rollout.response_mask).item()
         metrics.update(self._experience_metrics(exp))
-        metrics["guard/empty_update"] = float(c.keep is not None and not bool(c.keep.any()))
+        metrics["guard/empty_update"] = float(self.world.all(c.keep is not None and not bool(c.keep.any())))  # every rank's
         metrics = self.world.reduce_metrics(metrics) | updated
         if "objective/kl" in metrics and math.isfinite(kl := metrics["objective/kl"]):
             self.kl.update(kl, len(exp) * self.world.size)
@@ -268,44 +281,82 @@ class Trainer:
             self.console.samples(step, prompts, rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist())
         return metrics
 
+    def _shard_models(self) -> dict[str, list[torch.nn.Module]]:
+        """train.parallel under torchrun: ddp keeps every model whole on every rank; fsdp shards the policy,
+        reference and critic (`lmrl.distributed.shard`) and returns their units by name."""
+        cfg, world = self.cfg, self.world
+        mode = choose_parallel(cfg.train.parallel, world, self.policy, cfg.model.lora is not None, cfg.samples_with_copy)
+        if mode == "none":
+            return {}
+        self.notes.append(f"{world.size} ranks, train.parallel={mode}" + (" (auto)" if cfg.train.parallel == "auto" else ""))
+        if mode == "ddp":
+            return {}
+        self.world = with_sharding(world, True)
+        models = {"policy": self.policy, "reference": self.models.reference, "critic": self.models.critic}
+        units = {name: shard(m, world, bf16=cfg.train.autocast_bf16) for name, m in models.items() if m is not None}
+        self.notes.append("fsdp: the shared-prompt forward and the fast decoder with its C kernels step aside (they "
+                          "bypass the decoder layers' forward, where FSDP gathers a layer's weights); generation "
+                          "gathers the whole policy once per batch")
+        return units
+
+    def _trained_units(self) -> list[torch.nn.Module]:
+        return self.units.get("policy", []) + self.units.get("critic", [])
+
     # ------------------------------------------------------------------------------------ 1-2. collect
     def collect(self, step: int):
         """Prompts -> scored rollout. With dynamic sampling (DAPO), groups whose rewards are all equal are
-        dropped and more prompts are sampled, for at most `max_sampling_rounds` rounds."""
-        cfg, G = self.cfg, self.cfg.rollout.group_size
+        dropped and more prompts are sampled, for at most `max_sampling_rounds` rounds. Several ranks keep
+        the groups one process would: each generates its share of a round, and the first informative
+        groups of the whole round (in prompt order) are kept, wherever they are."""
+        cfg, G, world = self.cfg, self.cfg.rollout.group_size, self.world
         rounds = cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1
-        parts, rows_kept, metrics, filtered = [], [], {}, 0
-        share = self.world.shard(cfg.rollout.prompts_per_step)  # this rank's prompts: whole groups
-        wanted = share.stop - share.start
+        parts, rows_kept, metrics, filtered, kept = [], [], {}, 0, 0  # kept: groups of every rank
+        P = cfg.rollout.prompts_per_step
+        share = world.shard(P)  # this rank's prompts: whole groups
         for r in range(rounds):
-            need = wanted - len(rows_kept)
-            indices = self.sampler.indices(step * rounds + r, cfg.rollout.prompts_per_step)[share]
+            need = P - kept
+            indices = self.sampler.indices(step * rounds + r, P)[share]
             rows = [self.data.train_rows[i] for i in indices]
-            seed = cfg.train.seed * 1_000_003 + step * 101 + r + 7919 * self.world.rank
+            seed = cfg.train.seed * 1_000_003 + step * 101 + r + 7919 * world.rank
             rollout, out = self.generate_and_score(rows, G, seed=seed)
             metrics = metrics or dict(out.metrics)  # reward metrics of the first round: the unfiltered policy
             scores, per_fn = out.scores, out.per_function
+            whole = rollout, scores, per_fn, rows
             if cfg.algorithm.dynamic_sampling:
-                ok = informative_groups(scores, G)
+                ok = torch.zeros(P)  # [P] the round's informative groups, every rank's
+                ok[share] = informative_groups(scores, G).float()
+                ok = world.sum(ok).bool()
                 filtered += int((~ok).sum())
                 chosen = ok.nonzero().flatten()[:need]
-                if r == rounds - 1 and not rows_kept and len(chosen) == 0:
-                    chosen = torch.arange(min(need, len(rows)))  # nothing informative at all: zero advantages
+                if r == rounds - 1 and kept == 0 and len(chosen) == 0:
+                    chosen = torch.arange(min(need, P))  # nothing informative at all: zero advantages
+                kept += len(chosen)
+                chosen = chosen[(chosen >= share.start) & (chosen < share.stop)] - share.start  # this rank's
                 index = (chosen[:, None] * G + torch.arange(G)).flatten()
                 rollout, scores, rows = select_rollout(rollout, index), scores[index], [rows[int(i)] for i in chosen]
                 per_fn = {k: v[index] for k, v in per_fn.items()}
                 rollout.prompt_index = torch.arange(len(rows)).repeat_interleave(G)
-            if rows:
-                parts.append((rollout, scores, per_fn))
-                rows_kept += rows
-            if len(rows_kept) >= wanted:
+            else:
+                kept += P
+            parts.append((rollout, scores, per_fn))
+            rows_kept += rows
+            if kept >= P:
                 break
-        if cfg.algorithm.dynamic_sampling:
+        outside = not rows_kept
+        if outside:  # the other ranks hold every kept group: this one takes a group to keep in step, outside the loss
+            rollout, scores, per_fn, rows = whole
+            first = torch.arange(G)
+            parts, rows_kept = [(select_rollout(rollout, first), scores[first], {k: v[first] for k, v in per_fn.items()})], rows[:1]
+            parts[0][0].prompt_index = torch.zeros(G, dtype=torch.long)
+        if cfg.algorithm.dynamic_sampling:  # the same on every rank
             metrics.update({"dynamic_sampling/rounds": float(r + 1), "dynamic_sampling/filtered_groups": float(filtered),
-                            "dynamic_sampling/kept_groups": float(len(rows_kept))})
+                            "dynamic_sampling/kept_groups": float(min(kept, P))})
+        parts = [p for p in parts if len(p[1])]
         rollout = concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
         raw = torch.cat([p[1] for p in parts])
         scores, keep = shape_scores(rollout, raw, cfg.reward, cfg.rollout.max_new_tokens, self.world)
+        if outside:
+            keep = torch.zeros(len(scores), dtype=torch.bool)
         metrics["objective/raw_scores"] = raw.mean().item()
         per_function = {f"reward/{k}": torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}  # [B], NaN = None
         return Collected(rollout, scores, keep, rows_kept, metrics, per_function)
@@ -334,7 +385,8 @@ class Trainer:
                                 stop=list(cfg.rollout.stop), seed=seed)
         if self.models.sampler is not None:  # a copy in another dtype samples: give it the current weights
             copy_weights(self.policy, self.models.sampler)
-        with self._autocast() if self.models.sampler is None else contextlib.nullcontext():
+        with (self._autocast() if self.models.sampler is None else contextlib.nullcontext(),
+              full_weights(self.units.get("policy", []))):  # sharded: gathered once, for every decode step
             rollout = self.generator.generate(ids, n, params)
         expanded = [rows[int(i)] for i in rollout.prompt_index]
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != col}
@@ -386,7 +438,14 @@ class Trainer:
         metric_norm = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norm_length)
         self.optimizer.zero_grad(set_to_none=True)
         finite = True
-        for start in range(0, len(mb), cfg.optim.micro_batch_size):
+        starts = range(0, len(mb), cfg.optim.micro_batch_size)
+        calls = self.world.calls(len(starts))  # sharded models: as many backwards as the busiest rank makes
+        for i in range(calls):
+            set_gradient_sync(self._trained_units(), i == calls - 1)  # FSDP: reduce-scatter after the last
+            if i >= len(starts):
+                self._idle_backward()
+                continue
+            start = starts[i]
             micro = mb.select(torch.arange(start, min(start + cfg.optim.micro_batch_size, len(mb))))
             share = len(micro) / len(mb)  # metrics average over micro-batches by size
             T, kl_in_loss = micro.num_response_tokens, micro.ref_logprobs is not None and a.kl_in == "loss"
@@ -424,7 +483,8 @@ class Trainer:
         if len(mb) == 0:  # no row carries a gradient: a zero gradient still moves Adam (momentum, decay)
             for p in params:
                 p.grad = torch.zeros_like(p)
-        self.world.sum_gradients(params)  # the global minibatch's gradient (lmrl.distributed)
+        if not self.world.sharded:  # (FSDP's reduce-scatter has summed them into each rank's shard)
+            self.world.sum_gradients(params)  # the global minibatch's gradient (lmrl.distributed)
         finite = self.world.all(finite)  # every rank skips, or none
         # the norm is needed either way: a non-finite gradient skips the step (max_norm=inf scales by exactly 1)
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
@@ -437,6 +497,16 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         return stats
+
+    def _idle_backward(self) -> None:
+        """A forward and backward that add nothing to any gradient, by a rank with fewer micro-batches than
+        another: each gathers the sharded weights with the other ranks, so every rank makes as many."""
+        seqs, attn, T = idle_batch(self.world.device)
+        logp, _ = self._policy_forward(seqs, attn, T, grad=True)
+        loss = logp.sum() * 0.0
+        if self.models.critic is not None:
+            loss = loss + self._critic_forward(seqs, attn, T, grad=True).sum() * 0.0
+        loss.backward()
 
     def _rows_with_gradient(self, mb: Experience) -> torch.Tensor:
         """Indices of the rows whose loss has a gradient. A row whose advantages are all 0 adds exactly 0 to
@@ -489,7 +559,10 @@ class Trainer:
         ranks evaluate a share of the prompts each, and the means are over all of them."""
         rows = self.data.eval_rows[self.world.rank::self.world.size]
         sums = torch.zeros(4, dtype=torch.float64)
-        if rows:
+        if not rows:  # every rank gathers the sharded weights for generation, even one without prompts
+            with full_weights(self.units.get("policy", [])):
+                pass
+        else:
             rollout, out = self.generate_and_score(rows, 1, temperature=0.0)
             sums = torch.stack([out.scores.double().sum(), (out.scores > 0).double().sum(),
                                 rollout.lengths.double().sum(), torch.tensor(float(len(rows)), dtype=torch.float64)])
@@ -527,19 +600,27 @@ class Trainer:
     def save(self, directory: str | Path, final: bool = False) -> None:
         """A model plain transformers loads (`save_pretrained`), its tokenizer and the run's config, written
         atomically. A LoRA run saves adapters in checkpoints and merges them into the final model."""
-        if not all_finite(self._trained_modules()):
+        if not self._finite():
             raise RunError(f"{directory}: the weights are not finite; refusing to save them ({self._last_good()})")
-        with atomic_directory(Path(directory)) as tmp:
+        with atomic_directory(Path(directory), self.world) as tmp:  # several ranks: every one calls save
             self._save_model_files(tmp, final)
 
     def _save_model_files(self, directory: Path, final: bool = False) -> None:
+        """Rank 0 writes; every rank calls it (sharded weights are gathered from all of them first)."""
+        policy, critic = (whole_state(m) if self.world.sharded else None for m in (self.policy, self.models.critic))
+        if not self.world.main:
+            return
         model = self.policy.merge_and_unload() if final and hasattr(self.policy, "merge_and_unload") else self.policy
         with quiet_progress_bars():
-            model.save_pretrained(directory)
+            model.save_pretrained(directory, state_dict=policy)
         self.tokenizer.save_pretrained(directory)
         (directory / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
         if self.models.critic is not None:
-            self.models.critic.save_pretrained(directory / "critic")
+            self.models.critic.save_pretrained(directory / "critic", state_dict=critic)
+
+    def _finite(self) -> bool:
+        """Every trained weight of every rank is finite."""
+        return self.world.all(all_finite(self._trained_modules()))
 
     # ------------------------------------------------------------------------------ checkpoint, resume
     def save_checkpoint(self, step: int, rng: dict[str, Any] | None = None) -> Path:
@@ -548,7 +629,7 @@ class Trainer:
         path = self.out / f"checkpoint-{step}"
         if self._saved_step == step and path.is_dir():
             return path
-        if not all_finite(self._trained_modules()):
+        if not self._finite():
             raise RunError(f"step {step}: the weights are not finite after the update (optim.lr={self.cfg.optim.lr:g} too "
                            f"high?); no checkpoint written ({self._last_good()})")
         state = {"step": step, "elapsed": self._elapsed, "scheduler": self.scheduler.state_dict(),
@@ -561,7 +642,7 @@ class Trainer:
             if self.world.main:
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
                 (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-                self._save_model_files(tmp)  # with lmrl_config.yaml, the config a resume is checked against
+            self._save_model_files(tmp)  # with lmrl_config.yaml, the config a resume is checked against
         if self.world.main:
             prune(self.out, self.cfg.train.keep_last)
         self._saved_step = step
@@ -695,6 +776,15 @@ class Trainer:
                                f"({'no step had completed' if step < 1 else self._last_good()})", self._stop_signal)
         return Interrupted(f"{name}: stopped after step {step}; checkpoint {path} written; add train.resume=auto "
                            "to the same command to continue", self._stop_signal)
+
+    def _note(self, line: str) -> None:
+        """A line about how the run runs (rank 0 alone), printed even without the live console."""
+        if not self.world.main:
+            return
+        if self.console.enabled:
+            self.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
 
     def _warn(self, line: str) -> None:
         if not self.world.main:

@@ -3,11 +3,17 @@
 the update sums gradients over ranks. Rank 0 saves the trained parameters to OUT/<algorithm>.pt.
 
     python tests/dist_driver.py OUT grpo rloo ppo
-    torchrun --standalone --nproc_per_node 2 tests/dist_driver.py OUT grpo rloo ppo
+    BATCHES=OUT torchrun --standalone --nproc_per_node 2 tests/dist_driver.py OUT2 grpo rloo ppo
+
+One process also saves each global batch it collected (OUT/<algorithm>.batch.pt); with BATCHES set, the
+ranks take those instead of collecting their own. The same prompts and seeds give the same completions
+either way, but under FSDP generation takes transformers' decode instead of lmrl's fast decoder, whose
+sampling log-probs differ in float rounding, and RLOO's KL in the reward reads them.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -24,8 +30,10 @@ COMMON = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_p
 
 
 def share(c: Collected, world, group_size: int) -> Collected:
-    """This rank's whole groups of a collected batch."""
-    groups = world.shard(len(c.rows))
+    """This rank's whole groups of a collected batch (rank r of W takes groups r*n//W .. (r+1)*n//W: DAPO's
+    dynamic sampling may keep a number of groups that does not split evenly)."""
+    n = len(c.rows)
+    groups = slice(world.rank * n // world.size, (world.rank + 1) * n // world.size)
     index = torch.arange(groups.start * group_size, groups.stop * group_size)
     rollout = select_rollout(c.rollout, index)
     rollout.prompt_index = torch.arange(groups.stop - groups.start).repeat_interleave(group_size)
@@ -36,7 +44,24 @@ def share(c: Collected, world, group_size: int) -> Collected:
 
 # variants of GRPO that must keep working on several ranks
 VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"],
-            "grpo-checkpointing": ["algorithm=grpo", "model.gradient_checkpointing=true"]}
+            "grpo-checkpointing": ["algorithm=grpo", "model.gradient_checkpointing=true"],
+            # DAPO with dynamic sampling: one round keeps 3 groups of 8 (seed 0), split 1 + 2 over 2 ranks, and
+            # micro-batches of one group, so that the ranks make different numbers of forwards
+            "dapo": ["algorithm=dapo", "algorithm.max_sampling_rounds=1", "train.seed=0", "optim.micro_batch_size=4",
+                     "train.share_prompt=false"]}
+# train.share_prompt=false where ranks batch rows differently than one process does (uneven shares; FSDP, under
+# which the shared-prompt forward steps aside): its float rounding depends on which rows share a forward, and
+# AdamW's first step, lr * g / (|g| + eps), turns 1e-7 of rounding in a near-zero gradient into 1e-5 of weight
+# "<name>-fsdp": the same with the models sharded by FSDP2 (train.parallel=fsdp)
+VARIANTS |= {f"{name}-fsdp": [*VARIANTS.get(name, [f"algorithm={name}"]), "train.parallel=fsdp", "train.share_prompt=false"]
+             for name in ("grpo", "rloo", "ppo", "dapo", "grpo-checkpointing")}
+
+
+def full_state(module) -> dict[str, torch.Tensor]:
+    """The whole parameters of a module, sharded or not (a collective when sharded: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
 def main(out: Path, algorithms: list[str]) -> None:
@@ -45,14 +70,19 @@ def main(out: Path, algorithms: list[str]) -> None:
         cfg = load_config(None, [*COMMON, *chosen, f"train.output_dir={out}/{name}"])
         trainer = Trainer(cfg)
         world, trainer.world = trainer.world, ONE_PROCESS
-        c = trainer.collect(1)  # the global batch as one process collects it: seeded, the same on every rank
+        if os.environ.get("BATCHES"):
+            c = torch.load(Path(os.environ["BATCHES"]) / f"{name}.batch.pt", weights_only=False)
+        else:
+            c = trainer.collect(1)  # the global batch as one process collects it: seeded, the same on every rank
+            if not world.distributed:
+                torch.save(c, out / f"{name}.batch.pt")
         trainer.world = world
         trainer.update(trainer.experience(share(c, world, cfg.rollout.group_size)))
+        params = {f"policy.{k}": v for k, v in full_state(trainer.policy).items()}
+        if trainer.models.critic is not None:
+            params |= {f"critic.{k}": v for k, v in full_state(trainer.models.critic).items()}
         if trainer.world.main:
-            params = {f"policy.{k}": v for k, v in trainer.policy.state_dict().items()}
-            if trainer.models.critic is not None:
-                params |= {f"critic.{k}": v for k, v in trainer.models.critic.state_dict().items()}
-            torch.save(params, out / f"{name}.pt")
+            torch.save({"params": params, "groups": len(c.rows), "sharded": trainer.world.sharded}, out / f"{name}.pt")
 
 
 if __name__ == "__main__":

@@ -19,13 +19,15 @@ from lmrl.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "dist_driver.py"
 # grpo: group statistics (local to a rank); rloo: KL in the reward against a reference model; ppo: a critic,
-# GAE and batch whitening; reinforce_pp: whitening across the batch of both ranks; and GRPO with LoRA adapters
-# and with gradient checkpointing (tests/dist_driver.py)
-ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpointing"]
+# GAE and batch whitening; reinforce_pp: whitening across the batch of both ranks; GRPO with LoRA adapters and
+# with gradient checkpointing; DAPO with dynamic sampling keeping groups that split unevenly over the ranks; then
+# the models sharded by FSDP2 (tests/dist_driver.py)
+ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpointing", "dapo",
+              "grpo-fsdp", "rloo-fsdp", "ppo-fsdp", "dapo-fsdp", "grpo-checkpointing-fsdp"]
 
 
-def _run(cmd: list[str], out: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def _run(cmd: list[str], out: Path, batches: Path | None = None) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BATCHES": str(batches or "")}
     proc = subprocess.run([*cmd, str(DRIVER), str(out), *ALGORITHMS], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,15 +37,18 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     _run([sys.executable], one)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], two)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], two, batches=one)
     from safetensors.torch import load_file
 
     from lmrl.models.shipped import SHIPPED_MODEL
 
     start = load_file(SHIPPED_MODEL / "model.safetensors")
     for name in ALGORITHMS:
-        a, b = torch.load(one / f"{name}.pt"), torch.load(two / f"{name}.pt")
-        assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == (name == "ppo")
+        one_process, two_ranks = torch.load(one / f"{name}.pt"), torch.load(two / f"{name}.pt")
+        assert not one_process["sharded"] and two_ranks["sharded"] == name.endswith("-fsdp"), name
+        assert one_process["groups"] == two_ranks["groups"] == (3 if name.startswith("dapo") else 8), name
+        a, b = one_process["params"], two_ranks["params"]
+        assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == name.startswith("ppo")
         if name == "grpo-lora":  # the adapters moved; the base is frozen
             moved = max(v.abs().max().item() for k, v in a.items() if "lora_B" in k)
         else:
@@ -117,10 +122,12 @@ def _train(cwd: Path, launcher: list[str], *args: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path, parallel):
     """2 ranks write sharded state (one torch.distributed.checkpoint file per rank, each rank's RNGs); one
-    process resumes from it with exactly the saved weights and optimizer, and 2 ranks resume from that."""
-    _train(tmp_path, TORCHRUN, "train.steps=2")
+    process resumes from it with exactly the saved weights and optimizer, and 2 ranks resume from that.
+    With fsdp each rank's file holds its shard of the weights and moments."""
+    _train(tmp_path, TORCHRUN, "train.steps=2", f"train.parallel={parallel}")
     saved = tmp_path / "out" / "checkpoint-2"
     assert sorted(p.name for p in (saved / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert (saved / "rng_state_0.pt").is_file() and (saved / "rng_state_1.pt").is_file()
@@ -139,7 +146,7 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
     assert all(int(s["step"]) == 2 for s in trainer.optimizer.state_dict()["state"].values())
 
     _train(tmp_path, [sys.executable], "train.steps=3", "train.resume=auto")  # 2 ranks -> 1 process
-    _train(tmp_path, TORCHRUN, "train.steps=4", "train.resume=auto")  # 1 process -> 2 ranks
+    _train(tmp_path, TORCHRUN, "train.steps=4", "train.resume=auto", f"train.parallel={parallel}")  # -> 2 ranks
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())["world_size"] == 2
@@ -190,3 +197,55 @@ def test_reward_normalisation_on_one_rank_is_the_single_process_one():
     scores = torch.tensor([0.0, 3.0, 1.0, 1.0, 5.0], dtype=torch.float64)
     ones = torch.ones_like(scores, dtype=torch.bool)
     torch.testing.assert_close(masked_whiten(scores, ones, World(size=1)), normalize_rewards(scores))
+
+
+def test_parallel_is_chosen_by_size_and_what_fsdp_shards():
+    from lmrl.distributed import FSDP_AUTO_PARAMS, choose_parallel
+
+    small, big = torch.nn.Linear(4, 4), torch.nn.Module()
+    big.w = torch.nn.Parameter(torch.empty(FSDP_AUTO_PARAMS, device="meta"))
+    two = World(rank=0, size=2)
+    assert choose_parallel("auto", World(), big, False, False) == "none"  # one process: nothing to choose
+    assert choose_parallel("auto", two, small, False, False) == "ddp"
+    assert choose_parallel("auto", two, big, False, False) == "fsdp"
+    assert choose_parallel("auto", two, big, True, False) == "ddp"  # LoRA: not sharded yet
+    assert choose_parallel("auto", two, big, False, True) == "ddp"  # a sampler copy in rollout.dtype
+    assert choose_parallel("fsdp", two, small, False, False) == "fsdp"
+
+
+@pytest.mark.parametrize("override, says", [
+    ("model.lora={r: 4}", "train.parallel: fsdp does not shard LoRA runs yet; use train.parallel=ddp"),
+    ("rollout.dtype=bfloat16", "train.parallel: fsdp does not keep a sampler copy in rollout.dtype"),
+])
+def test_fsdp_refuses_what_it_does_not_shard_in_one_line(override, says):
+    from lmrl.config import load_config
+
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, ["train.parallel=fsdp", override])
+
+
+ONE_SIDED = '''
+import os
+
+def rank_0_informs(prompts, completions, **kw):
+    """Rewards that differ within a group on rank 0 and are all equal on rank 1."""
+    if os.environ.get("RANK") == "1":
+        return [0.0] * len(completions)
+    return [float(i % 2) for i in range(len(completions))]
+'''
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_dynamic_sampling_keeps_groups_wherever_they_are(tmp_path, parallel):
+    """DAPO under torchrun keeps the first informative groups of the whole round, as one process would: here
+    all of them are on rank 0 (2 rounds of 4), and rank 1, left with none, keeps in step (a group outside the
+    loss) instead of hanging or failing."""
+    (tmp_path / "r.py").write_text(ONE_SIDED)
+    _train(tmp_path, TORCHRUN, "algorithm=dapo", "train.steps=2", "train.save_every=0", "data.num_eval_prompts=0",
+           "reward.functions=[r.py:rank_0_informs]", "reward.overlong_buffer=null", f"train.parallel={parallel}")
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["dynamic_sampling/rounds"] == 2 and r["dynamic_sampling/kept_groups"] == 8
+        assert r["dynamic_sampling/filtered_groups"] == 8  # rank 1's 4 groups in each round
+        assert r["guard/empty_update"] == 0 and r["guard/skipped_updates"] == 0

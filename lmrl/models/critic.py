@@ -97,11 +97,16 @@ class ValueModel(nn.Module):
             model.value_head.load_state_dict(load_file(head_path))
         return model
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write the backbone with `save_pretrained` and the head to `value_head.safetensors`."""
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the backbone with `save_pretrained` and the head to `value_head.safetensors`. `state_dict`:
+        this model's whole weights when its parameters are not (FSDP-sharded ones)."""
         os.makedirs(directory, exist_ok=True)
-        self.backbone.save_pretrained(directory)
-        state = {k: v.detach().float().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
+        if state_dict is None:
+            state_dict = self.state_dict()
+        backbone = {k.removeprefix("backbone."): v for k, v in state_dict.items() if k.startswith("backbone.")}
+        self.backbone.save_pretrained(directory, state_dict=backbone)
+        state = {k.removeprefix("value_head."): v.detach().float().cpu().contiguous()
+                 for k, v in state_dict.items() if k.startswith("value_head.")}
         save_file(state, os.path.join(directory, HEAD_FILE))
 
     def forward(
