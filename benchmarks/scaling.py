@@ -3,7 +3,7 @@ peak memory per rank with the policy sharded (FSDP2) against whole on every rank
 
     python benchmarks/scaling.py               # 30 steps of 32 prompts x 8 completions, three ways: about 40 s on 2 cores
     python benchmarks/scaling.py --steps 10    # quicker, noisier
-    python benchmarks/scaling.py --memory      # peak memory per rank, ddp against fsdp: about 1 min
+    python benchmarks/scaling.py --memory      # peak memory per rank, ddp against fsdp: about 3 min
 
 Three runs of `lmrl train` on the shipped tiny model and the addition task, the same config and seed, no evaluation:
     1 rank  x 1 thread    python -m lmrl.cli train train.threads=1
@@ -13,7 +13,7 @@ Throughput is completions per second over the training steps (the last metrics r
 `time/elapsed`: process start-up, model loading and the first evaluation excluded), printed with its ratio to
 1 rank x 1 thread, measured in the same run of this script (timings on a shared machine drift; ratios less so).
 
---memory: 2 ranks train a Llama built here with random weights (hidden 1024, 8 layers: 110M parameters, 0.44 GB in
+--memory: 2 ranks train a Llama built here with random weights (hidden 1024, 8 layers: 103M parameters, 0.41 GB in
 float32; the shipped tokenizer), 3 steps of 8 prompts x 4, once with train.parallel=ddp and once with fsdp. Peak
 memory is the largest resident set of any rank over the run (the kernel's maxrss of torchrun's children), model
 loading included: each rank loads the whole model before sharding it, and gathers the whole policy to generate.
@@ -81,10 +81,10 @@ def peak_rss_gb(command: list[str]) -> float:
     return int(kb) / 2**20
 
 
-def memory(steps: int) -> None:
+def memory(steps: int, hidden: int, layers: int) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     with tempfile.TemporaryDirectory(prefix="lmrl-memory-") as tmp:
-        count = bigger_model(Path(tmp) / "model")
+        count = bigger_model(Path(tmp) / "model", hidden, layers)
         print(f"scaling --memory: a {count / 1e6:.0f}M-parameter Llama ({count * 4 / 1e9:.2f} GB float32), 2 ranks, "
               f"{steps} steps x 32 completions")
         peaks = {}
@@ -102,9 +102,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory", action="store_true", help="peak memory per rank, ddp against fsdp")
+    parser.add_argument("--hidden", type=int, default=1024, help="--memory: the model's hidden size")
+    parser.add_argument("--layers", type=int, default=8, help="--memory: the model's decoder layers")
     args = parser.parse_args()
     if args.memory:
-        memory(min(args.steps, 3))
+        memory(min(args.steps, 3), args.hidden, args.layers)
         return
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     ways = [("1 rank  x 1 thread ", [sys.executable], 1), ("1 rank  x 2 threads", [sys.executable], 2),

@@ -613,10 +613,10 @@ class Trainer:
         model = self.policy.merge_and_unload() if final and hasattr(self.policy, "merge_and_unload") else self.policy
         with quiet_progress_bars():
             model.save_pretrained(directory, state_dict=policy)
+            if self.models.critic is not None:
+                self.models.critic.save_pretrained(directory / "critic", state_dict=critic)
         self.tokenizer.save_pretrained(directory)
         (directory / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
-        if self.models.critic is not None:
-            self.models.critic.save_pretrained(directory / "critic", state_dict=critic)
 
     def _finite(self) -> bool:
         """Every trained weight of every rank is finite."""

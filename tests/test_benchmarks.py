@@ -26,3 +26,11 @@ def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
     ratios = re.findall(r"completions/s\s+([\d.]+)x", out)
     assert len(ratios) == 3 and ratios[0] == "1.00", out
     assert "2 ranks x 1 thread" in out
+
+
+def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--memory", "--steps", "1",
+                          "--hidden", "64", "--layers", "2"], capture_output=True, text=True, timeout=300, check=True).stdout
+    peaks = re.findall(r"train.parallel=(\w+)\s+peak memory per rank\s+([\d.]+) GB\s+([\d.]+)x", out)
+    assert [p[0] for p in peaks] == ["ddp", "fsdp"] and peaks[0][2] == "1.00", out
+    assert all(float(p[1]) > 0.1 for p in peaks), out  # a real resident set, not a zero from a failed run

@@ -115,11 +115,13 @@ SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_pr
          "log.console=false", "train.threads=1", "train.save_every=1"]
 
 
-def _train(cwd: Path, launcher: list[str], *args: str) -> None:
+def _train(cwd: Path, launcher: list[str], *args: str) -> str:
+    """stdout of an `lmrl train` that succeeded."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*launcher, "-m", "lmrl.cli", "train", *SMALL, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -127,7 +129,9 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path, parallel):
     """2 ranks write sharded state (one torch.distributed.checkpoint file per rank, each rank's RNGs); one
     process resumes from it with exactly the saved weights and optimizer, and 2 ranks resume from that.
     With fsdp each rank's file holds its shard of the weights and moments."""
-    _train(tmp_path, TORCHRUN, "train.steps=2", f"train.parallel={parallel}")
+    said = _train(tmp_path, TORCHRUN, "train.steps=2", f"train.parallel={parallel}").splitlines()
+    assert f"2 ranks, train.parallel={parallel}" in said  # and what steps aside under fsdp, with the reason:
+    assert any(line.startswith("fsdp: the shared-prompt forward and the fast decoder") for line in said) == (parallel == "fsdp")
     saved = tmp_path / "out" / "checkpoint-2"
     assert sorted(p.name for p in (saved / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert (saved / "rng_state_0.pt").is_file() and (saved / "rng_state_1.pt").is_file()

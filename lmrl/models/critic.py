@@ -130,7 +130,8 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # [B, S, H]
-        return self.value_head(hidden.float()).squeeze(-1)  # [B, S]
+        # [B, S], a copy: FSDP warns that a view as a module's output could lose its backward hook
+        return self.value_head(hidden.float()).squeeze(-1).clone()
 
     def response_values(
         self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int
