@@ -9,7 +9,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from lmrl.errors import LmrlError
+from lmrl.errors import Interrupted, LmrlError, print_line
 
 EXAMPLES = """\
 examples:
@@ -57,6 +57,18 @@ def _positive_float(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # a rank under torchrun ends here, its output flushed and its process group left: static destructors
+        # run at a normal exit can abort ("terminate called without an active exception", seen about once in
+        # 20 runs on a loaded machine) and turn a finished run's exit 0 into a SIGABRT
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _Parser(
         prog="lmrl", description="Reinforcement-learning post-training of language models.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -97,13 +109,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.traceback or os.environ.get("LMRL_TRACEBACK", "") not in ("", "0"):
             traceback.print_exc()
         line = _one_line(e)
+        if isinstance(e, Interrupted) and os.environ.get("RANK", "0") != "0":
+            return e.exit_code  # every rank stopped after the same checkpoint: rank 0 says so
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not line.startswith("rank "):  # under torchrun: which rank
             line = f"rank {os.environ.get('RANK', '?')}: {line}"
-        print(f"lmrl: error: {line}", file=sys.stderr)
+        print_line(f"lmrl: error: {line}")
         return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:  # lmrl eval, or train before its loop installs its own handler
         print("lmrl: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Under torchrun, leave the process group before exiting (its threads stop with it)."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _train(args) -> int:
@@ -125,12 +150,12 @@ def _train(args) -> int:
     from lmrl.build import SlowBf16Warning, slow_bf16_warning
 
     if (note := slow_bf16_warning(cfg)) is not None and main_rank:
-        print(f"lmrl: warning: {note}", file=sys.stderr)
+        print_line(f"lmrl: warning: {note}")
     if args.dry_run:  # a run prints these when it starts
         from lmrl.config import config_warnings
 
         for line in config_warnings(cfg):
-            print(f"lmrl: warning: {line}", file=sys.stderr)
+            print_line(f"lmrl: warning: {line}")
         return 0
     from lmrl.checkpoint import RunLock, plan_run
 
@@ -177,8 +202,13 @@ def _eval(args) -> int:
 
 def _exec_torchrun(args) -> None:
     """Become `torchrun --standalone --nproc_per_node N -m lmrl.cli train ARGS` (this process is replaced, so
-    signals reach torchrun, which passes them to every rank)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+    signals reach torchrun, which passes them to every rank). torchrun kills the ranks `--shutdown_timeout`
+    seconds (30 by default) after passing a signal on; they get 10 minutes to finish the step and its checkpoint."""
+    from torch.distributed.run import get_args_parser
+
+    options = {o for action in get_args_parser()._actions for o in action.option_strings}
+    grace = ["--shutdown_timeout=600"] if "--shutdown_timeout" in options else []  # (an option of recent torchruns)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *grace,
            "-m", "lmrl.cli", "train", *args.args, *(["--traceback"] if args.traceback else [])]
     sys.stdout.flush()
     os.execv(sys.executable, cmd)

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class LmrlError(Exception):
     """An error with a one-line message that says what is wrong and, where it can, what to do."""
@@ -47,3 +49,9 @@ class Interrupted(LmrlError):
         super().__init__(message)
         self.exit_code = 128 + signum
 
+
+def print_line(line: str) -> None:
+    """`line` to stderr in one write, so that another process writing the same stream (torchrun, another rank)
+    cannot split it: print() writes the text and its newline separately."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

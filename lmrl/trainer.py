@@ -27,7 +27,6 @@ import json
 import math
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -75,7 +74,7 @@ from lmrl.distributed import (
     whole_state,
     with_sharding,
 )
-from lmrl.errors import Interrupted, LmrlError, ModelError, RunError
+from lmrl.errors import Interrupted, LmrlError, ModelError, RunError, print_line
 from lmrl.experience import (
     Experience,
     concat_rollouts,
@@ -241,7 +240,7 @@ class Trainer:
                     raise failed
                 if cfg.train.save_every and (step % cfg.train.save_every == 0 or last):
                     self.save_checkpoint(step)
-                if self._stop_signal is not None:
+                if self._stopping():
                     raise self._interrupted(step, self.save_checkpoint(step))
                 if out_of_time:
                     self.console.print(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
@@ -698,8 +697,8 @@ class Trainer:
     def _signals(self):
         """SIGINT / SIGTERM: the first stops the run after a checkpoint (at once when the step can still be
         abandoned, else once it ends); a second one exits immediately. Main thread only (signal's rule)."""
-        if threading.current_thread() is not threading.main_thread() or self.world.distributed:
-            yield  # under torchrun a signal ends every rank without a checkpoint (not built yet: docs/scaling.md)
+        if threading.current_thread() is not threading.main_thread():
+            yield
             return
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in previous:
@@ -710,14 +709,25 @@ class Trainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    def _stopping(self) -> bool:
+        """A signal asked the run to stop. Under torchrun, which forwards its signal to every rank, the ranks
+        agree at the end of each step, so that they stop after the same one and checkpoint it together."""
+        if self.world.distributed:
+            signum = self.world.most(self._stop_signal or 0)
+            self._stop_signal = signum or None
+        return self._stop_signal is not None
+
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self._stop_signal is not None:
-            print(f"lmrl: {name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            print_line(f"lmrl: {name} again: exiting now, without a checkpoint")
             _EXIT_NOW(128 + signum)
         self._stop_signal = signum
-        print(f"lmrl: {name} received: stopping after a checkpoint ({name} again to exit at once)",
-              file=sys.stderr, flush=True)
+        if self.world.distributed:  # torchrun forwards its signal to every rank; rank 0 says it
+            if self.world.main:
+                print_line(f"lmrl: {name} received: every rank stops after this step's checkpoint")
+            return
+        print_line(f"lmrl: {name} received: stopping after a checkpoint ({name} again to exit at once)")
         if self._abandon_at is not None:
             raise _AbandonStep(signum)
 
@@ -792,7 +802,7 @@ class Trainer:
         if self.console.enabled:
             self.console.print(f"lmrl: warning: {line}", style="yellow", markup=False, highlight=False)
         else:
-            print(f"lmrl: warning: {line}", file=sys.stderr, flush=True)
+            print_line(f"lmrl: warning: {line}")
 
 def _prompt_text(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else " | ".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)

@@ -87,3 +87,7 @@ def main(out: Path, algorithms: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
+    if torch.distributed.is_initialized():  # as lmrl.cli.main ends a rank
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)

@@ -253,3 +253,55 @@ def test_dynamic_sampling_keeps_groups_wherever_they_are(tmp_path, parallel):
         assert r["dynamic_sampling/rounds"] == 2 and r["dynamic_sampling/kept_groups"] == 8
         assert r["dynamic_sampling/filtered_groups"] == 8  # rank 1's 4 groups in each round
         assert r["guard/empty_update"] == 0 and r["guard/skipped_updates"] == 0
+
+
+STOP_ONCE = '''
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+async def stop_once(prompts, completions, answer, **kw):
+    """Exact match. Its second call on rank 0 (step 2) sends SIGTERM to torchrun, this process's parent, once, and
+    returns only after torchrun has passed the signal on to this rank (async: it runs in the main thread, where
+    signal handlers run), so that the signal arrives in step 2 however slow the machine."""
+    stop_once.calls = getattr(stop_once, "calls", 0) + 1
+    if os.environ.get("RANK") == "0" and stop_once.calls == 2 and not Path("signalled").exists():
+        Path("signalled").touch()
+        arrived, trainers = [], signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda signum, frame: (arrived.append(signum), trainers(signum, frame)))
+        os.kill(os.getppid(), signal.SIGTERM)
+        while not arrived:  # (reward.timeout bounds the wait)
+            await asyncio.sleep(0.01)
+        signal.signal(signal.SIGTERM, trainers)
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+'''
+
+
+def test_a_signal_to_torchrun_stops_every_rank_after_one_checkpoint(tmp_path):
+    """torchrun passes SIGTERM to every rank; the ranks finish the step, agree to stop, checkpoint it together
+    and exit 143 with rank 0's one line. Resumed, the run ends as the run that was never stopped."""
+    (tmp_path / "r.py").write_text(STOP_ONCE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = ["train.steps=3", "train.save_every=0", "data.num_eval_prompts=0", "reward.functions=[r.py:stop_once]"]
+    stopped = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", *SMALL, *args], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert stopped.returncode != 0
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("lmrl: ")]
+    assert errors == ["lmrl: SIGTERM received: every rank stops after this step's checkpoint",
+                      "lmrl: error: rank 0: SIGTERM: stopped after step 2; checkpoint out/checkpoint-2 written; add "
+                      "train.resume=auto to the same command to continue"], stopped.stderr[-3000:]
+    assert (tmp_path / "out" / "checkpoint-2" / "COMPLETE").is_file() and not (tmp_path / "out" / "final").exists()
+
+    _train(tmp_path, TORCHRUN, *args, "train.resume=auto")
+    _train(tmp_path, TORCHRUN, *args, "train.output_dir=straight")
+    from safetensors.torch import load_file
+
+    def rows(run: str) -> list[dict]:
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        timing = ("time", "eps", "reward/stop_once/seconds")  # wall-clock metrics: all a resume may change
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(timing)} for line in lines]
+
+    assert rows("out") == rows("straight") and [r["step"] for r in rows("out")] == [1, 2, 3]
+    resumed, straight = load_file(tmp_path / "out/final/model.safetensors"), load_file(tmp_path / "straight/final/model.safetensors")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
