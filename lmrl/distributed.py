@@ -196,15 +196,23 @@ def idle_batch(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, 
     return (torch.zeros(1, 2, dtype=torch.long, device=device), torch.ones(1, 2, dtype=torch.bool, device=device), 1)
 
 
-def choose_parallel(setting: str, world: World, policy: torch.nn.Module, lora: bool, sampler_copy: bool) -> str:
-    """"ddp" or "fsdp" for `train.parallel` under torchrun ("none" in one process). auto: fsdp from
+def choose_parallel(setting: str, world: World, policy: torch.nn.Module, lora: bool, sampler_copy: bool) -> tuple[str, str]:
+    """("ddp" or "fsdp", why) for `train.parallel` under torchrun (("none", "") in one process). auto: fsdp from
     FSDP_AUTO_PARAMS parameters, except for what fsdp does not shard (a LoRA run, a sampler copy)."""
     if not world.distributed:
-        return "none"
+        return "none", ""
     if setting != "auto":
-        return setting
-    big = sum(p.numel() for p in policy.parameters()) >= FSDP_AUTO_PARAMS
-    return "fsdp" if big and not lora and not sampler_copy else "ddp"
+        return setting, "as set"
+    count = sum(p.numel() for p in policy.parameters())
+    if count < FSDP_AUTO_PARAMS:
+        return "ddp", f"auto: {_amount(count)} parameters, fewer than {_amount(FSDP_AUTO_PARAMS)}"
+    if lora or sampler_copy:
+        return "ddp", f"auto: fsdp does not shard {'LoRA runs' if lora else 'a sampler copy in rollout.dtype'} yet"
+    return "fsdp", f"auto: {_amount(count)} parameters"
+
+
+def _amount(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -284,10 +284,10 @@ class Trainer:
         """train.parallel under torchrun: ddp keeps every model whole on every rank; fsdp shards the policy,
         reference and critic (`lmrl.distributed.shard`) and returns their units by name."""
         cfg, world = self.cfg, self.world
-        mode = choose_parallel(cfg.train.parallel, world, self.policy, cfg.model.lora is not None, cfg.samples_with_copy)
+        mode, why = choose_parallel(cfg.train.parallel, world, self.policy, cfg.model.lora is not None, cfg.samples_with_copy)
         if mode == "none":
             return {}
-        self.notes.append(f"{world.size} ranks, train.parallel={mode}" + (" (auto)" if cfg.train.parallel == "auto" else ""))
+        self.notes.append(f"{world.size} ranks, train.parallel={mode} ({why})")
         if mode == "ddp":
             return {}
         self.world = with_sharding(world, True)

@@ -130,7 +130,7 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path, parallel):
     process resumes from it with exactly the saved weights and optimizer, and 2 ranks resume from that.
     With fsdp each rank's file holds its shard of the weights and moments."""
     said = _train(tmp_path, TORCHRUN, "train.steps=2", f"train.parallel={parallel}").splitlines()
-    assert f"2 ranks, train.parallel={parallel}" in said  # and what steps aside under fsdp, with the reason:
+    assert f"2 ranks, train.parallel={parallel} (as set)" in said  # and what steps aside under fsdp, with the reason:
     assert any(line.startswith("fsdp: the shared-prompt forward and the fast decoder") for line in said) == (parallel == "fsdp")
     saved = tmp_path / "out" / "checkpoint-2"
     assert sorted(p.name for p in (saved / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
@@ -209,12 +209,12 @@ def test_parallel_is_chosen_by_size_and_what_fsdp_shards():
     small, big = torch.nn.Linear(4, 4), torch.nn.Module()
     big.w = torch.nn.Parameter(torch.empty(FSDP_AUTO_PARAMS, device="meta"))
     two = World(rank=0, size=2)
-    assert choose_parallel("auto", World(), big, False, False) == "none"  # one process: nothing to choose
-    assert choose_parallel("auto", two, small, False, False) == "ddp"
-    assert choose_parallel("auto", two, big, False, False) == "fsdp"
-    assert choose_parallel("auto", two, big, True, False) == "ddp"  # LoRA: not sharded yet
-    assert choose_parallel("auto", two, big, False, True) == "ddp"  # a sampler copy in rollout.dtype
-    assert choose_parallel("fsdp", two, small, False, False) == "fsdp"
+    assert choose_parallel("auto", World(), big, False, False) == ("none", "")  # one process: nothing to choose
+    assert choose_parallel("auto", two, small, False, False) == ("ddp", "auto: 20 parameters, fewer than 1B")
+    assert choose_parallel("auto", two, big, False, False) == ("fsdp", "auto: 1B parameters")
+    assert choose_parallel("auto", two, big, True, False) == ("ddp", "auto: fsdp does not shard LoRA runs yet")
+    assert choose_parallel("auto", two, big, False, True)[0] == "ddp"  # a sampler copy in rollout.dtype
+    assert choose_parallel("fsdp", two, small, False, False) == ("fsdp", "as set")
 
 
 @pytest.mark.parametrize("override, says", [
