@@ -9,3 +9,18 @@ Shape notation used across the package:
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Config", "Trainer", "load_config"]
+
+
+def __getattr__(name: str):
+    # `from lmrl import Trainer` without importing torch for `import lmrl` or `from lmrl import Config`
+    if name in ("Config", "load_config"):
+        from lmrl import config
+
+        return getattr(config, name)
+    if name == "Trainer":
+        from lmrl.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'lmrl' has no attribute {name!r}")

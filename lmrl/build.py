@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lmrl.config import Config
-from lmrl.errors import ConfigError
+from lmrl.errors import ConfigError, DataError
 from lmrl.models.loading import (
     DTYPES,
     enable_gradient_checkpointing,
@@ -235,13 +235,14 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     if task is not None:
         train_rows = checked(task.train_prompts(), f"data.task={task.name}")
     elif train_rows is not None:
-        train_rows = checked(list(train_rows), "train_dataset")
+        train_rows = checked(list(_split(train_rows, d.split, "train_dataset", "data.split")), "train_dataset")
     else:
         train_rows = from_file(d.path, d.split, "data.path")
     if d.num_eval_prompts == 0:
         eval_rows = []
     elif eval_rows is not None:
-        eval_rows = checked(list(eval_rows)[: d.num_eval_prompts], "eval_dataset")
+        eval_rows = checked(list(_split(eval_rows, d.eval_split, "eval_dataset", "data.eval_split"))[: d.num_eval_prompts],
+                            "eval_dataset")
     elif task is not None:
         eval_rows = checked(task.eval_prompts()[: d.num_eval_prompts], f"data.task={task.name}")
     elif d.eval_path is not None:
@@ -249,6 +250,15 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     else:
         eval_rows = []
     return Data(train_rows, eval_rows, rewards, getattr(task, "name", None), skipped, longest)
+
+
+def _split(dataset: Any, split: str, source: str, key: str) -> Any:
+    """A `datasets.DatasetDict` (a dict of datasets) gives its `split`; anything else is rows already."""
+    if not (isinstance(dataset, dict) and dataset and all(hasattr(v, "column_names") for v in dataset.values())):
+        return dataset
+    if split not in dataset:
+        raise DataError(f"{source}: a DatasetDict without a {split!r} split ({key}); its splits: {', '.join(dataset)}")
+    return dataset[split]
 
 
 def _left_out(source: str, bad: list[Any], kept: int) -> str:

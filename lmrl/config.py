@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from lmrl.errors import ConfigError
 
@@ -407,6 +415,10 @@ class LogConfig(_Section):
 
 
 class Config(_Section):
+    """The whole configuration. Built from YAML, `key=value` overrides or Python alike: presets fill what the
+    user did not set (the model's, then the algorithm's), so `Config(algorithm={"name": "rloo"})` is the
+    config `lmrl train algorithm=rloo` runs. An invalid value raises `ConfigError` with one line."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -416,6 +428,48 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    _given: dict[str, Any] = PrivateAttr(default_factory=dict)  # the values the user set, before presets
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise ConfigError(_one_line(e)) from None
+        self._given = _user_values(values)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _presets(cls, data: Any) -> Any:
+        return with_presets(_user_values(data)) if isinstance(data, dict) else data
+
+    def user_set(self, key: str) -> bool:
+        """The user gave a value for `key` ("section.field"), rather than a preset or the default."""
+        section, _, name = key.partition(".")
+        return name in (self._given.get(section) or {})
+
+    def checked(self) -> Config:
+        """This config validated again as a whole: fields assigned after it was built (`cfg.rollout.group_size
+        = 1`) are each checked on assignment, and the checks between fields run here."""
+        out = Config(**self.model_dump())
+        out._given = self._given
+        return out
+
+    def for_model(self, name: str) -> Config:
+        """This config for a model that is not `model.name_or_path` (a model object given to the Trainer):
+        what the old model's preset set and the user did not is dropped, and `model.name_or_path` records
+        `name`. Reward presets that follow the length budget follow it again."""
+        values = self.model_dump()
+        for section, fields in MODEL_PRESETS.get(self.model.name_or_path, {}).items():
+            for key, preset in fields.items():
+                if key not in self._given.get(section, {}) and values[section][key] == preset:
+                    del values[section][key]
+        for key in REWARD_PRESETS.get(self.algorithm.name, {}):
+            if key not in self._given.get("reward", {}):
+                del values["reward"][key]
+        values["model"]["name_or_path"] = name
+        out = Config(**values)
+        out._given = _merge(self._given, {"model": {"name_or_path": name}})
+        return out
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -519,12 +573,23 @@ def _normalise_shorthands(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def build_config(raw: dict[str, Any]) -> Config:
-    """Validate a nested dict, filling the algorithm (and reward) section from the chosen preset."""
-    raw = _normalise_shorthands(raw)
-    model = (raw.get("model") or {}).get("name_or_path", ModelConfig().name_or_path)
-    raw = _merge(MODEL_PRESETS.get(model, {}), raw)  # presets first: anything the user set wins
-    algo = dict(raw.get("algorithm") or {})
+def _user_values(data: dict[str, Any]) -> dict[str, Any]:
+    """A config's input as plain nested dicts: shorthands expanded (`algorithm="rloo"`), and a section given as
+    an object (`algorithm=AlgorithmConfig(name="rloo")`) as the fields set in it."""
+    out = {}
+    for key, value in _normalise_shorthands(data).items():
+        out[key] = value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+    return out
+
+
+def with_presets(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with the presets under it: the model's (`MODEL_PRESETS`), then the algorithm's (`ALGORITHM_PRESETS`,
+    `REWARD_PRESETS`); anything set in `raw` wins."""
+    model = (raw.get("model") or {}).get("name_or_path", ModelConfig.model_fields["name_or_path"].default)
+    raw = _merge(MODEL_PRESETS.get(model, {}), raw) if isinstance(model, str) else dict(raw)
+    algo = raw.get("algorithm") or {}
+    if not isinstance(algo, dict):
+        return raw  # (pydantic names the section and what is wrong with it)
     name = algo.get("name", "grpo")
     if name not in ALGORITHM_PRESETS:
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; choose one of {', '.join(ALGORITHM_PRESETS)}")
@@ -532,11 +597,14 @@ def build_config(raw: dict[str, Any]) -> Config:
     max_new = (raw.get("rollout") or {}).get("max_new_tokens", RolloutConfig.model_fields["max_new_tokens"].default)
     reward_preset = {k: max(1, int(f * max_new)) if isinstance(max_new, int) else None
                      for k, f in REWARD_PRESETS.get(name, {}).items()}
-    raw["reward"] = {**reward_preset, **dict(raw.get("reward") or {})}
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(_one_line(e)) from None
+    if isinstance(raw.get("reward") or {}, dict):
+        raw["reward"] = {**reward_preset, **dict(raw.get("reward") or {})}
+    return raw
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    """Validate a nested dict (presets fill what it does not set: `Config`)."""
+    return Config(**_normalise_shorthands(raw))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -126,7 +126,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, *, model=None, tokenizer=None, reward_funcs=None, train_dataset=None,
                  eval_dataset=None, console: bool | None = None):
-        self.cfg = cfg
+        if model is not None and not cfg.user_set("model.name_or_path"):
+            cfg = cfg.for_model(_model_name(model))  # no preset made for another model (the shipped one's 4.5 min)
+        self.cfg = cfg = cfg.checked()  # fields assigned after the config was built, checked together
         self.world = init_world()  # one rank unless started by torchrun
         self.world.shard(cfg.rollout.prompts_per_step)  # a share of whole groups per rank, or one line now
         if cfg.train.threads:
@@ -803,6 +805,11 @@ class Trainer:
             self.console.print(f"lmrl: warning: {line}", style="yellow", markup=False, highlight=False)
         else:
             print_line(f"lmrl: warning: {line}")
+
+def _model_name(model: Any) -> str:
+    """What `model.name_or_path` records for a model object: where transformers loaded it from, or its class."""
+    return str(getattr(model, "name_or_path", "") or f"{type(model).__name__} object")
+
 
 def _prompt_text(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else " | ".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)

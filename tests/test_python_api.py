@@ -1,0 +1,87 @@
+"""The Python API as a TRL user writes it: configs built in Python are the CLI's, a model object gets no preset
+made for another model, datasets as the `datasets` library gives them, paths as strings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from datasets import Dataset, DatasetDict
+
+from lmrl import Config, Trainer, load_config
+from lmrl.config import ALGORITHM_PRESETS, AlgorithmConfig
+from lmrl.errors import ConfigError, DataError
+from lmrl.models.shipped import SHIPPED_MODEL, load_shipped
+
+ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
+
+
+def exact(prompts, completions, answer, **kw):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+@pytest.mark.parametrize("name", list(ALGORITHM_PRESETS))
+def test_a_config_built_in_python_is_the_clis(name):
+    cli = load_config(None, [f"algorithm={name}"])
+    assert Config(algorithm={"name": name}) == cli
+    assert Config(algorithm=name) == cli
+    assert Config(algorithm=AlgorithmConfig(name=name)) == cli
+    assert Config(algorithm={"name": name, "clip_high": 0.5}).algorithm.clip_high == 0.5  # the user's value wins
+
+
+def test_a_bad_value_is_one_line_when_set_and_when_assigned(tmp_path):
+    with pytest.raises(ConfigError, match=r"^rollout.group_size: must be >= 1 \(got 0\)$"):
+        Config(rollout={"group_size": 0})
+    cfg = Config(train={"output_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="group_size"):
+        cfg.rollout.group_size = 0  # each field on assignment
+    cfg.rollout.group_size = 1  # a valid number, but not for GRPO: the checks between fields run in Trainer
+    with pytest.raises(ConfigError, match=r"^rollout.group_size: must be >= 2 for the grpo advantage \(got 1\)$"):
+        Trainer(cfg)
+
+
+def test_a_model_object_gets_no_preset_made_for_the_shipped_model(tmp_path):
+    model, tokenizer = load_shipped()
+    cfg = Config(train={"output_dir": str(tmp_path), "steps": 3}, log={"console": False})
+    assert cfg.train.max_minutes == 4.5 and cfg.optim.lr == 1e-4  # the shipped model's preset
+    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[exact], train_dataset=ROWS)
+    assert trainer.cfg.model.name_or_path == str(SHIPPED_MODEL)  # where transformers loaded it from
+    assert trainer.cfg.train.max_minutes is None and trainer.cfg.optim.lr == 1e-6  # the general defaults
+    assert trainer.cfg.train.steps == 3 and trainer.cfg.train.output_dir == str(tmp_path)  # the user's values
+    labelled = Config(model={"name_or_path": "tiny-addition"}, train={"output_dir": str(tmp_path)})
+    kept = Trainer(labelled, model=model, tokenizer=tokenizer, reward_funcs=[exact], train_dataset=ROWS)
+    assert kept.cfg.train.max_minutes == 4.5  # the user named the model: its preset is theirs
+
+
+def test_a_dataset_and_a_dataset_dict_train_and_save_to_a_string_path(tmp_path):
+    cfg = Config(train={"steps": 1, "output_dir": str(tmp_path / "run")}, log={"console": False},
+                 rollout={"prompts_per_step": 4, "group_size": 4}, data={"num_eval_prompts": 4})
+    splits = DatasetDict({"train": Dataset.from_list(ROWS), "test": Dataset.from_list(ROWS[:8])})
+    for train, evaluate in [(Dataset.from_list(ROWS), Dataset.from_list(ROWS[:8])), (splits, splits)]:
+        trainer = Trainer(cfg.model_copy(update={"train": cfg.train.model_copy(update={"overwrite": True})}),
+                          reward_funcs=[exact], train_dataset=train, eval_dataset=evaluate)
+        assert trainer.data.train_rows[3] == ROWS[3] and len(trainer.data.eval_rows) == 4
+        assert len(trainer.train().history) == 1
+    trainer.save(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+    with pytest.raises(DataError, match=r"^train_dataset: a DatasetDict without a 'validation' split \(data.split\); "
+                                        r"its splits: train, test$"):
+        Trainer(Config(data={"split": "validation"}, train={"output_dir": str(tmp_path / "x")}), reward_funcs=[exact],
+                train_dataset=splits)
+
+
+def test_the_top_level_names_import_without_torch_until_trainer():
+    code = ("import sys; from lmrl import Config, load_config; assert 'torch' not in sys.modules; "
+            "from lmrl import Trainer; assert 'torch' in sys.modules and Trainer.__name__ == 'Trainer'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_readme_python_example_runs_as_written_from_any_directory(tmp_path):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("## From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=300, capture_output=True)
+    assert (tmp_path / "runs" / "python" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "runs" / "python" / "metrics.jsonl").read_text().count("\n") == 20
