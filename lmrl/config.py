@@ -290,7 +290,9 @@ ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
     "cispo": dict(advantage="grpo", loss="cispo", clip_low=None, clip_high=5.0, aggregation="token-mean"),
 }
 # Reward-side defaults of an algorithm, as fractions of rollout.max_new_tokens. DAPO's soft overlong
-# penalty starts in the last fifth of the length budget (4k of 20k tokens in the paper).
+# penalty starts in the last fifth of the length budget (4k of 20k tokens in the paper); a budget too short
+# for a fifth of it to be a whole token (under 5 tokens: the shipped task's 4, where a correct answer fills
+# the budget) gets no buffer, rather than a penalty on every answer that uses the budget.
 REWARD_PRESETS: dict[str, dict[str, float]] = {"dapo": dict(overlong_buffer=0.2)}
 
 # Defaults for the model that ships with lmrl (a 0.5M-parameter character-level Llama): the general
@@ -595,7 +597,7 @@ def with_presets(raw: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; choose one of {', '.join(ALGORITHM_PRESETS)}")
     raw["algorithm"] = {**ALGORITHM_PRESETS[name], **algo, "name": name}
     max_new = (raw.get("rollout") or {}).get("max_new_tokens", RolloutConfig.model_fields["max_new_tokens"].default)
-    reward_preset = {k: max(1, int(f * max_new)) if isinstance(max_new, int) else None
+    reward_preset = {k: (int(f * max_new) or None) if isinstance(max_new, int) else None
                      for k, f in REWARD_PRESETS.get(name, {}).items()}
     if isinstance(raw.get("reward") or {}, dict):
         raw["reward"] = {**reward_preset, **dict(raw.get("reward") or {})}

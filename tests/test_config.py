@@ -22,7 +22,8 @@ def test_every_preset_validates(name):
 def test_user_value_beats_preset():
     cfg = load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3"])
     assert cfg.algorithm.clip_high == 0.3 and cfg.algorithm.dynamic_sampling  # the rest of the preset stays
-    assert cfg.reward.overlong_buffer == 1  # a fifth of the tiny model's 4 new tokens
+    assert cfg.reward.overlong_buffer is None  # a fifth of the tiny model's 4 new tokens is not a whole token
+    assert load_config(None, ["algorithm=dapo", "rollout.max_new_tokens=5"]).reward.overlong_buffer == 1
     assert load_config(None, ['algorithm=dapo', 'model=m', 'data.path=x']).reward.overlong_buffer == 51
 
 
