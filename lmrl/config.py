@@ -11,6 +11,7 @@ any model loads, with one line that names the field and what is allowed.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -416,6 +417,10 @@ class LogConfig(_Section):
     """Rows in each sample table."""
 
 
+# optional packages a field needs: checked with the config (find_spec, no import), before any model loads
+_EXTRAS = (("log.tensorboard", "tensorboard", "tensorboard"), ("log.wandb", "wandb", "wandb"), ("model.lora", "peft", "peft"))
+
+
 class Config(_Section):
     """The whole configuration. Built from YAML, `key=value` overrides or Python alike: presets fill what the
     user did not set (the model's, then the algorithm's), so `Config(algorithm={"name": "rloo"})` is the
@@ -498,6 +503,10 @@ class Config(_Section):
         if self.train.parallel == "fsdp" and self.samples_with_copy:
             raise ValueError("train.parallel: fsdp does not keep a sampler copy in rollout.dtype; unset rollout.dtype "
                              "or use train.parallel=ddp")
+        for key, module, extra in _EXTRAS:
+            section, _, name = key.partition(".")
+            if getattr(getattr(self, section), name) not in (None, False) and importlib.util.find_spec(module) is None:
+                raise ValueError(f"{key}: needs the {module} package, which is not installed: pip install 'lmrl[{extra}]'")
         if self.samples_with_copy and a.tis_cap is None:
             a.tis_cap = DEFAULT_TIS_CAP  # another sampler: correct for it rather than pretend on-policy
         return self
@@ -781,14 +790,38 @@ def config_summary(cfg: Config) -> str:
 
 
 def describe_fields() -> str:
-    """Every field with its default and docstring, for `lmrl train --help-config`."""
-    lines = []
-    for section_name, field in Config.model_fields.items():
-        section = field.annotation
-        lines.append(f"{section_name}:")
-        for name, f in section.model_fields.items():
-            default = f.default
-            lines.append(f"  {section_name}.{name} = {default!r}")
+    """Every field (nested ones too: `model.lora.r`) with its default, its allowed values and its docstring,
+    then what each preset changes: for `lmrl train --help-config`."""
+    lines: list[str] = []
+
+    def section(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            key = f"{prefix}.{name}"
+            nested = next((a for a in (f.annotation, *get_args(f.annotation))
+                           if isinstance(a, type) and issubclass(a, BaseModel)), None)
+            choices = _choices(f.annotation)
+            lines.append(f"  {key} = {f.default!r}" + (f"   (one of: {', '.join(map(str, choices))})" if choices else ""))
             if f.description:
-                lines.append(f"      {f.description}")
+                lines.extend(f"      {line.strip()}" for line in f.description.splitlines())
+            if nested is not None:
+                section(nested, key)
+
+    for name, f in Config.model_fields.items():
+        lines.append(f"{name}:")
+        section(f.annotation, name)
+    lines.append("presets (algorithm.name=NAME fills these fields unless you set them):")
+    for name, preset in ALGORITHM_PRESETS.items():
+        changed = {k: v for k, v in preset.items() if AlgorithmConfig.model_fields[k].default != v}
+        extra = [f"reward.{k}={f:g} x rollout.max_new_tokens" for k, f in REWARD_PRESETS.get(name, {}).items()]
+        lines.append(f"  {name}: " + (", ".join([*(f"{k}={v}" for k, v in changed.items()), *extra]) or "the defaults"))
+    for model, sections in MODEL_PRESETS.items():
+        fields = [f"{s}.{k}={v}" for s, values in sections.items() for k, v in values.items()]
+        lines.append(f"  model.name_or_path={model}: {', '.join(fields)}")
     return "\n".join(lines)
+
+
+def _choices(annotation: Any) -> list[Any]:
+    """The values a Literal field (possibly optional or annotated) allows; [] for other fields."""
+    if getattr(annotation, "__origin__", None) is Literal:
+        return list(get_args(annotation))
+    return [c for a in get_args(annotation) for c in _choices(a)]

@@ -22,6 +22,12 @@ def test_help_config_lists_every_section(capsys):
     out = capsys.readouterr().out
     for key in ("algorithm.clip_high", "rollout.group_size", "optim.lr", "reward.functions"):
         assert key in out
+    lines = out.splitlines()
+    assert "  model.lora.r = 16" in lines  # nested fields
+    assert "  train.parallel = 'auto'   (one of: auto, ddp, fsdp)" in lines  # allowed values
+    assert "  rloo: advantage=rloo, aggregation=token-mean, kl_coef=0.05, kl_in=reward, kl_estimator=k1, " \
+           "kl_level=sequence" in lines  # what each preset changes
+    assert any(line.startswith("  model.name_or_path=tiny-addition: rollout.prompts_per_step=32") for line in lines)
 
 
 def test_bad_override_is_one_line_and_exit_2(capsys, monkeypatch):

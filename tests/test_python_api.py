@@ -85,3 +85,18 @@ def test_the_readme_python_example_runs_as_written_from_any_directory(tmp_path):
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=300, capture_output=True)
     assert (tmp_path / "runs" / "python" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "runs" / "python" / "metrics.jsonl").read_text().count("\n") == 20
+
+
+@pytest.mark.parametrize("values, says", [
+    ({"log": {"tensorboard": True}}, "log.tensorboard: needs the tensorboard package, which is not installed: "
+                                     "pip install 'lmrl[tensorboard]'"),
+    ({"model": {"lora": {"r": 4}}}, "model.lora: needs the peft package, which is not installed: pip install 'lmrl[peft]'"),
+])
+def test_a_missing_optional_package_is_refused_with_the_config(monkeypatch, values, says):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "peft") else real(name, *a))
+    with pytest.raises(ConfigError) as raised:
+        Config(**values)
+    assert str(raised.value) == says
