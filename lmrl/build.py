@@ -6,16 +6,18 @@ Each function builds one thing; the trainer calls them in order. Nothing here ru
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from lmrl.config import Config
-from lmrl.errors import ConfigError, DataError
+from lmrl.errors import ConfigError, DataError, ModelError
 from lmrl.models.loading import (
     DTYPES,
     enable_gradient_checkpointing,
@@ -39,13 +41,42 @@ class Models:
 
 
 def policy_path(cfg: Config) -> str:
-    """model.name_or_path, with the shipped model's name resolved to its directory."""
-    path = cfg.model.name_or_path
+    """model.name_or_path, with the shipped model's name resolved to its directory, and a LoRA adapter
+    directory to its base model's."""
+    base = adapter_base(cfg.model.name_or_path)
+    return _resolved(base if base is not None else cfg.model.name_or_path)
+
+
+def _resolved(path: str) -> str:
     if path in SHIPPED_NAMES:
         from lmrl.models.shipped import SHIPPED_MODEL
 
-        path = str(SHIPPED_MODEL)
+        return str(SHIPPED_MODEL)
     return path
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model a LoRA adapter directory (one holding adapter_config.json: `final/adapter/`, a LoRA
+    run's checkpoint) was trained on, as recorded there; None when `path` is not one."""
+    config = Path(path) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"model.name_or_path: cannot read {config}: {e}") from e
+    if not isinstance(base, str) or not base:
+        raise ModelError(f"model.name_or_path: {config} names no base model (base_model_name_or_path)")
+    return base
+
+
+def portable_adapter_config(directory: Path, base: str) -> None:
+    """Record `base` (the model as the user named it: a hub id, a relative path, "tiny-addition") as the
+    adapter's base model, instead of the absolute path peft writes."""
+    config = directory / "adapter_config.json"
+    values = json.loads(config.read_text())
+    values["base_model_name_or_path"] = base
+    config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def load_policy_tokenizer(cfg: Config) -> Any:
@@ -72,7 +103,9 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
             enable_gradient_checkpointing(policy)
     # the reference is copied before LoRA wraps the policy: it is the frozen starting point
     reference = reference_model(policy) if cfg.needs_reference else None
-    if m.lora is not None:
+    if adapter_base(m.name_or_path) is not None:  # an adapter to train on (its own r, alpha, modules)
+        policy = _load_adapter(policy, m.name_or_path)
+    elif m.lora is not None:
         policy = _apply_lora(policy, m.lora)
     critic = None
     if cfg.algorithm.needs_critic:
@@ -169,6 +202,18 @@ def copy_weights(src: nn.Module, dst: nn.Module) -> None:
     """dst's parameters := src's (cast to dst's dtype); both have the same structure (`sampler_copy`)."""
     for d, s in zip(dst.parameters(), src.parameters(), strict=True):
         d.copy_(s)
+
+
+def _load_adapter(policy: nn.Module, directory: str) -> nn.Module:
+    try:
+        from peft import PeftModel
+    except ImportError as e:
+        raise ImportError("model.name_or_path: a LoRA adapter needs peft: pip install 'lmrl[peft]'") from e
+    try:
+        return PeftModel.from_pretrained(policy, directory, is_trainable=True)
+    except Exception as e:  # noqa: BLE001 - one line naming the adapter
+        raise ModelError(f"model.name_or_path: cannot load the LoRA adapter {directory}: "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
 
 
 def _apply_lora(policy: nn.Module, lora) -> nn.Module:

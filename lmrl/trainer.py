@@ -40,12 +40,14 @@ from lmrl import algorithms as A
 from lmrl.build import (
     KLController,
     SlowBf16Warning,
+    adapter_base,
     check_rollout_fits,
     copy_weights,
     load_data,
     load_models,
     load_policy_tokenizer,
     make_optimizer,
+    portable_adapter_config,
     slow_bf16_warning,
 )
 from lmrl.checkpoint import (
@@ -611,13 +613,23 @@ class Trainer:
         policy, critic = (whole_state(m) if self.world.sharded else None for m in (self.policy, self.models.critic))
         if not self.world.main:
             return
-        model = self.policy.merge_and_unload() if final and hasattr(self.policy, "merge_and_unload") else self.policy
+        model, lora = self.policy, hasattr(self.policy, "peft_config")
         with quiet_progress_bars():
-            model.save_pretrained(directory, state_dict=policy)
+            if lora:  # the adapters (a checkpoint's files, final/adapter/), their base named as the user named it
+                self.policy.save_pretrained(directory / "adapter" if final else directory)
+                portable_adapter_config(directory / "adapter" if final else directory, self._base_model())
+            if lora and final:  # final/ itself: the merged model, which plain transformers loads
+                model = self.policy.merge_and_unload()
+            if model is not self.policy or not lora:
+                model.save_pretrained(directory, state_dict=policy)
             if self.models.critic is not None:
                 self.models.critic.save_pretrained(directory / "critic", state_dict=critic)
         self.tokenizer.save_pretrained(directory)
         (directory / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
+
+    def _base_model(self) -> str:
+        """The base model of a LoRA run as the user named it (continuing from an adapter: that adapter's base)."""
+        return adapter_base(self.cfg.model.name_or_path) or self.cfg.model.name_or_path
 
     def _finite(self) -> bool:
         """Every trained weight of every rank is finite."""
