@@ -144,6 +144,8 @@ class Trainer:
         # every row is checked (prompt, its length in tokens, the rewards' columns) before a model loads
         tokenizer = tokenizer or load_policy_tokenizer(cfg)
         self.data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset)
+        # what was passed in, recorded in the config a run directory keeps (lmrl_config.yaml)
+        self.cfg = cfg = _recorded(cfg, reward_funcs, train_dataset, eval_dataset, self.data)
         self.models = load_models(cfg, model, tokenizer)
         self.policy, self.tokenizer = self.models.policy, self.models.tokenizer
         if not all_finite([self.policy]):
@@ -817,6 +819,22 @@ class Trainer:
             self.console.print(f"lmrl: warning: {line}", style="yellow", markup=False, highlight=False)
         else:
             print_line(f"lmrl: warning: {line}")
+
+def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> Config:
+    """`cfg` naming the reward functions and datasets passed to the Trainer instead of the task and functions
+    it would otherwise load: functions as "module:qualified name", datasets as what they were and their rows."""
+    sections = {}
+    if reward_funcs is not None:
+        named = [f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', type(f).__qualname__)}"
+                 for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
+        sections["reward"] = cfg.reward.model_copy(update={"functions": named})
+    if train_dataset is not None:
+        update = {"task": None, "path": f"<{type(train_dataset).__name__} passed to Trainer: {len(data.train_rows)} rows>"}
+        if eval_dataset is not None:
+            update["eval_path"] = f"<{type(eval_dataset).__name__} passed to Trainer: {len(data.eval_rows)} rows used>"
+        sections["data"] = cfg.data.model_copy(update=update)
+    return cfg.model_copy(update=sections) if sections else cfg
+
 
 def _model_name(model: Any) -> str:
     """What `model.name_or_path` records for a model object: where transformers loaded it from, or its class."""

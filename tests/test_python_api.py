@@ -100,3 +100,16 @@ def test_a_missing_optional_package_is_refused_with_the_config(monkeypatch, valu
     with pytest.raises(ConfigError) as raised:
         Config(**values)
     assert str(raised.value) == says
+
+
+def test_the_run_directory_names_the_reward_and_data_passed_in(tmp_path):
+    import yaml
+
+    cfg = Config(train={"steps": 1, "output_dir": str(tmp_path)}, log={"console": False},
+                 rollout={"prompts_per_step": 4, "group_size": 4}, data={"num_eval_prompts": 4})
+    Trainer(cfg, reward_funcs=[exact], train_dataset=Dataset.from_list(ROWS), eval_dataset=ROWS[:8]).train()
+    for saved in (tmp_path / "lmrl_config.yaml", tmp_path / "final" / "lmrl_config.yaml"):
+        record = yaml.safe_load(saved.read_text())
+        assert record["reward"]["functions"] == [f"{exact.__module__}:exact"]
+        assert record["data"]["task"] is None and record["data"]["path"] == "<Dataset passed to Trainer: 40 rows>"
+        assert record["data"]["eval_path"] == "<list passed to Trainer: 4 rows used>"
