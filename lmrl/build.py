@@ -325,7 +325,34 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
         else:
             raise ConfigError("reward.functions: a dataset needs at least one reward function, "
                               "e.g. reward.functions=[math]")
-    return RewardSet.of(reward_fns.rewards if isinstance(reward_fns, RewardSet) else reward_fns, cfg.reward.weights)
+    if isinstance(reward_fns, RewardSet):
+        return RewardSet.of(reward_fns.rewards, cfg.reward.weights)
+    entries = reward_fns if isinstance(reward_fns, (list, tuple)) else [reward_fns]
+    return RewardSet.of([_reward_of(entry) for entry in entries], cfg.reward.weights)
+
+
+def _reward_of(entry: Any) -> Any:
+    """A `reward_funcs` entry as TRL takes them: a function; a reward model (a sequence-classification model
+    object, its tokenizer loaded from where transformers loaded it); or a string: a reward spec (a built-in
+    name, "file.py:function", "module:function") or else a reward model's directory or hub id."""
+    from lmrl.rewards.reward_model import RewardModelScorer
+
+    if isinstance(entry, nn.Module):
+        from transformers import AutoTokenizer
+
+        source = getattr(entry, "name_or_path", "")
+        if not source:
+            raise ConfigError(f"reward_funcs: a {type(entry).__name__} object without name_or_path: wrap it in "
+                              "lmrl.rewards.reward_model.RewardModelScorer(model, tokenizer)")
+        return RewardModelScorer(entry, AutoTokenizer.from_pretrained(source), name=Path(source).name or "reward_model")
+    if isinstance(entry, str):
+        from lmrl.rewards import reward_set_from_config
+        from lmrl.rewards.registry import BUILTIN_REWARDS
+
+        if entry in BUILTIN_REWARDS or ":" in entry:
+            return reward_set_from_config([entry]).rewards[0]
+        return RewardModelScorer.from_pretrained(entry, name=Path(entry).name or "reward_model")
+    return entry
 
 
 def make_optimizer(cfg: Config, policy: nn.Module, critic: nn.Module | None):

@@ -825,8 +825,7 @@ def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> C
     it would otherwise load: functions as "module:qualified name", datasets as what they were and their rows."""
     sections = {}
     if reward_funcs is not None:
-        named = [f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', type(f).__qualname__)}"
-                 for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
+        named = [_reward_record(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
         sections["reward"] = cfg.reward.model_copy(update={"functions": named})
     if train_dataset is not None:
         update = {"task": None, "path": f"<{type(train_dataset).__name__} passed to Trainer: {len(data.train_rows)} rows>"}
@@ -834,6 +833,15 @@ def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> C
             update["eval_path"] = f"<{type(eval_dataset).__name__} passed to Trainer: {len(data.eval_rows)} rows used>"
         sections["data"] = cfg.data.model_copy(update=update)
     return cfg.model_copy(update=sections) if sections else cfg
+
+
+def _reward_record(fn: Any) -> str:
+    """A reward_funcs entry as lmrl_config.yaml names it: a string as given, a model by where it came from."""
+    if isinstance(fn, str):
+        return fn
+    if isinstance(fn, torch.nn.Module):
+        return _model_name(fn)
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def _model_name(model: Any) -> str:

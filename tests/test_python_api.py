@@ -113,3 +113,25 @@ def test_the_run_directory_names_the_reward_and_data_passed_in(tmp_path):
         assert record["reward"]["functions"] == [f"{exact.__module__}:exact"]
         assert record["data"]["task"] is None and record["data"]["path"] == "<Dataset passed to Trainer: 40 rows>"
         assert record["data"]["eval_path"] == "<list passed to Trainer: 4 rows used>"
+
+
+def test_reward_models_and_their_paths_are_reward_funcs_as_in_trl(tmp_path, monkeypatch):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    monkeypatch.chdir(tmp_path)
+    _, tokenizer = load_shipped()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    LlamaForSequenceClassification(config).save_pretrained("judge")
+    tokenizer.save_pretrained("judge")
+    model = LlamaForSequenceClassification.from_pretrained("judge")
+    cfg = Config(train={"steps": 1, "output_dir": "run"}, log={"console": False}, data={"num_eval_prompts": 0},
+                 rollout={"prompts_per_step": 4, "group_size": 4})
+    trainer = Trainer(cfg, reward_funcs=["judge", "exact_match"], train_dataset=ROWS)
+    assert trainer.data.rewards.names == ["judge", "exact_match"]
+    assert trainer.cfg.reward.functions == ["judge", "exact_match"]
+    history = trainer.train().history
+    assert history[0]["reward/judge/mean"] != 0 and history[0]["reward/judge/none_frac"] == 0  # the model scored
+    from_object = Trainer(cfg.model_copy(update={"train": cfg.train.model_copy(update={"output_dir": "run2"})}),
+                          reward_funcs=[model], train_dataset=ROWS)
+    assert from_object.data.rewards.names == ["judge"] and from_object.cfg.reward.functions == ["judge"]
