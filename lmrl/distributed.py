@@ -120,7 +120,8 @@ class World:
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics of the whole batch from each rank's: `loss/*` (each rank's share of the global loss) summed,
-        the others averaged over the ranks that logged them."""
+        minima (`.../min_length`) and maxima (`val/ratio_max`) taken over ranks, the others averaged over the
+        ranks that logged them."""
         if not self.distributed:
             return metrics
         every: list[dict[str, float]] = [{} for _ in range(self.size)]
@@ -129,7 +130,15 @@ class World:
         out = {}
         for key in sorted({k for m in every for k in m}):
             values = [m[key] for m in every if key in m]
-            out[key] = sum(values) if key.startswith("loss/") else sum(values) / len(values)
+            last = key.rsplit("/", 1)[-1]
+            if key.startswith("loss/"):
+                out[key] = sum(values)
+            elif last.startswith("min") or last.endswith("_min"):
+                out[key] = min(values)
+            elif last.startswith("max") or last.endswith("_max"):
+                out[key] = max(values)
+            else:
+                out[key] = sum(values) / len(values)
         return out
 
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:

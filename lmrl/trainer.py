@@ -280,6 +280,7 @@ class Trainer:
                         "time/step": t3 - t0, "eps": len(exp) / (t3 - t0), "lr": self.scheduler.get_last_lr()[0],
                         "episode": step * cfg.rollout.prompts_per_step * cfg.rollout.group_size,
                         "objective/kl_coef": self.kl.value})
+        metrics.update(_grpo_trainer_names(metrics))
         if cfg.log.samples_every and step % cfg.log.samples_every == 0:
             k = min(cfg.log.num_samples, len(exp))
             prompts = [_prompt_text(rows[int(i)][cfg.data.prompt_column]) for i in exp.group_index[:k]]
@@ -324,7 +325,8 @@ class Trainer:
             rows = [self.data.train_rows[i] for i in indices]
             seed = cfg.train.seed * 1_000_003 + step * 101 + r + 7919 * world.rank
             rollout, out = self.generate_and_score(rows, G, seed=seed)
-            metrics = metrics or dict(out.metrics)  # reward metrics of the first round: the unfiltered policy
+            if r == 0:  # reward metrics of the first round: the unfiltered policy
+                metrics = dict(out.metrics) | {"frac_reward_zero_std": 1 - informative_groups(out.scores, G).float().mean().item()}
             scores, per_fn = out.scores, out.per_function
             whole = rollout, scores, per_fn, rows
             if cfg.algorithm.dynamic_sampling:
@@ -468,7 +470,8 @@ class Trainer:
             ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norm_length, normalizer=norm)
             ent_metric = A.aggregate_loss(entropy.detach(), micro.response_mask, a.aggregation, norm_length=norm_length,
                                           normalizer=metric_norm)
-            step_stats = {**tis_stats, "policy/approxkl_avg": m.approx_kl, "policy/clipfrac_avg": m.clipfrac, "val/ratio": m.ratio_mean,
+            step_stats = {**tis_stats, "policy/approxkl_avg": m.approx_kl, "policy/clipfrac_avg": m.clipfrac,
+                          "clip_ratio/low_mean": m.clipfrac_low, "clip_ratio/high_mean": m.clipfrac_high, "val/ratio": m.ratio_mean,
                           "val/ratio_max": m.ratio_max, "loss/policy_avg": loss.item() / share,
                           "policy/entropy_avg": ent_metric.item() / share}
             if m.kl is not None:
@@ -584,6 +587,12 @@ class Trainer:
         out = {"objective/scores": exp.scores.mean().item(), "val/response_length": exp.info["length"].float().mean().item(),
                "val/num_eos_tokens": exp.info["finished"].float().sum().item(),
                "val/advantage_mean": A.masked_mean(exp.advantages, exp.response_mask).item()}
+        if "kl_k3" in exp.info:  # k3 (>= 0), a mean over every response token (as TRL's GRPOTrainer reports `kl`)
+            out["kl"] = exp.info["kl_k3"].sum().item() / max(int(exp.response_mask.sum()), 1)
+        lengths, finished = exp.info["length"].float(), exp.info["finished"].bool()
+        out |= {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(), "completions/clipped_ratio": 1 - finished.float().mean().item(),
+                "completions/mean_terminated_length": lengths[finished].mean().item() if finished.any() else 0.0}
         if "kl" in exp.info:  # summed per sequence, averaged over sequences (as TRL reports it)
             out["objective/kl"] = exp.info["kl"].mean().item()
             out["objective/non_score_reward"] = -self.kl.value * out["objective/kl"]
@@ -833,6 +842,19 @@ def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> C
             update["eval_path"] = f"<{type(eval_dataset).__name__} passed to Trainer: {len(data.eval_rows)} rows used>"
         sections["data"] = cfg.data.model_copy(update=update)
     return cfg.model_copy(update=sections) if sections else cfg
+
+
+def _grpo_trainer_names(m: dict[str, float]) -> dict[str, float]:
+    """The names TRL's GRPOTrainer logs, beside lmrl's, so that its users' dashboards find them (docs/metrics.md)."""
+    same = {"reward": "reward/mean", "reward_std": "reward/std", "entropy": "policy/entropy_avg",
+            "clip_ratio/region_mean": "policy/clipfrac_avg", "loss": "loss/policy_avg", "grad_norm": "policy/grad_norm",
+            "learning_rate": "lr"}
+    out = {trl: m[ours] for trl, ours in same.items() if ours in m}
+    for key, value in m.items():  # reward/<fn>/mean -> rewards/<fn>/mean
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "reward" and parts[2] in ("mean", "std"):
+            out[f"rewards/{parts[1]}/{parts[2]}"] = value
+    return out
 
 
 def _reward_record(fn: Any) -> str:

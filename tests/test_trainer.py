@@ -283,3 +283,29 @@ def test_minibatches_keep_a_prompts_rows_adjacent(tmp_path, monkeypatch):
     for m, got in enumerate(seen):
         assert torch.equal(got, got.sort().values)  # adjacent
         assert torch.equal(got.sort().values, groups[order[m * 8:(m + 1) * 8]].sort().values)  # same rows
+
+
+GRPO_TRAINER_NAMES = ["reward", "reward_std", "rewards/digit_share/mean", "rewards/digit_share/std", "kl", "entropy",
+                      "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length",
+                      "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+                      "completions/mean_terminated_length", "frac_reward_zero_std", "loss", "grad_norm", "learning_rate"]
+
+
+def test_metrics_carry_the_names_trls_grpo_trainer_logs(tmp_path):
+    last = make_trainer(tmp_path, "algorithm=rloo").train().history[-1]  # rloo: a reference model, so a kl
+    assert [k for k in GRPO_TRAINER_NAMES if k not in last] == []
+    assert last["reward"] == last["reward/mean"] and last["learning_rate"] == last["lr"]
+    assert last["kl"] >= 0  # k3, never negative (objective/kl is the k1 sum the reward used, and can be)
+    assert last["completions/min_length"] <= last["completions/mean_length"] <= last["completions/max_length"]
+
+
+def test_ranks_reduce_minima_and_maxima_as_such(monkeypatch):
+    import torch.distributed as dist
+
+    from lmrl.distributed import World
+
+    every = [{"val/ratio_max": 1.5, "completions/min_length": 3.0, "loss/policy_avg": 0.25, "reward": 1.0},
+             {"val/ratio_max": 2.5, "completions/min_length": 1.0, "loss/policy_avg": 0.5, "reward": 0.0}]
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, metrics: out.__setitem__(slice(None), every))
+    reduced = World(rank=0, size=2).reduce_metrics(every[0])  # two ranks' metrics, without processes
+    assert reduced == {"val/ratio_max": 2.5, "completions/min_length": 1.0, "loss/policy_avg": 0.75, "reward": 0.5}
