@@ -110,7 +110,8 @@ class DataConfig(_Section):
     task: str | None = "addition"
     """A built-in task (prompts, reward and held-out split), e.g. "addition". Ignored when `path` is set."""
     path: NonEmptyStr | None = None
-    """Prompt dataset: a .jsonl / .json / .parquet file, or a hub dataset name (needs network)."""
+    """Prompt dataset: a .jsonl / .json / .parquet file, a directory datasets' save_to_disk wrote, or a hub
+    dataset name (needs network)."""
     split: str = "train"
     """Split of `path` to train on."""
     eval_path: NonEmptyStr | None = None

@@ -135,3 +135,19 @@ def test_reward_models_and_their_paths_are_reward_funcs_as_in_trl(tmp_path, monk
     from_object = Trainer(cfg.model_copy(update={"train": cfg.train.model_copy(update={"output_dir": "run2"})}),
                           reward_funcs=[model], train_dataset=ROWS)
     assert from_object.data.rewards.names == ["judge"] and from_object.cfg.reward.functions == ["judge"]
+
+
+def test_the_cli_trains_on_a_saved_dataset_and_dataset_dict(tmp_path):
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
+    DatasetDict({"train": Dataset.from_list(ROWS), "test": Dataset.from_list(ROWS[:8])}).save_to_disk(str(tmp_path / "two"))
+    common = ["reward.functions=[exact_match]", "train.steps=1", "rollout.prompts_per_step=4", "log.console=false",
+              "data.num_eval_prompts=4"]
+    for saved in ("one", "two"):
+        run = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", f"data.path={saved}", f"train.output_dir=out-{saved}",
+                              *common], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert (tmp_path / f"out-{saved}" / "final" / "model.safetensors").is_file()
+    bad = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "data.path=two", "data.split=validation", *common],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "lmrl: error: data.path: two: a saved DatasetDict without a 'validation' split; its splits: train, test"]

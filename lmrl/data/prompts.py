@@ -273,6 +273,22 @@ def _looks_like_file(source: str) -> bool:
     )
 
 
+def _read_saved(path: Path, label: str, split: str, field: str) -> tuple[list[Any], list[str]]:
+    """A directory `datasets.Dataset.save_to_disk` (or a DatasetDict's) wrote; a DatasetDict gives `split`."""
+    from datasets import load_from_disk
+
+    try:
+        dataset = load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - one line naming the directory
+        raise DataError(f"{field}: {label}: cannot load the saved dataset: {type(e).__name__}: {e}") from e
+    if isinstance(dataset, dict):  # a DatasetDict
+        if split not in dataset:
+            raise DataError(f"{field}: {label}: a saved DatasetDict without a {split!r} split; its splits: "
+                            f"{', '.join(dataset)}")
+        dataset, label = dataset[split], f"{label}:{split}"
+    return list(dataset), [f"{label} row {i}" for i in range(len(dataset))]
+
+
 def _read_jsonl(path: Path, label: str, field: str) -> tuple[list[Any], list[str]]:
     rows, where = [], []
     line_no = 0
@@ -536,18 +552,24 @@ def load_prompts(
         field = field or "data.path"
         if isinstance(source, os.PathLike) or _looks_like_file(text):
             path = Path(text).expanduser()
-            if path.is_dir():
-                raise DataError(f"{field}: {text}: is a directory, expected a {'/'.join(FILE_FORMATS)} file")
-            if not path.is_file():
+            saved = path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json"))
+            if path.is_dir() and not saved:
+                raise DataError(f"{field}: {text}: is a directory, expected a {'/'.join(FILE_FORMATS)} file "
+                                "or a dataset saved with datasets' save_to_disk")
+            if saved:
+                rows, where = _read_saved(path, text, split, field)
+                name = text
+            elif not path.is_file():
                 raise DataError(f"{field}: {text}: file not found")
-            readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
-            if path.suffix not in readers:
-                raise DataError(
-                    f"{field}: {text}: unsupported extension {path.suffix!r}, "
-                    f"expected a {'/'.join(FILE_FORMATS)} file"
-                )
-            rows, where = readers[path.suffix](path, text, field)
-            name = text
+            else:
+                readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+                if path.suffix not in readers:
+                    raise DataError(
+                        f"{field}: {text}: unsupported extension {path.suffix!r}, "
+                        f"expected a {'/'.join(FILE_FORMATS)} file"
+                    )
+                rows, where = readers[path.suffix](path, text, field)
+                name = text
         else:
             name = f"{text}:{split}"
             rows = _read_hub(text, split, subset)
