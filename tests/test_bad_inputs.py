@@ -148,7 +148,7 @@ BAD: dict[str, Bad] = {
     "eval temperature zero": Bad("eval --temperature 0", "argument --temperature: must be a finite number > 0 (got 0)"),
     # --- data: every row checked before the model loads; file and line (or index), and the other bad rows
     "data file missing": Bad(f"train {ROWS} data.path=none.jsonl", "data.path: none.jsonl: file not found", real=False),
-    "data is a directory": Bad(f"train {ROWS} data.path=data", "data.path: data: is a directory, expected a .jsonl/.json/.parquet file", real=False),
+    "data is a directory": Bad(f"train {ROWS} data.path=data", "data.path: data: is a directory, expected a .jsonl/.json/.parquet file or a dataset saved with datasets' save_to_disk", real=False),
     "data extension": Bad(f"train {ROWS} data.path=rows.csv", "data.path: rows.csv: unsupported extension '.csv'", real=False),
     "data invalid JSON": Bad(f"train {ROWS} data.path=broken.jsonl", "data.path: broken.jsonl line 3: not valid JSON", real=False),
     "data empty": Bad(f"train {ROWS} data.path=empty.jsonl", "data.path: empty.jsonl has no rows", real=False),

@@ -85,7 +85,8 @@ def test_file_not_found_names_path(tmp_path):
 def test_directory_is_named(tmp_path):
     with pytest.raises(DataError) as info:
         load_prompts(tmp_path)
-    assert str(info.value) == f"data.path: {tmp_path}: is a directory, expected a .jsonl/.json/.parquet file"
+    assert str(info.value) == (f"data.path: {tmp_path}: is a directory, expected a .jsonl/.json/.parquet file or a "
+                               "dataset saved with datasets' save_to_disk")
 
 
 def test_unsupported_extension(tmp_path):
