@@ -14,7 +14,7 @@ With `train.parallel=fsdp` the policy, reference and critic are sharded instead 
 `fully_shard`, one unit per decoder layer): a unit gathers its weights from every rank when it runs and
 frees them after, and FSDP's reduce-scatter sums (not averages) the gradients into each rank's shard.
 Every forward of a sharded model is then a collective, so ranks must make the same number of them: a
-rank with fewer micro-batches than another makes idle ones (`World.calls`, `IDLE_BATCH`), and
+rank with fewer micro-batches than another makes idle ones (`World.calls`, `idle_batch`), and
 generation runs on the whole weights gathered once (`full_weights`), where ranks may decode for
 different numbers of steps.
 
@@ -25,7 +25,6 @@ one rank and no collective is called.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -115,7 +114,7 @@ class World:
 
     def calls(self, n: int) -> int:
         """How many forwards to make when this rank needs `n`: with sharded models every rank makes as many
-        as the rank that needs the most (the extra ones on `IDLE_BATCH`, their outputs unused)."""
+        as the rank that needs the most (the extra ones on `idle_batch`, their outputs unused)."""
         return self.most(n) if self.sharded else n
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -283,10 +282,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def with_sharding(world: World, sharded: bool) -> World:
-    return dataclasses.replace(world, sharded=sharded)
 
 
 def whole_state(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:

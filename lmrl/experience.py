@@ -307,7 +307,7 @@ def make_experience(
     if kl is not None:
         info["kl"] = A.masked_sum(kl, mask, dim=1)
         # k3, never negative, summed per sequence: the `kl` TRL's GRPOTrainer logs (a token mean of it)
-        info["kl_k3"] = A.masked_sum(A.kl_penalty(old if old is not None else rollout.logprobs.float(), ref, "k3"), mask, dim=1)
+        info["kl_k3"] = A.masked_sum(A.kl_penalty(behaviour, ref, "k3"), mask, dim=1)
     if entropy is not None:
         info["entropy"] = A.masked_mean(entropy, mask, dim=1)
     return Experience(

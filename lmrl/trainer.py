@@ -23,6 +23,7 @@ How lmrl departs from a textbook PPO loop, and why:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -74,7 +75,6 @@ from lmrl.distributed import (
     set_gradient_sync,
     shard,
     whole_state,
-    with_sharding,
 )
 from lmrl.errors import Interrupted, LmrlError, ModelError, RunError, print_line
 from lmrl.experience import (
@@ -297,7 +297,7 @@ class Trainer:
         self.notes.append(f"{world.size} ranks, train.parallel={mode} ({why})")
         if mode == "ddp":
             return {}
-        self.world = with_sharding(world, True)
+        self.world = dataclasses.replace(world, sharded=True)
         models = {"policy": self.policy, "reference": self.models.reference, "critic": self.models.critic}
         units = {name: shard(m, world, bf16=cfg.train.autocast_bf16) for name, m in models.items() if m is not None}
         self.notes.append("fsdp: the shared-prompt forward and the fast decoder with its C kernels step aside (they "
@@ -590,7 +590,7 @@ class Trainer:
         if "kl_k3" in exp.info:  # k3 (>= 0), a mean over every response token (as TRL's GRPOTrainer reports `kl`)
             out["kl"] = exp.info["kl_k3"].sum().item() / max(int(exp.response_mask.sum()), 1)
         lengths, finished = exp.info["length"].float(), exp.info["finished"].bool()
-        out |= {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+        out |= {"completions/min_length": lengths.min().item(),
                 "completions/max_length": lengths.max().item(), "completions/clipped_ratio": 1 - finished.float().mean().item(),
                 "completions/mean_terminated_length": lengths[finished].mean().item() if finished.any() else 0.0}
         if "kl" in exp.info:  # summed per sequence, averaged over sequences (as TRL reports it)
@@ -624,14 +624,14 @@ class Trainer:
         policy, critic = (whole_state(m) if self.world.sharded else None for m in (self.policy, self.models.critic))
         if not self.world.main:
             return
-        model, lora = self.policy, hasattr(self.policy, "peft_config")
+        lora = hasattr(self.policy, "peft_config")
         with quiet_progress_bars():
             if lora:  # the adapters (a checkpoint's files, final/adapter/), their base named as the user named it
-                self.policy.save_pretrained(directory / "adapter" if final else directory)
-                portable_adapter_config(directory / "adapter" if final else directory, self._base_model())
-            if lora and final:  # final/ itself: the merged model, which plain transformers loads
-                model = self.policy.merge_and_unload()
-            if model is not self.policy or not lora:
+                adapter = directory / "adapter" if final else directory
+                self.policy.save_pretrained(adapter)
+                portable_adapter_config(adapter, self._base_model())
+            if final or not lora:  # final/ itself is the merged model, which plain transformers loads
+                model = self.policy.merge_and_unload() if lora else self.policy
                 model.save_pretrained(directory, state_dict=policy)
             if self.models.critic is not None:
                 self.models.critic.save_pretrained(directory / "critic", state_dict=critic)
@@ -847,6 +847,7 @@ def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> C
 def _grpo_trainer_names(m: dict[str, float]) -> dict[str, float]:
     """The names TRL's GRPOTrainer logs, beside lmrl's, so that its users' dashboards find them (docs/metrics.md)."""
     same = {"reward": "reward/mean", "reward_std": "reward/std", "entropy": "policy/entropy_avg",
+            "completions/mean_length": "val/response_length",
             "clip_ratio/region_mean": "policy/clipfrac_avg", "loss": "loss/policy_avg", "grad_norm": "policy/grad_norm",
             "learning_rate": "lr"}
     out = {trl: m[ours] for trl, ours in same.items() if ours in m}
