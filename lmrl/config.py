@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -59,14 +60,25 @@ class _Section(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_bools_for_numbers(cls, data: Any) -> Any:
-        # pydantic would read `train.steps=true` as 1: a bool where a number belongs is a mistake
+    def _plain_values(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, value in data.items():
                 field = cls.model_fields.get(name)
+                # pydantic would read `train.steps=true` as 1: a bool where a number belongs is a mistake
                 if field is not None and _takes_number(field.annotation) and _holds_bool(value):
                     raise ValueError(f"{name}: expected a number, got {value!r}")
+            # a path may be a pathlib.Path wherever the config takes one; it is kept as a string
+            data = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in data.items()}
         return data
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `cfg.train.steps = -3` is checked on assignment (validate_assignment): one line naming the full key
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise ConfigError(_one_line(e, prefix=_section_key(type(self)))) from None
 
 
 def _holds_bool(value: Any) -> bool:
@@ -682,15 +694,16 @@ _RANGE_WORDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
                 "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
 
 
-def _one_line(e: ValidationError) -> str:
-    """The first validation error as `full.key: what is wrong (got VALUE)`."""
+def _one_line(e: ValidationError, prefix: str = "") -> str:
+    """The first validation error as `full.key: what is wrong (got VALUE)`; `prefix` is the key of the
+    section that raised it, when that is not the whole Config (an assignment to one of its fields)."""
     err = e.errors()[0]
-    parts = [x for x in err["loc"] if not str(x).startswith("function-")]
+    parts = [*filter(None, prefix.split(".")), *(x for x in err["loc"] if not str(x).startswith("function-"))]
     # pydantic names a union's member in the location (`list[...]`, `constrained-int`): not a user's key
     parts = [x for x in parts if isinstance(x, int) or "[" not in str(x) and "-" not in str(x)]
     loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in parts).lstrip(".")
     kind, got = err["type"], err.get("input")
-    if kind == "extra_forbidden":
+    if kind in ("extra_forbidden", "no_such_attribute"):
         section_path, _, key = loc.rpartition(".")
         section = _section_at(section_path)
         allowed = list(section.model_fields) if section else []
@@ -731,6 +744,20 @@ def _one_line(e: ValidationError) -> str:
     if loc and msg.startswith(loc.rpartition(".")[2] + ":"):
         msg = msg.split(":", 1)[1].strip()  # a field validator naming its field: the full key says it
     return f"{loc}: {msg}" if loc else msg
+
+
+def _section_key(section: type[BaseModel], model: type[BaseModel] | None = None, prefix: str = "") -> str:
+    """Where a section class sits in Config: ModelConfig -> "model", LoraConfig -> "model.lora"."""
+    model = model or Config
+    if section is model:
+        return prefix
+    for name, field in model.model_fields.items():
+        for candidate in (field.annotation, *get_args(field.annotation)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                found = _section_key(section, candidate, f"{prefix}.{name}".lstrip("."))
+                if found or candidate is section:
+                    return found
+    return ""
 
 
 def _section_at(path: str) -> type[BaseModel] | None:

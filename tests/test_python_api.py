@@ -34,11 +34,26 @@ def test_a_bad_value_is_one_line_when_set_and_when_assigned(tmp_path):
     with pytest.raises(ConfigError, match=r"^rollout.group_size: must be >= 1 \(got 0\)$"):
         Config(rollout={"group_size": 0})
     cfg = Config(train={"output_dir": str(tmp_path)})
-    with pytest.raises(ValueError, match="group_size"):
-        cfg.rollout.group_size = 0  # each field on assignment
+    with pytest.raises(ConfigError, match=r"^rollout.group_size: must be >= 1 \(got 0\)$"):
+        cfg.rollout.group_size = 0  # each field on assignment, named by its full key
+    with pytest.raises(ConfigError, match=r"^train.stesp: train has no field 'stesp'; did you mean 'steps'\?$"):
+        cfg.train.stesp = 3
+    cfg.model.lora = {"r": 4}
+    with pytest.raises(ConfigError, match=r"^model.lora.r: must be >= 1 \(got -1\)$"):
+        cfg.model.lora.r = -1
+    assert cfg.rollout.group_size == 8 and cfg.model.lora.r == 4  # a refused value leaves the field as it was
     cfg.rollout.group_size = 1  # a valid number, but not for GRPO: the checks between fields run in Trainer
     with pytest.raises(ConfigError, match=r"^rollout.group_size: must be >= 2 for the grpo advantage \(got 1\)$"):
         Trainer(cfg)
+
+
+def test_paths_may_be_pathlib_paths(tmp_path):
+    cfg = Config(train={"output_dir": tmp_path / "a"}, data={"path": tmp_path / "rows.jsonl"})
+    assert cfg.train.output_dir == str(tmp_path / "a") and cfg.data.path == str(tmp_path / "rows.jsonl")
+    cfg.train.output_dir = tmp_path / "b"
+    assert cfg.train.output_dir == str(tmp_path / "b")
+    cli = load_config(None, [f"train.output_dir={tmp_path / 'b'}", f"data.path={tmp_path / 'rows.jsonl'}"])
+    assert cli.model_dump() == cfg.model_dump()
 
 
 def test_a_model_object_gets_no_preset_made_for_the_shipped_model(tmp_path):
