@@ -6,6 +6,7 @@ Each function builds one thing; the trainer calls them in order. Nothing here ru
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import os
@@ -233,7 +234,8 @@ class Data:
     rewards: Any  # lmrl.rewards.RewardSet
     task_name: str | None = None
     skipped: list[str] = field(default_factory=list)  # one line per source whose bad rows were left out
-    longest_prompt: int = 0  # tokens
+    longest_prompt: int = 0  # tokens (of a stream: of the rows read so far)
+    train_stream: Any = None  # lmrl.data.PromptStream: rows read as training goes (train_rows is then empty)
 
 
 def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, train_rows=None, eval_rows=None) -> Data:
@@ -243,11 +245,11 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     length in `tokenizer` tokens, and the columns the reward functions need. A bad row stops the run
     naming its file and line, or is left out under data.on_bad_row=skip.
     """
-    from lmrl.data.prompts import check_rows, load_prompts
+    from lmrl.data.prompts import PromptStream, check_rows, is_stream, load_prompts
     from lmrl.rewards import required_columns
 
     d = cfg.data
-    task = None
+    task, stream = None, None
     if d.path is None and train_rows is None:
         from lmrl.data.tasks import get_task
 
@@ -279,22 +281,26 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
 
     if task is not None:
         train_rows = checked(task.train_prompts(), f"data.task={task.name}")
+    elif train_rows is not None and is_stream(train_rows := _split(train_rows, d.split, "train_dataset", "data.split")):
+        stream = PromptStream(train_rows, name="train_dataset", **check)
+        stream.peek(cfg.rollout.prompts_per_step)  # the first step's rows, checked before a model loads
+        train_rows = []
     elif train_rows is not None:
-        train_rows = checked(list(_split(train_rows, d.split, "train_dataset", "data.split")), "train_dataset")
+        train_rows = checked(list(train_rows), "train_dataset")
     else:
         train_rows = from_file(d.path, d.split, "data.path")
     if d.num_eval_prompts == 0:
         eval_rows = []
-    elif eval_rows is not None:
-        eval_rows = checked(list(_split(eval_rows, d.eval_split, "eval_dataset", "data.eval_split"))[: d.num_eval_prompts],
-                            "eval_dataset")
+    elif eval_rows is not None:  # a stream is read only as far as the evaluation needs
+        eval_rows = _split(eval_rows, d.eval_split, "eval_dataset", "data.eval_split")
+        eval_rows = checked(list(itertools.islice(eval_rows, d.num_eval_prompts)), "eval_dataset")
     elif task is not None:
         eval_rows = checked(task.eval_prompts()[: d.num_eval_prompts], f"data.task={task.name}")
     elif d.eval_path is not None:
         eval_rows = from_file(d.eval_path, d.eval_split, "data.eval_path")[: d.num_eval_prompts]
     else:
         eval_rows = []
-    return Data(train_rows, eval_rows, rewards, getattr(task, "name", None), skipped, longest)
+    return Data(train_rows, eval_rows, rewards, getattr(task, "name", None), skipped, longest, stream)
 
 
 def _split(dataset: Any, split: str, source: str, key: str) -> Any:

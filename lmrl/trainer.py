@@ -156,7 +156,8 @@ class Trainer:
         self.units = self._shard_models()  # FSDP units per model name (empty unless train.parallel is fsdp)
         self.optimizer, self.scheduler = make_optimizer(cfg, self.policy, self.models.critic)
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
-        self.sampler = PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
+        stream = self.data.train_stream
+        self.sampler = None if stream else PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
         self.generator = HFGenerator(self.models.sampler or self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size)
         self.minibatch_rng = torch.Generator().manual_seed(cfg.train.seed)
         self.out = Path(cfg.train.output_dir)
@@ -204,7 +205,7 @@ class Trainer:
     def _loop(self, start_step: int, sinks) -> None:
         cfg, result = self.cfg, self.result
         self.console.print(f"[bold]lmrl[/] {cfg.algorithm.name} on {cfg.model.name_or_path}: "
-                           f"{len(self.data.train_rows)} prompts, output in {self.out}"
+                           f"{_prompt_count(self.data)}, output in {self.out}"
                            + (f", resumed at step {start_step}" if start_step else ""))
         for line in self.notes:
             self._note(line)
@@ -280,6 +281,8 @@ class Trainer:
                         "time/step": t3 - t0, "eps": len(exp) / (t3 - t0), "lr": self.scheduler.get_last_lr()[0],
                         "episode": step * cfg.rollout.prompts_per_step * cfg.rollout.group_size,
                         "objective/kl_coef": self.kl.value})
+        if self.data.train_stream is not None and self.data.train_stream.skipped:  # the same on every rank
+            metrics["data/skipped_rows"] = float(self.data.train_stream.skipped)
         metrics.update(_grpo_trainer_names(metrics))
         if cfg.log.samples_every and step % cfg.log.samples_every == 0:
             k = min(cfg.log.num_samples, len(exp))
@@ -308,6 +311,20 @@ class Trainer:
     def _trained_units(self) -> list[torch.nn.Module]:
         return self.units.get("policy", []) + self.units.get("critic", [])
 
+    def _prompts(self, step: int, r: int, rounds: int, size: int) -> list[dict[str, Any]]:
+        """The prompt rows of sampling round `r` of `step`: a pure function of (step, r), so a resumed run
+        draws the rows the stopped one would have (a stream is read again up to there). A stream starts at
+        its first row; the sampler's batch index (step * rounds + r) keeps the order runs have always had."""
+        stream = self.data.train_stream
+        if stream is None:
+            return [self.data.train_rows[i] for i in self.sampler.indices(step * rounds + r, size)]
+        skipped = stream.skipped
+        rows = stream.batch((step - 1) * rounds + r, size)
+        if stream.skipped and not skipped:
+            self._warn(f"{stream.name}: left out a bad row (data.on_bad_row=skip), {stream.first_skipped.where}: "
+                       f"{stream.first_skipped.problem}; data/skipped_rows counts them")
+        return rows
+
     # ------------------------------------------------------------------------------------ 1-2. collect
     def collect(self, step: int):
         """Prompts -> scored rollout. With dynamic sampling (DAPO), groups whose rewards are all equal are
@@ -321,8 +338,7 @@ class Trainer:
         share = world.shard(P)  # this rank's prompts: whole groups
         for r in range(rounds):
             need = P - kept
-            indices = self.sampler.indices(step * rounds + r, P)[share]
-            rows = [self.data.train_rows[i] for i in indices]
+            rows = self._prompts(step, r, rounds, P)[share]
             seed = cfg.train.seed * 1_000_003 + step * 101 + r + 7919 * world.rank
             rollout, out = self.generate_and_score(rows, G, seed=seed)
             if r == 0:  # reward metrics of the first round: the unfiltered policy
@@ -829,6 +845,10 @@ class Trainer:
         else:
             print_line(f"lmrl: warning: {line}")
 
+def _prompt_count(data) -> str:
+    return "streamed prompts" if data.train_stream is not None else f"{len(data.train_rows)} prompts"
+
+
 def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> Config:
     """`cfg` naming the reward functions and datasets passed to the Trainer instead of the task and functions
     it would otherwise load: functions as "module:qualified name", datasets as what they were and their rows."""
@@ -837,7 +857,8 @@ def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> C
         named = [_reward_record(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
         sections["reward"] = cfg.reward.model_copy(update={"functions": named})
     if train_dataset is not None:
-        update = {"task": None, "path": f"<{type(train_dataset).__name__} passed to Trainer: {len(data.train_rows)} rows>"}
+        rows = "streamed" if data.train_stream is not None else f"{len(data.train_rows)} rows"
+        update = {"task": None, "path": f"<{type(train_dataset).__name__} passed to Trainer: {rows}>"}
         if eval_dataset is not None:
             update["eval_path"] = f"<{type(eval_dataset).__name__} passed to Trainer: {len(data.eval_rows)} rows used>"
         sections["data"] = cfg.data.model_copy(update=update)

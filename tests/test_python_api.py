@@ -166,3 +166,47 @@ def test_the_cli_trains_on_a_saved_dataset_and_dataset_dict(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "lmrl: error: data.path: two: a saved DatasetDict without a 'validation' split; its splits: train, test"]
+
+
+def _stream():
+    """ROWS as a shuffled datasets.IterableDataset: read again, in another order, each epoch."""
+    from datasets import IterableDataset
+
+    return IterableDataset.from_generator(lambda: iter(ROWS)).shuffle(seed=1, buffer_size=16)
+
+
+def test_an_iterable_dataset_is_streamed_and_resumes_exactly(tmp_path):
+    import torch
+
+    def run(out, steps, stream, resume=None):
+        cfg = Config(train={"steps": steps, "output_dir": str(out), "save_every": 1, "resume": resume},
+                     log={"console": False}, rollout={"prompts_per_step": 16, "group_size": 4},
+                     data={"num_eval_prompts": 4})
+        trainer = Trainer(cfg, reward_funcs=[exact], train_dataset=stream, eval_dataset=_stream())
+        assert trainer.data.train_rows == [] and trainer.cfg.data.path == "<IterableDataset passed to Trainer: streamed>"
+        trainer.train()
+        return trainer.policy.state_dict()
+
+    whole = run(tmp_path / "whole", 3, _stream())  # 48 rows: the 40-row stream's 2nd epoch too
+    run(tmp_path / "split", 1, _stream())
+    resumed = run(tmp_path / "split", 3, _stream(), resume="auto")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_bad_row_deep_in_a_stream_stops_the_run_after_a_checkpoint(tmp_path):
+    cfg = Config(train={"steps": 4, "output_dir": str(tmp_path), "save_every": 10}, log={"console": False},
+                 rollout={"prompts_per_step": 16, "group_size": 4}, data={"num_eval_prompts": 0})
+    from datasets import IterableDataset
+
+    stream = IterableDataset.from_generator(lambda: iter([*ROWS, {"prompt": " "}, *ROWS]))  # row 40: step 3's
+    trainer = Trainer(cfg, reward_funcs=[exact], train_dataset=stream)  # the first step's rows are fine
+    with pytest.raises(DataError) as raised:
+        trainer.train()
+    assert str(raised.value) == (f"step 3: train_dataset row 40: prompt is only whitespace; fix it, or set "
+                                 f"data.on_bad_row=skip to leave it out; {tmp_path}/checkpoint-2 written: add "
+                                 "train.resume=auto to continue")
+    assert raised.value.exit_code == 1 and (tmp_path / "checkpoint-2").is_dir()
+    skipping = Trainer(cfg.model_copy(update={"data": cfg.data.model_copy(update={"on_bad_row": "skip"}),
+                                              "train": cfg.train.model_copy(update={"overwrite": True})}),
+                       reward_funcs=[exact], train_dataset=stream)
+    assert skipping.train().history[-1]["data/skipped_rows"] == 1

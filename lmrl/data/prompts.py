@@ -502,6 +502,126 @@ class PromptSampler:
         return step * batch_size // self.n
 
 
+def is_stream(source: Any) -> bool:
+    """Rows that can only be read in order: a `datasets.IterableDataset`, a generator, any iterable without
+    a length (a list, a `datasets.Dataset` or a dict of columns is not)."""
+    return (hasattr(source, "__iter__") and not hasattr(source, "__len__")
+            and not isinstance(source, (str, bytes, Mapping)))
+
+
+class PromptStream:
+    """Prompt rows read in order from a stream as training asks for them, never held whole.
+
+    The stream is the order: position k is the k-th good row of epoch 0, then of epoch 1 (the stream is
+    read again, after `set_epoch(e)` when it has one, as a shuffled `datasets.IterableDataset` does), and
+    so on, so a resumed run that knows its position reads the rows the stopped run would have read by
+    reading past the earlier ones. Shuffle the stream itself (`IterableDataset.shuffle(seed, buffer_size)`)
+    for a shuffled order. Rows are checked as they are read, in chunks, with the checks `check_rows` makes;
+    `peek` checks the first ones before a model loads.
+
+    Args:
+        source: the stream (anything `is_stream` accepts). A one-pass iterable (a generator) cannot start
+            a second epoch: reading past its end is a `DataError`.
+        prompt_column, required_columns, prompt_length, max_prompt_length, on_bad_row: as in `check_rows`;
+            with "skip" bad rows are left out and counted (`skipped`, `first_skipped`).
+        name: how errors name the stream and its rows ("train_dataset", "train_dataset row 600").
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        prompt_column: str = "prompt",
+        required_columns: Mapping[str, Sequence[str]] | None = None,
+        prompt_length: PromptLength | None = None,
+        max_prompt_length: int | None = None,
+        on_bad_row: Literal["fail", "skip"] = "fail",
+        name: str = "train_dataset",
+    ):
+        if on_bad_row not in ON_BAD_ROW:
+            raise ValueError(f"on_bad_row: must be one of {', '.join(ON_BAD_ROW)}, got {on_bad_row!r}")
+        self.source, self.name, self.on_bad_row = source, name, on_bad_row
+        self.prompt_column, self.required_columns = prompt_column, required_columns
+        self.prompt_length, self.max_prompt_length = prompt_length, max_prompt_length
+        self.one_pass = iter(source) is source
+        self.skipped = 0  # bad rows left out so far (on_bad_row="skip")
+        self.first_skipped: BadRow | None = None
+        self._epoch, self._read = 0, 0  # epoch being read, rows read of it (bad ones included)
+        self._rows: Iterator[Any] = iter(source)
+        self._buffer: list[Mapping[str, Any]] = []  # checked rows read ahead of the position
+        self._position = 0  # the position of _buffer[0]
+        self._good_in_epoch = 0
+
+    def peek(self, count: int) -> list[Mapping[str, Any]]:
+        """The first `count` rows (fewer when the first epoch is shorter), checked; reads ahead, consumes nothing."""
+        self._fill(count, wrap=False)
+        return list(self._buffer[:count])
+
+    def rows_at(self, position: int, count: int) -> list[Mapping[str, Any]]:
+        """The rows at positions [position, position + count). Positions only move forward."""
+        if position < self._position:
+            raise ValueError(f"position: a stream is read forward; {position} is behind {self._position}")
+        self._fill(position - self._position + count, wrap=True)
+        ahead = position - self._position
+        out = self._buffer[ahead : ahead + count]
+        del self._buffer[: ahead + count]
+        self._position = position + count
+        return out
+
+    def batch(self, index: int, size: int) -> list[Mapping[str, Any]]:
+        """The `index`-th batch (0-based) of `size` rows: positions [index * size, (index + 1) * size)."""
+        return self.rows_at(index * size, size)
+
+    def _fill(self, count: int, wrap: bool) -> None:
+        while len(self._buffer) < count:
+            chunk = []
+            for row in self._rows:
+                chunk.append(row)
+                if len(chunk) == min(_LENGTH_BATCH, count - len(self._buffer)):
+                    break
+            if chunk:
+                self._buffer.extend(self._checked(chunk))
+                continue
+            if not wrap:  # the first epoch is shorter than asked for
+                if not self._buffer:
+                    raise DataError(f"{self.name}: the stream has no rows")
+                return
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        if self._good_in_epoch == 0:
+            raise DataError(f"{self.name}: the stream has no {'good ' if self._read else ''}rows"
+                            + (f" ({self.skipped} left out as bad)" if self.skipped else ""))
+        if self.one_pass:
+            raise DataError(f"{self.name}: the stream ended after {self._read} rows and cannot be read again (a "
+                            "generator); pass one that can (a datasets.IterableDataset, or a class whose __iter__ "
+                            "starts over), or fewer train.steps")
+        self._epoch += 1
+        if hasattr(self.source, "set_epoch"):
+            self.source.set_epoch(self._epoch)
+        self._rows, self._read, self._good_in_epoch = iter(self.source), 0, 0
+
+    def _checked(self, chunk: list[Any]) -> list[Mapping[str, Any]]:
+        start, self._read = self._read, self._read + len(chunk)
+        where = [f"{self.name} row {start + i}" + (f" (epoch {self._epoch})" if self._epoch else "")
+                 for i in range(len(chunk))]
+        bad = [(i, p) for i, row in enumerate(chunk)
+               if (p := _row_problem(row, self.prompt_column, self.required_columns)) is not None]
+        good = [i for i in range(len(chunk)) if i not in dict(bad)]
+        if self.prompt_length is not None and good:
+            too_long = _too_long(chunk, good, self.prompt_column, self.prompt_length, self.max_prompt_length)
+            good = [i for i in good if i not in dict(too_long)]
+            bad = sorted(bad + too_long)
+        if bad and self.on_bad_row == "fail":
+            # `kept` counts this chunk's good rows, not the stream's: never "every row is bad" here
+            raise DataError(_bad_rows_message(self.name, [BadRow(where[i], p) for i, p in bad], len(good) or 1))
+        if bad:
+            self.skipped += len(bad)
+            self.first_skipped = self.first_skipped or BadRow(where[bad[0][0]], bad[0][1])
+        self._good_in_epoch += len(good)
+        return [chunk[i] for i in good]
+
+
 def load_prompts(
     source: str | os.PathLike | Sequence[Mapping[str, Any]],
     split: str = "train",
