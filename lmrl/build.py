@@ -245,7 +245,7 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     length in `tokenizer` tokens, and the columns the reward functions need. A bad row stops the run
     naming its file and line, or is left out under data.on_bad_row=skip.
     """
-    from lmrl.data.prompts import PromptStream, check_rows, is_stream, load_prompts
+    from lmrl.data.prompts import PromptStream, check_rows, is_stream, load_prompts, open_stream
     from lmrl.rewards import required_columns
 
     d = cfg.data
@@ -282,13 +282,15 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     if task is not None:
         train_rows = checked(task.train_prompts(), f"data.task={task.name}")
     elif train_rows is not None and is_stream(train_rows := _split(train_rows, d.split, "train_dataset", "data.split")):
-        stream = PromptStream(train_rows, name="train_dataset", **check)
-        stream.peek(cfg.rollout.prompts_per_step)  # the first step's rows, checked before a model loads
-        train_rows = []
+        stream, train_rows = PromptStream(train_rows, name="train_dataset", **check), []
     elif train_rows is not None:
         train_rows = checked(list(train_rows), "train_dataset")
+    elif d.streaming:
+        stream, train_rows = PromptStream(open_stream(d.path, d.split), name=f"data.path: {d.path}", **check), []
     else:
         train_rows = from_file(d.path, d.split, "data.path")
+    if stream is not None:
+        stream.peek(cfg.rollout.prompts_per_step)  # the first step's rows, checked before a model loads
     if d.num_eval_prompts == 0:
         eval_rows = []
     elif eval_rows is not None:  # a stream is read only as far as the evaluation needs
@@ -296,6 +298,9 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
         eval_rows = checked(list(itertools.islice(eval_rows, d.num_eval_prompts)), "eval_dataset")
     elif task is not None:
         eval_rows = checked(task.eval_prompts()[: d.num_eval_prompts], f"data.task={task.name}")
+    elif d.eval_path is not None and d.streaming:  # read only as far as the evaluation needs
+        eval_rows = checked(list(itertools.islice(open_stream(d.eval_path, d.eval_split, "data.eval_path"),
+                                                  d.num_eval_prompts)), "data.eval_path")
     elif d.eval_path is not None:
         eval_rows = from_file(d.eval_path, d.eval_split, "data.eval_path")[: d.num_eval_prompts]
     else:

@@ -126,6 +126,10 @@ class DataConfig(_Section):
     dataset name (needs network)."""
     split: str = "train"
     """Split of `path` to train on."""
+    streaming: bool = False
+    """Read `path` as a stream: rows are read in order as steps ask for them and never held whole (for a
+    dataset larger than memory). The first step's rows are checked before the model loads, the others as
+    they are read (docs/python.md, streamed datasets)."""
     eval_path: NonEmptyStr | None = None
     """Held-out prompts for evaluation (defaults to the task's held-out split)."""
     eval_split: str = "test"

@@ -210,3 +210,23 @@ def test_a_bad_row_deep_in_a_stream_stops_the_run_after_a_checkpoint(tmp_path):
                                               "train": cfg.train.model_copy(update={"overwrite": True})}),
                        reward_funcs=[exact], train_dataset=stream)
     assert skipping.train().history[-1]["data/skipped_rows"] == 1
+
+
+def test_the_cli_streams_a_file_with_data_streaming(tmp_path):
+    import json
+
+    rows = [*ROWS[:20], {"prompt": " ", "answer": "0"}, *ROWS[20:]]  # row 20 is blank
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = [sys.executable, "-m", "lmrl.cli", "train", "data.path=rows.jsonl", "data.streaming=true",
+              "reward.functions=[exact_match]", "train.steps=2", "rollout.prompts_per_step=16", "log.console=false",
+              "data.num_eval_prompts=0"]
+    failed = subprocess.run([*common, "train.output_dir=a"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 1 and failed.stderr.strip().splitlines() == [
+        "lmrl: error: step 2: data.path: rows.jsonl row 20: prompt is only whitespace; fix it, or set "
+        "data.on_bad_row=skip to leave it out; a/checkpoint-1 written: add train.resume=auto to continue"]
+    skipped = subprocess.run([*common, "train.output_dir=b", "data.on_bad_row=skip"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "left out a bad row" in skipped.stderr
+    last = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["data/skipped_rows"] == 1

@@ -274,7 +274,13 @@ def _looks_like_file(source: str) -> bool:
 
 
 def _read_saved(path: Path, label: str, split: str, field: str) -> tuple[list[Any], list[str]]:
-    """A directory `datasets.Dataset.save_to_disk` (or a DatasetDict's) wrote; a DatasetDict gives `split`."""
+    """The rows of a directory `datasets.Dataset.save_to_disk` (or a DatasetDict's) wrote, and where each is."""
+    dataset, label = _load_saved(path, label, split, field)
+    return list(dataset), [f"{label} row {i}" for i in range(len(dataset))]
+
+
+def _load_saved(path: Path, label: str, split: str, field: str) -> tuple[Any, str]:
+    """The `datasets.Dataset` a save_to_disk directory holds (a DatasetDict gives `split`), and its label."""
     from datasets import load_from_disk
 
     try:
@@ -286,7 +292,7 @@ def _read_saved(path: Path, label: str, split: str, field: str) -> tuple[list[An
             raise DataError(f"{field}: {label}: a saved DatasetDict without a {split!r} split; its splits: "
                             f"{', '.join(dataset)}")
         dataset, label = dataset[split], f"{label}:{split}"
-    return list(dataset), [f"{label} row {i}" for i in range(len(dataset))]
+    return dataset, label
 
 
 def _read_jsonl(path: Path, label: str, field: str) -> tuple[list[Any], list[str]]:
@@ -341,6 +347,27 @@ def _read_parquet(path: Path, label: str, field: str) -> tuple[list[Any], list[s
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(f"{field}: {label}: not a readable parquet file ({reason})") from err
     return rows, [f"{label} row {i}" for i in range(len(rows))]
+
+
+def open_stream(source: str, split: str = "train", field: str = "data.path") -> Any:
+    """A local file, a saved dataset directory or a hub dataset as a `datasets.IterableDataset`, read lazily."""
+    import datasets
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
+            raise DataError(f"{field}: {source}: is a directory, expected a {'/'.join(FILE_FORMATS)} file or a "
+                            "dataset saved with datasets' save_to_disk")
+        return _load_saved(path, source, split, field)[0].to_iterable_dataset()  # memory-mapped, not read
+    if not _looks_like_file(source):
+        return datasets.load_dataset(source, split=split, streaming=True)
+    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+    if not path.is_file():
+        raise DataError(f"{field}: {source}: file not found")
+    if path.suffix not in builders:
+        raise DataError(f"{field}: {source}: unsupported extension {path.suffix!r}, expected a "
+                        f"{'/'.join(FILE_FORMATS)} file")
+    return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train", streaming=True)
 
 
 def _read_hub(name: str, split: str, subset: str | None) -> list[dict[str, Any]]:
