@@ -174,6 +174,10 @@ class RolloutConfig(_Section):
     dtype, refreshed from the policy before every generation; truncated importance sampling
     (algorithm.tis_cap, 2.0 unless set) corrects for the difference between its probabilities and
     the trainer's."""
+    cuda_graph: bool = True
+    """On a GPU, decode with fixed shapes (a KV cache of the whole rollout) and replay each step as one
+    CUDA graph, where the model allows it (full attention, sdpa or eager kernel); the run says which
+    decode path it took and why. Ignored on a CPU."""
 
 
 class RewardConfig(_Section):
@@ -782,7 +786,7 @@ def _section_at(path: str) -> type[BaseModel] | None:
 # fields a resumed run may change: none of them can make the saved state mean something else
 RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.max_minutes",
                      "train.resume", "train.overwrite", "train.threads", "train.parallel", "train.output_dir",
-                     "reward.timeout", "log.")
+                     "rollout.cuda_graph", "reward.timeout", "log.")
 
 
 def resume_differences(saved: dict[str, Any], cfg: Config) -> list[str]:

@@ -158,7 +158,10 @@ class Trainer:
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         stream = self.data.train_stream
         self.sampler = None if stream else PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
-        self.generator = HFGenerator(self.models.sampler or self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size)
+        self.generator = HFGenerator(self.models.sampler or self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size,
+                                     cuda_graph=cfg.rollout.cuda_graph)
+        if device.type == "cuda":
+            self.notes.append("generation: {} ({})".format(*self.generator.decode_path()))
         self.minibatch_rng = torch.Generator().manual_seed(cfg.train.seed)
         self.out = Path(cfg.train.output_dir)
         shown = (cfg.log.console if console is None else console) and self.world.main  # rank 0 alone prints

@@ -41,6 +41,7 @@ from lmrl.kernels import DecodeKernels
 from lmrl.kernels import load as load_kernels
 from lmrl.models.shared_prompt import apply_rotary, bypassable, full_attention, hooked
 from lmrl.rollout.base import Rollout, SamplingParams
+from lmrl.rollout.static_decode import MASKED_KERNELS, StaticDecoder, decode_path
 
 # Compact the batch (drop finished rows from the forward pass and the KV cache) once this fraction
 # of the rows still in the batch has finished: compacting copies the cache, so doing it for every
@@ -477,6 +478,10 @@ class HFGenerator:
         pad_token_id: Id that fills padding; defaults to the tokenizer's pad id, else the first EOS id.
         seed: Seed of the generator's own `torch.Generator`, used when `SamplingParams.seed` is
             None. None draws it from torch's global RNG (so `torch.manual_seed` fixes it).
+        cuda_graph: On CUDA, decode with fixed shapes and replay each step as a CUDA graph
+            (`lmrl.rollout.static_decode`) where the model allows it; `decode_path` says why not.
+        fixed_shapes: Take the fixed-shape decode step even where no graph is captured (a CPU):
+            for tests, which check that it samples what the other paths sample.
 
     The model runs in its own dtype; logits are upcast to float32 for sampling and log-probs. With
     temperature 0 (greedy) the returned log-probs are those of softmax(logits), i.e. temperature 1.
@@ -491,6 +496,8 @@ class HFGenerator:
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         seed: int | None = None,
+        cuda_graph: bool = True,
+        fixed_shapes: bool = False,
     ) -> None:
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
             raise ValueError(f"batch_size: must be None or an integer >= 1, got {batch_size!r}")
@@ -516,6 +523,19 @@ class HFGenerator:
         self._full_attention = full_attention(model)
         self._cache_kwarg = cache_keyword(model)
         self._attn_implementation = getattr(model.config, "_attn_implementation", None)
+        self.cuda_graph, self.fixed_shapes = cuda_graph, fixed_shapes
+        if fixed_shapes and (not self._full_attention or self._attn_implementation not in MASKED_KERNELS):
+            raise ValueError("fixed_shapes: needs a full-attention model with the sdpa or eager kernel")
+
+    def decode_path(self) -> tuple[str, str]:
+        """The decode path the next chunk takes, and why: "cuda_graph", "fixed_shapes" (the same step
+        without a graph), "shared_prompt" or "cache" (`lmrl.rollout.static_decode.decode_path`). Asked per
+        chunk: hooks (FSDP's) may come and go."""
+        lean = self._full_attention and _SharedPromptDecoder.supports(self.model)
+        path, why = decode_path(self.model, self.device, self.cuda_graph, lean)
+        if self.fixed_shapes and path != "cuda_graph":
+            return "fixed_shapes", "fixed_shapes=True"
+        return path, why
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
         """Sample `n` completions for each prompt.
@@ -573,8 +593,9 @@ class HFGenerator:
         capacity = prompt_len + max_new
 
         # 1. prefill: each distinct prompt once; positions count real tokens only (left padding)
-        lean = self._full_attention and _SharedPromptDecoder.supports(self.model)
-        cache = self._new_cache(prompt_len if lean else capacity)
+        path, _ = self.decode_path()
+        static, lean = path in ("cuda_graph", "fixed_shapes"), path == "shared_prompt"
+        cache = self._new_cache(prompt_len if lean or static else capacity)
         position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
         out = self.model(
             input_ids=prompt_ids,
@@ -586,7 +607,11 @@ class HFGenerator:
         )
         logits = out.logits[:, -1].float().index_select(0, row_local)  # [b, V]
         next_position = prompt_mask.sum(1).index_select(0, row_local)  # [b]
-        if lean:
+        first_position = next_position  # [b] of every row, as the fixed-shape step takes them
+        if static:
+            decoder = StaticDecoder(self.model, cache, prompt_mask, row_local, max_new, self._cache_kwarg,
+                                    graph=path == "cuda_graph")
+        elif lean:
             decoder = _SharedPromptDecoder(self.model, cache, prompt_mask, row_local, max_new)
         else:
             cache.batch_select_indices(row_local)  # copy each prompt's cache to its rows
@@ -629,9 +654,14 @@ class HFGenerator:
                 )
                 if lean:
                     decoder.select(keep)
-                else:
+                elif not static:  # fixed shapes keep every row in the step; only the sampling leaves them
                     cache.batch_select_indices(keep)
                     mask = mask[keep]
+            if static:  # every row steps (finished ones on padding); the rows still active are sampled
+                every = torch.full((num_rows,), self.pad_token_id, dtype=torch.long, device=device)
+                every[active] = token
+                logits = decoder.step(every, first_position + t, t).index_select(0, active).float()
+                continue
             if lean:
                 logits = decoder.step(token, next_position + t, t).float()
                 continue
