@@ -34,3 +34,22 @@ def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
     peaks = re.findall(r"train.parallel=(\w+)\s+peak memory per rank\s+([\d.]+) GB\s+([\d.]+)x", out)
     assert [p[0] for p in peaks] == ["ddp", "fsdp"] and peaks[0][2] == "1.00", out
     assert all(float(p[1]) > 0.1 for p in peaks), out  # a real resident set, not a zero from a failed run
+
+
+def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vs_trl.py"), "--tiny", "--trainers", "lmrl"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert re.search(r"Qwen2 [\d.]+M parameters \(64 hidden, 2 layers\), float32, on CPU", out), out
+    limit = re.search(r"a generation needs >= ([\d.]+) s", out)
+    assert limit and float(limit.group(1)) > 0, out
+    line = re.search(r"lmrl\s+samples/s\s+([\d.]+) \(1.00x lmrl\).*tokens/s, ([\d.]+)x the limit\).*decode: (\w+)", out)
+    assert line and float(line.group(1)) > 0 and float(line.group(2)) >= 1 and line.group(3) == "shared_prompt", out
+
+
+def test_the_bandwidth_floor_counts_weights_once_per_step_and_the_growing_cache():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_vs_trl import decode_bytes
+
+    # 10 parameters in bf16 over 3 steps: 60 bytes; KV: 2 rows x (2 x 1 layer x 1 head x 4 dims x 2 bytes) = 16
+    # bytes per token per row, over caches of 5, 6 and 7 tokens: 2 x 16 x 18 = 576
+    assert decode_bytes(10, 2, rows=2, prompt_len=5, new=3, layers=1, kv_heads=1, head_dim=4) == 60 + 576
