@@ -21,12 +21,13 @@ def digit_share(prompts, completions, kind, **kw):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def make_trainer(tmp_path, *overrides, model=None, **kw):
+def make_trainer(tmp_path, *overrides, model=None, device=None, **kw):
     tok = char_tokenizer()
     model = model or tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0)
+    on = [f"model.device={device}"] if device is not None else []
     cfg = load_config(None, [
         "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
-        "optim.lr=1e-2", f"train.output_dir={tmp_path}", "log.console=false", "train.eval_every=0", *overrides])
+        "optim.lr=1e-2", f"train.output_dir={tmp_path}", "log.console=false", "train.eval_every=0", *on, *overrides])
     return Trainer(cfg, model=model, tokenizer=tok, reward_funcs=[digit_share], train_dataset=ROWS,
                    eval_dataset=ROWS[:4], **kw)
 
@@ -66,9 +67,11 @@ def test_reference_and_old_forwards_happen_when_needed(tmp_path):
     assert trainer.forward_counts == {"policy": 6, "reference": 2, "critic": 0}
 
 
-def test_step_one_invariants(tmp_path):
-    """First minibatch: ratio 1, clip fraction 0; KL to the (identical) reference 0."""
-    trainer = make_trainer(tmp_path, "algorithm.kl_coef=0.1", "train.steps=1")
+def test_step_one_invariants(tmp_path, device):
+    """First minibatch: ratio 1 (the sampler's log-probs are the trainer's), clip fraction 0; KL to the
+    (identical) reference 0."""
+    trainer = make_trainer(tmp_path, "algorithm.kl_coef=0.1", "train.steps=1", device=device)
+    assert next(trainer.policy.parameters()).device.type == device.type
     m = trainer.train().history[0]
     assert m["val/ratio"] == pytest.approx(1.0, abs=1e-5)
     assert m["policy/clipfrac_avg"] == 0.0
@@ -148,9 +151,9 @@ def test_same_seed_same_run(tmp_path):
     assert [h["loss/policy_avg"] for h in a] == [h["loss/policy_avg"] for h in b]
 
 
-def test_lora_run_trains_adapters_and_saves_a_merged_model(tmp_path):
+def test_lora_run_trains_adapters_and_saves_a_merged_model(tmp_path, device):
     lora = '{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}'
-    trainer = make_trainer(tmp_path, f"model.lora={lora}")
+    trainer = make_trainer(tmp_path, f"model.lora={lora}", device=device)
     trainable = [n for n, p in trainer.policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     trainer.train()
@@ -164,9 +167,9 @@ def test_gradient_checkpointing_and_tis_weights(tmp_path):
     assert last["val/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # same engine and dtype: weights ~1
 
 
-def test_bf16_sampler_copy_is_corrected_by_tis_without_an_extra_forward(tmp_path):
+def test_bf16_sampler_copy_is_corrected_by_tis_without_an_extra_forward(tmp_path, device):
     trainer = make_trainer(tmp_path, "rollout.dtype=bfloat16", "model.attn_implementation=eager",
-                           "optim.micro_batch_size=16", "train.steps=1")
+                           "optim.micro_batch_size=16", "train.steps=1", device=device)
     sampler = trainer.models.sampler
     assert trainer.cfg.algorithm.tis_cap == 2.0  # set because the sampler differs from the trainer
     assert trainer.generator.model is sampler and sampler is not trainer.policy

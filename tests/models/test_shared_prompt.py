@@ -40,16 +40,16 @@ def batch(prompts=PROMPTS, response_padding: bool = True):
 def logprobs_and_grads(model, seqs, mask, **kw):
     model.zero_grad(set_to_none=True)
     logp, entropy = model_forward_logprobs(model, seqs, mask, T, temperature=0.7, return_entropy=True, **kw)
-    (logp * torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)).sum().backward()
+    (logp * torch.linspace(0.5, 1.5, logp.numel(), device=logp.device).view_as(logp)).sum().backward()
     return logp.detach(), entropy.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize(("arch", "kv_heads"), [("llama", 4), ("llama", 2), ("qwen2", 4), ("qwen2", 1)])
-def test_same_logprobs_entropy_and_gradients_as_transformers(arch, kv_heads):
+def test_same_logprobs_entropy_and_gradients_as_transformers(arch, kv_heads, device):
     """Llama and Qwen2 (q / k / v biases), with grouped-query attention, left-padded prompts of different
     lengths, rows of one prompt not adjacent, response padding, a temperature."""
-    model = model_of(arch, kv_heads)
-    seqs, mask = batch()
+    model = model_of(arch, kv_heads).to(device)
+    seqs, mask = (t.to(device) for t in batch())
     plain = logprobs_and_grads(model, seqs, mask)
     shared = logprobs_and_grads(model, seqs, mask, share_prompt=True)
     valid = mask[:, P:].bool()

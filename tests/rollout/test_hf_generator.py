@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -101,10 +103,11 @@ def test_greedy_with_early_eos_matches_generate(tok):
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_logprobs_equal_full_forward_pass(model, tok, temperature):
+def test_logprobs_equal_full_forward_pass(model, tok, temperature, device):
+    model = model if device.type == "cpu" else copy.deepcopy(model).to(device)  # the fixture's stays on the CPU
     gen = HFGenerator(model, tok)
     rollout = gen.generate(encode(tok), 3, SamplingParams(max_new_tokens=10, temperature=temperature, seed=0))
-    assert rollout.logprobs.dtype == torch.float32
+    assert rollout.logprobs.dtype == torch.float32 and rollout.logprobs.device.type == device.type
     expected = reference_logprobs(model, rollout, temperature)
     torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=0)
     assert torch.all(rollout.logprobs[~rollout.response_mask] == 0)
