@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -303,11 +304,13 @@ def _args(case: str, bad: Bad, url: str) -> list[str]:
 
 
 def _main(args: list[str], cwd: Path) -> tuple[int, str]:
-    """`lmrl ARGS` through lmrl.cli.main in this process, in `cwd`: (exit code, stderr)."""
+    """`lmrl ARGS` through lmrl.cli.main in this process, in `cwd`: (exit code, stderr). CUDA is hidden, so
+    that a machine with a GPU checks the lines this one does ("no CUDA here" among them)."""
     err, here = io.StringIO(), os.getcwd()
     os.chdir(cwd)
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with (contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()),
+              mock.patch("torch.cuda.is_available", return_value=False)):
             try:
                 code = main(args)
             except SystemExit as e:  # argparse's usage errors
