@@ -418,6 +418,41 @@ class LogConfig(_Section):
     """Rows in each sample table."""
 
 
+class SandboxConfig(_Section):
+    """Limits for model-written code (the `python` tool, the `code` reward); see `lmrl.sandbox`."""
+
+    timeout: PositiveFloat = 10.0
+    """Wall-clock seconds per program before it and everything it started are killed."""
+    cpu_seconds: PositiveInt = 10
+    """CPU seconds per process (RLIMIT_CPU)."""
+    memory_mb: PositiveInt = 1024
+    """Address space per process in MiB (RLIMIT_AS); Python itself needs about 30."""
+    processes: PositiveInt = 32
+    """Processes a program may have at once, itself included (RLIMIT_NPROC; as root programs run as nobody)."""
+    file_mb: PositiveInt = 16
+    """Largest file a program may write, in MiB (RLIMIT_FSIZE)."""
+    disk_mb: PositiveInt = 64
+    """Size of each program's private tmpfs work directory, in MiB."""
+    open_files: PositiveInt = 256
+    """File descriptors per process (RLIMIT_NOFILE)."""
+    output_bytes: PositiveInt = 65536
+    """Bytes kept of stdout and of stderr each; a program that writes more is stopped."""
+    max_parallel: PositiveInt = 4
+    """Programs run at once."""
+    allow_network_fallback: bool = False
+    """Where namespaces are unavailable (no root, no unprivileged user namespaces), run model code anyway,
+    without network, mount and pid isolation. Off: the run refuses to start with one line."""
+    python: NonEmptyStr | None = None
+    """Interpreter programs run with (standard library only). None: this Python, or /usr/bin/python3 when
+    the sandbox user cannot read this one's files."""
+
+    def limits(self) -> Any:
+        """These settings as `lmrl.sandbox.SandboxLimits`."""
+        from lmrl.sandbox import SandboxLimits
+
+        return SandboxLimits(**self.model_dump())
+
+
 # optional packages a field needs: checked with the config (find_spec, no import), before any model loads
 _EXTRAS = (("log.tensorboard", "tensorboard", "tensorboard"), ("log.wandb", "wandb", "wandb"), ("model.lora", "peft", "peft"))
 
@@ -436,6 +471,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)  # the values the user set, before presets
 
     def __init__(self, **values: Any) -> None:
