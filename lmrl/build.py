@@ -319,7 +319,7 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
         if cfg.reward.functions:
             from lmrl.rewards import reward_set_from_config
 
-            reward_fns = reward_set_from_config(cfg.reward.functions)
+            reward_fns = reward_set_from_config(cfg.reward.functions, sandbox=cfg.sandbox.limits())
         elif task is not None:
             reward_fns = list(task.reward_funcs)
         else:
