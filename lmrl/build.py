@@ -316,12 +316,14 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
     from lmrl.rewards import RewardSet
 
     if reward_fns is None:
-        if cfg.reward.functions:
-            from lmrl.rewards import reward_set_from_config
+        from lmrl.rewards import reward_set_from_config
 
+        if cfg.reward.functions:
             reward_fns = reward_set_from_config(cfg.reward.functions, sandbox=cfg.sandbox.limits())
-        elif task is not None:
-            reward_fns = list(task.reward_funcs)
+        elif task is not None:  # the task's own reward, plus the environment's (None where it gives none)
+            reward_fns = list(task.reward_funcs) + ([reward_set_from_config(["env"]).rewards[0].fn] if cfg.env.name else [])
+        elif cfg.env.name is not None:  # the environment's own reward
+            reward_fns = reward_set_from_config(["env"])
         else:
             raise ConfigError("reward.functions: a dataset needs at least one reward function, "
                               "e.g. reward.functions=[math]")
@@ -353,6 +355,24 @@ def _reward_of(entry: Any) -> Any:
             return reward_set_from_config([entry]).rewards[0]
         return RewardModelScorer.from_pretrained(entry, name=Path(entry).name or "reward_model")
     return entry
+
+
+def make_environment(cfg: Config, env: Any = None) -> Any:
+    """The multi-turn environment of `env.name` (None: single-turn), or `env` as given (an Environment object).
+    Its tools and sandbox start here, so that a machine that cannot isolate code fails before a model loads."""
+    if env is not None or cfg.env.name is None:
+        return env
+    from lmrl.envs import HERMES_PATTERN, ToolEnvironment, tools_from
+
+    if cfg.env.name == "tools":
+        tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits())
+        return ToolEnvironment(tools, cfg.env.tool_call_pattern or HERMES_PATTERN, cfg.env.response_format)
+    from lmrl.rewards.registry import load_function
+
+    try:
+        return load_function(cfg.env.name)
+    except ConfigError as e:
+        raise ConfigError(f"env.name: {str(e).replace('reward spec', 'environment')}") from e
 
 
 def make_optimizer(cfg: Config, policy: nn.Module, critic: nn.Module | None):

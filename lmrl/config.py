@@ -418,6 +418,57 @@ class LogConfig(_Section):
     """Rows in each sample table."""
 
 
+class EnvConfig(_Section):
+    """Multi-turn episodes (`lmrl.envs`): the model acts, the environment answers, for several turns."""
+
+    name: NonEmptyStr | None = None
+    """None: one completion per prompt (no environment). "tools": the built-in tool environment (the model
+    calls `env.tools`; a turn without a tool call ends the episode). "file.py:Class" or "module:Class": your
+    environment, called with each dataset row to start an episode."""
+    max_turns: PositiveInt = 4
+    """Most model turns per episode."""
+    max_tokens: PositiveInt | None = None
+    """Most response tokens per episode, observations included; None: max_turns x rollout.max_new_tokens."""
+    tools: list[NonEmptyStr] = []
+    """Tools of the "tools" environment: "python" (the built-in, sandboxed), "file.py:function", "module:function"."""
+    tool_call_pattern: NonEmptyStr | None = None
+    """Regex finding a tool call: a group `json` holding {"name", "arguments"}, or groups `name` and `arguments`.
+    None: Hermes / Qwen `<tool_call>{...}</tool_call>`."""
+    response_format: NonEmptyStr = "<tool_response>\n{output}\n</tool_response>\n"
+    """How a tool's output is shown to the model: a string with {output}, or "chat" (a `tool` message rendered
+    with the chat template)."""
+
+    @field_validator("tool_call_pattern")
+    @classmethod
+    def _pattern(cls, value: str | None) -> str | None:
+        import re
+
+        if value is None:
+            return value
+        try:
+            groups = re.compile(value).groupindex
+        except re.error as e:
+            raise ValueError(f"not a valid regex ({e})") from None
+        if "json" not in groups and "name" not in groups:
+            raise ValueError("needs a group named json, or groups named name and arguments")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, value: str) -> str:
+        if value != "chat" and "{output}" not in value:
+            raise ValueError(f'expected "chat" or a string with {{output}}, got {value!r}')
+        return value
+
+    @model_validator(mode="after")
+    def _tools_need_the_tools_env(self) -> EnvConfig:
+        if self.name == "tools" and not self.tools:
+            raise ValueError('tools: the "tools" environment needs at least one tool, e.g. env.tools=[python]')
+        if self.tools and self.name != "tools":
+            raise ValueError("tools: tools are for env.name=tools")
+        return self
+
+
 class SandboxConfig(_Section):
     """Limits for model-written code (the `python` tool, the `code` reward); see `lmrl.sandbox`."""
 
@@ -471,6 +522,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)  # the values the user set, before presets
 

@@ -3,7 +3,7 @@
 A spec is one of:
 
 - a built-in name from `BUILTIN_REWARDS` below ("math", "exact_match", "format", "regex", "length",
-  "remote", "reward_model", "code"); options are passed to its factory, e.g. `math` with `column: solution`;
+  "remote", "reward_model", "code", "env"); options are passed to its factory, e.g. `math` with `column: solution`;
 - `"path/to/file.py:function_name"`: a function defined in a Python file (loaded as a module);
 - `"package.module:function_name"`: a function importable from an installed module.
 
@@ -51,6 +51,14 @@ def _code(**kwargs: Any) -> Callable[..., Any]:
     return code_reward(**kwargs)
 
 
+def _env(**kwargs: Any) -> Callable[..., Any]:
+    from lmrl.envs import env_reward
+
+    if kwargs:
+        raise ValueError(f"takes no options, got {sorted(kwargs)}")
+    return env_reward
+
+
 def _reward_model(**kwargs: Any) -> Callable[..., Any]:
     from lmrl.rewards.reward_model import RewardModelScorer
 
@@ -67,6 +75,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Callable[..., Any]]] = {
     "remote": _remote,
     "reward_model": _reward_model,
     "code": _code,
+    "env": _env,
 }
 SANDBOXED_REWARDS = ("code",)
 """Built-ins that run model-written code: they get the config's `sandbox` limits unless an entry sets its own."""
