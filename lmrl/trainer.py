@@ -392,7 +392,9 @@ class Trainer:
         """n completions of each row's prompt and their rewards (`lmrl.rewards.RewardOutput`)."""
         cfg, col = self.cfg, self.cfg.data.prompt_column
         prompts = [row[col] for row in rows]
-        ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length, use_chat_template=cfg.model.chat_template)
+        tools = getattr(getattr(self.env, "tools", None), "schemas", None)  # chat prompts list the tools
+        ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length, use_chat_template=cfg.model.chat_template,
+                             tools=tools)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                 temperature=cfg.rollout.temperature if temperature is None else temperature,
                                 stop=list(cfg.rollout.stop), seed=seed)

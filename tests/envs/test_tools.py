@@ -124,3 +124,26 @@ def test_the_python_tool_runs_model_code_in_the_sandbox():
     step = env({}).step('<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>', [])
     assert "stopped by the sandbox (timeout)" in step.observation or "(cpu_limit)" in step.observation
     assert step.info["sandbox_kills"] == 1 and step.info["tool_errors"] == 1
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def test_chat_prompts_list_the_tools_and_chat_observations_use_the_template():
+    from lmrl.models.loading import encode_prompts
+    from lmrl.models.tiny import char_tokenizer
+    from lmrl.rollout.multiturn import render_observation
+
+    tok = char_tokenizer()
+    tok.chat_template = TOOL_TEMPLATE
+    tools = Tools([add, divide])
+    [ids] = encode_prompts(tok, [[{"role": "user", "content": "2+3?"}]], 200, tools=tools.schemas)
+    assert tok.decode(ids) == "tools: add divide\nuser: 2+3?\nassistant: "
+    [plain] = encode_prompts(tok, [[{"role": "user", "content": "2+3?"}]], 200)
+    assert tok.decode(plain) == "user: 2+3?\nassistant: "
+    assert render_observation(tok, [{"role": "tool", "content": "5"}]) == "tool: 5\nassistant: "
+    assert render_observation(tok, "as is") == "as is"

@@ -85,3 +85,23 @@ def test_an_environment_spec_that_does_not_load_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^env.name: environment 'nope.py:Env': file 'nope.py' not found$"):
         Trainer(config(tmp_path, "env.name=nope.py:Env"), model=tiny_causal_lm(tok, hidden_size=32, num_layers=1),
                 tokenizer=tok, train_dataset=ROWS)
+
+
+def test_the_documented_retry_environment_runs_from_the_command_line(tmp_path):
+    """What docs/agents.md tells users to run: a custom environment named in the config, the shipped model."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "lmrl.cli", "train", "env.name=examples/retry_env.py:Retry", "env.max_turns=3",
+         "reward.functions=[env]", "train.steps=2", "train.eval_every=0", "rollout.prompts_per_step=4",
+         f"train.output_dir={tmp_path}", "log.console=false"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["step"] == 2 and 1 <= last["env/turns"] <= 3
+    assert "env/wrong_answers" in last and "reward/env_reward/mean" in last
