@@ -16,6 +16,7 @@ process (`_child.py`, standard library only) that gets:
   namespace in which every mount is read-only except its own size-limited tmpfs work directory, and
   a /proc that shows only its own processes;
 - an empty environment (only PATH, HOME and TMPDIR, set by lmrl; nothing inherited) and an empty stdin;
+- without root, the caller's home directory hidden under an empty tmpfs (unless the interpreter lives in it);
 - stdout and stderr cut at `output_bytes` each (a program that writes more is stopped).
 
 Namespaces need root, or a kernel that allows unprivileged user namespaces. Where neither is
@@ -206,6 +207,15 @@ def _ids() -> tuple[int, int]:
     return os.geteuid(), os.getegid()
 
 
+def _hidden_dirs(python: str) -> list[str]:
+    """Directories covered by an empty tmpfs inside the sandbox: the caller's home (ssh keys, hub tokens), unless
+    the interpreter lives there. As root, programs run as `nobody`, whom file permissions already keep out."""
+    if os.geteuid() == 0:
+        return []
+    home = os.path.realpath(os.path.expanduser("~"))
+    return [] if home in ("/", "") or os.path.realpath(python).startswith(home + os.sep) else [home]
+
+
 def _run(code: str, limits: SandboxLimits, isolated: bool, python: str) -> SandboxResult:
     start = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="lmrl-sandbox-")
@@ -219,6 +229,7 @@ def _run(code: str, limits: SandboxLimits, isolated: bool, python: str) -> Sandb
             "cpu_seconds": int(max(1, limits.cpu_seconds)), "memory_bytes": int(limits.memory_mb * 2**20),
             "processes": int(limits.processes), "file_bytes": int(limits.file_mb * 2**20),
             "disk_bytes": int(limits.disk_mb * 2**20), "open_files": int(limits.open_files),
+            "hide": _hidden_dirs(python),
         }
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir}
         proc = subprocess.Popen(

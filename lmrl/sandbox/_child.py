@@ -91,6 +91,9 @@ def _lock_down_mounts(workdir, settings):
             if err not in (2, 13, 22):  # ENOENT, EACCES, EINVAL
                 raise SetupError(f"remount {target} read-only: {os.strerror(err)}")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path in settings["hide"]:  # the caller's home (keys, tokens): an empty read-only tmpfs on top
+        if os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
 
 
 def _drop_privileges(settings, was_root):

@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -191,19 +192,28 @@ fork = "import os, time\\nkids = 0\\nwhile kids < 50:\\n    try:\\n        pid =
 caps = "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])"
 results = [sandbox.run(fork), sandbox.run(caps),
            sandbox.run("import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)"),
-           sandbox.run("open('/tmp/lmrl-escaped-nobody', 'w')")]
+           sandbox.run("open('/tmp/lmrl-escaped-nobody', 'w')"), sandbox.run("print(open({secret!r}).read())")]
 print(sandbox.isolated, [(r.status, r.stdout.strip()) for r in results])
 """
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
                     reason="needs root to start a process as another user")
-def test_without_root_a_user_namespace_isolates_and_no_capability_is_left():
+def test_without_root_a_user_namespace_isolates_hides_home_and_leaves_no_capability():
     root = str(Path(__file__).resolve().parents[2])
-    out = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
-         _NON_ROOT_SCRIPT.format(root=root)], capture_output=True, text=True, timeout=60, cwd="/tmp",
-    )
+    home = Path(tempfile.mkdtemp(prefix="lmrl-home-"))  # the user's home, with a secret the user can read
+    secret = home / "token"
+    secret.write_text("hunter2")
+    for path in (home, secret):
+        os.chown(path, 65534, 65534)
+    try:
+        out = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+             _NON_ROOT_SCRIPT.format(root=root, secret=str(secret))], capture_output=True, text=True, timeout=60,
+            cwd="/tmp", env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+        )
+    finally:
+        shutil.rmtree(home)
     assert out.returncode == 0, out.stderr
     isolated, results = out.stdout.split(" ", 1)
     assert isolated == "True"
@@ -212,6 +222,7 @@ def test_without_root_a_user_namespace_isolates_and_no_capability_is_left():
     assert results[1] == ("ok", "0000000000000000")
     assert results[2][0] == "error" and results[3][0] == "error"
     assert not Path("/tmp/lmrl-escaped-nobody").exists()
+    assert results[4][0] == "error" and "hunter2" not in results[4][1]  # the home directory is hidden
 
 
 def test_without_namespaces_it_refuses_in_one_line_unless_fallback_is_allowed(tmp_path, monkeypatch, capfd):
