@@ -308,6 +308,14 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(steps=2000, max_minutes=4.5, eval_every=50, threads=1, output_dir="runs/tiny-addition"),
         "log": dict(every=25, samples_every=250),
     },
+    "tiny-calculator": {  # the calculator task, multi-turn: a tool call, its result, the answer
+        "data": dict(task="calculator", num_eval_prompts=500),
+        "rollout": dict(prompts_per_step=32, group_size=8, max_new_tokens=24, stop=["</calc>"]),
+        "env": dict(max_turns=2),
+        "optim": dict(lr=1e-4),
+        "train": dict(steps=2000, max_minutes=5.0, eval_every=50, threads=1, output_dir="runs/tiny-calculator"),
+        "log": dict(every=25, samples_every=250),
+    },
 }
 
 
@@ -432,8 +440,8 @@ class EnvConfig(_Section):
     tools: list[NonEmptyStr] = []
     """Tools of the "tools" environment: "python" (the built-in, sandboxed), "file.py:function", "module:function"."""
     tool_call_pattern: NonEmptyStr | None = None
-    """Regex finding a tool call: a group `json` holding {"name", "arguments"}, or groups `name` and `arguments`.
-    None: Hermes / Qwen `<tool_call>{...}</tool_call>`."""
+    """Regex finding a tool call: a group `json` holding {"name", "arguments"}, or a group `name` with a group
+    `arguments` (a JSON object) and / or one group per argument. None: Hermes / Qwen `<tool_call>{...}</tool_call>`."""
     response_format: NonEmptyStr = "<tool_response>\n{output}\n</tool_response>\n"
     """How a tool's output is shown to the model: a string with {output}, or "chat" (a `tool` message rendered
     with the chat template)."""
@@ -450,7 +458,7 @@ class EnvConfig(_Section):
         except re.error as e:
             raise ValueError(f"not a valid regex ({e})") from None
         if "json" not in groups and "name" not in groups:
-            raise ValueError("needs a group named json, or groups named name and arguments")
+            raise ValueError("needs a group named json, or a group named name (and arguments, or one group per argument)")
         return value
 
     @field_validator("response_format")

@@ -146,7 +146,8 @@ class Trainer:
             raise ValueError("tokenizer: pass the tokenizer together with a policy model")
         # every row is checked (prompt, its length in tokens, the rewards' columns) before a model loads
         tokenizer = tokenizer or load_policy_tokenizer(cfg)
-        self.env = make_environment(cfg, env)  # its sandbox, if any, starts (or refuses) before a model loads
+        # its sandbox, if any, starts (or refuses) before a model loads; a built-in task may bring its own
+        self.env = make_environment(cfg, env, use_task=train_dataset is None)
         if env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions:
             reward_funcs = ["env"]
         self.data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset)

@@ -34,3 +34,10 @@ def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
     peaks = re.findall(r"train.parallel=(\w+)\s+peak memory per rank\s+([\d.]+) GB\s+([\d.]+)x", out)
     assert [p[0] for p in peaks] == ["ddp", "fsdp"] and peaks[0][2] == "1.00", out
     assert all(float(p[1]) > 0.1 for p in peaks), out  # a real resident set, not a zero from a failed run
+
+
+def test_sandbox_benchmark_runs_and_reports_latency_and_rates():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sandbox.py"), "--programs", "4"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert re.search(r"one at a time: median \d+ ms per program", out), out
+    assert len(re.findall(r"\d at once: [\d.]+ programs/s", out)) == 2, out

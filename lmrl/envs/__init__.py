@@ -78,13 +78,17 @@ class ToolEnvironment:
         pattern: the tool-call regex (`parse_tool_calls`); Hermes / Qwen by default.
         response_format: how the outputs of one turn's calls are shown to the model: a string with `{output}`
             (plain-text models), or "chat": a `tool` message per call, rendered with the chat template.
+        stop: strings that end a model turn (the end of a tool call), added to the rollout's own stop strings;
+            None: "</tool_call>" with the Hermes pattern, none with another.
     """
 
     def __init__(self, tools: Tools, pattern: str = HERMES_PATTERN,
-                 response_format: str = "<tool_response>\n{output}\n</tool_response>\n") -> None:
+                 response_format: str = "<tool_response>\n{output}\n</tool_response>\n",
+                 stop: list[str] | None = None) -> None:
         if response_format != "chat" and "{output}" not in response_format:
             raise ValueError(f"env.response_format: expected 'chat' or a string with {{output}}, got {response_format!r}")
         self.tools, self.pattern, self.response_format = tools, pattern, response_format
+        self.stop = list(stop) if stop is not None else (["</tool_call>"] if pattern == HERMES_PATTERN else [])
 
     def __call__(self, row: Mapping[str, Any]) -> _ToolEpisode:
         return _ToolEpisode(self)

@@ -102,8 +102,9 @@ def parse_tool_calls(text: str, pattern: str = HERMES_PATTERN) -> tuple[list[Too
     Args:
         text: the model's turn.
         pattern: a regex finding each call. Either a group named `json` holding {"name": ..., "arguments":
-            {...}} (the Hermes default), or groups named `name` and `arguments` (a JSON object), e.g.
-            r"Action: (?P<name>\\w+)\\((?P<arguments>\\{.*?\\})\\)".
+            {...}} (the Hermes default), or a group named `name` with the arguments as a JSON object in a
+            group `arguments` and / or one group per argument (a string), e.g.
+            r"Action: (?P<name>\\w+)\\((?P<arguments>\\{.*?\\})\\)" or r"<(?P<name>calc)>(?P<expression>[^<]*)</calc>".
     """
     calls, problems = [], []
     for match in re.finditer(pattern, text, flags=re.DOTALL):
@@ -117,6 +118,10 @@ def parse_tool_calls(text: str, pattern: str = HERMES_PATTERN) -> tuple[list[Too
             else:
                 name = groups.get("name")
                 arguments = json.loads(groups["arguments"]) if groups.get("arguments") else {}
+                # any other named group is one string argument: compact formats need no JSON
+                extra = {k: v for k, v in groups.items() if k not in ("name", "arguments") and v is not None}
+                if extra and isinstance(arguments, dict):
+                    arguments = {**arguments, **extra}
             if isinstance(arguments, str):  # some models write the arguments as a JSON string
                 arguments = json.loads(arguments)
             if not isinstance(name, str) or not name:

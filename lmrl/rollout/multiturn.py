@@ -88,12 +88,16 @@ def generate_episodes(
         rows: the dataset row of each prompt; `env(row)` starts an episode.
         n: episodes per prompt; rows `i * n .. i * n + n - 1` belong to prompt `i`.
         params: sampling parameters of every turn (`max_new_tokens` per turn); with a seed, turn k uses seed + k.
-        env: an Environment: `env(row)` returns an Episode with `step(text, token_ids) -> Step`.
+        env: an Environment: `env(row)` returns an Episode with `step(text, token_ids) -> Step`. Its `stop`
+            attribute, if any, lists strings that also end a turn.
         max_turns: most model turns per episode (>= 1).
         max_tokens: most response tokens per episode, observations included; None: no limit but the turns'.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns: must be >= 1, got {max_turns!r}")
+    extra_stop = [s for s in getattr(env, "stop", None) or [] if s not in params.stop]
+    if extra_stop:  # the environment's turn ends (a tool call's closing tag) on top of the rollout's
+        params = dataclasses.replace(params, stop=[*params.stop, *extra_stop])
     num_rows = len(prompts) * n
     episodes = [env(rows[i // n]) for i in range(num_rows)]
     budget = max_tokens if max_tokens is not None else float("inf")

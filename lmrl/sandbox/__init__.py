@@ -232,11 +232,15 @@ def _run(code: str, limits: SandboxLimits, isolated: bool, python: str) -> Sandb
             "hide": _hidden_dirs(python),
         }
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir}
-        proc = subprocess.Popen(
-            [python, "-I", "-S", "-B", _CHILD, json.dumps(settings)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=workdir,
-            pass_fds=(status_w,), start_new_session=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                [python, "-I", "-S", "-B", _CHILD, json.dumps(settings)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=workdir,
+                pass_fds=(status_w,), start_new_session=True,
+            )
+        except OSError as e:  # the interpreter cannot be started at all
+            return SandboxResult("setup_error", None, "", f"cannot start {python}: {e.strerror or e}",
+                                 time.perf_counter() - start)
         os.close(status_w)
         status_w = -1
         try:

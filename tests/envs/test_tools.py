@@ -147,3 +147,8 @@ def test_chat_prompts_list_the_tools_and_chat_observations_use_the_template():
     assert tok.decode(plain) == "user: 2+3?\nassistant: "
     assert render_observation(tok, [{"role": "tool", "content": "5"}]) == "tool: 5\nassistant: "
     assert render_observation(tok, "as is") == "as is"
+
+
+def test_named_groups_are_string_arguments_for_compact_formats():
+    calls, problems = parse_tool_calls("<calc>12+30+4</calc> then <calc></calc>", r"<(?P<name>calc)>(?P<expression>[^<]*)</calc>")
+    assert calls == [ToolCall("calc", {"expression": "12+30+4"}), ToolCall("calc", {"expression": ""})] and not problems

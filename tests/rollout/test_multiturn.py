@@ -181,3 +181,26 @@ def test_a_step_that_is_not_a_step_is_one_line():
     with pytest.raises(RunError, match=r"^env: episode.step returned a dict, expected an lmrl.envs.Step$"):
         generate_episodes(generator(model, tok), tok, encode(tok), [{}] * 3, 1, PARAMS, env=lambda row: Bad(),
                           max_turns=2)
+
+
+def test_the_environments_stop_strings_end_turns_too(model, tok):
+    seen = []
+
+    class Recording(Counted):
+        def generate(self, prompts, n, params):
+            seen.append(list(params.stop))
+            return super().generate(prompts, n, params)
+
+    class Env:
+        stop = ["</calc>", "x"]
+
+        def __call__(self, row):
+            return Talk(turns=2)
+
+    params = dataclasses.replace(PARAMS, stop=["x"])
+    generate_episodes(Recording(generator(model, tok)), tok, encode(tok), [{}] * 3, 1, params, env=Env(), max_turns=2)
+    assert seen and all(stop == ["x", "</calc>"] for stop in seen)
+    from lmrl.envs import ToolEnvironment, Tools
+
+    assert ToolEnvironment(Tools([])).stop == ["</tool_call>"]
+    assert ToolEnvironment(Tools([]), pattern=r"<(?P<name>c)>(?P<e>.*)</c>").stop == []

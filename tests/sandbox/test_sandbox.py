@@ -260,3 +260,14 @@ def test_the_config_section_gives_the_limits():
     assert cfg.sandbox.limits() == SandboxLimits(timeout=3, processes=8, allow_network_fallback=True)
     with pytest.raises(ConfigError, match=r"^sandbox.memory_mb: "):
         load_config(None, ["sandbox.memory_mb=0"])
+
+
+def test_an_interpreter_that_does_not_run_is_one_line(monkeypatch):
+    import lmrl.sandbox as sandbox_module
+
+    monkeypatch.setattr(sandbox_module, "_probe_cache", {})
+    with pytest.raises(SandboxUnavailable) as info:
+        Sandbox(SandboxLimits(python="/nonexistent/python3"))
+    message = str(info.value)
+    assert message.startswith("sandbox.python: no interpreter runs a program in the sandbox (/nonexistent/python3: ")
+    assert "\n" not in message
