@@ -2,6 +2,7 @@
 with the tool and without it, over several seeds.
 
     python benchmarks/calculator.py                      # seeds 0 1 2, 60 steps each, with and without the tool
+    python benchmarks/calculator.py --tasks calculator-notool --seeds 0 --steps 600 --eval-every 200   # longer alone
 
 Each run is `lmrl train model.name_or_path=tiny-calculator train.seed=S train.steps=N` (the preset: GRPO, 32
 prompts x 8 episodes, evaluation on 500 held-out sums), once on `data.task=calculator` (the model may call
@@ -36,10 +37,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--tasks", nargs="+", default=["calculator", "calculator-notool"],
+                        choices=["calculator", "calculator-notool"])
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps per run", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for task in ("calculator", "calculator-notool"):
+        for task in args.tasks:
             results = []
             for seed in args.seeds:
                 r = run(task, seed, args.steps, args.eval_every, Path(tmp) / f"{task}-{seed}")
