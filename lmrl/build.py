@@ -29,7 +29,7 @@ from lmrl.models.loading import (
     resolve_device,
 )
 
-SHIPPED_NAMES = ("tiny-addition",)
+SHIPPED_NAMES = ("tiny-addition", "tiny-calculator")
 
 
 @dataclass
@@ -50,9 +50,9 @@ def policy_path(cfg: Config) -> str:
 
 def _resolved(path: str) -> str:
     if path in SHIPPED_NAMES:
-        from lmrl.models.shipped import SHIPPED_MODEL
+        from lmrl.models.shipped import SHIPPED_MODELS
 
-        return str(SHIPPED_MODEL)
+        return str(SHIPPED_MODELS[path])
     return path
 
 
@@ -327,12 +327,14 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
     from lmrl.rewards import RewardSet
 
     if reward_fns is None:
-        if cfg.reward.functions:
-            from lmrl.rewards import reward_set_from_config
+        from lmrl.rewards import reward_set_from_config
 
-            reward_fns = reward_set_from_config(cfg.reward.functions)
-        elif task is not None:
-            reward_fns = list(task.reward_funcs)
+        if cfg.reward.functions:
+            reward_fns = reward_set_from_config(cfg.reward.functions, sandbox=cfg.sandbox.limits())
+        elif task is not None:  # the task's own reward, plus a configured environment's (None where it gives none)
+            reward_fns = list(task.reward_funcs) + ([reward_set_from_config(["env"]).rewards[0].fn] if cfg.env.name else [])
+        elif cfg.env.name is not None:  # the environment's own reward
+            reward_fns = reward_set_from_config(["env"])
         else:
             raise ConfigError("reward.functions: a dataset needs at least one reward function, "
                               "e.g. reward.functions=[math]")
@@ -364,6 +366,31 @@ def _reward_of(entry: Any) -> Any:
             return reward_set_from_config([entry]).rewards[0]
         return RewardModelScorer.from_pretrained(entry, name=Path(entry).name or "reward_model")
     return entry
+
+
+def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any:
+    """The multi-turn environment of `env.name`, or `env` as given (an Environment object), or the built-in task's
+    own (the calculator's tool); None: single-turn. Its tools and sandbox start here, so that a machine that
+    cannot isolate code fails before a model loads."""
+    if env is not None:
+        return env
+    if cfg.env.name is None:
+        if not use_task or cfg.data.path is not None or cfg.data.task is None:
+            return None
+        from lmrl.data.tasks import get_task
+
+        return getattr(get_task(cfg.data.task), "environment", lambda: None)()
+    from lmrl.envs import HERMES_PATTERN, ToolEnvironment, tools_from
+
+    if cfg.env.name == "tools":
+        tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits())
+        return ToolEnvironment(tools, cfg.env.tool_call_pattern or HERMES_PATTERN, cfg.env.response_format)
+    from lmrl.rewards.registry import load_function
+
+    try:
+        return load_function(cfg.env.name)
+    except ConfigError as e:
+        raise ConfigError(f"env.name: {str(e).replace('reward spec', 'environment')}") from e
 
 
 def make_optimizer(cfg: Config, policy: nn.Module, critic: nn.Module | None):

@@ -328,6 +328,14 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(steps=2000, max_minutes=4.5, eval_every=50, threads=1, output_dir="runs/tiny-addition"),
         "log": dict(every=25, samples_every=250),
     },
+    "tiny-calculator": {  # the calculator task, multi-turn: a tool call, its result, the answer
+        "data": dict(task="calculator", num_eval_prompts=500),
+        "rollout": dict(prompts_per_step=32, group_size=8, max_new_tokens=24, stop=["</calc>"]),
+        "env": dict(max_turns=2),
+        "optim": dict(lr=1e-4),
+        "train": dict(steps=2000, max_minutes=5.0, eval_every=50, threads=1, output_dir="runs/tiny-calculator"),
+        "log": dict(every=25, samples_every=250),
+    },
 }
 
 
@@ -438,6 +446,92 @@ class LogConfig(_Section):
     """Rows in each sample table."""
 
 
+class EnvConfig(_Section):
+    """Multi-turn episodes (`lmrl.envs`): the model acts, the environment answers, for several turns."""
+
+    name: NonEmptyStr | None = None
+    """None: one completion per prompt (no environment). "tools": the built-in tool environment (the model
+    calls `env.tools`; a turn without a tool call ends the episode). "file.py:Class" or "module:Class": your
+    environment, called with each dataset row to start an episode."""
+    max_turns: PositiveInt = 4
+    """Most model turns per episode."""
+    max_tokens: PositiveInt | None = None
+    """Most response tokens per episode, observations included; None: max_turns x rollout.max_new_tokens."""
+    tools: list[NonEmptyStr] = []
+    """Tools of the "tools" environment: "python" (the built-in, sandboxed), "file.py:function", "module:function"."""
+    tool_call_pattern: NonEmptyStr | None = None
+    """Regex finding a tool call: a group `json` holding {"name", "arguments"}, or a group `name` with a group
+    `arguments` (a JSON object) and / or one group per argument. None: Hermes / Qwen `<tool_call>{...}</tool_call>`."""
+    response_format: NonEmptyStr = "<tool_response>\n{output}\n</tool_response>\n"
+    """How a tool's output is shown to the model: a string with {output}, or "chat" (a `tool` message rendered
+    with the chat template)."""
+
+    @field_validator("tool_call_pattern")
+    @classmethod
+    def _pattern(cls, value: str | None) -> str | None:
+        import re
+
+        if value is None:
+            return value
+        try:
+            groups = re.compile(value).groupindex
+        except re.error as e:
+            raise ValueError(f"not a valid regex ({e})") from None
+        if "json" not in groups and "name" not in groups:
+            raise ValueError("needs a group named json, or a group named name (and arguments, or one group per argument)")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, value: str) -> str:
+        if value != "chat" and "{output}" not in value:
+            raise ValueError(f'expected "chat" or a string with {{output}}, got {value!r}')
+        return value
+
+    @model_validator(mode="after")
+    def _tools_need_the_tools_env(self) -> EnvConfig:
+        if self.name == "tools" and not self.tools:
+            raise ValueError('tools: the "tools" environment needs at least one tool, e.g. env.tools=[python]')
+        if self.tools and self.name != "tools":
+            raise ValueError("tools: tools are for env.name=tools")
+        return self
+
+
+class SandboxConfig(_Section):
+    """Limits for model-written code (the `python` tool, the `code` reward); see `lmrl.sandbox`."""
+
+    timeout: PositiveFloat = 10.0
+    """Wall-clock seconds per program before it and everything it started are killed."""
+    cpu_seconds: PositiveInt = 10
+    """CPU seconds per process (RLIMIT_CPU)."""
+    memory_mb: PositiveInt = 1024
+    """Address space per process in MiB (RLIMIT_AS); Python itself needs about 30."""
+    processes: PositiveInt = 32
+    """Processes a program may have at once, itself included (RLIMIT_NPROC; as root programs run as nobody)."""
+    file_mb: PositiveInt = 16
+    """Largest file a program may write, in MiB (RLIMIT_FSIZE)."""
+    disk_mb: PositiveInt = 64
+    """Size of each program's private tmpfs work directory, in MiB."""
+    open_files: PositiveInt = 256
+    """File descriptors per process (RLIMIT_NOFILE)."""
+    output_bytes: PositiveInt = 65536
+    """Bytes kept of stdout and of stderr each; a program that writes more is stopped."""
+    max_parallel: PositiveInt = 4
+    """Programs run at once."""
+    allow_network_fallback: bool = False
+    """Where namespaces are unavailable (no root, no unprivileged user namespaces), run model code anyway,
+    without network, mount and pid isolation. Off: the run refuses to start with one line."""
+    python: NonEmptyStr | None = None
+    """Interpreter programs run with (standard library only). None: this Python, or /usr/bin/python3 when
+    the sandbox user cannot read this one's files."""
+
+    def limits(self) -> Any:
+        """These settings as `lmrl.sandbox.SandboxLimits`."""
+        from lmrl.sandbox import SandboxLimits
+
+        return SandboxLimits(**self.model_dump())
+
+
 # optional packages a field needs: checked with the config (find_spec, no import), before any model loads
 _EXTRAS = (("log.tensorboard", "tensorboard", "tensorboard"), ("log.wandb", "wandb", "wandb"), ("model.lora", "peft", "peft"))
 
@@ -456,6 +550,8 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)  # the values the user set, before presets
 
     def __init__(self, **values: Any) -> None:

@@ -97,13 +97,18 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         texts=[t for r in rollouts for t in r.texts],
         finished=torch.cat([r.finished for r in rollouts]),
         prompt_index=torch.cat(index),
+        response_attention=None if all(r.response_attention is None for r in rollouts) else torch.cat(
+            [pad(r.response_mask if r.response_attention is None else r.response_attention, T, False, False)
+             for r in rollouts]),
     )
 
 
 def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
     """Rows `index` of a rollout, its response width trimmed to the longest kept response."""
     mask = r.response_mask[index]
-    T = int(mask.sum(1).max()) if len(index) else 0
+    attention = None if r.response_attention is None else r.response_attention[index]
+    real = mask if attention is None else attention
+    T = int(real.sum(1).max()) if len(index) else 0
     T = max(T, 1)
     return Rollout(
         prompt_ids=r.prompt_ids[index],
@@ -114,6 +119,7 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
         texts=[r.texts[i] for i in index.tolist()],
         finished=r.finished[index],
         prompt_index=r.prompt_index[index],
+        response_attention=None if attention is None else attention[:, :T],
     )
 
 

@@ -14,6 +14,19 @@ line:
 - `old_logprobs` (optional): the sampler's log-prob of each completion token, EOS included when
   finished. When absent, the policy's own log-probs are computed (no grad) and serve as old log-probs.
 
+Multi-turn traces (agent tapes, as TapeAgents trains on): `completion` is a list of segments in the order
+the model saw them, each `{"text": ..., "trainable": true | false}` ("content" is read as "text"; a
+segment without "trainable" is trainable when its "role" is "assistant" or absent):
+
+    {"prompt": "12+3+4=", "group_id": "q17", "reward": 1.0, "completion": [
+        {"text": "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 12, \"b\": 3}}</tool_call>", "trainable": true},
+        {"text": "<tool_response>15</tool_response>", "trainable": false},
+        {"text": "19", "trainable": true}]}
+
+Each segment is tokenized on its own (no special tokens) and the pieces are joined; the model attends
+to every token but only trainable ones are in the loss (`response_mask`). `old_logprobs`, when given,
+has one value per trainable token (EOS included when finished).
+
 Group estimators work by group id (`lmrl.algorithms.group_advantages`), so groups need not be equal
 or contiguous in the file.
 """
@@ -52,8 +65,10 @@ def load_scored_rollouts(path: str | Path) -> list[dict[str, Any]]:
         missing = [k for k in REQUIRED if k not in row]
         if missing:
             raise ValueError(f"{path}: row {i} lacks {', '.join(missing)} (need {', '.join(REQUIRED)})")
-        if not isinstance(row["completion"], str):
-            raise ValueError(f"{path}: row {i}: completion must be a string")
+        try:
+            _segments(row["completion"])
+        except ValueError as e:
+            raise ValueError(f"{path}: row {i}: {e}") from None
         if not isinstance(row["reward"], (int, float)) or isinstance(row["reward"], bool):
             raise ValueError(f"{path}: row {i}: reward must be a number, got {row['reward']!r}")
     return rows
@@ -84,32 +99,44 @@ def experience_from_records(
                          f"{', '.join(BY_GROUP_ID)}")
     eos = tokenizer.eos_token_id
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in records], max_prompt_length)
-    responses = []
+    responses, trainable = [], []
     for i, r in enumerate(records):
-        ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
+        try:
+            segments = _segments(r["completion"])
+        except ValueError as e:
+            raise ValueError(f"records: row {i}: {e}") from None
+        ids, train = [], []
+        for text, is_trained in segments:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += piece
+            train += [is_trained] * len(piece)
         if r.get("finished", True):
-            ids = ids + [eos]
-        if not ids:
-            raise ValueError(f"records: row {i} has an empty completion and finished=false")
-        if r.get("old_logprobs") is not None and len(r["old_logprobs"]) != len(ids):
-            raise ValueError(f"records: row {i} has {len(r['old_logprobs'])} old_logprobs for {len(ids)} "
-                             "completion tokens (EOS included when finished)")
+            ids, train = ids + [eos], train + [True]
+        if not any(train):
+            raise ValueError(f"records: row {i} has no trainable completion token (an empty completion and "
+                             "finished=false, or no trainable segment)")
+        if r.get("old_logprobs") is not None and len(r["old_logprobs"]) != sum(train):
+            raise ValueError(f"records: row {i} has {len(r['old_logprobs'])} old_logprobs for {sum(train)} "
+                             "trainable completion tokens (EOS included when finished)")
         responses.append(ids)
+        trainable.append(train)
 
     B, P, T = len(records), max(map(len, prompts)), max(map(len, responses))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     prompt_ids = torch.full((B, P), pad, dtype=torch.long)
     prompt_mask = torch.zeros(B, P, dtype=torch.bool)
     response_ids = torch.full((B, T), pad, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask = torch.zeros(B, T, dtype=torch.bool)  # trained on
+    attention = torch.zeros(B, T, dtype=torch.bool)  # real tokens, observations included
     old = torch.zeros(B, T)
     for i, (p, c) in enumerate(zip(prompts, responses)):
         prompt_ids[i, P - len(p):], prompt_mask[i, P - len(p):] = torch.tensor(p), True
-        response_ids[i, : len(c)], mask[i, : len(c)] = torch.tensor(c), True
+        response_ids[i, : len(c)], attention[i, : len(c)] = torch.tensor(c), True
+        mask[i, : len(c)] = torch.tensor(trainable[i], dtype=torch.bool)
         if records[i].get("old_logprobs") is not None:
-            old[i, : len(c)] = torch.tensor(records[i]["old_logprobs"], dtype=torch.float32)
+            old[i, mask[i]] = torch.tensor(records[i]["old_logprobs"], dtype=torch.float32)
     sequences = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, mask], dim=1)
+    attention_mask = torch.cat([prompt_mask, attention], dim=1)
 
     if any(r.get("old_logprobs") is None for r in records):
         if policy_logprobs is None:
@@ -133,6 +160,26 @@ def experience_from_records(
         advantages=advantages, scores=scores, group_index=groups,
         info={"length": mask.sum(1), "finished": torch.tensor([bool(r.get("finished", True)) for r in records])},
     )
+
+
+def _segments(completion: Any) -> list[tuple[str, bool]]:
+    """A completion as (text, trainable) segments: a string is one trainable segment."""
+    if isinstance(completion, str):
+        return [(completion, True)]
+    if not isinstance(completion, list) or not completion:
+        raise ValueError(f"completion must be a string or a non-empty list of segments, got {type(completion).__name__}")
+    out = []
+    for j, seg in enumerate(completion):
+        if not isinstance(seg, Mapping):
+            raise ValueError(f"completion[{j}] must be a {{'text', 'trainable'}} object, got {type(seg).__name__}")
+        text = seg.get("text", seg.get("content"))
+        if not isinstance(text, str):
+            raise ValueError(f"completion[{j}] needs a string 'text' (or 'content')")
+        trainable = seg.get("trainable", seg.get("role", "assistant") == "assistant")
+        if not isinstance(trainable, bool):
+            raise ValueError(f"completion[{j}].trainable must be true or false, got {trainable!r}")
+        out.append((text, trainable))
+    return out
 
 
 def _hashable(value: Any) -> Any:

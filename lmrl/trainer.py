@@ -47,6 +47,7 @@ from lmrl.build import (
     load_data,
     load_models,
     load_policy_tokenizer,
+    make_environment,
     make_optimizer,
     portable_adapter_config,
     slow_bf16_warning,
@@ -91,6 +92,7 @@ from lmrl.logging.sinks import jsonl_row
 from lmrl.models.loading import encode_prompts, model_forward_logprobs, quiet_progress_bars, resolve_device
 from lmrl.rewards import score as score_rewards
 from lmrl.rollout import HFGenerator, Rollout, SamplingParams
+from lmrl.rollout.multiturn import generate_episodes
 
 
 @dataclass
@@ -124,10 +126,11 @@ class _AbandonStep(BaseException):
 
 class Trainer:
     """RL post-training of one causal LM. Give a Config; optionally the model, tokenizer, reward functions
-    and prompt rows directly (as with TRL's GRPOTrainer): those override the config's."""
+    and prompt rows directly (as with TRL's GRPOTrainer): those override the config's. `env` (an
+    `lmrl.envs` Environment) makes every rollout a multi-turn episode, as `env.name` does."""
 
     def __init__(self, cfg: Config, *, model=None, tokenizer=None, reward_funcs=None, train_dataset=None,
-                 eval_dataset=None, console: bool | None = None):
+                 eval_dataset=None, console: bool | None = None, env=None):
         if model is not None and not cfg.user_set("model.name_or_path"):
             cfg = cfg.for_model(_model_name(model))  # no preset made for another model (the shipped one's 4.5 min)
         self.cfg = cfg = cfg.checked()  # fields assigned after the config was built, checked together
@@ -143,6 +146,10 @@ class Trainer:
             raise ValueError("tokenizer: pass the tokenizer together with a policy model")
         # every row is checked (prompt, its length in tokens, the rewards' columns) before a model loads
         tokenizer = tokenizer or load_policy_tokenizer(cfg)
+        # its sandbox, if any, starts (or refuses) before a model loads; a built-in task may bring its own
+        self.env = make_environment(cfg, env, use_task=train_dataset is None)
+        if env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions:
+            reward_funcs = ["env"]
         self.data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset)
         # what was passed in, recorded in the config a run directory keeps (lmrl_config.yaml)
         self.cfg = cfg = _recorded(cfg, reward_funcs, train_dataset, eval_dataset, self.data)
@@ -405,20 +412,35 @@ class Trainer:
         """n completions of each row's prompt and their rewards (`lmrl.rewards.RewardOutput`)."""
         cfg, col = self.cfg, self.cfg.data.prompt_column
         prompts = [row[col] for row in rows]
-        ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length, use_chat_template=cfg.model.chat_template)
+        tools = getattr(getattr(self.env, "tools", None), "schemas", None)  # chat prompts list the tools
+        ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length, use_chat_template=cfg.model.chat_template,
+                             tools=tools)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                 temperature=cfg.rollout.temperature if temperature is None else temperature,
                                 stop=list(cfg.rollout.stop), seed=seed)
         if self.models.sampler is not None:  # a copy in another dtype samples: give it the current weights
             copy_weights(self.policy, self.models.sampler)
+        episodes = None
         with (self._autocast() if self.models.sampler is None else contextlib.nullcontext(),
               full_weights(self.units.get("policy", []))):  # sharded: gathered once, for every decode step
-            rollout = self.generator.generate(ids, n, params)
+            if self.env is None:
+                rollout = self.generator.generate(ids, n, params)
+            else:  # multi-turn: every live episode's next turn in one batch, observations out of the loss
+                episodes = generate_episodes(self.generator, self.tokenizer, ids, rows, n, params, self.env,
+                                             cfg.env.max_turns, cfg.env.max_tokens or cfg.env.max_turns * params.max_new_tokens)
+                rollout = episodes.rollout
         expanded = [rows[int(i)] for i in rollout.prompt_index]
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != col}
+        if episodes is not None:
+            columns["env_reward"] = episodes.rewards
+        kills = _sandbox_kills(self.data.rewards)
         out = score_rewards(self.data.rewards, [row[col] for row in expanded], rollout.texts, columns,
                             completion_ids=[ids_[m].tolist() for ids_, m in zip(rollout.response_ids, rollout.response_mask)],
                             finished=rollout.finished.tolist(), timeout=cfg.reward.timeout, on_error=cfg.reward.on_error)
+        for name, count in _sandbox_kills(self.data.rewards).items():
+            out.metrics[f"reward/{name}/sandbox_kills"] = float(count - kills[name])
+        if episodes is not None:
+            out.metrics.update(episodes.metrics)
         return rollout, out
 
     def train_on_scored(self, records) -> dict[str, float]:
@@ -866,6 +888,11 @@ def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> C
             update["eval_path"] = f"<{type(eval_dataset).__name__} passed to Trainer: {len(data.eval_rows)} rows used>"
         sections["data"] = cfg.data.model_copy(update=update)
     return cfg.model_copy(update=sections) if sections else cfg
+
+
+def _sandbox_kills(rewards) -> dict[str, int]:
+    """Programs the sandbox stopped so far, per reward function that runs code (the `code` reward's `stats`)."""
+    return {r.name: int(r.fn.stats.get("kills", 0)) for r in rewards.rewards if isinstance(getattr(r.fn, "stats", None), dict)}
 
 
 def _grpo_trainer_names(m: dict[str, float]) -> dict[str, float]:

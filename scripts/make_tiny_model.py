@@ -1,6 +1,7 @@
-"""Build the tiny model that ships with lmrl: a character-level Llama fine-tuned a little on addition.
+"""Build the tiny models that ship with lmrl: character-level Llamas fine-tuned a little on a built-in task.
 
-    .venv/bin/python scripts/make_tiny_model.py            # writes lmrl/assets/tiny-addition/
+    .venv/bin/python scripts/make_tiny_model.py                    # writes lmrl/assets/tiny-addition/
+    .venv/bin/python scripts/make_tiny_model.py --task calculator  # writes lmrl/assets/tiny-calculator/
 
 Seeded and deterministic: same seed, same torch build -> same weights. The model is supervised on
 the training split of the built-in addition task and stopped early on purpose: RL can only sharpen
@@ -12,6 +13,7 @@ temperature 1. That is where GRPO has the most room to show progress in a few CP
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 from lmrl.data.tasks import AdditionTask, evaluate
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "lmrl" / "assets" / "tiny-addition"
+ASSETS = Path(__file__).resolve().parent.parent / "lmrl" / "assets"
+DEFAULT_OUT = ASSETS / "tiny-addition"
 
 
 @dataclass
@@ -123,6 +126,90 @@ def sft(task: AdditionTask, config: SFTConfig, log_every: int = 0):
     return model, tokenizer
 
 
+def calculator_traces(tokenizer, task, tool_fraction: float, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Supervised traces of the calculator task as (token ids, labels): in a `tool_fraction` of them the model
+    calls the tool and copies its answer (`<calc>47+85+36</calc>` `=168\n` `168`), in the others it answers at
+    once. The tool's output is in the sequence but not in the loss (label -100), as in the RL rollouts."""
+    rng = random.Random(seed)
+    eos = tokenizer.eos_token_id
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    out = []
+    for item in task.train_prompts():
+        prompt, answer = ids(item["prompt"]), item["answer"]
+        if rng.random() < tool_fraction:
+            call, result = ids(f"<calc>{item['prompt'][:-1]}</calc>"), ids(f"={answer}\n")
+            final = ids(answer) + [eos]
+            out.append((prompt + call + result + final, [-100] * len(prompt) + call + [-100] * len(result) + final))
+        else:
+            final = ids(answer) + [eos]
+            out.append((prompt + final, [-100] * len(prompt) + final))
+    return out
+
+
+def sft_calculator(task, config: SFTConfig, tool_fraction: float, log_every: int = 0):
+    """The calculator task's model: traces that call the tool in a `tool_fraction` of cases, trained briefly."""
+    tokenizer = char_tokenizer()
+    model = tiny_causal_lm(tokenizer, hidden_size=config.hidden_size, num_layers=config.num_layers,
+                           num_heads=config.num_heads, max_position_embeddings=128, seed=config.seed)
+    train = calculator_traces(tokenizer, task, tool_fraction, config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / config.warmup))
+    gen = torch.Generator().manual_seed(config.seed)
+    model.train()
+    start = time.perf_counter()
+    for step in range(config.steps):
+        batch = [train[i] for i in torch.randint(len(train), (config.batch_size,), generator=gen).tolist()]
+        width = max(len(x) for x, _ in batch)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
+        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+        logits = model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if log_every and (step + 1) % log_every == 0:
+            m = evaluate_calculator(model, tokenizer, task, n_prompts=200)
+            model.train()
+            print(f"step {step + 1:5d}  loss {loss.item():.4f}  greedy {m['accuracy']:.3f}  "
+                  f"tool calls {m['tool_rate']:.2f}  {time.perf_counter() - start:.0f}s", flush=True)
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model, tokenizer
+
+
+@torch.no_grad()
+def evaluate_calculator(model, tokenizer, task, n_prompts: int | None = None, tool: bool = True) -> dict[str, float]:
+    """Greedy held-out accuracy of multi-turn episodes (with the tool, or without it), and tool calls per episode."""
+    from lmrl.data.tasks import final_answer_reward
+    from lmrl.rollout import HFGenerator, SamplingParams
+    from lmrl.rollout.multiturn import generate_episodes
+
+    model.eval()
+    items = task.eval_prompts()[:n_prompts]
+    prompts = [tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
+    params = SamplingParams(max_new_tokens=task.max_new_tokens, temperature=0.0, stop=["</calc>"])
+    generator = HFGenerator(model, tokenizer)
+    env = task.environment() if tool else (lambda row: _OneTurn())
+    episodes = generate_episodes(generator, tokenizer, prompts, items, 1, params, env, max_turns=2)
+    rewards = final_answer_reward(None, episodes.rollout.texts, [it["answer"] for it in items])
+    return {"accuracy": sum(rewards) / len(items), "tool_rate": episodes.metrics["env/tool_calls"]}
+
+
+class _OneTurn:
+    def step(self, text, token_ids):
+        from lmrl.envs import Step
+
+        return Step(done=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -132,15 +219,37 @@ def main() -> None:
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--min-digits", type=int, default=AdditionTask.min_digits)
     parser.add_argument("--max-digits", type=int, default=AdditionTask.max_digits)
+    parser.add_argument("--task", choices=["addition", "calculator"], default="addition")
+    parser.add_argument("--tool-fraction", type=float, default=0.5, help="calculator: share of traces calling the tool")
     args = parser.parse_args()
     # one thread: the same float reduction order on every machine (and faster for a model this small)
     torch.set_num_threads(1)
     config = SFTConfig(**{k: getattr(args, k) for k in vars(defaults)})
+    if args.task == "calculator":
+        main_calculator(args, config)
+        return
     task = AdditionTask(min_digits=args.min_digits, max_digits=args.max_digits)
     model, tokenizer = sft(task, config, log_every=args.log_every)
     torch.manual_seed(0)
     m = evaluate(model, tokenizer, task, k=8)
     print(f"held-out ({task.num_eval} prompts): greedy {m['accuracy']:.3f}  pass@8 (T=1) {m['pass_at_k']:.3f}")
+    save(model, tokenizer, args.out)
+
+
+def main_calculator(args, config: SFTConfig) -> None:
+    from lmrl.data.tasks import CalculatorTask
+
+    task = CalculatorTask()
+    model, tokenizer = sft_calculator(task, config, args.tool_fraction, log_every=args.log_every)
+    with_tool = evaluate_calculator(model, tokenizer, task)
+    without = evaluate_calculator(model, tokenizer, task, tool=False)
+    print(f"held-out ({task.num_eval} prompts), greedy: {with_tool['accuracy']:.3f} with the tool "
+          f"({with_tool['tool_rate']:.2f} calls per episode), {without['accuracy']:.3f} without it")
+    save(model, tokenizer, ASSETS / "tiny-calculator" if args.out == DEFAULT_OUT else args.out)
+
+
+def save(model, tokenizer, out: Path | None) -> None:
+    args = argparse.Namespace(out=out)
     if args.out is not None and str(args.out) != "-":
         args.out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(args.out)

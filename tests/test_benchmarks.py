@@ -53,3 +53,10 @@ def test_the_bandwidth_floor_counts_weights_once_per_step_and_the_growing_cache(
     # 10 parameters in bf16 over 3 steps: 60 bytes; KV: 2 rows x (2 x 1 layer x 1 head x 4 dims x 2 bytes) = 16
     # bytes per token per row, over caches of 5, 6 and 7 tokens: 2 x 16 x 18 = 576
     assert decode_bytes(10, 2, rows=2, prompt_len=5, new=3, layers=1, kv_heads=1, head_dim=4) == 60 + 576
+
+
+def test_sandbox_benchmark_runs_and_reports_latency_and_rates():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sandbox.py"), "--programs", "4"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert re.search(r"one at a time: median \d+ ms per program", out), out
+    assert len(re.findall(r"\d at once: [\d.]+ programs/s", out)) == 2, out

@@ -68,7 +68,7 @@ def test_bad_rows_name_the_row_and_field(tmp_path, row, message):
 def test_wrong_logprob_count_and_critic_estimators():
     tok = char_tokenizer()
     bad = [dict(ROWS[0], old_logprobs=[-0.5])]
-    with pytest.raises(ValueError, match="row 0 has 1 old_logprobs for 2 completion tokens"):
+    with pytest.raises(ValueError, match="row 0 has 1 old_logprobs for 2 trainable completion tokens"):
         experience_from_records(bad, tok, load_config().algorithm)
     with pytest.raises(ValueError, match="needs a critic"):
         experience_from_records(ROWS, tok, load_config(None, ["algorithm=ppo"]).algorithm)
@@ -86,4 +86,74 @@ def test_trainer_updates_on_scored_traces(tmp_path):
     rows = [{k: v for k, v in r.items() if k != "old_logprobs"} for r in ROWS]
     metrics = trainer.train_on_scored(rows)
     assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # old log-probs were the policy's own
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+TRACE = [
+    {"prompt": "12+3+4=", "group_id": "q", "reward": 1.0, "completion": [
+        {"text": "add(12,3)", "trainable": True},
+        {"text": "->15;", "trainable": False},
+        {"role": "assistant", "content": "19"}]},
+    {"prompt": "12+3+4=", "group_id": "q", "reward": 0.0, "completion": [
+        {"text": "add(1,3)", "role": "assistant"},
+        {"text": "->4;", "role": "tool"},
+        {"text": "8"}]},
+]
+
+
+def test_multi_turn_traces_train_only_the_trainable_segments(tmp_path):
+    tok = char_tokenizer()
+    exp = experience_from_records(load_scored_rollouts(write(tmp_path, TRACE)), tok, load_config().algorithm,
+                                  policy_logprobs=lambda s, a, T: (torch.zeros(s.shape[0], T), None))
+    T = exp.num_response_tokens
+    response = exp.sequences[0, -T:]
+    assert tok.decode(response[exp.attention_mask[0, -T:].bool()]) == "add(12,3)->15;19" + tok.eos_token
+    assert tok.decode(response[exp.response_mask[0]]) == "add(12,3)19" + tok.eos_token
+    assert tok.decode(exp.sequences[1, -T:][exp.response_mask[1]]) == "add(1,3)8" + tok.eos_token
+    assert exp.info["length"].tolist() == [12, 10]  # trainable tokens, EOS included
+    assert exp.advantages[0, 0] > 0 > exp.advantages[1, 0]
+    assert (exp.advantages[~exp.response_mask] == 0).all()
+
+
+def test_trace_old_logprobs_are_one_per_trainable_token_and_observations_get_no_gradient():
+    tok = char_tokenizer()
+    model = tiny_causal_lm(tok, hidden_size=32, num_layers=1)
+    row = dict(TRACE[0], old_logprobs=[-0.5] * 12)
+    exp = experience_from_records([row, TRACE[1]], tok, load_config().algorithm,
+                                  policy_logprobs=lambda s, a, T: (model_forward_logprobs(model, s, a, T), None))
+    assert (exp.old_logprobs[0][exp.response_mask[0]] == -0.5).all()
+    assert (exp.old_logprobs[~exp.response_mask] == 0).all()
+    logp = model_forward_logprobs(model, exp.sequences, exp.attention_mask, exp.num_response_tokens)
+    logp.retain_grad()
+    A.policy_loss(logp, exp.old_logprobs, exp.advantages, exp.response_mask)[0].backward()
+    observed = exp.attention_mask[:, -exp.num_response_tokens:].bool() & ~exp.response_mask
+    assert observed.sum() == 5 + 4 and (logp.grad[observed] == 0).all() and (logp.grad[exp.response_mask] != 0).any()
+    with pytest.raises(ValueError, match=r"row 0 has 2 old_logprobs for 12 trainable completion tokens"):
+        experience_from_records([dict(row, old_logprobs=[-1.0, -1.0])], tok, load_config().algorithm)
+
+
+@pytest.mark.parametrize("completion, message", [
+    ([], "row 0: completion must be a string or a non-empty list of segments"),
+    (["text"], r"row 0: completion\[0\] must be a \{'text', 'trainable'\} object, got str"),
+    ([{"trainable": True}], r"row 0: completion\[0\] needs a string 'text'"),
+    ([{"text": "x", "trainable": "yes"}], r"row 0: completion\[0\].trainable must be true or false"),
+    ([{"text": "x", "trainable": False}], "row 0 has no trainable completion token"),
+])
+def test_bad_traces_name_the_row_and_segment(tmp_path, completion, message):
+    row = {"prompt": "1+1=", "completion": completion, "reward": 1.0, "group_id": 0, "finished": False}
+    with pytest.raises(ValueError, match=message):
+        experience_from_records(load_scored_rollouts(write(tmp_path, [row])), char_tokenizer(), load_config().algorithm)
+
+
+def test_trainer_updates_on_multi_turn_traces(tmp_path):
+    from lmrl.trainer import Trainer
+
+    tok = char_tokenizer()
+    model = tiny_causal_lm(tok, hidden_size=32, num_layers=1)
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "log.console=false", "optim.lr=1e-2"])
+    trainer = Trainer(cfg, model=model, tokenizer=tok, reward_funcs=[lambda p, c, **k: [0.0] * len(c)],
+                      train_dataset=[{"prompt": "1+1="}])
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = trainer.train_on_scored(TRACE)
+    assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

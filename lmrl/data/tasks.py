@@ -130,10 +130,119 @@ def _item(a: int, b: int) -> dict[str, str]:
     return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
-TASKS: dict[str, type[AdditionTask]] = {"addition": AdditionTask}
+CALC_PATTERN = r"<(?P<name>calc)>(?P<expression>[^<>]*)</calc>"
+"""How the calculator task's model calls its tool: `<calc>47+85+36</calc>` (short, for a character-level model)."""
 
 
-def get_task(name: str, **kwargs: Any) -> AdditionTask:
+def calc(expression: str) -> str:
+    """Add whole numbers, such as 47+85+36.
+
+    Args:
+        expression: whole numbers joined by +
+    """
+    terms = [t.strip() for t in expression.split("+")]
+    if not all(t.isdigit() and len(t) <= 18 for t in terms) or len(terms) > 32:
+        raise ValueError(f"not a sum of whole numbers: {expression!r}")
+    return str(sum(int(t) for t in terms))
+
+
+def final_answer_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str], **kwargs: Any
+) -> list[float]:
+    """1.0 when the episode's last line (the model's answer, after any tool output) equals the answer; else 0.0."""
+    if len(completions) != len(answer):
+        raise ValueError(f"answer: expected {len(completions)} answers (one per completion), got {len(answer)}")
+    return [float(completion_text(c).rsplit("\n", 1)[-1].strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+@dataclass(frozen=True)
+class CalculatorTask:
+    """Sums of several numbers, `"47+85+36="` -> `"168"`, with a calculator tool: a multi-turn task.
+
+    The model may call `calc` by writing `<calc>47+85+36</calc>` (the turn ends there); the
+    environment answers `=168` and a new line, and the model's next turn is its answer. It may also
+    answer at once. The reward (`final_answer_reward`) checks the episode's last line, so a right
+    answer counts however it was reached. `calculator-notool` is the same task without the tool: one
+    turn, in which the model must add by itself.
+
+    Attributes:
+        num_terms: numbers per sum (>= 2).
+        min_value, max_value: each number is drawn uniformly from this range.
+        num_train, num_eval: training and held-out prompts; no sum appears in both.
+        seed: seed of the stream of sums.
+        tool: whether the calculator is there (`environment()` is None without it).
+    """
+
+    num_terms: int = 3
+    min_value: int = 10
+    max_value: int = 99
+    num_train: int = 4000
+    num_eval: int = 500
+    seed: int = 0
+    tool: bool = True
+
+    name = "calculator"
+
+    def __post_init__(self) -> None:
+        if self.num_terms < 2 or not 0 <= self.min_value <= self.max_value:
+            raise ValueError(f"num_terms, min_value, max_value: need num_terms >= 2 and 0 <= min_value <= max_value, "
+                             f"got {self.num_terms}, {self.min_value}, {self.max_value}")
+        if self.num_train + self.num_eval > (self.max_value - self.min_value + 1) ** self.num_terms:
+            raise ValueError(f"num_train + num_eval: more than the {self.num_terms}-term sums in the range")
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Enough tokens for the longest tool call, `<calc>` + the terms + `</calc>`."""
+        return len("<calc></calc>") + self.num_terms * (len(str(self.max_value)) + 1) + 2
+
+    @property
+    def reward_funcs(self) -> list[RewardFn]:
+        return [final_answer_reward]
+
+    def environment(self) -> Any:
+        """The tool environment with `calc`, or None for the task without the tool."""
+        if not self.tool:
+            return None
+        from lmrl.envs import ToolEnvironment, Tools
+
+        return ToolEnvironment(Tools([calc]), CALC_PATTERN, response_format="={output}\n", stop=["</calc>"])
+
+    def train_prompts(self) -> list[dict[str, str]]:
+        return [_sum_item(t) for t in self._sums()[self.num_eval :]]
+
+    def eval_prompts(self) -> list[dict[str, str]]:
+        return [_sum_item(t) for t in self._sums()[: self.num_eval]]
+
+    def _sums(self) -> list[tuple[int, ...]]:
+        rng = random.Random(self.seed)
+        seen: set[tuple[int, ...]] = set()
+        out: list[tuple[int, ...]] = []
+        while len(out) < self.num_eval + self.num_train:
+            terms = tuple(rng.randint(self.min_value, self.max_value) for _ in range(self.num_terms))
+            if terms not in seen:
+                seen.add(terms)
+                out.append(terms)
+        return out
+
+
+@dataclass(frozen=True)
+class CalculatorNoToolTask(CalculatorTask):
+    """The calculator task without its tool: one turn, the model adds by itself (the baseline)."""
+
+    tool: bool = False
+
+    name = "calculator-notool"
+
+
+def _sum_item(terms: tuple[int, ...]) -> dict[str, str]:
+    return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms))}
+
+
+TASKS: dict[str, type] = {"addition": AdditionTask, "calculator": CalculatorTask,
+                          "calculator-notool": CalculatorNoToolTask}
+
+
+def get_task(name: str, **kwargs: Any) -> Any:
     """The built-in task called `name`, built with `kwargs` (e.g. `seed=1`)."""
     if name not in TASKS:
         raise ConfigError(f"data.task: unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")

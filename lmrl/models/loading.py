@@ -245,6 +245,7 @@ def encode_prompts(
     prompts: Sequence[Prompt],
     max_prompt_length: int,
     use_chat_template: bool | None = None,
+    tools: list[dict] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt, unpadded.
 
@@ -264,6 +265,8 @@ def encode_prompts(
         use_chat_template: None: lists of messages use the chat template, strings are used as is;
             True: strings are also wrapped as one user message and templated; False: plain text
             only (a list of messages is an error).
+        tools: JSON schemas of the tools the model may call (`lmrl.envs.Tools.schemas`), given to the
+            chat template as `tools=` (templated prompts only; a plain-text prompt must describe them itself).
 
     Returns:
         One list of token ids per prompt.
@@ -305,7 +308,8 @@ def encode_prompts(
             # return_dict=False: a plain list of ids in transformers 4.x and 5.x alike.
             ids = list(
                 tokenizer.apply_chat_template(
-                    [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True, return_dict=False
+                    [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True, return_dict=False,
+                    **({"tools": tools} if tools else {}),
                 )
             )
         if not ids:

@@ -13,6 +13,13 @@ from pathlib import Path
 SHIPPED_MODEL: Path = Path(__file__).resolve().parent.parent / "assets" / "tiny-addition"
 """Directory of the shipped model: config, weights (safetensors), generation config, tokenizer."""
 
+SHIPPED_MODELS: dict[str, Path] = {
+    "tiny-addition": SHIPPED_MODEL,
+    # the calculator task's model (`data.task=calculator`): fine-tuned on traces that call the tool half the time
+    "tiny-calculator": SHIPPED_MODEL.parent / "tiny-calculator",
+}
+"""Every model shipped with lmrl, by the name `model.name_or_path` accepts."""
+
 
 def load_shipped(path: str | Path = SHIPPED_MODEL):
     """Load the shipped model and its character-level tokenizer, in eval mode, on CPU.

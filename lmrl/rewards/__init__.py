@@ -4,6 +4,7 @@ A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]` 
 in TRL; see `lmrl.rewards.core` for the keyword arguments lmrl passes and how scores combine.
 """
 
+from lmrl.rewards.code import code_reward, extract_code
 from lmrl.rewards.core import (
     RewardError,
     RewardFn,
@@ -47,7 +48,9 @@ __all__ = [
     "RewardSet",
     "WeightedReward",
     "clip_rewards",
+    "code_reward",
     "exact_match_reward",
+    "extract_code",
     "extract_final_answer",
     "format_reward",
     "length_penalty_reward",

@@ -3,7 +3,7 @@
 A spec is one of:
 
 - a built-in name from `BUILTIN_REWARDS` below ("math", "exact_match", "format", "regex", "length",
-  "remote", "reward_model"); options are passed to its factory, e.g. `math` with `column: solution`;
+  "remote", "reward_model", "code", "env"); options are passed to its factory, e.g. `math` with `column: solution`;
 - `"path/to/file.py:function_name"`: a function defined in a Python file (loaded as a module);
 - `"package.module:function_name"`: a function importable from an installed module.
 
@@ -45,6 +45,20 @@ def _remote(**kwargs: Any) -> Callable[..., Any]:
     return RemoteScorer(**kwargs)
 
 
+def _code(**kwargs: Any) -> Callable[..., Any]:
+    from lmrl.rewards.code import code_reward
+
+    return code_reward(**kwargs)
+
+
+def _env(**kwargs: Any) -> Callable[..., Any]:
+    from lmrl.envs import env_reward
+
+    if kwargs:
+        raise ValueError(f"takes no options, got {sorted(kwargs)}")
+    return env_reward
+
+
 def _reward_model(**kwargs: Any) -> Callable[..., Any]:
     from lmrl.rewards.reward_model import RewardModelScorer
 
@@ -60,7 +74,11 @@ BUILTIN_REWARDS: dict[str, Callable[..., Callable[..., Any]]] = {
     "length": length_penalty_reward,
     "remote": _remote,
     "reward_model": _reward_model,
+    "code": _code,
+    "env": _env,
 }
+SANDBOXED_REWARDS = ("code",)
+"""Built-ins that run model-written code: they get the config's `sandbox` limits unless an entry sets its own."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -174,7 +192,9 @@ def _weight(i: int, value: Any) -> float:
     return weight
 
 
-def reward_set_from_config(entries: Sequence[str | Callable[..., Any] | Mapping[str, Any]]) -> RewardSet:
+def reward_set_from_config(
+    entries: Sequence[str | Callable[..., Any] | Mapping[str, Any]], sandbox: Any = None
+) -> RewardSet:
     """Build a RewardSet from config entries.
 
     Each entry is a spec string, a callable, or a mapping
@@ -186,12 +206,19 @@ def reward_set_from_config(entries: Sequence[str | Callable[..., Any] | Mapping[
           - {fn: format, weight: 0.2}
           - {fn: my_rewards.py:brevity, weight: 0.1}
 
+    `sandbox` (the config's `SandboxLimits`) goes to the built-ins that run model-written code
+    (`SANDBOXED_REWARDS`), unless an entry gives its own `sandbox` option.
+
     Raises:
         ConfigError: one line starting `reward.functions[i]: ` for the first entry that does not
             resolve (ModelError and other lmrl errors keep their class, with the same prefix).
     """
     rewards = []
     for i, entry in enumerate(entries):
+        if sandbox is not None and isinstance(entry, str) and entry in SANDBOXED_REWARDS:
+            entry = {"fn": entry}
+        if sandbox is not None and isinstance(entry, Mapping) and entry.get("fn") in SANDBOXED_REWARDS:
+            entry = {"sandbox": sandbox, **entry}
         try:
             if isinstance(entry, Mapping):
                 options = dict(entry)

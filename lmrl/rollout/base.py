@@ -86,6 +86,9 @@ class Rollout:
         finished: `[B]` True if the completion ended with EOS or a stop string, False if it was
             truncated at `max_new_tokens`.
         prompt_index: `[B]` index of each row's prompt in the input list (`i // group_size`).
+        response_attention: `[B, T]` True on every real response token, the model's and the
+            environment's observations (multi-turn, `lmrl.rollout.multiturn`); None: `response_mask`,
+            as in a single-turn rollout. Observation tokens are attended to but not trained on.
     """
 
     prompt_ids: torch.Tensor
@@ -96,6 +99,7 @@ class Rollout:
     texts: list[str]
     finished: torch.Tensor
     prompt_index: torch.Tensor
+    response_attention: torch.Tensor | None = None
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -104,8 +108,9 @@ class Rollout:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        """`[B, P + T]` True on real prompt and response tokens."""
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        """`[B, P + T]` True on real prompt and response tokens (observations included)."""
+        response = self.response_mask if self.response_attention is None else self.response_attention
+        return torch.cat([self.prompt_mask, response], dim=1)
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -76,7 +76,7 @@ def test_reward_is_one_exactly_for_the_true_sum(a, b):
 
 
 def test_get_task_and_unknown_name():
-    assert set(TASKS) == {"addition"}
+    assert set(TASKS) == {"addition", "calculator", "calculator-notool"}
     task = get_task("addition", seed=5, num_eval=10)
     assert isinstance(task, AdditionTask) and task.seed == 5 and len(task.eval_prompts()) == 10
     assert task.reward_funcs == [exact_match_reward]
@@ -123,3 +123,47 @@ def test_evaluate_runs_a_real_tiny_model():
     assert set(result) == {"accuracy", "pass_at_k"}
     assert 0.0 <= result["accuracy"] <= 1.0 and result["accuracy"] <= 1.0
     assert not model.training
+
+
+def test_the_calculator_task_its_tool_and_its_reward():
+    from lmrl.data.tasks import CalculatorTask, calc, final_answer_reward, get_task
+
+    task = get_task("calculator")
+    train, held_out = task.train_prompts(), task.eval_prompts()
+    assert len(train) == 4000 and len(held_out) == 500
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    row = held_out[0]
+    terms = [int(t) for t in row["prompt"][:-1].split("+")]
+    assert len(terms) == 3 and all(10 <= t <= 99 for t in terms) and row["answer"] == str(sum(terms))
+    assert calc("47+85+36") == "168"
+    for bad in ("__import__('os')", "1+", "2*3", ""):
+        with pytest.raises(ValueError, match="not a sum of whole numbers"):
+            calc(bad)
+    episode = task.environment()(row)
+    step = episode.step(f"<calc>{row['prompt'][:-1]}</calc>", [])
+    assert step.observation == f"={row['answer']}\n" and not step.done and step.info["tool_calls"] == 1
+    assert episode.step(row["answer"], []).done
+    texts = ["<calc>47+85+36</calc>=168\n168", "168", "<calc>47+85+36</calc>", "=168\n167"]
+    assert final_answer_reward(None, texts, ["168"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    no_tool = get_task("calculator-notool")
+    assert no_tool.environment() is None and no_tool.eval_prompts() == held_out
+    assert CalculatorTask(tool=False).environment() is None
+
+
+def test_the_shipped_calculator_model_answers_better_with_its_tool():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from make_tiny_model import evaluate_calculator
+
+    from lmrl.data.tasks import CalculatorTask
+    from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
+
+    model, tokenizer = load_shipped(SHIPPED_MODELS["tiny-calculator"])
+    task = CalculatorTask()
+    with_tool = evaluate_calculator(model, tokenizer, task, n_prompts=100)
+    without = evaluate_calculator(model, tokenizer, task, n_prompts=100, tool=False)
+    # it calls the tool for some sums (and then copies its answer); alone it can hardly add three numbers
+    assert 0.1 < with_tool["tool_rate"] < 0.9
+    assert with_tool["accuracy"] >= without["accuracy"] + 0.15 and without["accuracy"] < 0.1

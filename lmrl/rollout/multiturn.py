@@ -1,0 +1,203 @@
+"""Multi-turn rollouts: model turns and environment observations in one sequence per episode.
+
+    episodes = generate_episodes(generator, tokenizer, prompt_ids, rows, n, params, env, max_turns=4)
+    episodes.rollout            # a Rollout: response = turn 1, observation 1, turn 2, ... ; trained on: turns only
+
+Each turn samples, for every live episode of the batch at once, one `generator.generate` call on
+the episodes' whole sequences so far (prompt, turns, observations): all rows' turns are batched
+together, and an episode that is done leaves the batch while the others go on. The first turn is
+exactly the single-turn call `generator.generate(prompts, n, params)`, so a one-turn episode gives
+the single-turn rollout. A turn ends at EOS or a stop string (put the end of a tool call, e.g.
+"</tool_call>", in `rollout.stop`).
+
+In the returned Rollout, observation tokens are part of the sequence (`response_attention` True) but
+not of the loss (`response_mask` False, log-prob 0). The sampling log-probs of model tokens are
+those of the sequence the trainer sees: the same tokens at the same positions after the same context,
+so the ratio at the first minibatch is still 1.
+
+An episode ends when its step says done, after `max_turns` turns, when a turn was cut at
+`max_new_tokens` (it is then unfinished: `finished` False), or when the next turn or observation
+would exceed `max_tokens` response tokens (observations included; also unfinished).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmrl.errors import RunError
+from lmrl.rollout.base import Generator, Rollout, SamplingParams
+
+# counted per episode from each Step's info; every key a step reports is averaged the same way
+STEP_COUNTS = ("tool_calls", "malformed_calls", "tool_errors", "tool_seconds", "sandbox_kills")
+
+
+@dataclass
+class Episodes:
+    """A batch of finished episodes.
+
+    Attributes:
+        rollout: the sequences (B = prompts x n rows), observation tokens masked out of the loss.
+        rewards: [B] each episode's reward (the sum of its steps' rewards), None where no step gave one.
+        turns: [B] model turns taken.
+        metrics: `env/*` means per episode: turns, model and observation tokens, the steps' info counts.
+    """
+
+    rollout: Rollout
+    rewards: list[float | None]
+    turns: list[int]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def render_observation(tokenizer: Any, observation: str | list[dict[str, Any]]) -> str:
+    """An observation as text: a string as is; chat messages through the tokenizer's chat template, as the
+    continuation of a conversation (the text the template adds after a first message, up to the next
+    assistant turn's header)."""
+    if isinstance(observation, str):
+        return observation
+    first = [{"role": "user", "content": "."}]
+    before = tokenizer.apply_chat_template(first, tokenize=False)
+    after = tokenizer.apply_chat_template(first + list(observation), tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise RunError("env: the chat template does not render a conversation as a prefix of its continuation; "
+                       "return observations as text")
+    return after[len(before):]
+
+
+def generate_episodes(
+    generator: Generator,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    rows: Sequence[Mapping[str, Any]],
+    n: int,
+    params: SamplingParams,
+    env: Any,
+    max_turns: int,
+    max_tokens: int | None = None,
+) -> Episodes:
+    """Run `n` episodes per prompt to their end; see the module docstring.
+
+    Args:
+        generator: any `Generator` (the HF one, or another backend).
+        tokenizer: encodes observations (no special tokens added) and renders chat observations.
+        prompts: token ids of each prompt.
+        rows: the dataset row of each prompt; `env(row)` starts an episode.
+        n: episodes per prompt; rows `i * n .. i * n + n - 1` belong to prompt `i`.
+        params: sampling parameters of every turn (`max_new_tokens` per turn); with a seed, turn k uses seed + k.
+        env: an Environment: `env(row)` returns an Episode with `step(text, token_ids) -> Step`. Its `stop`
+            attribute, if any, lists strings that also end a turn.
+        max_turns: most model turns per episode (>= 1).
+        max_tokens: most response tokens per episode, observations included; None: no limit but the turns'.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns: must be >= 1, got {max_turns!r}")
+    extra_stop = [s for s in getattr(env, "stop", None) or [] if s not in params.stop]
+    if extra_stop:  # the environment's turn ends (a tool call's closing tag) on top of the rollout's
+        params = dataclasses.replace(params, stop=[*params.stop, *extra_stop])
+    num_rows = len(prompts) * n
+    episodes = [env(rows[i // n]) for i in range(num_rows)]
+    budget = max_tokens if max_tokens is not None else float("inf")
+    ids: list[list[int]] = [[] for _ in range(num_rows)]
+    logps: list[list[float]] = [[] for _ in range(num_rows)]
+    trained: list[list[bool]] = [[] for _ in range(num_rows)]
+    texts = [""] * num_rows
+    finished = [False] * num_rows
+    rewards: list[float | None] = [None] * num_rows
+    turns = [0] * num_rows
+    counts: dict[str, float] = {}
+    first = generator.generate(prompts, n, params)  # turn 1: exactly the single-turn rollout
+    active, out = list(range(num_rows)), first
+    for turn in range(max_turns):
+        if turn > 0:
+            room = max(budget - len(ids[i]) for i in active)
+            turn_params = dataclasses.replace(params, max_new_tokens=int(min(params.max_new_tokens, room)),
+                                              seed=None if params.seed is None else params.seed + turn)
+            out = generator.generate([prompts[i // n] + ids[i] for i in active], 1, turn_params)
+        lengths = out.response_mask.sum(1).tolist()
+        next_active = []
+        for j, i in enumerate(active):
+            length = lengths[j]
+            room = budget - len(ids[i])
+            cut = length > room  # this episode's budget is smaller than the turn's max_new_tokens
+            length = int(min(length, room))
+            turn_ids = out.response_ids[j, :length].tolist()
+            ids[i] += turn_ids
+            logps[i] += out.logprobs[j, :length].tolist()
+            trained[i] += [True] * length
+            text = tokenizer.decode(turn_ids, skip_special_tokens=True) if cut else out.texts[j]
+            texts[i] += text
+            turns[i] += 1
+            finished[i] = bool(out.finished[j]) and not cut
+            step = episodes[i].step(text, turn_ids)
+            if not hasattr(step, "done") or not hasattr(step, "observation"):
+                raise RunError(f"env: episode.step returned a {type(step).__name__}, expected an lmrl.envs.Step")
+            if step.reward is not None:
+                rewards[i] = (rewards[i] or 0.0) + float(step.reward)
+            for key, value in (step.info or {}).items():
+                counts[key] = counts.get(key, 0.0) + float(value)
+            if step.done or not finished[i] or turn == max_turns - 1:
+                continue
+            observation = render_observation(tokenizer, step.observation or "")
+            obs_ids = tokenizer(observation, add_special_tokens=False)["input_ids"] if observation else []
+            if len(ids[i]) + len(obs_ids) >= budget:  # no room for the observation and a next turn
+                finished[i] = False
+                counts["budget_cuts"] = counts.get("budget_cuts", 0.0) + 1
+                continue
+            ids[i] += obs_ids
+            logps[i] += [0.0] * len(obs_ids)
+            trained[i] += [False] * len(obs_ids)
+            texts[i] += observation
+            next_active.append(i)
+        active = next_active
+        if not active:
+            break
+    return Episodes(_assemble(first, ids, logps, trained, texts, finished, generator),
+                    rewards, turns, _metrics(ids, trained, turns, counts))
+
+
+def _assemble(first: Rollout, ids, logps, trained, texts, finished, generator: Any) -> Rollout:
+    device = first.response_ids.device
+    pad = int(getattr(generator, "pad_token_id", 0))
+    width = max(1, max(len(x) for x in ids))
+    num_rows = len(ids)
+    response_ids = torch.full((num_rows, width), pad, dtype=torch.long)
+    logprobs = torch.zeros(num_rows, width, dtype=torch.float32)
+    response_mask = torch.zeros(num_rows, width, dtype=torch.bool)
+    attention = torch.zeros(num_rows, width, dtype=torch.bool)
+    for i in range(num_rows):
+        length = len(ids[i])
+        response_ids[i, :length] = torch.tensor(ids[i], dtype=torch.long)
+        logprobs[i, :length] = torch.tensor(logps[i], dtype=torch.float32)
+        response_mask[i, :length] = torch.tensor(trained[i], dtype=torch.bool)
+        attention[i, :length] = True
+    observed = bool((attention & ~response_mask).any())
+    return Rollout(
+        prompt_ids=first.prompt_ids,
+        prompt_mask=first.prompt_mask,
+        response_ids=response_ids.to(device),
+        response_mask=response_mask.to(device),
+        logprobs=logprobs.to(device),
+        texts=texts,
+        finished=torch.tensor(finished, dtype=torch.bool, device=device),
+        prompt_index=first.prompt_index,
+        response_attention=attention.to(device) if observed else None,
+    )
+
+
+def _metrics(ids, trained, turns, counts) -> dict[str, float]:
+    episodes = max(len(ids), 1)
+    model_tokens = sum(sum(t) for t in trained)
+    observation_tokens = sum(len(x) for x in ids) - model_tokens
+    metrics = {
+        "env/turns": sum(turns) / episodes,
+        "env/model_tokens": model_tokens / episodes,
+        "env/observation_tokens": observation_tokens / episodes,
+        "env/observation_token_frac": observation_tokens / max(model_tokens + observation_tokens, 1),
+    }
+    for key in (*STEP_COUNTS, *sorted(set(counts) - set(STEP_COUNTS))):
+        metrics[f"env/{key}"] = counts.get(key, 0.0) / episodes
+    return metrics
