@@ -90,6 +90,7 @@ from lmrl.logging import Console, make_sinks
 from lmrl.logging.sinks import jsonl_row
 from lmrl.models.loading import encode_prompts, model_forward_logprobs, quiet_progress_bars, resolve_device
 from lmrl.rewards import score as score_rewards
+from lmrl.rewards.core import TrainerState
 from lmrl.rollout import HFGenerator, Rollout, SamplingParams
 
 
@@ -110,6 +111,7 @@ class Collected:
     rows: list[dict[str, Any]]  # dataset rows of the kept groups, in group order
     metrics: dict[str, float]
     per_function: dict[str, torch.Tensor]  # "reward/<name>" -> [B] raw scores (NaN where None)
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)  # the reward functions' log_extra, [B] each
 
 
 # the real os._exit, kept at import: while reward functions run, lmrl.rewards replaces os._exit so that a
@@ -173,6 +175,7 @@ class Trainer:
         self._stop_signal: int | None = None  # the signal that asked the run to stop
         self._abandon_at: int | None = None  # the step a signal may abandon now (steps 1-3 of it)
         self._running = False
+        self._global_step = 0  # optimizer steps done: what reward functions read as trainer_state.global_step
 
     def train(self) -> TrainResult:
         """Run (or resume) the loop. Holds `output_dir`'s lock for its life; SIGINT / SIGTERM stop it after
@@ -256,6 +259,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
+        self._global_step = step - 1
         with self._abandonable(step):  # 1-3 change nothing but RNGs: a signal or a failure here keeps step - 1
             # 1-2. sample prompts, generate, score
             c = self.collect(step)
@@ -266,6 +270,7 @@ class Trainer:
             t2 = time.time()
         # 4. update
         updated = self.update(exp)  # reduced over ranks
+        self._global_step = step
         t3 = time.time()
         # 5. metrics: this rank's share's, then averaged over ranks (every rank sees the same values)
         # the mean negative log-prob of the sampled tokens estimates the policy's entropy even when the
@@ -284,7 +289,9 @@ class Trainer:
         if cfg.log.samples_every and step % cfg.log.samples_every == 0:
             k = min(cfg.log.num_samples, len(exp))
             prompts = [_prompt_text(rows[int(i)][cfg.data.prompt_column]) for i in exp.group_index[:k]]
-            self.console.samples(step, prompts, rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist())
+            extra = {name: values[:k] for name, values in c.extra_columns.items()}
+            self.console.samples(step, prompts, rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist(), extra)
+            self._write_samples(step, prompts, rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist(), extra)
         return metrics
 
     def _shard_models(self) -> dict[str, list[torch.nn.Module]]:
@@ -327,7 +334,7 @@ class Trainer:
             rollout, out = self.generate_and_score(rows, G, seed=seed)
             if r == 0:  # reward metrics of the first round: the unfiltered policy
                 metrics = dict(out.metrics) | {"frac_reward_zero_std": 1 - informative_groups(out.scores, G).float().mean().item()}
-            scores, per_fn = out.scores, out.per_function
+            scores, per_fn, extra = out.scores, out.per_function, out.extra_columns
             whole = rollout, scores, per_fn, rows
             if cfg.algorithm.dynamic_sampling:
                 ok = torch.zeros(P)  # [P] the round's informative groups, every rank's
@@ -342,10 +349,11 @@ class Trainer:
                 index = (chosen[:, None] * G + torch.arange(G)).flatten()
                 rollout, scores, rows = select_rollout(rollout, index), scores[index], [rows[int(i)] for i in chosen]
                 per_fn = {k: v[index] for k, v in per_fn.items()}
+                extra = {k: [v[int(i)] for i in index] for k, v in extra.items()}
                 rollout.prompt_index = torch.arange(len(rows)).repeat_interleave(G)
             else:
                 kept += P
-            parts.append((rollout, scores, per_fn))
+            parts.append((rollout, scores, per_fn, extra))
             rows_kept += rows
             if kept >= P:
                 break
@@ -353,7 +361,7 @@ class Trainer:
         if outside:  # the other ranks hold every kept group: this one takes a group to keep in step, outside the loss
             rollout, scores, per_fn, rows = whole
             first = torch.arange(G)
-            parts, rows_kept = [(select_rollout(rollout, first), scores[first], {k: v[first] for k, v in per_fn.items()})], rows[:1]
+            parts, rows_kept = [(select_rollout(rollout, first), scores[first], {k: v[first] for k, v in per_fn.items()}, {})], rows[:1]
             parts[0][0].prompt_index = torch.zeros(G, dtype=torch.long)
         if cfg.algorithm.dynamic_sampling:  # the same on every rank
             metrics.update({"dynamic_sampling/rounds": float(r + 1), "dynamic_sampling/filtered_groups": float(filtered),
@@ -366,7 +374,9 @@ class Trainer:
             keep = torch.zeros(len(scores), dtype=torch.bool)
         metrics["objective/raw_scores"] = raw.mean().item()
         per_function = {f"reward/{k}": torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}  # [B], NaN = None
-        return Collected(rollout, scores, keep, rows_kept, metrics, per_function)
+        names = dict.fromkeys(name for p in parts for name in p[3])  # a column a round did not log is None there
+        extra = {name: [v for p in parts for v in p[3].get(name, [None] * len(p[1]))] for name in names}
+        return Collected(rollout, scores, keep, rows_kept, metrics, per_function, extra)
 
     def experience(self, c: Collected) -> Experience:
         """A scored rollout (this rank's share of the batch) -> Experience: old / reference log-probs, values,
@@ -399,7 +409,8 @@ class Trainer:
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != col}
         out = score_rewards(self.data.rewards, [row[col] for row in expanded], rollout.texts, columns,
                             completion_ids=[ids_[m].tolist() for ids_, m in zip(rollout.response_ids, rollout.response_mask)],
-                            finished=rollout.finished.tolist(), timeout=cfg.reward.timeout, on_error=cfg.reward.on_error)
+                            finished=rollout.finished.tolist(), timeout=cfg.reward.timeout, on_error=cfg.reward.on_error,
+                            trainer_state=TrainerState(self._global_step, cfg.train.steps))
         return rollout, out
 
     def train_on_scored(self, records) -> dict[str, float]:
@@ -602,6 +613,17 @@ class Trainer:
         if "entropy" in exp.info:
             out["objective/entropy"] = exp.info["entropy"].mean().item()
         return out
+
+    def _write_samples(self, step: int, prompts: list[str], completions: list[str], scores: list[float],
+                       advantages: list[float], extra: dict[str, list[Any]]) -> None:
+        """samples.jsonl: the sample table of each step that shows one, for `lmrl report` (rank 0 writes)."""
+        if not (self.world.main and self.cfg.log.jsonl):
+            return
+        with (self.out / "samples.jsonl").open("a") as f:
+            for i, (p, c, s, a) in enumerate(zip(prompts, completions, scores, advantages)):
+                row = {"step": step, "prompt": p, "completion": c, "score": s, "advantage": a}
+                row |= {name: values[i] for name, values in extra.items()}
+                f.write(json.dumps(row, default=str) + "\n")
 
     def _log(self, sinks, metrics: dict[str, float], step: int) -> dict[str, float]:
         metrics = {k: float(v) for k, v in metrics.items()}
