@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from lmrl.errors import ConfigError
+from lmrl.foreign_names import explain_foreign_name
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_TIS_CAP = 2.0  # truncated importance sampling cap when the sampler is another dtype
@@ -691,6 +692,8 @@ def _one_line(e: ValidationError) -> str:
     loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in parts).lstrip(".")
     kind, got = err["type"], err.get("input")
     if kind == "extra_forbidden":
+        if (foreign := explain_foreign_name(loc, got)) is not None:  # learning_rate=..., beta=..., verl's paths
+            return foreign
         section_path, _, key = loc.rpartition(".")
         section = _section_at(section_path)
         allowed = list(section.model_fields) if section else []
