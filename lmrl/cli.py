@@ -1,4 +1,4 @@
-"""`lmrl train | eval`: the command line."""
+"""`lmrl train | eval | report`: the command line."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ examples:
   lmrl train train.save_every=50 train.resume=auto
                                                checkpoint every 50 steps; rerun the same command to resume
   lmrl eval --model runs/tiny-addition/final --task addition --k 8
+  lmrl report runs/grpo runs/rloo              report.html: the two runs' curves overlaid, samples, configs
   lmrl eval runs/tiny-addition --k 8             a run's final model, with the run's own task and rewards
   lmrl eval --data heldout.jsonl --reward rw.py:exact --model runs/x/final
                                                any prompt file, scored by the reward functions given
@@ -101,7 +102,12 @@ def _main(argv: list[str] | None) -> int:
     ev.add_argument("--num-prompts", type=_at_least(1), default=200, help="held-out prompts to evaluate")
     ev.add_argument("--max-new-tokens", type=_at_least(1), default=None, help="longest completion in tokens")
 
-    for p in (tr, ev):
+    rp = sub.add_parser("report", help="write report.html: curves, samples and config of one or several runs")
+    rp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories; several overlay their curves")
+    rp.add_argument("--out", default=None,
+                    help="the HTML file to write (default: RUN_DIR/report.html for one run, ./report.html for several)")
+
+    for p in (tr, ev, rp):
         p.add_argument("--traceback", action="store_true",
                        help="on an error, print the full Python traceback (or set LMRL_TRACEBACK=1)")
 
@@ -112,6 +118,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "report":
+            return _report(args)
         return _eval(args)
     except (LmrlError, ValueError, OSError, ImportError) as e:
         # what a user can act on is one line, not a traceback (--traceback shows it)
@@ -206,6 +214,14 @@ def _eval(args) -> int:
         pk = trainer.pass_at_k(args.k, args.temperature)
         line += f"  pass@{args.k} (T={args.temperature}) {pk:.1%}"
     print(f"{len(rows)} prompts of {source}: {line}")
+    return 0
+
+
+def _report(args) -> int:
+    from lmrl.report import write_report
+
+    path = write_report(args.runs, args.out)
+    print(f"wrote {path} (open it in a browser: it needs no server and no network)")
     return 0
 
 

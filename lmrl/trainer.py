@@ -202,7 +202,20 @@ class Trainer:
                 self._running = False
                 for sink in sinks:
                     sink.close()
+                self._write_report()  # at the end, and when a signal or a failure stopped the run
         return self.result
+
+    def _write_report(self) -> None:
+        """report.html in the output directory (`lmrl.report`), from the files the run wrote; a report that
+        cannot be written is a warning, never the run's failure."""
+        if not (self.world.main and self.cfg.log.jsonl):
+            return
+        from lmrl.report import write_report
+
+        try:
+            write_report([self.out])
+        except Exception as e:  # noqa: BLE001 - the run's result stands without its report
+            print_line(f"lmrl: warning: {self.out / 'report.html'} not written: {type(e).__name__}: {e}")
 
     def _loop(self, start_step: int, sinks) -> None:
         cfg, result = self.cfg, self.result
