@@ -183,6 +183,11 @@ class RewardConfig(_Section):
     normalize: bool = False
     """Normalise scores to mean 0, std 1 over the batch (REINFORCE++)."""
 
+    def shaping_options(self) -> dict[str, Any]:
+        """The fields `lmrl.experience.shape_scores` takes, as its keyword arguments of the same names."""
+        return {name: getattr(self, name) for name in ("missing_eos_penalty", "overlong_buffer", "clip", "normalize",
+                                                       "drop_truncated")}
+
 
 Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "gae"]
 Aggregation = Literal[
@@ -259,6 +264,11 @@ class AlgorithmConfig(_Section):
     @property
     def needs_critic(self) -> bool:
         return self.advantage == "gae"
+
+    def experience_options(self) -> dict[str, Any]:
+        """The fields `lmrl.experience.make_experience` takes, as its keyword arguments of the same names."""
+        return {name: getattr(self, name) for name in ("advantage", "gamma", "lam", "whiten_advantages", "kl_in",
+                                                       "kl_level", "kl_estimator", "tis_cap", "entropy_top_fraction")}
 
 
 # Defaults of each algorithm, as its paper (or the reference implementation) sets them. Fields not listed

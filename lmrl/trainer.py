@@ -88,7 +88,9 @@ from lmrl.experience import (
 from lmrl.guards import Guards
 from lmrl.logging import Console, make_sinks
 from lmrl.logging.sinks import jsonl_row
-from lmrl.models.loading import encode_prompts, model_forward_logprobs, quiet_progress_bars, resolve_device
+from lmrl.models.forward import model_forward_logprobs
+from lmrl.models.loading import quiet_progress_bars, resolve_device
+from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.rewards import score as score_rewards
 from lmrl.rewards.core import TrainerState
 from lmrl.rollout import HFGenerator, Rollout, SamplingParams
@@ -382,7 +384,8 @@ class Trainer:
         parts = [p for p in parts if len(p[1])]
         rollout = concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
         raw = torch.cat([p[1] for p in parts])
-        scores, keep = shape_scores(rollout, raw, cfg.reward, cfg.rollout.max_new_tokens, self.world)
+        scores, keep = shape_scores(rollout, raw, max_new_tokens=cfg.rollout.max_new_tokens, world=self.world,
+                                    **cfg.reward.shaping_options())
         if outside:
             keep = torch.zeros(len(scores), dtype=torch.bool)
         metrics["objective/raw_scores"] = raw.mean().item()
@@ -396,7 +399,7 @@ class Trainer:
         KL, advantages."""
         cfg = self.cfg
         return make_experience(
-            c.rollout, c.scores, cfg.algorithm,
+            c.rollout, c.scores, **cfg.algorithm.experience_options(),
             policy_logprobs=self._policy_forward if self._needs_old_forward else None,
             ref_logprobs=self._ref_forward if self.models.reference is not None else None,
             critic_values=self._critic_forward if self.models.critic is not None else None,

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from lmrl import Trainer, load_config
-from lmrl.models.loading import encode_prompts
+from lmrl.models.prompt_encoding import encode_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
