@@ -124,7 +124,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
 def render_report(runs: list[Run]) -> str:
     """The whole HTML page."""
     title = "lmrl report: " + ", ".join(r.name for r in runs)
-    body = [f"<h1>{html.escape(title)}</h1>", _summary(runs), _legend(runs), _plots(runs)]
+    body = [f"<h1>{html.escape(title)}</h1>", _summary(runs), _legend(), _plots(runs)]
     for i, run in enumerate(runs):
         body.append(_samples(run, COLORS[i % len(COLORS)]))
     for run in runs:
@@ -155,12 +155,14 @@ def _summary(runs: list[Run]) -> str:
     return f'<table class="summary"><tr>{head}</tr>{"".join(lines)}</table>'
 
 
-def _legend(runs: list[Run]) -> str:
-    dashes = ", ".join(f'<svg width="28" height="8"><line x1="0" x2="28" y1="4" y2="4" stroke="#333" stroke-width="2"'
-                       f'{f" stroke-dasharray={chr(34)}{d}{chr(34)}" if d else ""}/></svg> metric {k + 1}'
-                       for k, d in enumerate(DASHES[:3]))
+def _legend() -> str:
+    samples = []
+    for k, dash in enumerate(DASHES[:3]):
+        pattern = f' stroke-dasharray="{dash}"' if dash else ""
+        samples.append(f'<svg width="28" height="8"><line x1="0" x2="28" y1="4" y2="4" stroke="#333" stroke-width="2"{pattern}/>'
+                       f"</svg> metric {k + 1}")
     return (f'<p class="legend">One colour per run (see the table); where a plot shows several metrics, their lines are '
-            f"{dashes} in the order its title lists them. Hover a line for its name.</p>")
+            f"{', '.join(samples)} in the order its title lists them. Hover a line for its name.</p>")
 
 
 def _plots(runs: list[Run]) -> str:
