@@ -76,7 +76,7 @@ from lmrl.distributed import (
     shard,
     whole_state,
 )
-from lmrl.errors import Interrupted, LmrlError, ModelError, RunError, print_line
+from lmrl.errors import DataError, Interrupted, LmrlError, ModelError, RunError, print_line
 from lmrl.experience import (
     Experience,
     concat_rollouts,
@@ -602,6 +602,9 @@ class Trainer:
             sums = torch.stack([out.scores.double().sum(), (out.scores > 0).double().sum(),
                                 rollout.lengths.double().sum(), torch.tensor(float(len(rows)), dtype=torch.float64)])
         reward, correct, length, n = self.world.sum(sums).tolist()
+        if n == 0:
+            raise DataError("evaluate: no held-out prompts (give eval_dataset, data.eval_path or a task, and "
+                            "data.num_eval_prompts > 0)")
         return {"eval/reward": reward / n, "eval/accuracy": correct / n, "eval/response_length": length / n}
 
     @torch.no_grad()

@@ -116,3 +116,13 @@ def test_eval_a_run_directory(files):
                                                "no held-out prompts (data.eval_path is unset); evaluate a file with --data FILE\n")
     out = lmrl("eval", "runs/file", "--data", "heldout.jsonl", cwd=files)  # the run's own reward function
     assert _numbers(out.stdout.strip())[:3] == (len(ROWS), 100.0, 1.0)
+
+
+def test_evaluate_from_python_without_held_out_prompts_is_one_line(tmp_path):
+    from lmrl import Config, Trainer
+    from lmrl.errors import DataError
+
+    trainer = Trainer(Config(train={"output_dir": str(tmp_path)}), train_dataset=ROWS,
+                      reward_funcs=[lambda completions, **kw: [1.0] * len(completions)])
+    with pytest.raises(DataError, match=r"^evaluate: no held-out prompts \(give eval_dataset, data.eval_path or a task"):
+        trainer.evaluate()
