@@ -19,6 +19,7 @@ demo: setup
 	$(VENV)/bin/lmrl train
 
 test: setup
+	bash scripts/install_chromium.sh
 	$(PY) -m ruff check lmrl tests benchmarks scripts
 	$(PY) -m pytest -q
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from seeded_llama import add_model_args, seeded_llama  # noqa: E402
 
 import lmrl.rollout.hf as hf  # noqa: E402
-from lmrl.models.loading import model_forward_logprobs  # noqa: E402
+from lmrl.models.forward import model_forward_logprobs  # noqa: E402
 from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, PROMPT_LEN = 8, 8, 64, 6

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from seeded_llama import add_model_args, seeded_llama  # noqa: E402
 
-from lmrl.models.loading import model_forward_logprobs  # noqa: E402
+from lmrl.models.forward import model_forward_logprobs  # noqa: E402
 
 GROUP = 8
 

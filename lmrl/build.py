@@ -24,10 +24,10 @@ from lmrl.models.loading import (
     enable_gradient_checkpointing,
     load_causal_lm,
     load_tokenizer,
-    prompt_lengths,
     reference_model,
     resolve_device,
 )
+from lmrl.models.prompt_encoding import prompt_lengths
 
 SHIPPED_NAMES = ("tiny-addition", "tiny-calculator")
 

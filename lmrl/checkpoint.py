@@ -5,6 +5,8 @@ how a run finds the newest one to resume from.
       .lmrl.lock               held (flock) by the run writing here; a second run is refused
       lmrl_config.yaml         the resolved config (never a user's config.yaml)
       metrics.jsonl
+      samples.jsonl            the sample tables (appended to; a resumed run's rewritten steps follow the old ones)
+      report.html              `lmrl report`: written at the end and when the run stops
       checkpoint-40/
         COMPLETE               written last: {"step": 40, "time": ..., "world_size": 1}
         state/                 torch.distributed.checkpoint: trainable policy weights, critic, optimizer
@@ -54,6 +56,7 @@ TMP_PREFIX = ".tmp-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # what makes a directory "hold a run": a new run into it must resume or overwrite
 RUN_FILES = ("lmrl_config.yaml", "metrics.jsonl", "final", "tensorboard")
+RUN_RECORDS = ("samples.jsonl", "report.html")  # what a run writes about itself, named after its checkpoints
 
 
 # ------------------------------------------------------------------------------------ atomic writes
@@ -170,7 +173,7 @@ def holds_run(output_dir: Path) -> list[str]:
         return []
     found = [name for name in RUN_FILES if (out / name).exists()]
     found += sorted(p.name for p in out.glob("checkpoint-*") if _CHECKPOINT.match(p.name))
-    return found
+    return found + [name for name in RUN_RECORDS if (out / name).exists()]
 
 
 def clear_run(output_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""`lmrl train | eval`: the command line."""
+"""`lmrl train | eval | report`: the command line."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ examples:
   lmrl train train.save_every=50 train.resume=auto
                                                checkpoint every 50 steps; rerun the same command to resume
   lmrl eval --model runs/tiny-addition/final --task addition --k 8
+  lmrl report runs/grpo runs/rloo              report.html: the two runs' curves overlaid, samples, configs
+  lmrl eval runs/tiny-addition --k 8             a run's final model, with the run's own task and rewards
+  lmrl eval --data heldout.jsonl --reward rw.py:exact --model runs/x/final
+                                               any prompt file, scored by the reward functions given
 """
 
 
@@ -82,17 +86,28 @@ def _main(argv: list[str] | None) -> int:
     tr.add_argument("--nproc", type=_at_least(1), default=None, metavar="N",
                     help="train on N processes of this machine (torchrun --standalone --nproc_per_node N)")
 
-    ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model on a task or dataset")
-    ev.add_argument("--model", default="tiny-addition", help="model directory (or 'tiny-addition')")
+    ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model on a task or dataset", epilog=EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("run", nargs="?", default=None,
+                    help="a run directory: evaluate its final/ model with the run's own task (or data) and rewards")
+    ev.add_argument("--model", default=None, help="model directory or hub id (default: the run's final/, else 'tiny-addition')")
     ev.add_argument("--task", default=None, help="built-in task name (default: addition)")
-    ev.add_argument("--data", default=None, help="a prompt dataset file instead of a task")
-    ev.add_argument("--reward", action="append", default=None, help="reward function(s) for --data")
+    ev.add_argument("--data", default=None,
+                    help="evaluate every row of this file (.jsonl / .json / .parquet, a save_to_disk directory, a hub name)")
+    ev.add_argument("--split", default=None, help="the split of --data, when it has splits (a DatasetDict, a hub dataset)")
+    ev.add_argument("--reward", action="append", default=None,
+                    help="a reward function for --data, as in reward.functions: math, exact_match, rw.py:fn, ... (repeatable)")
     ev.add_argument("--k", type=_at_least(1), default=1, help="samples per prompt for pass@k (temperature sampling)")
     ev.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature of pass@k")
     ev.add_argument("--num-prompts", type=_at_least(1), default=200, help="held-out prompts to evaluate")
     ev.add_argument("--max-new-tokens", type=_at_least(1), default=None, help="longest completion in tokens")
 
-    for p in (tr, ev):
+    rp = sub.add_parser("report", help="write report.html: curves, samples and config of one or several runs")
+    rp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories; several overlay their curves")
+    rp.add_argument("--out", default=None,
+                    help="the HTML file to write (default: RUN_DIR/report.html for one run, ./report.html for several)")
+
+    for p in (tr, ev, rp):
         p.add_argument("--traceback", action="store_true",
                        help="on an error, print the full Python traceback (or set LMRL_TRACEBACK=1)")
 
@@ -103,6 +118,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "report":
+            return _report(args)
         return _eval(args)
     except (LmrlError, ValueError, OSError, ImportError) as e:
         # what a user can act on is one line, not a traceback (--traceback shows it)
@@ -182,22 +199,88 @@ def _train(args) -> int:
 
 def _eval(args) -> int:
     from lmrl.config import build_config
+    from lmrl.errors import DataError
     from lmrl.trainer import Trainer
 
-    data = {"path": args.data} if args.data else {"task": args.task or "addition"}
-    raw = {"model": {"name_or_path": args.model}, "data": {**data, "num_eval_prompts": args.num_prompts},
-           "reward": {"functions": args.reward or []}, "log": {"console": False, "jsonl": False}}
-    if args.max_new_tokens:
-        raw["rollout"] = {"max_new_tokens": args.max_new_tokens}
+    raw, source = _eval_config(args)
     cfg = build_config(raw)
     trainer = Trainer(cfg, console=False)
+    rows = trainer.data.eval_rows
+    if not rows:  # (a file without rows stops in the loader, naming it)
+        raise DataError(f"{source}: nothing to evaluate: {_why_no_eval_rows(cfg)}")
     result = trainer.evaluate()
     line = f"accuracy (greedy) {result['eval/accuracy']:.1%}  mean reward {result['eval/reward']:.3f}"
     if args.k > 1:
         pk = trainer.pass_at_k(args.k, args.temperature)
         line += f"  pass@{args.k} (T={args.temperature}) {pk:.1%}"
-    print(f"{len(trainer.data.eval_rows)} held-out prompts: {line}")
+    print(f"{len(rows)} prompts of {source}: {line}")
     return 0
+
+
+def _report(args) -> int:
+    from lmrl.report import write_report
+
+    path = write_report(args.runs, args.out)
+    print(f"wrote {path} (open it in a browser: it needs no server and no network)")
+    return 0
+
+
+def _eval_config(args) -> tuple[dict, str]:
+    """The config `lmrl eval` evaluates with, and the name of the prompts' source for its lines."""
+    from lmrl.config import read_yaml
+    from lmrl.errors import ConfigError
+
+    if args.data is None and args.reward:
+        raise ConfigError("--reward: reward functions apply to --data FILE (a task and a run bring their own)")
+    if args.run is not None:
+        run = Path(args.run)
+        if not (run / "lmrl_config.yaml").is_file():
+            raise ConfigError(f"{args.run}: not a run directory (no lmrl_config.yaml in it)")
+        if args.model is None and not (run / "final").is_dir():
+            raise ConfigError(f"{args.run}: the run has no final/ model (it did not finish); "
+                              "give a checkpoint with --model DIR/checkpoint-N")
+        raw = read_yaml(run / "lmrl_config.yaml")
+        raw["model"] = {**raw.get("model", {}), "name_or_path": args.model or str(run / "final"), "lora": None}
+        for section in ("train", "optim"):
+            raw.pop(section, None)  # the run's steps, output directory and optimizer play no part here
+        source = f"{args.run}'s held-out prompts"
+    else:
+        raw = {"model": {"name_or_path": args.model or "tiny-addition"}}
+        source = f"task {args.task or 'addition'}"
+    if args.task and (args.data or args.run):
+        raise ConfigError("--task: give a task, --data or a run directory, not several")
+    data = dict(raw.get("data") or {})
+    if args.data is not None:
+        if args.run is None and not args.reward:
+            raise ConfigError("--reward: evaluating --data needs a reward function, e.g. --reward exact_match "
+                              "or --reward rewards.py:my_reward")
+        split = args.split or "test"  # a plain file has no splits and ignores it
+        data = {"task": None, "path": args.data, "split": split, "eval_path": args.data, "eval_split": split}
+        source = args.data + (f":{args.split}" if args.split else "")
+        if args.reward:
+            raw["reward"] = {**(raw.get("reward") or {}), "functions": args.reward}
+        elif not (raw.get("reward") or {}).get("functions"):
+            raise ConfigError(f"--reward: {args.run} was scored by its task's own reward "
+                              f"(data.task={(raw.get('data') or {}).get('task')}); give --reward for --data")
+    elif args.run is not None and str(data.get("path") or "").startswith("<"):
+        raise ConfigError(f"{args.run}: the run's prompts were passed from Python ({data['path']}); "
+                          "evaluate a file with --data FILE")
+    elif args.split:
+        raise ConfigError("--split: a split of --data FILE; give --data too")
+    elif args.run is None:
+        data = {"task": args.task or "addition"}
+    raw["data"] = {**data, "num_eval_prompts": args.num_prompts}
+    raw["log"] = {"console": False, "jsonl": False}
+    if args.max_new_tokens:
+        raw["rollout"] = {**(raw.get("rollout") or {}), "max_new_tokens": args.max_new_tokens}
+    return raw, source
+
+
+def _why_no_eval_rows(cfg) -> str:
+    d = cfg.data
+    if d.path is not None and d.eval_path is None:
+        return "it has no held-out prompts (data.eval_path is unset); evaluate a file with --data FILE"
+    return "every row was left out (data.on_bad_row=skip)"
 
 
 def _exec_torchrun(args) -> None:

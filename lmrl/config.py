@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from lmrl.errors import ConfigError
+from lmrl.foreign_names import explain_foreign_name
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_TIS_CAP = 2.0  # truncated importance sampling cap when the sampler is another dtype
@@ -202,6 +203,11 @@ class RewardConfig(_Section):
     normalize: bool = False
     """Normalise scores to mean 0, std 1 over the batch (REINFORCE++)."""
 
+    def shaping_options(self) -> dict[str, Any]:
+        """The fields `lmrl.experience.shape_scores` takes, as its keyword arguments of the same names."""
+        return {name: getattr(self, name) for name in ("missing_eos_penalty", "overlong_buffer", "clip", "normalize",
+                                                       "drop_truncated")}
+
 
 Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "gae"]
 Aggregation = Literal[
@@ -278,6 +284,11 @@ class AlgorithmConfig(_Section):
     @property
     def needs_critic(self) -> bool:
         return self.advantage == "gae"
+
+    def experience_options(self) -> dict[str, Any]:
+        """The fields `lmrl.experience.make_experience` takes, as its keyword arguments of the same names."""
+        return {name: getattr(self, name) for name in ("advantage", "gamma", "lam", "whiten_advantages", "kl_in",
+                                                       "kl_level", "kl_estimator", "tis_cap", "entropy_top_fraction")}
 
 
 # Defaults of each algorithm, as its paper (or the reference implementation) sets them. Fields not listed
@@ -808,6 +819,8 @@ def _one_line(e: ValidationError, prefix: str = "") -> str:
     loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in parts).lstrip(".")
     kind, got = err["type"], err.get("input")
     if kind in ("extra_forbidden", "no_such_attribute"):
+        if (foreign := explain_foreign_name(loc, got)) is not None:  # learning_rate=..., beta=..., verl's paths
+            return foreign
         section_path, _, key = loc.rpartition(".")
         section = _section_at(section_path)
         allowed = list(section.model_fields) if section else []

@@ -8,7 +8,10 @@ Data flow (one step):
       -> advantages by the estimator's name (ADVANTAGE_ESTIMATORS), optional batch whitening
       -> Experience: every tensor aligned to response tokens [B, T]
 
-Everything here is plain tensors and models; the math is in `lmrl.algorithms`.
+Everything here is plain tensors, models and keyword arguments (named as the config fields they come from,
+e.g. `advantage`, `kl_in`, `tis_cap`: `AlgorithmConfig.experience_options()` and
+`RewardConfig.shaping_options()` give them), so this module knows nothing of the config layer; the math is
+in `lmrl.algorithms`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from lmrl import algorithms as A
-from lmrl.config import AlgorithmConfig, RewardConfig
 from lmrl.distributed import ONE_PROCESS, World, idle_batch, masked_whiten
 from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
@@ -144,22 +146,32 @@ class Advantages:
 
 
 def compute_advantages(
-    cfg: AlgorithmConfig,
     scores: torch.Tensor,
     mask: torch.Tensor,
     group_size: int,
+    *,
+    advantage: str = "grpo",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten_advantages: bool = False,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_in: str = "loss",
+    kl_level: str = "token",
     values: torch.Tensor | None = None,
     world: World = ONE_PROCESS,
 ) -> Advantages:
-    """Advantages for the estimator `cfg.advantage`.
+    """Advantages for the estimator named `advantage`.
 
     Args:
         scores: [B] rewards of the completions.
         mask: [B, T] response tokens.
+        group_size: G, completions per prompt (groups are contiguous).
+        advantage: the estimator: a name in SEQUENCE_ESTIMATORS, or "gae" (needs `values`).
+        gamma, lam: discount and GAE lambda.
+        whiten_advantages: whiten the advantages over the whole batch.
         kl: [B, T] per-token KL estimate of the sampling policy against the reference, used only when
-            `cfg.kl_in == "reward"`.
+            `kl_in == "reward"`, weighted by `kl_coef`, per token or summed per sequence (`kl_level`).
         values: [B, T] critic values (gae only).
         world: the ranks sharing the batch (`lmrl.distributed`): batch whitening uses all of their rows.
 
@@ -177,35 +189,35 @@ def compute_advantages(
     scores = scores.double()
     kl = kl.double() if kl is not None else None
     values = values.double() if values is not None else None
-    kl_in_reward = kl is not None and cfg.kl_in == "reward" and kl_coef > 0
-    if kl_in_reward and cfg.kl_level == "sequence":
+    kl_in_reward = kl is not None and kl_in == "reward" and kl_coef > 0
+    if kl_in_reward and kl_level == "sequence":
         scores = scores - kl_coef * A.masked_sum(kl, mask, dim=1)  # penalise the sequence's total KL
-    token_kl = kl_in_reward and cfg.kl_level == "token"
+    token_kl = kl_in_reward and kl_level == "token"
 
-    if cfg.advantage == "gae":
+    if advantage == "gae":
         if values is None:
             raise ValueError("algorithm.advantage=gae needs critic values")
         zeros = torch.zeros_like(values)
         rewards = A.kl_shaped_rewards(scores, kl if token_kl else zeros, mask, kl_coef if token_kl else 0.0)
-        adv, ret = A.gae(values, rewards, mask, cfg.gamma, cfg.lam)
+        adv, ret = A.gae(values, rewards, mask, gamma, lam)
         out = Advantages(adv, ret, rewards)
     else:
-        seq = SEQUENCE_ESTIMATORS[cfg.advantage](scores, group_size)  # [B]
-        if token_kl or cfg.gamma < 1:
+        seq = SEQUENCE_ESTIMATORS[advantage](scores, group_size)  # [B]
+        if token_kl or gamma < 1:
             rewards = A.kl_shaped_rewards(seq, kl if token_kl else torch.zeros_like(mask, dtype=seq.dtype),
                                           mask, kl_coef if token_kl else 0.0)
-            ret = A.discounted_returns(rewards, mask, cfg.gamma)
+            ret = A.discounted_returns(rewards, mask, gamma)
             out = Advantages(ret, None, rewards)
         else:
             out = Advantages(seq[:, None].expand(mask.shape).clone())
-    if cfg.whiten_advantages:  # over the whole batch: every rank's share of it
+    if whiten_advantages:  # over the whole batch: every rank's share of it
         out.advantages = masked_whiten(out.advantages, mask, world)
     out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
     wide = out.advantages
     out = Advantages(*(None if x is None else x.float() for x in (out.advantages, out.returns, out.rewards)))
     if bool(torch.isfinite(wide).all()) and not bool(torch.isfinite(out.advantages).all()):
         raise RewardError(f"advantages overflow float32: rewards up to {scores.abs().max().item():.3g} with "
-                          f"algorithm.advantage={cfg.advantage}, which keeps the rewards' scale; scale the rewards "
+                          f"algorithm.advantage={advantage}, which keeps the rewards' scale; scale the rewards "
                           "down, or set reward.normalize=true")
     return out
 
@@ -248,8 +260,16 @@ def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, fraction: float)
 def make_experience(
     rollout: Rollout,
     scores: torch.Tensor,
-    cfg: AlgorithmConfig,
     *,
+    advantage: str = "grpo",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten_advantages: bool = False,
+    kl_in: str = "loss",
+    kl_level: str = "token",
+    kl_estimator: str = "k3",
+    tis_cap: float | None = None,
+    entropy_top_fraction: float | None = None,
     policy_logprobs: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None,
     ref_logprobs: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     critic_values: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
@@ -264,9 +284,14 @@ def make_experience(
     Args:
         rollout: B sequences with their sampling log-probs.
         scores: [B] shaped rewards.
+        advantage, gamma, lam, whiten_advantages, kl_in, kl_level: as `compute_advantages` takes them.
+        kl_estimator: the KL estimator of a KL in the reward (`kl_in="reward"`); a KL in the loss is
+            reported here as k1.
+        tis_cap: cap of the truncated importance weights against the sampling log-probs (None: none).
+        entropy_top_fraction: train only on this top fraction of tokens by entropy (None: all).
         policy_logprobs: `fn(sequences, attention_mask, T) -> (logprobs [b, T], entropy [b, T])` of the
             current policy; None means one update per batch: the update's own forward gives the old
-            log-probs (`old_logprobs=None`), and with `cfg.tis_cap` its truncated IS weights against
+            log-probs (`old_logprobs=None`), and with `tis_cap` its truncated IS weights against
             the sampling log-probs (`rollout_logprobs`). A second forward here could not change anything.
         ref_logprobs / critic_values: same shape contract; None skips that forward.
         loss_mask: [B] bool, False drops a whole completion from the loss (e.g. truncated ones).
@@ -282,20 +307,20 @@ def make_experience(
 
     if policy_logprobs is None:
         old, entropy = None, None
-        if cfg.tis_cap is not None:
+        if tis_cap is not None:
             rollout_logp = rollout.logprobs.float()
     else:
         outs = batched_forward(policy_logprobs, seqs, attn, T, micro_batch_size, world)
         old = _cat([o[0] for o in outs], seqs, T)
         entropy = _cat([o[1] for o in outs], seqs, T)
-        if cfg.tis_cap is not None:
+        if tis_cap is not None:
             # the sampler's probabilities differ from the trainer's: reweight instead of pretending on-policy
-            weights = A.truncated_is_weights(old, rollout.logprobs.float(), mask, cap=cfg.tis_cap)
+            weights = A.truncated_is_weights(old, rollout.logprobs.float(), mask, cap=tis_cap)
             info["tis_weight"] = A.masked_mean(weights, mask, dim=1)
-    if cfg.entropy_top_fraction is not None:
+    if entropy_top_fraction is not None:
         if entropy is None:
             raise ValueError("algorithm.entropy_top_fraction needs the policy forward (entropy) in make_experience")
-        keep = top_entropy_mask(entropy, mask, cfg.entropy_top_fraction).float()
+        keep = top_entropy_mask(entropy, mask, entropy_top_fraction).float()
         weights = keep if weights is None else weights * keep
 
     ref = _cat(batched_forward(ref_logprobs, seqs, attn, T, micro_batch_size, world), seqs, T) if ref_logprobs else None
@@ -305,8 +330,10 @@ def make_experience(
     kl = None
     if ref is not None:
         behaviour = old if old is not None else rollout.logprobs.float()
-        kl = A.kl_penalty(behaviour, ref, estimator=cfg.kl_estimator if cfg.kl_in == "reward" else "k1")
-    adv = compute_advantages(cfg, scores, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values, world=world)
+        kl = A.kl_penalty(behaviour, ref, estimator=kl_estimator if kl_in == "reward" else "k1")
+    adv = compute_advantages(scores, mask, rollout.group_size, advantage=advantage, gamma=gamma, lam=lam,
+                             whiten_advantages=whiten_advantages, kl=kl, kl_coef=kl_coef, kl_in=kl_in, kl_level=kl_level,
+                             values=values, world=world)
 
     info["length"] = rollout.response_mask.sum(1)
     info["finished"] = rollout.finished
@@ -341,24 +368,26 @@ def _cat(parts: list[torch.Tensor], sequences: torch.Tensor, T: int) -> torch.Te
 
 # ------------------------------------------------------------------------------------- reward shaping
 
-def shape_scores(rollout: Rollout, scores: torch.Tensor, cfg: RewardConfig, max_new_tokens: int,
-                 world: World = ONE_PROCESS):
-    """Reward-side options in the order they compose: missing-EOS penalty, DAPO overlong penalty, clip,
-    normalise (over the whole batch: every rank's share of it). Returns (scores [B], keep [B] bool or None:
-    False leaves a truncated completion out of the loss)."""
+def shape_scores(rollout: Rollout, scores: torch.Tensor, *, max_new_tokens: int, missing_eos_penalty: float | None = None,
+                 overlong_buffer: int | None = None, clip: float | None = None, normalize: bool = False,
+                 drop_truncated: bool = False, world: World = ONE_PROCESS):
+    """Reward-side options (the `reward` section's fields of the same names) in the order they compose:
+    missing-EOS penalty, DAPO overlong penalty (the last `overlong_buffer` of `max_new_tokens`), clip, normalise
+    (over the whole batch: every rank's share of it). Returns (scores [B], keep [B] bool or None: False leaves a
+    truncated completion out of the loss, with `drop_truncated`)."""
     from lmrl.rewards import shaping
 
-    if cfg.missing_eos_penalty is not None:
-        scores = shaping.missing_eos_penalty(scores, rollout.finished, cfg.missing_eos_penalty)
-    if cfg.overlong_buffer is not None:
-        scores = scores + shaping.overlong_penalty(rollout.lengths, max_new_tokens, cfg.overlong_buffer)
-    if cfg.clip is not None:
-        scores = shaping.clip_rewards(scores, cfg.clip)
-    if cfg.normalize and world.distributed:
+    if missing_eos_penalty is not None:
+        scores = shaping.missing_eos_penalty(scores, rollout.finished, missing_eos_penalty)
+    if overlong_buffer is not None:
+        scores = scores + shaping.overlong_penalty(rollout.lengths, max_new_tokens, overlong_buffer)
+    if clip is not None:
+        scores = shaping.clip_rewards(scores, clip)
+    if normalize and world.distributed:
         scores = masked_whiten(scores, torch.ones_like(scores, dtype=torch.bool), world)
-    elif cfg.normalize:
+    elif normalize:
         scores = shaping.normalize_rewards(scores)
-    keep = shaping.overlong_filter_mask(rollout.finished) if cfg.drop_truncated else None
+    keep = shaping.overlong_filter_mask(rollout.finished) if drop_truncated else None
     return scores, keep
 
 

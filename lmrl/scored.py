@@ -42,7 +42,7 @@ import torch
 from lmrl import algorithms as A
 from lmrl.config import AlgorithmConfig
 from lmrl.experience import Experience, batched_forward
-from lmrl.models.loading import encode_prompts
+from lmrl.models.prompt_encoding import encode_prompts
 
 REQUIRED = ("prompt", "completion", "reward", "group_id")
 

@@ -77,7 +77,7 @@ from lmrl.distributed import (
     shard,
     whole_state,
 )
-from lmrl.errors import Interrupted, LmrlError, ModelError, RunError, print_line
+from lmrl.errors import DataError, Interrupted, LmrlError, ModelError, RunError, print_line
 from lmrl.experience import (
     Experience,
     concat_rollouts,
@@ -89,8 +89,11 @@ from lmrl.experience import (
 from lmrl.guards import Guards
 from lmrl.logging import Console, make_sinks
 from lmrl.logging.sinks import jsonl_row
-from lmrl.models.loading import encode_prompts, model_forward_logprobs, quiet_progress_bars, resolve_device
+from lmrl.models.forward import model_forward_logprobs
+from lmrl.models.loading import quiet_progress_bars, resolve_device
+from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.rewards import score as score_rewards
+from lmrl.rewards.core import TrainerState
 from lmrl.rollout import HFGenerator, Rollout, SamplingParams
 from lmrl.rollout.multiturn import generate_episodes
 
@@ -112,6 +115,7 @@ class Collected:
     rows: list[dict[str, Any]]  # dataset rows of the kept groups, in group order
     metrics: dict[str, float]
     per_function: dict[str, torch.Tensor]  # "reward/<name>" -> [B] raw scores (NaN where None)
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)  # the reward functions' log_extra, [B] each
 
 
 # the real os._exit, kept at import: while reward functions run, lmrl.rewards replaces os._exit so that a
@@ -184,6 +188,7 @@ class Trainer:
         self._stop_signal: int | None = None  # the signal that asked the run to stop
         self._abandon_at: int | None = None  # the step a signal may abandon now (steps 1-3 of it)
         self._running = False
+        self._global_step = 0  # optimizer steps done: what reward functions read as trainer_state.global_step
 
     def train(self) -> TrainResult:
         """Run (or resume) the loop. Holds `output_dir`'s lock for its life; SIGINT / SIGTERM stop it after
@@ -210,7 +215,20 @@ class Trainer:
                 self._running = False
                 for sink in sinks:
                     sink.close()
+                self._write_report()  # at the end, and when a signal or a failure stopped the run
         return self.result
+
+    def _write_report(self) -> None:
+        """report.html in the output directory (`lmrl.report`), from the files the run wrote; a report that
+        cannot be written is a warning, never the run's failure."""
+        if not (self.world.main and self.cfg.log.jsonl):
+            return
+        from lmrl.report import write_report
+
+        try:
+            write_report([self.out])
+        except Exception as e:  # noqa: BLE001 - the run's result stands without its report
+            print_line(f"lmrl: warning: {self.out / 'report.html'} not written: {type(e).__name__}: {e}")
 
     def _loop(self, start_step: int, sinks) -> None:
         cfg, result = self.cfg, self.result
@@ -267,6 +285,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
+        self._global_step = step - 1
         with self._abandonable(step):  # 1-3 change nothing but RNGs: a signal or a failure here keeps step - 1
             # 1-2. sample prompts, generate, score
             c = self.collect(step)
@@ -277,6 +296,7 @@ class Trainer:
             t2 = time.time()
         # 4. update
         updated = self.update(exp)  # reduced over ranks
+        self._global_step = step
         t3 = time.time()
         # 5. metrics: this rank's share's, then averaged over ranks (every rank sees the same values)
         # the mean negative log-prob of the sampled tokens estimates the policy's entropy even when the
@@ -297,7 +317,9 @@ class Trainer:
         if cfg.log.samples_every and step % cfg.log.samples_every == 0:
             k = min(cfg.log.num_samples, len(exp))
             prompts = [_prompt_text(rows[int(i)][cfg.data.prompt_column]) for i in exp.group_index[:k]]
-            self.console.samples(step, prompts, rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist())
+            extra = {name: values[:k] for name, values in c.extra_columns.items()}
+            self.console.samples(step, prompts, rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist(), extra)
+            self._write_samples(step, prompts, rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist(), extra)
         return metrics
 
     def _shard_models(self) -> dict[str, list[torch.nn.Module]]:
@@ -353,7 +375,7 @@ class Trainer:
             rollout, out = self.generate_and_score(rows, G, seed=seed)
             if r == 0:  # reward metrics of the first round: the unfiltered policy
                 metrics = dict(out.metrics) | {"frac_reward_zero_std": 1 - informative_groups(out.scores, G).float().mean().item()}
-            scores, per_fn = out.scores, out.per_function
+            scores, per_fn, extra = out.scores, out.per_function, out.extra_columns
             whole = rollout, scores, per_fn, rows
             if cfg.algorithm.dynamic_sampling:
                 ok = torch.zeros(P)  # [P] the round's informative groups, every rank's
@@ -368,10 +390,11 @@ class Trainer:
                 index = (chosen[:, None] * G + torch.arange(G)).flatten()
                 rollout, scores, rows = select_rollout(rollout, index), scores[index], [rows[int(i)] for i in chosen]
                 per_fn = {k: v[index] for k, v in per_fn.items()}
+                extra = {k: [v[int(i)] for i in index] for k, v in extra.items()}
                 rollout.prompt_index = torch.arange(len(rows)).repeat_interleave(G)
             else:
                 kept += P
-            parts.append((rollout, scores, per_fn))
+            parts.append((rollout, scores, per_fn, extra))
             rows_kept += rows
             if kept >= P:
                 break
@@ -379,7 +402,7 @@ class Trainer:
         if outside:  # the other ranks hold every kept group: this one takes a group to keep in step, outside the loss
             rollout, scores, per_fn, rows = whole
             first = torch.arange(G)
-            parts, rows_kept = [(select_rollout(rollout, first), scores[first], {k: v[first] for k, v in per_fn.items()})], rows[:1]
+            parts, rows_kept = [(select_rollout(rollout, first), scores[first], {k: v[first] for k, v in per_fn.items()}, {})], rows[:1]
             parts[0][0].prompt_index = torch.zeros(G, dtype=torch.long)
         if cfg.algorithm.dynamic_sampling:  # the same on every rank
             metrics.update({"dynamic_sampling/rounds": float(r + 1), "dynamic_sampling/filtered_groups": float(filtered),
@@ -387,19 +410,22 @@ class Trainer:
         parts = [p for p in parts if len(p[1])]
         rollout = concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
         raw = torch.cat([p[1] for p in parts])
-        scores, keep = shape_scores(rollout, raw, cfg.reward, cfg.rollout.max_new_tokens, self.world)
+        scores, keep = shape_scores(rollout, raw, max_new_tokens=cfg.rollout.max_new_tokens, world=self.world,
+                                    **cfg.reward.shaping_options())
         if outside:
             keep = torch.zeros(len(scores), dtype=torch.bool)
         metrics["objective/raw_scores"] = raw.mean().item()
         per_function = {f"reward/{k}": torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}  # [B], NaN = None
-        return Collected(rollout, scores, keep, rows_kept, metrics, per_function)
+        names = dict.fromkeys(name for p in parts for name in p[3])  # a column a round did not log is None there
+        extra = {name: [v for p in parts for v in p[3].get(name, [None] * len(p[1]))] for name in names}
+        return Collected(rollout, scores, keep, rows_kept, metrics, per_function, extra)
 
     def experience(self, c: Collected) -> Experience:
         """A scored rollout (this rank's share of the batch) -> Experience: old / reference log-probs, values,
         KL, advantages."""
         cfg = self.cfg
         return make_experience(
-            c.rollout, c.scores, cfg.algorithm,
+            c.rollout, c.scores, **cfg.algorithm.experience_options(),
             policy_logprobs=self._policy_forward if self._needs_old_forward else None,
             ref_logprobs=self._ref_forward if self.models.reference is not None else None,
             critic_values=self._critic_forward if self.models.critic is not None else None,
@@ -436,7 +462,8 @@ class Trainer:
         kills = _sandbox_kills(self.data.rewards)
         out = score_rewards(self.data.rewards, [row[col] for row in expanded], rollout.texts, columns,
                             completion_ids=[ids_[m].tolist() for ids_, m in zip(rollout.response_ids, rollout.response_mask)],
-                            finished=rollout.finished.tolist(), timeout=cfg.reward.timeout, on_error=cfg.reward.on_error)
+                            finished=rollout.finished.tolist(), timeout=cfg.reward.timeout, on_error=cfg.reward.on_error,
+                            trainer_state=TrainerState(self._global_step, cfg.train.steps))
         for name, count in _sandbox_kills(self.data.rewards).items():
             out.metrics[f"reward/{name}/sandbox_kills"] = float(count - kills[name])
         if episodes is not None:
@@ -616,6 +643,9 @@ class Trainer:
             sums = torch.stack([out.scores.double().sum(), (out.scores > 0).double().sum(),
                                 rollout.lengths.double().sum(), torch.tensor(float(len(rows)), dtype=torch.float64)])
         reward, correct, length, n = self.world.sum(sums).tolist()
+        if n == 0:
+            raise DataError("evaluate: no held-out prompts (give eval_dataset, data.eval_path or a task, and "
+                            "data.num_eval_prompts > 0)")
         return {"eval/reward": reward / n, "eval/accuracy": correct / n, "eval/response_length": length / n}
 
     @torch.no_grad()
@@ -643,6 +673,17 @@ class Trainer:
         if "entropy" in exp.info:
             out["objective/entropy"] = exp.info["entropy"].mean().item()
         return out
+
+    def _write_samples(self, step: int, prompts: list[str], completions: list[str], scores: list[float],
+                       advantages: list[float], extra: dict[str, list[Any]]) -> None:
+        """samples.jsonl: the sample table of each step that shows one, for `lmrl report` (rank 0 writes)."""
+        if not (self.world.main and self.cfg.log.jsonl):
+            return
+        with (self.out / "samples.jsonl").open("a") as f:
+            for i, (p, c, s, a) in enumerate(zip(prompts, completions, scores, advantages)):
+                row = {"step": step, "prompt": p, "completion": c, "score": s, "advantage": a}
+                row |= {name: values[i] for name, values in extra.items()}
+                f.write(json.dumps(row, default=str) + "\n")
 
     def _log(self, sinks, metrics: dict[str, float], step: int) -> dict[str, float]:
         metrics = {k: float(v) for k, v in metrics.items()}

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmrl.cli import main
-from lmrl.config import AlgorithmConfig, load_config
+from lmrl.config import load_config
 from lmrl.errors import ConfigError, DataError, ModelError, RewardError
 from lmrl.experience import compute_advantages
 from lmrl.models.shipped import SHIPPED_MODEL
@@ -463,17 +463,17 @@ def test_a_model_with_non_finite_weights_is_refused(tmp_path):
 def test_huge_rewards_learn_like_scaled_small_ones(advantage):
     """Rewards near 1e20 overflowed the float32 group std (every advantage 0); in float64, normalising
     estimators give the advantages of the same rewards scaled down."""
-    cfg = AlgorithmConfig(advantage=advantage, whiten_advantages=advantage == "reinforce")
+    options = {"advantage": advantage, "whiten_advantages": advantage == "reinforce"}
     small = torch.tensor([0.0, 1.0, 1.0, 0.0, 3.0, 1.0, 0.0, 2.0], dtype=torch.float64)
     mask = torch.ones(8, 3, dtype=torch.bool)
-    expected = compute_advantages(cfg, small, mask, group_size=4).advantages
+    expected = compute_advantages(small, mask, group_size=4, **options).advantages
     for scale in (1e20, 1e39, 1e100):  # beyond ~1e150 the variance overflows float64 too
-        got = compute_advantages(cfg, small * scale, mask, group_size=4).advantages
+        got = compute_advantages(small * scale, mask, group_size=4, **options).advantages
         assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
         torch.testing.assert_close(got, expected)
 
 
 def test_advantages_beyond_float32_are_a_reward_error():
-    cfg = AlgorithmConfig(advantage="rloo")
     with pytest.raises(RewardError, match=r"^advantages overflow float32: rewards up to 1e\+39 with algorithm\.advantage=rloo"):
-        compute_advantages(cfg, torch.tensor([0.0, 1e39], dtype=torch.float64), torch.ones(2, 2, dtype=torch.bool), 2)
+        compute_advantages(torch.tensor([0.0, 1e39], dtype=torch.float64), torch.ones(2, 2, dtype=torch.bool), 2,
+                           advantage="rloo")

@@ -23,6 +23,12 @@ def algo(*overrides):
     return load_config(None, list(overrides)).algorithm
 
 
+def adv_options(*overrides):
+    """compute_advantages' keyword arguments as a config with these overrides gives them."""
+    options = algo(*overrides).experience_options()
+    return {k: v for k, v in options.items() if k not in ("kl_estimator", "tis_cap", "entropy_top_fraction")}
+
+
 def rollout(B=4, P=3, T=5, lengths=(5, 3, 2, 4), finished=(True, True, False, True), seed=0):
     g = torch.Generator().manual_seed(seed)
     mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
@@ -49,7 +55,7 @@ SCORES = torch.tensor([1.0, 0.0, 0.5, 0.5])
 ])
 def test_group_estimators_broadcast_over_real_tokens(name, expected):
     r = rollout()
-    adv = compute_advantages(algo(f"algorithm.advantage={name}"), SCORES, r.response_mask, 2).advantages
+    adv = compute_advantages(SCORES, r.response_mask, 2, **adv_options(f"algorithm.advantage={name}")).advantages
     want = torch.where(r.response_mask, expected[:, None].expand(4, 5), torch.zeros(()))
     torch.testing.assert_close(adv, want)
 
@@ -57,8 +63,8 @@ def test_group_estimators_broadcast_over_real_tokens(name, expected):
 def test_sequence_kl_in_reward_is_subtracted_from_the_score():
     r = rollout()
     kl = torch.full((4, 5), 0.1)
-    cfg = algo("algorithm=rloo")  # kl in reward, sequence level
-    adv = compute_advantages(cfg, SCORES, r.response_mask, 2, kl=kl, kl_coef=0.5).advantages
+    options = adv_options("algorithm=rloo")  # kl in reward, sequence level
+    adv = compute_advantages(SCORES, r.response_mask, 2, kl=kl, kl_coef=0.5, **options).advantages
     penalised = SCORES - 0.5 * 0.1 * r.response_mask.sum(1)  # lengths 5, 3, 2, 4
     torch.testing.assert_close(adv[:, 0], A.rloo_advantages(penalised, 2))
 
@@ -66,8 +72,8 @@ def test_sequence_kl_in_reward_is_subtracted_from_the_score():
 def test_token_kl_in_reward_gives_returns_to_go():
     r = rollout()
     kl = torch.full((4, 5), 0.1)
-    cfg = algo("algorithm=reinforce_pp", "algorithm.whiten_advantages=false")
-    adv = compute_advantages(cfg, SCORES, r.response_mask, 2, kl=kl, kl_coef=1.0).advantages
+    options = adv_options("algorithm=reinforce_pp", "algorithm.whiten_advantages=false")
+    adv = compute_advantages(SCORES, r.response_mask, 2, kl=kl, kl_coef=1.0, **options).advantages
     # row 1 (length 3, score 0): rewards -0.1, -0.1, 0 - 0.1 -> returns -0.3, -0.2, -0.1
     torch.testing.assert_close(adv[1, :3], torch.tensor([-0.3, -0.2, -0.1]))
     assert (adv[1, 3:] == 0).all()
@@ -75,26 +81,26 @@ def test_token_kl_in_reward_gives_returns_to_go():
 
 def test_gae_needs_values_and_uses_them():
     r = rollout()
-    cfg = algo("algorithm=ppo", "algorithm.whiten_advantages=false", "algorithm.lam=1.0")
+    options = adv_options("algorithm=ppo", "algorithm.whiten_advantages=false", "algorithm.lam=1.0")
     with pytest.raises(ValueError, match="critic values"):
-        compute_advantages(cfg, SCORES, r.response_mask, 2)
+        compute_advantages(SCORES, r.response_mask, 2, **options)
     values = torch.zeros(4, 5)
-    out = compute_advantages(cfg, SCORES, r.response_mask, 2, values=values)
+    out = compute_advantages(SCORES, r.response_mask, 2, values=values, **options)
     # lam = gamma = 1, V = 0, no KL: every real token's advantage is the final score
     torch.testing.assert_close(out.advantages, torch.where(r.response_mask, SCORES[:, None].expand(4, 5), torch.zeros(())))
 
 
 def test_whitening_gives_zero_mean_unit_std_over_real_tokens():
     r = rollout()
-    adv = compute_advantages(algo("algorithm=reinforce_pp"), SCORES, r.response_mask, 2,
-                             kl=torch.rand(4, 5), kl_coef=0.1).advantages
+    adv = compute_advantages(SCORES, r.response_mask, 2, kl=torch.rand(4, 5), kl_coef=0.1,
+                             **adv_options("algorithm=reinforce_pp")).advantages
     assert A.masked_mean(adv, r.response_mask).abs() < 1e-5
     assert (A.masked_var(adv, r.response_mask).sqrt() - 1).abs() < 1e-4
 
 
 def test_make_experience_leaves_old_logprobs_to_the_update_and_drops_truncated():
     r = rollout()
-    exp = make_experience(r, SCORES, algo(), policy_logprobs=None, loss_mask=r.finished)
+    exp = make_experience(r, SCORES, **algo().experience_options(), policy_logprobs=None, loss_mask=r.finished)
     assert exp.old_logprobs is None and exp.rollout_logprobs is None  # one update: its own forward serves
     assert not exp.response_mask[2].any() and exp.response_mask[0].all()
     assert exp.ref_logprobs is None and exp.values is None
@@ -103,7 +109,7 @@ def test_make_experience_leaves_old_logprobs_to_the_update_and_drops_truncated()
 
 def test_make_experience_hands_sampling_logprobs_to_the_update_for_tis():
     r = rollout()
-    exp = make_experience(r, SCORES, algo("algorithm.tis_cap=2.0"), policy_logprobs=None)
+    exp = make_experience(r, SCORES, **algo("algorithm.tis_cap=2.0").experience_options(), policy_logprobs=None)
     assert exp.old_logprobs is None and torch.equal(exp.rollout_logprobs, r.logprobs.float())
     assert torch.equal(exp.select(torch.tensor([2, 0])).rollout_logprobs, r.logprobs[[2, 0]].float())
 
@@ -122,7 +128,8 @@ def test_make_experience_with_reference_and_entropy_filter():
         return torch.full((seqs.shape[0], T), -1.5)
 
     cfg = algo("algorithm.kl_coef=0.1", "algorithm.entropy_top_fraction=0.5")
-    exp = make_experience(r, SCORES, cfg, policy_logprobs=policy, ref_logprobs=ref, micro_batch_size=3)
+    exp = make_experience(r, SCORES, **cfg.experience_options(), policy_logprobs=policy, ref_logprobs=ref,
+                          micro_batch_size=3)
     assert calls == [("policy", 3, 5), ("policy", 1, 5), ("ref", 3, 5), ("ref", 1, 5)]
     torch.testing.assert_close(exp.info["kl"], 0.5 * r.response_mask.sum(1).float())  # k1: -1 - (-1.5) per token
     kept = (exp.weights > 0) & exp.response_mask
@@ -139,7 +146,7 @@ def test_shape_scores_composes_penalties():
     r = rollout(lengths=(5, 3, 2, 4), finished=(True, True, False, True))
     cfg = load_config(None, ["reward.missing_eos_penalty=1.0", "reward.overlong_buffer=2", "rollout.max_new_tokens=5",
                              "reward.drop_truncated=true"]).reward
-    scores, keep = shape_scores(r, SCORES, cfg, max_new_tokens=5)
+    scores, keep = shape_scores(r, SCORES, max_new_tokens=5, **cfg.shaping_options())
     # overlong: length 5 -> -1 (at limit: (3 - 5) / 2), length 4 -> -0.5; missing EOS: row 2 -1
     torch.testing.assert_close(scores, torch.tensor([0.0, 0.0, -0.5, 0.0]))
     assert keep.tolist() == [True, True, False, True]

@@ -9,7 +9,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.config import load_config
-from lmrl.models.loading import model_forward_logprobs
+from lmrl.models.forward import model_forward_logprobs
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 from lmrl.scored import experience_from_records, load_scored_rollouts
 

@@ -92,7 +92,7 @@ def test_gradient_accumulation_1x8_equals_8x1(tmp_path, aggregation):
         c = trainer.collect(1)
         from lmrl.experience import make_experience
 
-        exp = make_experience(c.rollout, c.scores, trainer.cfg.algorithm, policy_logprobs=None)
+        exp = make_experience(c.rollout, c.scores, **trainer.cfg.algorithm.experience_options(), policy_logprobs=None)
         trainer.optimizer.step = lambda: None  # keep the gradients, skip the update
         trainer._optimizer_step(exp)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
@@ -108,7 +108,7 @@ def _step_with_zeroed_groups(tmp_path, skip: bool, zero_groups, steps=1, *overri
     trainer = make_trainer(tmp_path, "optim.micro_batch_size=1", "rollout.prompts_per_step=3", *overrides,
                            model=tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0))
     c = trainer.collect(1)
-    exp = make_experience(c.rollout, c.scores, trainer.cfg.algorithm, policy_logprobs=None)
+    exp = make_experience(c.rollout, c.scores, **trainer.cfg.algorithm.experience_options(), policy_logprobs=None)
     for g in zero_groups:
         exp.advantages[exp.group_index == g] = 0.0
     if not skip:
@@ -251,11 +251,11 @@ def test_optimizer_is_fused_adamw_and_steps_like_the_per_parameter_loop():
 
 
 def test_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
-    import lmrl.models.loading as loading
+    import lmrl.models.forward as forward
 
     calls = []
-    real = loading.shared_prompt_logits
-    monkeypatch.setattr(loading, "shared_prompt_logits", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = forward.shared_prompt_logits
+    monkeypatch.setattr(forward, "shared_prompt_logits", lambda *a: calls.append(real(*a)) or calls[-1])
     params = {}
     for share in (True, False):
         trainer = make_trainer(tmp_path / str(share), "train.steps=1", f"train.share_prompt={str(share).lower()}",

@@ -1,7 +1,7 @@
 """Prompt datasets: rows with a prompt column plus any other columns, and a resumable sampler.
 
 A row is a dict. Its prompt is a string, or a chat conversation: a list of {"role", "content"}
-messages (encoded with the tokenizer's chat template, see `lmrl.models.loading.encode_prompts`).
+messages (encoded with the tokenizer's chat template, see `lmrl.models.prompt_encoding.encode_prompts`).
 Every other column (e.g. `answer`) is kept and passed to reward functions by name.
 
 The sampler's order is a pure function of (seed, position): epoch e is the permutation drawn from a

@@ -70,12 +70,16 @@ class Console:
         self.print("  ".join(parts))
 
     def samples(self, step: int, prompts: list[str], completions: list[str], scores: list[float],
-                advantages: list[float]) -> None:
+                advantages: list[float], extra: dict[str, list] | None = None) -> None:
+        """A table of sample completions; `extra` adds a column per name (the reward functions' log_extra)."""
+        extra = extra or {}
         table = Table(title=f"samples at step {step}", show_lines=True)
         table.add_column("prompt", overflow="fold", max_width=40)
         table.add_column("completion", overflow="fold", max_width=60)
         table.add_column("score", justify="right")
         table.add_column("advantage", justify="right")
-        for p, c, s, a in zip(prompts, completions, scores, advantages):
-            table.add_row(p, c, f"{s:.3f}", f"{a:+.3f}")
+        for name in extra:
+            table.add_column(name, overflow="fold", max_width=30)
+        for i, (p, c, s, a) in enumerate(zip(prompts, completions, scores, advantages)):
+            table.add_row(p, c, f"{s:.3f}", f"{a:+.3f}", *(str(values[i]) for values in extra.values()))
         self.print(table)

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmrl.models.loading import DTYPES, _check_exists, _first_line, position_ids_from_mask
+from lmrl.models.forward import position_ids_from_mask
+from lmrl.models.loading import DTYPES, _check_exists, _first_line
 
 HEAD_FILE = "value_head.safetensors"
 

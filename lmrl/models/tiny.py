@@ -1,13 +1,14 @@
-"""Tiny models built from a config and a character-level tokenizer made locally.
+"""Tiny models built from a config, and tokenizers made locally: a character-level one, and a byte-level BPE
+trained on given texts with a ChatML chat template (as Qwen2's chat models use).
 
-Nothing here downloads anything: tests and the shipped default model use these builders.
+Nothing here downloads anything: tests, the shipped default model and the chat example use these builders.
 """
 
 from __future__ import annotations
 
 import string
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
@@ -36,6 +37,39 @@ def char_tokenizer(chars: str = DEFAULT_CHARS, pad_is_eos: bool = False) -> PreT
         clean_up_tokenization_spaces=False,
     )
     return fast
+
+
+# ChatML, the format of Qwen2's chat models: each message between <|im_start|>ROLE and <|im_end|>, the
+# assistant's turn opened by the generation prompt; the model ends its answer with <|im_end|> (its EOS)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def bpe_chat_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `texts` (seconds on a CPU), with ChatML's special tokens and
+    chat template: EOS is `<|im_end|>`, padding `<|endoftext|>` on the left, no BOS (as Qwen2's).
+
+    Byte-level: any text encodes, whatever characters the training texts had.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        chat_template=CHATML_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def tiny_causal_lm(

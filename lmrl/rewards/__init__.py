@@ -1,7 +1,8 @@
 """Rewards: the reward-function protocol, `score()`, built-in verifiers, model and remote scorers, shaping.
 
-A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]` (sync or async), as
-in TRL; see `lmrl.rewards.core` for the keyword arguments lmrl passes and how scores combine.
+A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]` (sync or async), called
+with keyword arguments only, as TRL calls it; see `lmrl.rewards.core` for the arguments lmrl passes
+(columns, completion_ids, trainer_state, log_metric, log_extra, finished) and how scores combine.
 """
 
 from lmrl.rewards.code import code_reward, extract_code
@@ -10,7 +11,10 @@ from lmrl.rewards.core import (
     RewardFn,
     RewardOutput,
     RewardSet,
+    TrainerState,
     WeightedReward,
+    call_reward,
+    completion_text,
     required_columns,
     reward_name,
     score,
@@ -39,6 +43,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "MathVerifyWorker",
     "THINK_ANSWER_PATTERN",
+    "TrainerState",
     "RemoteRewardError",
     "RemoteScorer",
     "RewardError",
@@ -47,8 +52,10 @@ __all__ = [
     "RewardOutput",
     "RewardSet",
     "WeightedReward",
+    "call_reward",
     "clip_rewards",
     "code_reward",
+    "completion_text",
     "exact_match_reward",
     "extract_code",
     "extract_final_answer",

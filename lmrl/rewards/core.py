@@ -1,17 +1,25 @@
 """The reward-function protocol and `score()`, the one entry point the experience maker calls.
 
-A reward function has the signature TRL users already write:
+A reward function is called exactly as TRL's GRPOTrainer calls one, with keyword arguments only:
 
-    def my_reward(prompts: list[str], completions: list[str], **kwargs) -> list[float | None]
+    def my_reward(completions, **kwargs) -> list[float | None]
+    def my_reward(prompts, completions, answer, **kwargs) -> list[float | None]
 
 `async def` functions are accepted too. lmrl calls every function once per batch of N completions
-with these keyword arguments (each a list of length N, aligned with `completions`):
+with these keyword arguments (each list has length N, aligned with `completions`):
 
     prompts          the prompt of each completion (a string, or a list of chat messages)
-    completions      the generated text
-    <column>         every other dataset column, one list per column (e.g. `answer`, `solution`)
+    completions      the generated text; for a chat prompt, [{"role": "assistant", "content": text}]
     completion_ids   list[list[int]]: the generated token ids, when the caller has them
-    finished         list[bool]: True when the completion ended with EOS (False = truncated)
+    <column>         every other dataset column, one list per column (e.g. `answer`, `solution`)
+    trainer_state    an object with `global_step` and `max_steps` (TRL passes its TrainerState)
+    log_metric       log_metric(name, value): a number logged with the step's metrics (mean over calls)
+    log_extra        log_extra(column, values): N values shown as a column of the sample table
+    finished         list[bool]: True when the completion ended with EOS (False = truncated); lmrl's own
+
+A function without `**kwargs` gets only the keyword arguments it names. A function written for
+lmrl's older positional form, `fn(p, c, **kwargs)` (first two parameters named other than the
+keywords above), still gets prompts and completions as its first two positional arguments.
 
 Write functions with `**kwargs` so that new columns do not break them; `required_columns()` lists
 the columns a function names without a default, so that a dataset can be checked before training.
@@ -60,11 +68,74 @@ import torch
 from lmrl.errors import RewardError
 
 RewardFn = Callable[..., "Sequence[float | None] | Awaitable[Sequence[float | None]]"]
-"""fn(prompts, completions, **kwargs) -> list[float | None], sync or async."""
+"""fn(*, prompts, completions, **kwargs) -> list[float | None], sync or async."""
 
-RESERVED_KWARGS = ("prompts", "completions")
-NON_COLUMN_KWARGS = ("prompts", "completions", "completion_ids", "finished")
+RESERVED_KWARGS = ("prompts", "completions", "trainer_state", "log_metric", "log_extra")
+NON_COLUMN_KWARGS = ("prompts", "completions", "completion_ids", "finished", "trainer_state", "log_metric", "log_extra")
 """Keyword arguments score() passes that are not dataset columns."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function's `trainer_state` argument holds (the fields of TRL's TrainerState it reads most).
+
+    Attributes:
+        global_step: optimizer steps taken so far (0 before the first update; the step being scored is
+            global_step + 1 during training).
+        max_steps: the run's train.steps.
+    """
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion as a reward function receives it: a string, or for a chat prompt a list of
+    messages whose last one is the assistant's answer."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], Mapping):
+        return str(completion[-1].get("content", ""))
+    raise TypeError(f"completions: expected a string or a list of chat messages, got {_short(completion)}")
+
+
+def is_chat(prompt: Any) -> bool:
+    """True for a chat prompt: a list of {"role", "content"} messages."""
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(m, Mapping) for m in prompt)
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """fn's parameters (functools.partial's bound ones left out), or None when Python cannot tell."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # some builtins have no signature
+        return None
+
+
+def _positional_style(params: list[inspect.Parameter] | None, keywords: Sequence[str]) -> bool:
+    """True for lmrl's older form `fn(p, c, **kwargs)`: a first parameter that no keyword fills (TRL's keyword
+    call would leave it empty), and a second one to take the completions."""
+    if params is None:
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 and positional[0].name not in keywords
+
+
+def call_reward(fn: Callable[..., Any], prompts: list[Any], completions: list[Any], kwargs: dict[str, Any]) -> Any:
+    """Call one reward function as TRL does: `fn(prompts=..., completions=..., **kwargs)`.
+
+    A function without `**kwargs` gets only the keywords it names; one in lmrl's older positional form
+    (see `_positional_style`) gets prompts and completions positionally.
+    """
+    params = _parameters(fn)
+    everything = {"prompts": prompts, "completions": completions, **kwargs}
+    positional = _positional_style(params, list(everything))
+    if positional:
+        everything = {k: v for k, v in everything.items() if k not in ("prompts", "completions")}
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params):
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        everything = {k: v for k, v in everything.items() if k in named}
+    return fn(prompts, completions, **everything) if positional else fn(**everything)
 
 
 def reward_name(fn: Callable[..., Any]) -> str:
@@ -150,21 +221,14 @@ class RewardSet:
 def _columns_of(fn: Callable[..., Any]) -> list[str]:
     """The dataset columns one reward function cannot run without (see `required_columns`)."""
     declared = list(getattr(fn, "columns", None) or [])
-    bound_keywords: set[str] = set()
-    bound_positional = 0
     target = fn
     while isinstance(target, functools.partial):
-        bound_keywords |= set(target.keywords)
-        bound_positional += len(target.args)
         declared += list(getattr(target.func, "columns", None) or [])
         target = target.func
-    try:
-        params = list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):  # some builtins have no signature: nothing more to learn
-        params = []
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    # partial's positional args fill the first parameters; prompts and completions fill the next two
-    skip = {p.name for p in positional[: bound_positional + 2]} | bound_keywords | set(NON_COLUMN_KWARGS)
+    params = _parameters(fn) or []  # a partial's signature already leaves out what it binds
+    skip = set(NON_COLUMN_KWARGS)
+    if _positional_style(params, NON_COLUMN_KWARGS):  # lmrl's older fn(p, c, ...): the first two take prompts, completions
+        skip |= {p.name for p in [q for q in params if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][:2]}
     needed = [
         p.name for p in params
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in skip
@@ -176,13 +240,14 @@ def required_columns(reward_set: RewardSet | Sequence[RewardFn | WeightedReward]
     """The dataset columns each reward function needs: column -> names of the functions needing it.
 
     A function needs the parameters of its signature that have no default and can be passed by
-    keyword, other than its first two positional ones (prompts, completions), `prompts`,
-    `completions`, `completion_ids` and `finished`, and the keywords a functools.partial binds;
-    plus the names in its `columns` attribute (the built-in verifiers given an explicit `column=`
-    set it). A function taking only `**kwargs` needs nothing that can be known in advance.
+    keyword, other than the arguments that are not columns (`NON_COLUMN_KWARGS`: prompts,
+    completions, completion_ids, finished, trainer_state, log_metric, log_extra), the first two of
+    a function in lmrl's older positional form `fn(p, c, ...)`, and the keywords a functools.partial
+    binds; plus the names in its `columns` attribute (the built-in verifiers given an explicit
+    `column=` set it). A function taking only `**kwargs` needs nothing that can be known in advance.
 
-    Example: `def f(prompts, completions, answer, *, level, hint=None, **kw)` needs "answer" and
-    "level", so `required_columns([f])` is `{"answer": ["f"], "level": ["f"]}`.
+    Example: `def f(completions, answer, *, level, hint=None, **kw)` needs "answer" and "level", so
+    `required_columns([f])` is `{"answer": ["f"], "level": ["f"]}`.
     """
     rewards = reward_set if isinstance(reward_set, RewardSet) else RewardSet.of(reward_set)
     needed: dict[str, list[str]] = {}
@@ -203,14 +268,17 @@ class RewardOutput:
         metrics: `reward/<name>/mean|std|none_frac|errors|seconds`, `reward/mean|std`,
             `reward/all_none_frac`, as Python floats. mean/std are over the non-None values
             (population std); NaN when a function returned None for every sample.
+            Also each name a function passed to `log_metric`, with the mean of its values.
         errors: name -> one-line message, for each function that failed and was zeroed
             (`on_error="zero"`); empty when none failed.
+        extra_columns: column -> N values, from the functions' `log_extra` calls (for the sample table).
     """
 
     scores: torch.Tensor
     per_function: dict[str, torch.Tensor]
     metrics: dict[str, float] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
 
 
 class _Failure(RewardError):
@@ -422,6 +490,7 @@ def score(
     *,
     completion_ids: Sequence[Sequence[int]] | None = None,
     finished: Sequence[bool] | None = None,
+    trainer_state: Any = None,
     weights: Sequence[float] | None = None,
     timeout: float | None = None,
     on_error: Literal["fail", "zero"] = "fail",
@@ -429,13 +498,18 @@ def score(
 ) -> RewardOutput:
     """Score N completions with every reward function and combine them with their weights.
 
+    Three steps: check the inputs, call the functions (`call_reward`: keywords, as TRL does), combine
+    their checked values into one weighted score per completion.
+
     Args:
         reward_fns: a RewardSet, or a list of functions / WeightedReward (weights from `weights`).
         prompts: N prompts (strings or chat-message lists), one per completion.
-        completions: N completion texts.
+        completions: N completion texts. The completion of a chat prompt reaches the functions as
+            `[{"role": "assistant", "content": text}]`, as in TRL.
         columns: other dataset columns, name -> list of N values, passed as keyword arguments.
         completion_ids: N lists of generated token ids, passed as `completion_ids` when given.
         finished: N bools (True = ended with EOS), passed as `finished` when given.
+        trainer_state: passed as `trainer_state`; None passes a `TrainerState()` (global_step 0).
         weights: one weight per function, when `reward_fns` is a plain list.
         timeout: seconds allowed for each function call; None waits forever.
         on_error: "fail" raises a one-line RewardError naming the function and what went wrong;
@@ -447,12 +521,42 @@ def score(
 
     Returns:
         RewardOutput with `scores` [N] float64 (weighted total), `per_function` name -> [N]
-        float64 (NaN = None), `metrics` and `errors`.
+        float64 (NaN = None), `metrics`, `errors` and `extra_columns`.
 
     Raises:
         RewardError: a failure under on_error="fail", a weighted total that overflows float64, or
             a sample no function applied to under all_none="error".
     """
+    # 1. check the inputs
+    reward_set, kwargs = _checked_inputs(reward_fns, prompts, completions, columns, completion_ids, finished,
+                                         weights, timeout, on_error, all_none)
+    n = len(completions)
+    prompts = list(prompts)
+    completions = [[{"role": "assistant", "content": c}] if is_chat(p) else c for p, c in zip(prompts, completions)]
+    logged: dict[str, list[float]] = {}
+    extra: dict[str, list[Any]] = {}
+    kwargs |= {"trainer_state": trainer_state if trainer_state is not None else TrainerState(),
+               "log_metric": functools.partial(_log_metric, logged), "log_extra": functools.partial(_log_extra, extra, n)}
+
+    # each function gets its own copies so that one function mutating its inputs cannot affect another
+    def make_args() -> tuple[list[Any], list[Any], dict[str, Any]]:
+        copied = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+        return list(prompts), [list(c) if isinstance(c, list) else c for c in completions], copied
+
+    # 2. call the functions
+    with _os_exit_guard():
+        results = _run_all(reward_set, make_args, timeout)
+
+    # 3. combine their values
+    out = _combine(reward_set, results, n, on_error, all_none)
+    out.metrics |= {name: sum(values) / len(values) for name, values in logged.items()}
+    out.extra_columns = extra
+    return out
+
+
+def _checked_inputs(reward_fns, prompts, completions, columns, completion_ids, finished, weights, timeout,
+                    on_error, all_none) -> tuple[RewardSet, dict[str, list[Any]]]:
+    """score()'s arguments checked: the reward set and the keyword arguments every function gets."""
     if on_error not in ("fail", "zero"):
         raise ValueError(f"on_error: expected 'fail' or 'zero', got {on_error!r}")
     if all_none not in ("zero", "error"):
@@ -462,7 +566,6 @@ def score(
     reward_set = reward_fns if isinstance(reward_fns, RewardSet) else RewardSet.of(reward_fns, weights)
     if isinstance(reward_fns, RewardSet) and weights is not None:
         raise ValueError("weights: give weights inside the RewardSet, not both")
-
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"prompts: got {len(prompts)} prompts for {n} completions")
@@ -474,15 +577,30 @@ def score(
         if len(values) != n:
             raise ValueError(f"columns: column {key!r} has {len(values)} values for {n} completions")
         kwargs[key] = list(values)
-    prompts, completions = list(prompts), list(completions)
+    return reward_set, kwargs
 
-    # each function gets its own copies so that one function mutating its inputs cannot affect another
-    def make_args() -> tuple[list[Any], list[str], dict[str, list[Any]]]:
-        return list(prompts), list(completions), {k: list(v) for k, v in kwargs.items()}
 
-    with _os_exit_guard():
-        results = _run_all(reward_set, make_args, timeout)
+def _log_metric(logged: dict[str, list[float]], name: str, value: float) -> None:
+    """A reward function's `log_metric(name, value)`: the step's metric `name` is the mean of its values."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"log_metric: the name must be a non-empty string, got {_short(name)}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"log_metric({name!r}, ...): expected a finite number, got {_short(value)}")
+    logged.setdefault(name, []).append(float(value))
 
+
+def _log_extra(extra: dict[str, list[Any]], n: int, column: str, values: Sequence[Any]) -> None:
+    """A reward function's `log_extra(column, values)`: one value per completion, shown in the sample table."""
+    if not isinstance(column, str) or not column:
+        raise ValueError(f"log_extra: the column must be a non-empty string, got {_short(column)}")
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != n:
+        raise ValueError(f"log_extra({column!r}, ...): expected {n} values, one per completion, got {_short(values)}")
+    extra[column] = list(values)
+
+
+def _combine(reward_set: RewardSet, results: dict[str, tuple[Any, BaseException | None, float]], n: int,
+             on_error: str, all_none: str) -> RewardOutput:
+    """Each function's values checked (a failure raised or zeroed), then summed with their weights."""
     per_function: dict[str, torch.Tensor] = {}
     metrics: dict[str, float] = {}
     errors: dict[str, str] = {}
@@ -528,7 +646,7 @@ def score(
 
 def _run_all(
     reward_set: RewardSet,
-    make_args: Callable[[], tuple[list[Any], list[str], dict[str, list[Any]]]],
+    make_args: Callable[[], tuple[list[Any], list[Any], dict[str, Any]]],
     timeout: float | None,
 ) -> dict[str, tuple[Any, BaseException | None, float]]:
     """Call every function: name -> (returned value, exception or None, seconds).
@@ -541,9 +659,9 @@ def _run_all(
     for r in reward_set.rewards:
         p, c, kw = make_args()
         if is_async_reward(r.fn):
-            async_calls.append((r.name, lambda fn=r.fn, p=p, c=c, kw=kw: fn(p, c, **kw)))
+            async_calls.append((r.name, lambda fn=r.fn, p=p, c=c, kw=kw: call_reward(fn, p, c, kw)))
             continue
-        call = lambda fn=r.fn, p=p, c=c, kw=kw: _resolve_awaitable(fn(p, c, **kw))  # noqa: E731
+        call = lambda fn=r.fn, p=p, c=c, kw=kw: _resolve_awaitable(call_reward(fn, p, c, kw))  # noqa: E731
         if timeout is not None:
             # all threaded sync functions run at once, each with its own deadline
             threaded.append((r.name, _start_daemon_thread(call, r.name), time.perf_counter()))

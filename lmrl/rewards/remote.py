@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from lmrl.errors import RewardError
+from lmrl.rewards.core import completion_text
 
 
 class RemoteRewardError(RewardError):
@@ -90,8 +91,10 @@ class RemoteScorer:
 
     def payload(self, prompts: list[Any], completions: list[str], **kwargs: Any) -> bytes:
         """The JSON request body for one batch."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("trainer_state", "log_metric", "log_extra")}  # lmrl's objects
         extra = kwargs if self.include is None else {k: kwargs[k] for k in self.include if k in kwargs}
-        body = {**extra, "prompts": prompts, "completions": completions}
+        # a chat prompt's completion is sent as its text, the protocol's one form for completions
+        body = {**extra, "prompts": prompts, "completions": [completion_text(c) for c in completions]}
         try:
             return json.dumps(body, default=_jsonable).encode()
         except TypeError as e:

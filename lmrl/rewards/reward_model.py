@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lmrl.rewards.core import completion_text
+
 
 def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(m, Mapping) for m in prompt)
@@ -87,7 +89,7 @@ class RewardModelScorer:
     @torch.no_grad()
     def __call__(self, prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float]:
         device = next(self.model.parameters()).device
-        rendered = [self.render(p, c) for p, c in zip(prompts, completions, strict=True)]
+        rendered = [self.render(p, completion_text(c)) for p, c in zip(prompts, completions, strict=True)]
         ids = [
             self.tokenizer(text, add_special_tokens=special)["input_ids"] for text, special in rendered
         ]

@@ -1,7 +1,8 @@
 """Built-in verifiable rewards: math answers, exact match, format / regex checks, length penalties.
 
 Each is a small factory returning a reward function `fn(prompts, completions, **kwargs)` whose
-`__name__` is the name its metrics are logged under. Model outputs are untrusted: nothing here
+`__name__` is the name its metrics are logged under. A completion is a string, or for a chat prompt
+the assistant message `[{"role": "assistant", "content": text}]`: both are read as their text. Model outputs are untrusted: nothing here
 evals or execs them; math answers are parsed by math-verify (a LaTeX / sympy parser).
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lmrl.rewards.core import completion_text
 from lmrl.rewards.math_verifier import MathVerifyWorker, verify_answer
 from lmrl.rewards.shaping import overlong_penalty
 
@@ -73,8 +75,9 @@ def math_reward(
     if not isolate:
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" off the main thread
 
-    def fn(prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float | None]:
+    def fn(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
         golds = _pick_column(kwargs, column, DEFAULT_ANSWER_COLUMNS, name)
+        completions = [completion_text(c) for c in completions]
         if worker is not None:
             return [worker(g, c, require_anchor=require_anchor) for c, g in zip(completions, golds, strict=True)]
         return [
@@ -114,10 +117,10 @@ def exact_match_reward(
     """
     pattern = re.compile(extract, re.DOTALL) if extract is not None else None
 
-    def fn(prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float | None]:
+    def fn(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
         golds = _pick_column(kwargs, column, DEFAULT_ANSWER_COLUMNS, name)
         out: list[float | None] = []
-        for completion, gold in zip(completions, golds, strict=True):
+        for completion, gold in zip(map(completion_text, completions), golds, strict=True):
             if gold is None:
                 out.append(None)
                 continue
@@ -158,7 +161,7 @@ def regex_reward(
     match = getattr(compiled, mode)
 
     def fn(prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float]:
-        return [1.0 if match(c) else 0.0 for c in completions]
+        return [1.0 if match(completion_text(c)) else 0.0 for c in completions]
 
     return _named(fn, name)
 
@@ -198,7 +201,7 @@ def length_penalty_reward(
                 raise ValueError(f"{name}: unit='tokens' needs the completion_ids argument; use unit='chars'")
             lengths = [len(ids) for ids in kwargs["completion_ids"]]
         else:
-            lengths = [len(c) for c in completions]
+            lengths = [len(completion_text(c)) for c in completions]
         return overlong_penalty(torch.tensor(lengths), max_length, cache_length).tolist()
 
     return _named(fn, name)

@@ -134,7 +134,7 @@ TOOL_TEMPLATE = (
 
 
 def test_chat_prompts_list_the_tools_and_chat_observations_use_the_template():
-    from lmrl.models.loading import encode_prompts
+    from lmrl.models.prompt_encoding import encode_prompts
     from lmrl.models.tiny import char_tokenizer
     from lmrl.rollout.multiturn import render_observation
 

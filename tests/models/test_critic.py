@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmrl.models.critic import HEAD_FILE, ValueModel
-from lmrl.models.loading import position_ids_from_mask
+from lmrl.models.forward import position_ids_from_mask
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 
 ARCHS = ["llama", "qwen2"]

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lmrl.models import shared_prompt
-from lmrl.models.loading import model_forward_logprobs, position_ids_from_mask
+from lmrl.models.forward import model_forward_logprobs, position_ids_from_mask
 
 P, T = 5, 4
 # rows 0, 2, 4 share prompt A (2 pads), rows 1, 3 prompt B (no pad), row 5 has its own (1 pad); 0 = padding

@@ -9,7 +9,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.envs import Step
-from lmrl.models.loading import model_forward_logprobs
+from lmrl.models.forward import model_forward_logprobs
 from lmrl.models.tiny import char_tokenizer
 from lmrl.rollout import HFGenerator, SamplingParams
 from lmrl.rollout.multiturn import generate_episodes

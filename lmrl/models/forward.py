@@ -1,0 +1,102 @@
+"""The training forward: log-probs (and entropies) of a batch's response tokens under a model.
+
+Every forward the trainer makes through the policy or the reference model comes here
+(`model_forward_logprobs`); the math on the logits is `lmrl.algorithms.logprobs`.
+
+Shapes: B sequences, S = prompt + response positions (left-padded), T response tokens, V vocabulary.
+
+Two conventions hold everywhere in lmrl:
+
+- Masks come from the generator (`attention_mask`, response mask), never from `pad_token_id`:
+  many tokenizers have pad == eos, so "token != pad" would drop the real EOS of a completion.
+- Batches are left-padded (prompts end at the same column, so the response is the last T columns),
+  and position ids are `cumsum(attention_mask) - 1`: the first real token has position 0 whatever
+  the padding, exactly as Hugging Face generation computes them. Training forwards use the same
+  positions, so their log-probs match those seen while sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmrl.algorithms.logprobs import token_entropy, token_logprobs
+from lmrl.models.shared_prompt import shared_prompt_logits
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for a left-padded batch, as Hugging Face generation computes them.
+
+    Args:
+        attention_mask: [B, S], 1 for real tokens, 0 for padding.
+
+    Returns:
+        [B, S] long: cumsum(mask) - 1, clamped at 0 (padding positions get 0; they are masked anyway).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def model_forward_logprobs(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_response_tokens: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    share_prompt: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the response tokens (the last T columns of `sequences`) under `model`.
+
+    The logits at position t score the token at t + 1, so the T response tokens are scored by the
+    logits at positions S-T-1 .. S-2. Only the last T + 1 positions get logits (`logits_to_keep`):
+    the prompt's [B, S-T, V] logits are never computed. Logits are divided by the sampling
+    temperature before the log-softmax, as during sampling.
+
+    Args:
+        model: a Hugging Face causal LM (or a DDP/FSDP wrapper of one).
+        sequences: [B, S] token ids, prompt then response, left-padded.
+        attention_mask: [B, S], 1 for real tokens (padding inside the response may be 1 or 0:
+            it only affects log-probs at masked positions, which callers ignore).
+        num_response_tokens: T, the number of response columns, 1 <= T < S.
+        temperature: the sampling temperature.
+        chunk_size: rows of the [B*T, V] logits turned into float32 at once (None: all).
+        return_entropy: also return the entropy of softmax(logits / temperature) at each response
+            position, from the same logits (no second forward).
+        share_prompt: where rows share a prompt and the model allows it (Llama / Qwen2, see
+            `lmrl.models.shared_prompt`), run each distinct prompt through the model once; the same
+            function, less work when several completions of a prompt are scored together.
+
+    Returns:
+        [B, T] float32 log-probs, differentiable when grad is enabled; with `return_entropy`, the
+        pair (log-probs, entropies), both [B, T].
+    """
+    seq_len = sequences.shape[1]
+    t = num_response_tokens
+    if not 1 <= t < seq_len:
+        raise ValueError(
+            f"num_response_tokens: must be in [1, {seq_len - 1}] for sequences of length {seq_len}, got {t}"
+        )
+    if attention_mask.shape != sequences.shape:
+        raise ValueError(
+            f"attention_mask: shape {tuple(attention_mask.shape)} != sequences shape {tuple(sequences.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature: must be > 0, got {temperature}")
+    positions = position_ids_from_mask(attention_mask)
+    logits = shared_prompt_logits(model, sequences, attention_mask, positions, t) if share_prompt else None  # [B, T, V]
+    if logits is None:
+        out = model(
+            input_ids=sequences,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            logits_to_keep=t + 1,
+            use_cache=False,
+        )
+        # Models that ignore logits_to_keep return all S positions: keep the last T + 1 either way.
+        logits = out.logits[:, -(t + 1) : -1]  # [B, T, V]
+    tokens = sequences[:, -t:]  # [B, T]
+    logprobs = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+    if not return_entropy:
+        return logprobs
+    return logprobs, token_entropy(logits, chunk_size=chunk_size, temperature=temperature)
