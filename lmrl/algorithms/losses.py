@@ -119,7 +119,8 @@ class ValueLossMetrics(_Metrics):
     """Diagnostics of one `value_loss` call, as Python floats.
 
     Attributes:
-        vf_clipfrac: fraction of real tokens where the clipped value error was the larger one (taken by the max).
+        vf_clipfrac: fraction of real tokens where the clipped value error was the larger one (taken by the
+            max, so the token has no value gradient). A value within `clip` of its old value never counts.
         value_mean: masked mean of the predicted values.
     """
 
@@ -692,7 +693,9 @@ def value_loss(
         per_token = 0.5 * err
         clipped = torch.zeros_like(mask)
     else:
-        v_clipped = v_old + (v - v_old).clamp(-clip, clip)
+        # Clamp V itself (not V_old + clamp(V - V_old), which rounds differently from V inside the
+        # range): a value within c of V_old is then bit-exactly V, and never counted as clipped.
+        v_clipped = torch.minimum(torch.maximum(v, v_old - clip), v_old + clip)
         err_clipped = (v_clipped - ret) ** 2
         per_token = 0.5 * torch.maximum(err, err_clipped)
         clipped = err_clipped > err
