@@ -183,7 +183,7 @@ class RewardConfig(_Section):
     """Normalise scores to mean 0, std 1 over the batch (REINFORCE++)."""
 
 
-Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "gae"]
+Advantage = Literal["grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce", "reinforce_baseline", "gae"]
 Aggregation = Literal[
     "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
@@ -196,7 +196,8 @@ class AlgorithmConfig(_Section):
     name: AlgorithmName = "grpo"
     """Algorithm preset; its defaults fill every field below that you do not set."""
     advantage: Advantage = "grpo"
-    """Advantage estimator."""
+    """Advantage estimator. grpo_batch_std: r - group mean over the std of the whole batch (TRL's
+    scale_rewards="batch"); dr_grpo is TRL's scale_rewards="none"."""
     loss: Literal["ppo", "cispo"] = "ppo"
     """Policy loss: PPO-style clipped surrogate (GRPO, DAPO, GSPO, RLOO, REINFORCE) or CISPO."""
     clip_low: Fraction | None = 0.2
@@ -205,16 +206,22 @@ class AlgorithmConfig(_Section):
     """Upper clip range: the ratio is kept below 1 + clip_high (DAPO's clip-higher raises it)."""
     dual_clip: Annotated[float, Field(gt=1)] | None = None
     """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens (None = off)."""
-    ratio_level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token (PPO, GRPO) or per sequence (GSPO)."""
+    ratio_level: Literal["token", "sequence", "sequence-sum"] = "token"
+    """Importance ratio per token (PPO, GRPO), per sequence length-normalised (GSPO), or per sequence as
+    exp of the summed token log-ratios, clipped per sequence (sequence-sum: TRL's RLOOTrainer; pair it with
+    aggregation=seq-mean-token-sum for TRL's loss)."""
     aggregation: Aggregation = "seq-mean-token-mean"
     """How per-token losses become one number (token-mean is DAPO's, seq-mean-token-sum-norm Dr. GRPO's)."""
     norm_length: PositiveInt | None = None
     """Length normaliser of seq-mean-token-sum-norm (None = rollout.max_new_tokens)."""
     kl_coef: NonNegativeFloat = 0.0
     """Weight of the KL penalty against the reference model (0 skips the reference model entirely)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 = log-ratio (unbiased value), k3 = Schulman's low-variance estimator."""
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    """KL estimator: k1 = log-ratio (unbiased value), k3 = Schulman's low-variance estimator, k3+ = k3's
+    value with k2's gradient (verl's low_var_kl+)."""
+    kl_clamp: Literal["none", "verl", "openrlhf"] = "none"
+    """Clamp the KL estimate as a peer does: verl (k3: log-ratio to [-20, 20], k3 to [-10, 10]), openrlhf (every
+    estimator to [-10, 10]); none (lmrl's default) clamps nothing."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Put the KL term in the loss (GRPO) or subtract it from the reward (PPO, RLOO, REINFORCE++)."""
     kl_level: Literal["token", "sequence"] = "token"
@@ -229,6 +236,8 @@ class AlgorithmConfig(_Section):
     """Train only on this top fraction of tokens by entropy (the "forking tokens"; e.g. 0.2)."""
     whiten_advantages: bool = False
     """Whiten advantages across the whole batch (REINFORCE++, PPO)."""
+    whiten_std: Literal["unbiased", "population"] = "unbiased"
+    """The std whitening divides by: unbiased (n - 1; TRL, verl) or population (n; OpenRLHF)."""
     gamma: Fraction = 1.0
     """Discount factor for per-token returns, in [0, 1]."""
     lam: Fraction = 0.95
@@ -482,7 +491,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         a, r = self.algorithm, self.rollout
-        if a.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_baseline") and r.group_size < 2:
+        if a.advantage in ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_baseline") and r.group_size < 2:
             raise ValueError(f"rollout.group_size: must be >= 2 for the {a.advantage} advantage (got {r.group_size})")
         batch = r.prompts_per_step * r.group_size
         if batch % a.num_minibatches:

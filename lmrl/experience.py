@@ -21,7 +21,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.config import AlgorithmConfig, RewardConfig
-from lmrl.distributed import ONE_PROCESS, World, idle_batch, masked_whiten
+from lmrl.distributed import ONE_PROCESS, World, batch_std, idle_batch, masked_whiten
 from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
 
@@ -124,6 +124,7 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
 SEQUENCE_ESTIMATORS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
     "grpo": lambda r, g: A.grpo_advantages(r, g),
     "dr_grpo": lambda r, g: A.grpo_advantages(r, g, scale_by_std=False),
+    "grpo_batch_std": A.batch_std_advantages,  # compute_advantages passes every rank's std when distributed
     "rloo": A.rloo_advantages,
     "reinforce_baseline": A.reinforce_baseline_advantages,
     "reinforce": lambda r, g: r,
@@ -184,7 +185,10 @@ def compute_advantages(
         adv, ret = A.gae(values, rewards, mask, cfg.gamma, cfg.lam)
         out = Advantages(adv, ret, rewards)
     else:
-        seq = SEQUENCE_ESTIMATORS[cfg.advantage](scores, group_size)  # [B]
+        if cfg.advantage == "grpo_batch_std" and world.distributed:  # the std of the whole batch, every rank's
+            seq = A.batch_std_advantages(scores, group_size, std=batch_std(scores, world))
+        else:
+            seq = SEQUENCE_ESTIMATORS[cfg.advantage](scores, group_size)  # [B]
         if token_kl or cfg.gamma < 1:
             rewards = A.kl_shaped_rewards(seq, kl if token_kl else torch.zeros_like(mask, dtype=seq.dtype),
                                           mask, kl_coef if token_kl else 0.0)
@@ -193,7 +197,7 @@ def compute_advantages(
         else:
             out = Advantages(seq[:, None].expand(mask.shape).clone())
     if cfg.whiten_advantages:  # over the whole batch: every rank's share of it
-        out.advantages = masked_whiten(out.advantages, mask, world)
+        out.advantages = masked_whiten(out.advantages, mask, world, unbiased=cfg.whiten_std == "unbiased")
     out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
     wide = out.advantages
     out = Advantages(*(None if x is None else x.float() for x in (out.advantages, out.returns, out.rewards)))
@@ -299,7 +303,9 @@ def make_experience(
     kl = None
     if ref is not None:
         behaviour = old if old is not None else rollout.logprobs.float()
-        kl = A.kl_penalty(behaviour, ref, estimator=cfg.kl_estimator if cfg.kl_in == "reward" else "k1")
+        in_reward = cfg.kl_in == "reward"
+        kl = A.kl_penalty(behaviour, ref, estimator=cfg.kl_estimator if in_reward else "k1",
+                          clamp=_kl_clamp(cfg) if in_reward else None)
     adv = compute_advantages(cfg, scores, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values, world=world)
 
     info["length"] = rollout.response_mask.sum(1)
@@ -326,6 +332,11 @@ def make_experience(
         rollout_logprobs=rollout_logp,
         info=info,
     )
+
+
+def _kl_clamp(cfg: AlgorithmConfig) -> str | None:
+    """`algorithm.kl_clamp` as `lmrl.algorithms.kl_penalty` takes it."""
+    return None if cfg.kl_clamp == "none" else cfg.kl_clamp
 
 
 def _cat(parts: list[torch.Tensor], sequences: torch.Tensor, T: int) -> torch.Tensor:

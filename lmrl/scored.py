@@ -37,10 +37,16 @@ REQUIRED = ("prompt", "completion", "reward", "group_id")
 BY_GROUP_ID: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "grpo": lambda r, g: A.group_advantages(r, g),
     "dr_grpo": lambda r, g: A.group_advantages(r, g, scale_by_std=False),
+    "grpo_batch_std": lambda r, g: A.group_advantages(r, g, scale_by_std=False) / (_std(r) + 1e-8),
     "reinforce_baseline": lambda r, g: A.group_advantages(r, g, scale_by_std=False),
     "rloo": A.leave_one_out_advantages,
     "reinforce": lambda r, g: r,
 }
+
+
+def _std(r: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of a batch of rewards (0 for one reward)."""
+    return r.double().std().nan_to_num(0.0).to(r.dtype) if len(r) > 1 else torch.zeros((), dtype=r.dtype)
 
 
 def load_scored_rollouts(path: str | Path) -> list[dict[str, Any]]:
@@ -127,7 +133,7 @@ def experience_from_records(
     seq_adv = BY_GROUP_ID[cfg.advantage](scores, groups)
     advantages = torch.where(mask, seq_adv[:, None].expand(B, T), torch.zeros(()))
     if cfg.whiten_advantages:
-        advantages = A.masked_whiten(advantages, mask)
+        advantages = A.masked_whiten(advantages, mask, unbiased=cfg.whiten_std == "unbiased")
     return Experience(
         sequences=sequences, attention_mask=attention_mask, response_mask=mask, old_logprobs=old,
         advantages=advantages, scores=scores, group_index=groups,

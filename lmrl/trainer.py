@@ -466,7 +466,8 @@ class Trainer:
             loss, m = loss_fn(logp, old, micro.advantages, micro.response_mask,
                               clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation, norm_length=norm_length,
                               ref_logp=micro.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.value if kl_in_loss else 0.0,
-                              kl_estimator=a.kl_estimator, weights=weights, normalizer=norm, **kw)
+                              kl_estimator=a.kl_estimator, kl_clamp=None if a.kl_clamp == "none" else a.kl_clamp,
+                              weights=weights, normalizer=norm, **kw)
             ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norm_length, normalizer=norm)
             ent_metric = A.aggregate_loss(entropy.detach(), micro.response_mask, a.aggregation, norm_length=norm_length,
                                           normalizer=metric_norm)

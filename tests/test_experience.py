@@ -159,3 +159,26 @@ def test_concat_and_select_rollouts_keep_alignment():
     sub = select_rollout(both, torch.tensor([5, 6]))
     assert sub.response_ids.shape == (2, 2)  # trimmed to the longest kept response
     assert sub.texts == ["t1", "t2"]
+
+
+def test_batch_std_advantage_divides_by_the_std_of_the_whole_batch():
+    r = rollout()
+    adv = compute_advantages(algo("algorithm.advantage=grpo_batch_std"), SCORES, r.response_mask, 2).advantages
+    want = torch.tensor([0.5, -0.5, 0.0, 0.0]) / (SCORES.std() + 1e-8)  # TRL's scale_rewards="batch"
+    torch.testing.assert_close(adv[:, 0], want)
+
+
+def test_population_std_whitening():
+    r = rollout()
+    cfg = algo("algorithm=reinforce_pp", "algorithm.whiten_std=population")
+    adv = compute_advantages(cfg, SCORES, r.response_mask, 2, kl=torch.rand(4, 5), kl_coef=0.1).advantages
+    assert (A.masked_var(adv, r.response_mask, unbiased=False).sqrt() - 1).abs() < 1e-4
+
+
+@pytest.mark.parametrize("clamp, expected", [("none", 30.0), ("openrlhf", 10.0), ("verl", 30.0)])
+def test_kl_clamp_applies_to_the_kl_in_the_reward(clamp, expected):
+    r = rollout(B=2, lengths=(5, 5), finished=(True, True))
+    cfg = algo("algorithm=rloo", f"algorithm.kl_clamp={clamp}")
+    exp = make_experience(r, torch.tensor([1.0, 0.0]), cfg, policy_logprobs=None,
+                          ref_logprobs=lambda s, a, T: r.logprobs[: s.shape[0]] - 30.0, kl_coef=0.1)
+    torch.testing.assert_close(exp.info["kl"], torch.full((2,), 5 * expected))  # k1 per token, 5 tokens

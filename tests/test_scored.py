@@ -87,3 +87,12 @@ def test_trainer_updates_on_scored_traces(tmp_path):
     metrics = trainer.train_on_scored(rows)
     assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # old log-probs were the policy's own
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_batch_std_advantage_by_group_id():
+    from lmrl.scored import BY_GROUP_ID
+
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0])
+    groups = torch.tensor([7, 7, 3, 3, 9])  # the lone sample of group 9 gets 0
+    want = torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0]) / (r.std() + 1e-8)
+    torch.testing.assert_close(BY_GROUP_ID["grpo_batch_std"](r, groups), want)

@@ -6,6 +6,7 @@ tokens; sequence-level tensors are [B]. Groups are contiguous: sample i belongs 
 
 from lmrl.algorithms.advantages import (
     GAEResult,
+    batch_std_advantages,
     discounted_returns,
     gae,
     group_advantages,
@@ -14,7 +15,7 @@ from lmrl.algorithms.advantages import (
     reinforce_baseline_advantages,
     rloo_advantages,
 )
-from lmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
+from lmrl.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
 from lmrl.algorithms.logprobs import DEFAULT_CHUNK_SIZE, hidden_logprobs, token_entropy, token_logprobs
 from lmrl.algorithms.losses import (
     AGGREGATION_MODES,
@@ -36,6 +37,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "GAEResult",
+    "batch_std_advantages",
     "discounted_returns",
     "gae",
     "grpo_advantages",
@@ -43,6 +45,7 @@ __all__ = [
     "leave_one_out_advantages",
     "reinforce_baseline_advantages",
     "rloo_advantages",
+    "KL_CLAMPS",
     "KL_ESTIMATORS",
     "kl_penalty",
     "kl_shaped_rewards",

@@ -35,6 +35,7 @@ import torch
 
 __all__ = [
     "GAEResult",
+    "batch_std_advantages",
     "discounted_returns",
     "gae",
     "grpo_advantages",
@@ -108,6 +109,36 @@ def grpo_advantages(
     r = _grouped(rewards, group_size)  # [B/G, G]
     dev, var = _centered(r)
     adv = dev / (var.sqrt() + eps) if scale_by_std else dev
+    return adv.reshape(-1).to(_float_dtypes(rewards.dtype)[1])
+
+
+def batch_std_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-8, std: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """Group-centred, batch-scaled advantages: A_i = (r_i - mean(group)) / (std(batch) + eps).
+
+    TRL's GRPOTrainer with ``scale_rewards="batch"`` (following Liu et al. 2025's remark that the
+    per-group std biases toward too easy or too hard prompts, while some scale is still wanted): the
+    baseline is the group mean, the scale the unbiased std of every reward in the batch. TRL adds
+    eps = 1e-4; lmrl's default 1e-8 differs from it only for rewards of std ~1e-4 or less.
+
+    Args:
+        rewards: [B] one scalar reward per completion, B = num_prompts · G, groups contiguous.
+        group_size: G >= 1.
+        eps: added to the std; a group of equal rewards gets exactly 0 regardless.
+        std: the batch std to divide by, when the batch is larger than `rewards` (several ranks each
+            holding a share of it); None computes it from `rewards` (unbiased, 0 for one reward).
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    r = _grouped(rewards, group_size)  # [B/G, G]
+    dev, _ = _centered(r)
+    if std is None:
+        flat = r.reshape(1, -1)
+        _, var = _centered(flat)  # around the first reward: an all-equal batch has std exactly 0
+        std = var.sqrt().reshape(())
+    adv = dev / (torch.as_tensor(std, dtype=dev.dtype, device=dev.device) + eps)
     return adv.reshape(-1).to(_float_dtypes(rewards.dtype)[1])
 
 

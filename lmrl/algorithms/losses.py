@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty
+from lmrl.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS, kl_penalty
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var
 
 __all__ = [
@@ -52,7 +52,7 @@ AGGREGATION_MODES = (
     "seq-mean-token-sum-norm",
 )
 _KL_ESTIMATORS = tuple(KL_ESTIMATORS)
-_RATIO_LEVELS = ("token", "sequence")
+_RATIO_LEVELS = ("token", "sequence", "sequence-sum")
 _IS_LEVELS = ("token", "sequence")
 
 
@@ -254,12 +254,12 @@ def _prepare(
 
 
 def _add_kl_and_weights(
-    per_token: torch.Tensor, batch: _TokenBatch, kl_coef: float, kl_estimator: str
+    per_token: torch.Tensor, batch: _TokenBatch, kl_coef: float, kl_estimator: str, kl_clamp: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """per_token + kl_coef * KL(ref), times weights; also returns the per-token KL (or None)."""
     kl = None
     if batch.ref_logp is not None:
-        kl = kl_penalty(batch.logp, batch.ref_logp, kl_estimator)
+        kl = kl_penalty(batch.logp, batch.ref_logp, kl_estimator, kl_clamp)
         if kl_coef != 0.0:
             per_token = per_token + kl_coef * kl
     if batch.weights is not None:
@@ -267,8 +267,10 @@ def _add_kl_and_weights(
     return per_token, kl
 
 
-def _check_kl(kl_coef: float, ref_logp: torch.Tensor | None, kl_estimator: str) -> None:
+def _check_kl(kl_coef: float, ref_logp: torch.Tensor | None, kl_estimator: str, kl_clamp: str | None = None) -> None:
     _check_choice("kl_estimator", kl_estimator, _KL_ESTIMATORS)
+    if kl_clamp is not None:
+        _check_choice("kl_clamp", kl_clamp, KL_CLAMPS)
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef: must be >= 0, got {kl_coef!r}")
     if kl_coef > 0 and ref_logp is None:
@@ -398,6 +400,7 @@ def policy_loss(
     norm_length: float | None = None,
     weights: torch.Tensor | None = None,
     normalizer: float | torch.Tensor | None = None,
+    kl_clamp: str | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """PPO clipped surrogate with the variants of GRPO, Dr. GRPO, DAPO, REINFORCE(++) and GSPO.
 
@@ -420,6 +423,11 @@ def policy_loss(
       s_{i,t} = sg(s_i) · exp(logp_t - sg(logp_t)), whose value is s_i and whose gradient with
       "seq-mean-token-mean" and sequence-level A equals the GSPO gradient. GSPO's clip ranges are
       tiny (the paper: 3e-4 / 4e-4); pass them, nothing is hard-coded.
+    - `ratio_level="sequence-sum"` treats each sequence as one action, as TRL's RLOOTrainer does:
+      s_i = exp(Σ_t (logp - old_logp)) (no length normalisation), and the sequence's surrogate
+      ℓ_i = -min(s_i Ā_i, clip(s_i) Ā_i) (Ā_i the mean advantage over its real tokens; dual clip
+      applies to ℓ_i) is spread evenly over its |y_i| real tokens (ℓ_i / |y_i| each), so that
+      "seq-mean-token-sum" gives TRL's (1/B) Σ_i ℓ_i, value and gradient. Metrics report s_i.
     - With `kl_coef=0`, one update per batch and group-normalised advantages, the loss is about 0
       while learning happens (ρ = 1 and A averages to 0); that is expected, the gradient is not 0.
     - `weights` (truncated importance sampling, entropy masks) scale the whole per-token loss,
@@ -435,12 +443,13 @@ def policy_loss(
         dual_clip: c > 1 of dual-clip PPO; None disables it.
         ref_logp: `[B, T]` reference-model log-probs; enables the KL term and the `kl` metric.
         kl_coef: β, weight of the KL term (>= 0); > 0 requires `ref_logp`.
-        kl_estimator: "k1", "k2" or "k3" (GRPO uses k3).
+        kl_estimator: "k1", "k2", "k3" (GRPO uses k3) or "k3+" (k3's value, k2's gradient).
         aggregation: one of `AGGREGATION_MODES`.
-        ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO).
+        ratio_level: "token" (PPO/GRPO), "sequence" (GSPO) or "sequence-sum" (TRL's RLOO).
         norm_length: the constant of "seq-mean-token-sum-norm".
         weights: `[B, T]` per-token multipliers, treated as constants.
         normalizer: global normaliser for gradient accumulation (see `aggregate_loss`).
+        kl_clamp: None, "verl" or "openrlhf": that framework's clamping of the KL term (`kl_penalty`).
 
     Returns:
         (loss, metrics): a 0-dim tensor (float32, or float64 for float64 inputs) and `PolicyLossMetrics`.
@@ -451,11 +460,14 @@ def policy_loss(
     _check_clip("clip_high", clip_high)
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip: must be > 1 or None, got {dual_clip!r}")
-    _check_kl(kl_coef, ref_logp, kl_estimator)
+    _check_kl(kl_coef, ref_logp, kl_estimator, kl_clamp)
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
     logp, adv, mask = batch.logp, batch.advantages, batch.mask
 
     token_log_ratio = logp - batch.old_logp  # [B, T], 0 on padding
+    if ratio_level == "sequence-sum":
+        return _sequence_sum_loss(batch, token_log_ratio, clip_low, clip_high, dual_clip, kl_coef, kl_estimator,
+                                  kl_clamp, aggregation, norm_length, normalizer)
     if ratio_level == "sequence":
         seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [B]
         # GSPO-token: value s_i on every token, d/d logp_t = s_i.
@@ -480,7 +492,7 @@ def policy_loss(
         dual_active = negative & (per_token > bound)
         per_token = torch.where(negative, torch.minimum(per_token, bound), per_token)
 
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator)
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
     loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
 
     with torch.no_grad():
@@ -490,6 +502,48 @@ def policy_loss(
         high = (adv > 0) & (r > 1.0 + clip_high) if clip_high is not None else torch.zeros_like(mask)
         dual = dual_active if dual_active is not None else torch.zeros_like(mask)
         metrics = _policy_metrics(token_log_ratio, r, mask, low, high, dual, kl)
+    return loss, metrics
+
+
+def _sequence_sum_loss(
+    batch: _TokenBatch,
+    token_log_ratio: torch.Tensor,
+    clip_low: float | None,
+    clip_high: float | None,
+    dual_clip: float | None,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_clamp: str | None,
+    aggregation: str,
+    norm_length: float | None,
+    normalizer: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """`policy_loss` with ratio_level="sequence-sum": one clipped surrogate per sequence (TRL's RLOOTrainer)."""
+    mask = batch.mask
+    lengths = mask.sum(dim=-1)  # [B]
+    adv = masked_mean(batch.advantages, mask, dim=-1)  # [B]
+    ratio = torch.exp(masked_sum(token_log_ratio, mask, dim=-1))  # [B] s_i = π_θ(y_i) / π_old(y_i)
+    loss_seq = -adv * ratio
+    if clip_low is not None or clip_high is not None:
+        lower = None if clip_low is None else 1.0 - clip_low
+        upper = None if clip_high is None else 1.0 + clip_high
+        loss_seq = torch.maximum(loss_seq, -adv * ratio.clamp(min=lower, max=upper))
+    dual_active = torch.zeros_like(adv, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -dual_clip * adv
+        dual_active = (adv < 0) & (loss_seq > bound)
+        loss_seq = torch.where(adv < 0, torch.minimum(loss_seq, bound), loss_seq)
+    # spread each sequence's surrogate over its real tokens: their sum is ℓ_i
+    per_token = (loss_seq / lengths.clamp(min=1)).unsqueeze(-1).expand_as(token_log_ratio)
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
+    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (adv < 0) & (r < 1.0 - clip_low) if clip_low is not None else torch.zeros_like(dual_active)
+        high = (adv > 0) & (r > 1.0 + clip_high) if clip_high is not None else torch.zeros_like(dual_active)
+        per_seq = [x.unsqueeze(-1).expand_as(mask) for x in (r, low, high, dual_active)]
+        metrics = _policy_metrics(token_log_ratio, per_seq[0], mask, per_seq[1], per_seq[2], per_seq[3], kl)
     return loss, metrics
 
 
@@ -508,6 +562,7 @@ def cispo_loss(
     norm_length: float | None = None,
     weights: torch.Tensor | None = None,
     normalizer: float | torch.Tensor | None = None,
+    kl_clamp: str | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """CISPO: clip the importance-sampling weight, not the update (MiniMax-M1, Chen et al. 2025, eq. 4-5).
 
@@ -532,7 +587,8 @@ def cispo_loss(
         mask: `[B, T]` bool or 0/1, real response tokens.
         clip_low: weight lower bound 1 - clip_low (in [0, 1]); None = no lower bound.
         clip_high: weight upper bound 1 + clip_high (>= 0); None = no upper bound.
-        ref_logp, kl_coef, kl_estimator, aggregation, norm_length, weights, normalizer: as in `policy_loss`.
+        ref_logp, kl_coef, kl_estimator, aggregation, norm_length, weights, normalizer, kl_clamp: as in
+            `policy_loss`.
 
     Returns:
         (loss, metrics) as in `policy_loss`; `clipfrac` counts tokens whose weight was truncated.
@@ -540,7 +596,7 @@ def cispo_loss(
     _check_aggregation("aggregation", aggregation, norm_length, normalizer)
     _check_clip("clip_low", clip_low, upper=1.0)
     _check_clip("clip_high", clip_high)
-    _check_kl(kl_coef, ref_logp, kl_estimator)
+    _check_kl(kl_coef, ref_logp, kl_estimator, kl_clamp)
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
     logp, adv, mask = batch.logp, batch.advantages, batch.mask
 
@@ -551,7 +607,7 @@ def cispo_loss(
     is_weight = ratio if lower is None and upper is None else ratio.clamp(min=lower, max=upper)
     per_token = -is_weight * adv * logp
 
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator)
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
     loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
 
     with torch.no_grad():
