@@ -198,8 +198,11 @@ class AlgorithmConfig(_Section):
     advantage: Advantage = "grpo"
     """Advantage estimator. grpo_batch_std: r - group mean over the std of the whole batch (TRL's
     scale_rewards="batch"); dr_grpo is TRL's scale_rewards="none"."""
-    loss: Literal["ppo", "cispo"] = "ppo"
-    """Policy loss: PPO-style clipped surrogate (GRPO, DAPO, GSPO, RLOO, REINFORCE) or CISPO."""
+    loss: Literal["ppo", "cispo", "cpgd"] = "ppo"
+    """Policy loss: PPO-style clipped surrogate (GRPO, DAPO, GSPO, RLOO, REINFORCE), CISPO, or CPGD (clipped
+    log-ratio plus a policy-drift penalty, drift_coef)."""
+    drift_coef: NonNegativeFloat = 0.1
+    """CPGD: weight of the policy-drift penalty, k3 of KL(old policy || policy) (loss=cpgd only)."""
     clip_low: Fraction | None = 0.2
     """Lower clip range in [0, 1]: the ratio is kept above 1 - clip_low (None = no clipping below)."""
     clip_high: NonNegativeFloat | None = 0.2
@@ -238,6 +241,19 @@ class AlgorithmConfig(_Section):
     """Whiten advantages across the whole batch (REINFORCE++, PPO)."""
     whiten_std: Literal["unbiased", "population"] = "unbiased"
     """The std whitening divides by: unbiased (n - 1; TRL, verl) or population (n; OpenRLHF)."""
+    use_advantages: bool = True
+    """False: weigh each completion's log-probs by its reward itself instead of an advantage (TapeAgents'
+    use_advantages=False; the advantage estimator is skipped)."""
+    relu_log_p_weights: bool = False
+    """Clamp the weights of the log-probs (advantages, or rewards with use_advantages=false) at 0 from below:
+    train only on completions better than their baseline (TapeAgents). Metric: val/relu_zeroed_frac."""
+    reward_minus_kl_coef: NonNegativeFloat = 0.0
+    """Subtract this times the sequence's summed k3 KL (sampling policy vs reference) from its reward before
+    advantages (TapeAgents' reward_minus_kl_coef; loads the reference model). Metric: objective/reward_minus_kl."""
+    clip_filter_like_weight: PositiveFloat | None = None
+    """LightRFT's clip-filter-like weight: completions of groups whose rewards differ are weighted by
+    min(groups / informative groups, this cap), those of all-equal groups by 1 (None = off; LightRFT: 3.0).
+    Metric: val/clip_filter_weight_mean."""
     gamma: Fraction = 1.0
     """Discount factor for per-token returns, in [0, 1]."""
     lam: Fraction = 0.95
@@ -262,6 +278,9 @@ class AlgorithmConfig(_Section):
     def _check(self) -> AlgorithmConfig:
         if self.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_coef: must be > 0 with kl_target: it is the adaptive controller's starting value")
+        if not self.use_advantages and self.advantage == "gae":
+            raise ValueError("use_advantages: false weighs log-probs by the rewards themselves; it cannot be combined "
+                             "with advantage=gae (a critic's advantages)")
         return self
 
     @property
@@ -529,7 +548,8 @@ class Config(_Section):
     @property
     def needs_reference(self) -> bool:
         """The reference model is loaded only when a KL term can use it."""
-        return self.algorithm.kl_coef > 0 or self.algorithm.kl_target is not None
+        a = self.algorithm
+        return a.kl_coef > 0 or a.kl_target is not None or a.reward_minus_kl_coef > 0
 
 
 # ---------------------------------------------------------------------------------------------- loading

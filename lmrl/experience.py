@@ -136,6 +136,7 @@ class Advantages:
     advantages: torch.Tensor  # [B, T]
     returns: torch.Tensor | None = None  # [B, T]
     rewards: torch.Tensor | None = None  # [B, T]
+    relu_zeroed: torch.Tensor | None = None  # [B] tokens whose negative weight relu_log_p_weights zeroed
 
 
 def compute_advantages(
@@ -185,7 +186,9 @@ def compute_advantages(
         adv, ret = A.gae(values, rewards, mask, cfg.gamma, cfg.lam)
         out = Advantages(adv, ret, rewards)
     else:
-        if cfg.advantage == "grpo_batch_std" and world.distributed:  # the std of the whole batch, every rank's
+        if not cfg.use_advantages:  # TapeAgents: the log-probs' weights are the rewards themselves
+            seq = scores
+        elif cfg.advantage == "grpo_batch_std" and world.distributed:  # the std of the whole batch, every rank's
             seq = A.batch_std_advantages(scores, group_size, std=batch_std(scores, world))
         else:
             seq = SEQUENCE_ESTIMATORS[cfg.advantage](scores, group_size)  # [B]
@@ -199,8 +202,13 @@ def compute_advantages(
     if cfg.whiten_advantages:  # over the whole batch: every rank's share of it
         out.advantages = masked_whiten(out.advantages, mask, world, unbiased=cfg.whiten_std == "unbiased")
     out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
+    relu_zeroed = None
+    if cfg.relu_log_p_weights:  # TapeAgents: learn only from what beat its baseline
+        relu_zeroed = (out.advantages < 0).sum(1).float()
+        out.advantages = out.advantages.clamp(min=0)
     wide = out.advantages
-    out = Advantages(*(None if x is None else x.float() for x in (out.advantages, out.returns, out.rewards)))
+    out = Advantages(*(None if x is None else x.float() for x in (out.advantages, out.returns, out.rewards)),
+                     relu_zeroed=relu_zeroed)
     if bool(torch.isfinite(wide).all()) and not bool(torch.isfinite(out.advantages).all()):
         raise RewardError(f"advantages overflow float32: rewards up to {scores.abs().max().item():.3g} with "
                           f"algorithm.advantage={cfg.advantage}, which keeps the rewards' scale; scale the rewards "
@@ -300,20 +308,28 @@ def make_experience(
     values = _cat(batched_forward(critic_values, seqs, attn, T, micro_batch_size, world), seqs, T) if critic_values else None
 
     # the KL that enters the reward uses the configured estimator; in the loss it is only reported (k1)
-    kl = None
+    kl, rewards = None, scores
     if ref is not None:
         behaviour = old if old is not None else rollout.logprobs.float()
         in_reward = cfg.kl_in == "reward"
         kl = A.kl_penalty(behaviour, ref, estimator=cfg.kl_estimator if in_reward else "k1",
                           clamp=_kl_clamp(cfg) if in_reward else None)
-    adv = compute_advantages(cfg, scores, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values, world=world)
-
-    info["length"] = rollout.response_mask.sum(1)
-    info["finished"] = rollout.finished
-    if kl is not None:
         info["kl"] = A.masked_sum(kl, mask, dim=1)
         # k3, never negative, summed per sequence: the `kl` TRL's GRPOTrainer logs (a token mean of it)
         info["kl_k3"] = A.masked_sum(A.kl_penalty(behaviour, ref, "k3"), mask, dim=1)
+        if cfg.reward_minus_kl_coef:  # TapeAgents: the reward minus the sequence's k3 KL, before advantages
+            rewards = info["reward_minus_kl"] = scores - cfg.reward_minus_kl_coef * info["kl_k3"].to(scores.dtype)
+    adv = compute_advantages(cfg, rewards, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values, world=world)
+    if adv.relu_zeroed is not None:
+        info["relu_zeroed"] = adv.relu_zeroed
+    if cfg.clip_filter_like_weight is not None:
+        w = clip_filter_weights(rewards, rollout.group_size, cfg.clip_filter_like_weight, world)  # [B]
+        info["clip_filter_weight"] = w
+        w = w[:, None].float().expand(mask.shape)
+        weights = w if weights is None else weights * w
+
+    info["length"] = rollout.response_mask.sum(1)
+    info["finished"] = rollout.finished
     if entropy is not None:
         info["entropy"] = A.masked_mean(entropy, mask, dim=1)
     return Experience(
@@ -332,6 +348,16 @@ def make_experience(
         rollout_logprobs=rollout_logp,
         info=info,
     )
+
+
+def clip_filter_weights(scores: torch.Tensor, group_size: int, cap: float, world: World = ONE_PROCESS) -> torch.Tensor:
+    """`lmrl.algorithms.clip_filter_like_weights` with the informative share of the whole batch (every rank's)."""
+    fraction = None
+    if world.distributed:
+        ok = informative_groups(scores, group_size, tol=0.0).double()
+        counts = world.sum(torch.stack([ok.sum(), torch.tensor(float(len(ok)), dtype=torch.float64)]))
+        fraction = counts[0] / counts[1].clamp(min=1)
+    return A.clip_filter_like_weights(scores, group_size, max_weight=cap, informative_fraction=fraction)
 
 
 def _kl_clamp(cfg: AlgorithmConfig) -> str | None:

@@ -375,7 +375,7 @@ class Trainer:
         return make_experience(
             c.rollout, c.scores, cfg.algorithm,
             policy_logprobs=self._policy_forward if self._needs_old_forward else None,
-            ref_logprobs=self._ref_forward if self.models.reference is not None else None,
+            ref_logprobs=self._ref_forward if self.models.has_reference else None,
             critic_values=self._critic_forward if self.models.critic is not None else None,
             kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep,
             info=c.per_function, world=self.world,
@@ -438,7 +438,8 @@ class Trainer:
         norm = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norm_length)
         norm = norm if a.aggregation == "token-sum" else self.world.sum(norm)
         vnorm = self.world.sum(A.loss_normalizer(mb.response_mask, "token-mean"))
-        loss_fn, kw = (A.cispo_loss, {}) if a.loss == "cispo" else (A.policy_loss, {"dual_clip": a.dual_clip, "ratio_level": a.ratio_level})
+        loss_fn, options = POLICY_LOSSES[a.loss]
+        kw = options(a)
         live = self._rows_with_gradient(mb)
         stats: dict[str, float] = {"update/rows_skipped": 1.0 - len(live) / len(mb)}
         mb = mb.select(live)  # the losses keep the whole minibatch's normalizer; metrics average over `live`
@@ -471,6 +472,10 @@ class Trainer:
             ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norm_length, normalizer=norm)
             ent_metric = A.aggregate_loss(entropy.detach(), micro.response_mask, a.aggregation, norm_length=norm_length,
                                           normalizer=metric_norm)
+            with torch.no_grad():  # TapeAgents' mean new log-prob of tokens with positive / negative weights
+                lp, adv_tok = logp.detach().float(), micro.advantages
+                for name, side in (("positive", adv_tok > 0), ("negative", adv_tok < 0)):
+                    tis_stats[f"policy/logprob_{name}_weights"] = A.masked_mean(lp, micro.response_mask & side).item()
             step_stats = {**tis_stats, "policy/approxkl_avg": m.approx_kl, "policy/clipfrac_avg": m.clipfrac,
                           "clip_ratio/low_mean": m.clipfrac_low, "clip_ratio/high_mean": m.clipfrac_high, "val/ratio": m.ratio_mean,
                           "val/ratio_max": m.ratio_max, "loss/policy_avg": loss.item() / share,
@@ -546,10 +551,25 @@ class Trainer:
 
     def _ref_forward(self, seqs, attn, T: int):
         self.forward_counts["reference"] += 1
-        with torch.no_grad(), self._autocast():
-            return model_forward_logprobs(self.models.reference, seqs, attn, T, self.cfg.rollout.temperature,
+        with torch.no_grad(), self._autocast(), self._reference() as reference:
+            return model_forward_logprobs(reference, seqs, attn, T, self.cfg.rollout.temperature,
                                           chunk_size=self.cfg.train.logprob_chunk_size,
                                           share_prompt=self.cfg.train.share_prompt)
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference model: the frozen copy, or for a LoRA run the policy itself with its adapters disabled
+        (its base weights, which LoRA never changes) in eval mode, as the copy is."""
+        if self.models.reference is not None:
+            yield self.models.reference
+            return
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                yield self.policy
+        finally:
+            self.policy.train(training)
 
     def _critic_forward(self, seqs, attn, T: int, grad: bool = False):
         self.forward_counts["critic"] += 1
@@ -598,6 +618,13 @@ class Trainer:
             out["objective/kl"] = exp.info["kl"].mean().item()
             out["objective/non_score_reward"] = -self.kl.value * out["objective/kl"]
             out["objective/rlhf_reward"] = out["objective/scores"] + out["objective/non_score_reward"]
+        real = max(int(exp.response_mask.sum()), 1)
+        if "reward_minus_kl" in exp.info:  # algorithm.reward_minus_kl_coef: the reward the advantages saw
+            out["objective/reward_minus_kl"] = exp.info["reward_minus_kl"].double().mean().item()
+        if "relu_zeroed" in exp.info:  # algorithm.relu_log_p_weights: share of tokens whose weight became 0
+            out["val/relu_zeroed_frac"] = exp.info["relu_zeroed"].sum().item() / real
+        if "clip_filter_weight" in exp.info:
+            out["val/clip_filter_weight_mean"] = exp.info["clip_filter_weight"].float().mean().item()
         if "tis_weight" in exp.info:  # how far the sampler's probabilities are from the trainer's
             out["val/tis_weight_mean"] = exp.info["tis_weight"].mean().item()
         if "entropy" in exp.info:
@@ -829,6 +856,14 @@ class Trainer:
             self.console.print(f"lmrl: warning: {line}", style="yellow", markup=False, highlight=False)
         else:
             print_line(f"lmrl: warning: {line}")
+
+# The policy losses by `algorithm.loss`: the function, and its options beyond those every loss takes.
+POLICY_LOSSES = {
+    "ppo": (A.policy_loss, lambda a: {"dual_clip": a.dual_clip, "ratio_level": a.ratio_level}),
+    "cispo": (A.cispo_loss, lambda a: {}),
+    "cpgd": (A.cpgd_loss, lambda a: {"drift_coef": a.drift_coef}),
+}
+
 
 def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> Config:
     """`cfg` naming the reward functions and datasets passed to the Trainer instead of the task and functions

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -182,3 +184,34 @@ def test_kl_clamp_applies_to_the_kl_in_the_reward(clamp, expected):
     exp = make_experience(r, torch.tensor([1.0, 0.0]), cfg, policy_logprobs=None,
                           ref_logprobs=lambda s, a, T: r.logprobs[: s.shape[0]] - 30.0, kl_coef=0.1)
     torch.testing.assert_close(exp.info["kl"], torch.full((2,), 5 * expected))  # k1 per token, 5 tokens
+
+
+def test_use_advantages_false_weighs_by_the_rewards_and_relu_clamps():
+    r = rollout()
+    adv = compute_advantages(algo("algorithm.use_advantages=false"), SCORES, r.response_mask, 2)
+    torch.testing.assert_close(adv.advantages[:, 0], SCORES)
+    relu = compute_advantages(algo("algorithm.relu_log_p_weights=true", "algorithm.advantage=dr_grpo"), SCORES,
+                              r.response_mask, 2)
+    torch.testing.assert_close(relu.advantages[:, 0], torch.tensor([0.5, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(relu.relu_zeroed, torch.tensor([0.0, 3.0, 0.0, 0.0]))  # row 1: 3 real tokens
+    with pytest.raises(Exception, match="use_advantages"):
+        algo("algorithm=ppo", "algorithm.use_advantages=false")
+
+
+def test_reward_minus_kl_and_clip_filter_weights_in_make_experience():
+    r = rollout()
+    cfg = algo("algorithm.reward_minus_kl_coef=0.5", "algorithm.clip_filter_like_weight=3.0",
+               "algorithm.advantage=dr_grpo")
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0])  # group 0 all equal, group 1 mixed
+    # reference log-probs 0.1 below the sampler's on every token: k3 = e^-0.1 - 1 + 0.1 per token
+    exp = make_experience(r, scores, cfg, policy_logprobs=None, ref_logprobs=lambda s, a, T: r.logprobs[: s.shape[0]] - 0.1)
+    k3 = math.expm1(-0.1) + 0.1
+    lengths = r.response_mask.sum(1).float()
+    torch.testing.assert_close(exp.info["reward_minus_kl"], scores - 0.5 * k3 * lengths)
+    reduced = scores - 0.5 * k3 * lengths
+    want = reduced - reduced.view(2, 2).mean(1).repeat_interleave(2)  # advantages of the reduced rewards
+    torch.testing.assert_close(exp.advantages[:, 0], want)
+    # the KL made group 0's rewards differ (lengths 5 and 3): both groups informative, weight 1
+    torch.testing.assert_close(exp.info["clip_filter_weight"], torch.ones(4))
+    plain = make_experience(r, scores, algo("algorithm.clip_filter_like_weight=3.0"), policy_logprobs=None)
+    torch.testing.assert_close(plain.weights[:, 0], torch.tensor([1.0, 1.0, 2.0, 2.0]))

@@ -36,6 +36,7 @@ import torch
 __all__ = [
     "GAEResult",
     "batch_std_advantages",
+    "clip_filter_like_weights",
     "discounted_returns",
     "gae",
     "grpo_advantages",
@@ -177,6 +178,52 @@ def reinforce_baseline_advantages(rewards: torch.Tensor, group_size: int) -> tor
         [B] advantages in the dtype of `rewards` (float32 for integer rewards).
     """
     return grpo_advantages(rewards, group_size, scale_by_std=False)
+
+
+def clip_filter_like_weights(
+    rewards: torch.Tensor,
+    group_size: int,
+    max_weight: float = 3.0,
+    equal_weight: float = 1.0,
+    informative_fraction: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-sample loss weights that make up for groups without signal (LightRFT's clip-filter-like weight).
+
+    A group whose rewards are all equal has advantage 0: it adds nothing to the gradient but still
+    counts in the loss's normaliser, so the batch's signal shrinks with the share of such groups.
+    Instead of filtering them out and sampling again (DAPO's dynamic sampling), every sample of an
+    informative group is weighted by
+
+        w = min(P / P_informative, max_weight)        (P groups in the batch, P_informative not all equal)
+
+    and every sample of an all-equal group by `equal_weight` (LightRFT, "clip_filter_like_weight",
+    named after the clip-filter of early RLHF code). A batch with no informative group gets weight 1
+    everywhere.
+
+    Args:
+        rewards: [B] one scalar reward per completion, B = P · G, groups contiguous.
+        group_size: G >= 1.
+        max_weight: cap of the informative groups' weight (LightRFT's default 3.0), > 0.
+        equal_weight: the weight of all-equal groups (LightRFT's lamda, default 1.0), >= 0.
+        informative_fraction: P_informative / P of a larger batch this one is a share of (several
+            ranks); None counts this batch's groups.
+
+    Returns:
+        [B] float32 weights (float64 for float64 rewards), constants.
+    """
+    if not max_weight > 0:
+        raise ValueError(f"max_weight: must be > 0, got {max_weight!r}")
+    if not equal_weight >= 0:
+        raise ValueError(f"equal_weight: must be >= 0, got {equal_weight!r}")
+    r = _grouped(rewards, group_size)  # [P, G]
+    informative = (r != r[:, :1]).any(dim=1)  # [P]
+    fraction = informative.float().mean() if informative_fraction is None else informative_fraction
+    fraction = torch.as_tensor(fraction, dtype=r.dtype, device=r.device)
+    if not bool(fraction > 0):
+        return torch.ones_like(r).reshape(-1)
+    boost = (1.0 / fraction).clamp(max=max_weight)
+    weights = torch.where(informative, boost, torch.full((), equal_weight, dtype=r.dtype, device=r.device))
+    return weights[:, None].expand_as(r).reshape(-1).clone()
 
 
 class _GroupStats(NamedTuple):

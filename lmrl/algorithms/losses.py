@@ -37,6 +37,7 @@ __all__ = [
     "ValueLossMetrics",
     "aggregate_loss",
     "cispo_loss",
+    "cpgd_loss",
     "explained_variance",
     "loss_normalizer",
     "policy_loss",
@@ -614,6 +615,78 @@ def cispo_loss(
         low = ratio < lower if lower is not None else torch.zeros_like(mask)
         high = ratio > upper if upper is not None else torch.zeros_like(mask)
         metrics = _policy_metrics(token_log_ratio, ratio, mask, low, high, torch.zeros_like(mask), kl)
+    return loss, metrics
+
+
+def cpgd_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float | None = 0.2,
+    clip_high: float | None = 0.2,
+    drift_coef: float = 0.1,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    aggregation: str = "token-mean",
+    norm_length: float | None = None,
+    weights: torch.Tensor | None = None,
+    normalizer: float | torch.Tensor | None = None,
+    kl_clamp: str | None = None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """CPGD: a clipped *log*-ratio surrogate plus a policy-drift penalty (Liu et al. 2025, "CPGD: Toward
+    Stable Rule-based Reinforcement Learning for Language Models", arXiv:2505.12504; LightRFT's "cpgd").
+
+    Per real token, with l = logp - old_logp (the log of PPO's ratio ρ):
+
+        ℓ = -min(l A, clip(l, ln(1 - clip_low), ln(1 + clip_high)) A) + drift_coef · ((ρ - 1) - l)
+
+    PPO's surrogate ρA grows exponentially in l when A > 0; l A grows linearly, so one step cannot
+    push a token's probability far (the paper's argument for stability). The drift term is the k3
+    estimate of KL(π_old ‖ π_θ) on tokens sampled from π_old: 0 with gradient 0 at ρ = 1, so the first
+    minibatch's update is REINFORCE's -A ∇logp, as for PPO; later minibatches are pulled back toward
+    π_old. lmrl's default drift_coef = 0.1 is not the paper's (tune it); the KL to the reference and
+    `weights` act as in `policy_loss`.
+
+    Args:
+        logp, old_logp, advantages, mask: as in `policy_loss`.
+        clip_low, clip_high: ε of the log-ratio bounds ln(1 - ε_low), ln(1 + ε_high); None = unbounded.
+        drift_coef: α >= 0, weight of the policy-drift penalty.
+        ref_logp, kl_coef, kl_estimator, aggregation, norm_length, weights, normalizer, kl_clamp: as in
+            `policy_loss`.
+
+    Returns:
+        (loss, metrics) as in `policy_loss`; `clipfrac` counts tokens whose clipped branch was taken.
+    """
+    _check_aggregation("aggregation", aggregation, norm_length, normalizer)
+    _check_clip("clip_low", clip_low, upper=1.0)
+    _check_clip("clip_high", clip_high)
+    if not drift_coef >= 0:
+        raise ValueError(f"drift_coef: must be >= 0, got {drift_coef!r}")
+    _check_kl(kl_coef, ref_logp, kl_estimator, kl_clamp)
+    if clip_low == 1.0:
+        clip_low = None  # ln(0): no lower bound
+    batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
+    logp, adv, mask = batch.logp, batch.advantages, batch.mask
+
+    log_ratio = logp - batch.old_logp  # [B, T]
+    lower = None if clip_low is None else math.log(1.0 - clip_low)
+    upper = None if clip_high is None else math.log1p(clip_high)
+    clipped = log_ratio if lower is None and upper is None else log_ratio.clamp(min=lower, max=upper)
+    per_token = torch.maximum(-adv * log_ratio, -adv * clipped)  # -min(l A, clip(l) A)
+    if drift_coef:
+        per_token = per_token + drift_coef * (torch.expm1(log_ratio) - log_ratio)
+
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
+    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
+
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        low = (adv < 0) & (lr < lower) if lower is not None else torch.zeros_like(mask)
+        high = (adv > 0) & (lr > upper) if upper is not None else torch.zeros_like(mask)
+        metrics = _policy_metrics(log_ratio, torch.exp(lr), mask, low, high, torch.zeros_like(mask), kl)
     return loss, metrics
 
 
