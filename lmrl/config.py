@@ -183,12 +183,15 @@ class RewardConfig(_Section):
     """Normalise scores to mean 0, std 1 over the batch (REINFORCE++)."""
 
 
-Advantage = Literal["grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce", "reinforce_baseline", "gae"]
+Advantage = Literal["grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce", "reinforce_baseline", "gae", "gpg",
+                    "remax", "pass_at_k"]
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_baseline", "gpg", "pass_at_k")
 Aggregation = Literal[
     "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
 AlgorithmName = Literal[
-    "grpo", "dr_grpo", "dapo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "ppo", "gspo", "cispo"
+    "grpo", "dr_grpo", "dapo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "ppo", "gspo", "cispo",
+    "sapo", "gmpo", "clip_cov", "kl_cov", "gpg", "cpgd", "remax"
 ]
 
 
@@ -197,10 +200,28 @@ class AlgorithmConfig(_Section):
     """Algorithm preset; its defaults fill every field below that you do not set."""
     advantage: Advantage = "grpo"
     """Advantage estimator. grpo_batch_std: r - group mean over the std of the whole batch (TRL's
-    scale_rewards="batch"); dr_grpo is TRL's scale_rewards="none"."""
-    loss: Literal["ppo", "cispo", "cpgd"] = "ppo"
-    """Policy loss: PPO-style clipped surrogate (GRPO, DAPO, GSPO, RLOO, REINFORCE), CISPO, or CPGD (clipped
-    log-ratio plus a policy-drift penalty, drift_coef)."""
+    scale_rewards="batch"); dr_grpo is TRL's scale_rewards="none"; gpg: GRPO's scaled up by batch / informative
+    samples; remax: r - the reward of the prompt's greedy completion; pass_at_k: the pass@k group advantage
+    (pass_k)."""
+    pass_k: PositiveInt = 4
+    """k of advantage=pass_at_k, at most rollout.group_size."""
+    loss: Literal["ppo", "cispo", "cpgd", "sapo", "gmpo", "clip_cov", "kl_cov"] = "ppo"
+    """Policy loss: PPO-style clipped surrogate (GRPO, DAPO, GSPO, RLOO, REINFORCE), CISPO, CPGD (clipped
+    log-ratio plus a policy-drift penalty, drift_coef), SAPO (soft gate, tau_pos / tau_neg), GMPO (geometric
+    mean of the token ratios, clip_low / clip_high bound the log-ratio), Clip-Cov or KL-Cov (covariance-based
+    token selection)."""
+    tau_pos: PositiveFloat = 1.0
+    """SAPO: gate temperature for positive advantages (loss=sapo)."""
+    tau_neg: PositiveFloat = 1.05
+    """SAPO: gate temperature for non-positive advantages (loss=sapo)."""
+    clip_cov_fraction: Fraction = 2e-4
+    """Clip-Cov: share of the real tokens whose gradient is dropped (loss=clip_cov)."""
+    clip_cov_bounds: tuple[float, float] = (1.0, 5.0)
+    """Clip-Cov: the covariance band (low, high) the dropped tokens are drawn from (loss=clip_cov)."""
+    kl_cov_fraction: Fraction = 2e-3
+    """KL-Cov: share of the real tokens, highest covariance first, held near the old policy (loss=kl_cov)."""
+    kl_cov_coef: NonNegativeFloat = 1.0
+    """KL-Cov: weight of the |log-ratio| penalty on those tokens (loss=kl_cov)."""
     drift_coef: NonNegativeFloat = 0.1
     """CPGD: weight of the policy-drift penalty, k3 of KL(old policy || policy) (loss=cpgd only)."""
     clip_low: Fraction | None = 0.2
@@ -272,12 +293,25 @@ class AlgorithmConfig(_Section):
     """DAPO: at most this many generation rounds per step when refilling."""
     tis_cap: PositiveFloat | None = None
     """Truncated importance sampling cap, when the sampler's probabilities differ from the trainer's
-    (2.0 when rollout.dtype makes the sampler a copy in another dtype)."""
+    (2.0 when rollout.dtype makes the sampler a copy in another dtype); the band's upper end with tis_mode
+    icepop or sequence-mask."""
+    tis_mode: Literal["truncate", "icepop", "sequence-mask"] = "truncate"
+    """How the sampler's mismatch is corrected: truncate each token's weight at tis_cap; icepop: weight ratio, but
+    0 for tokens whose ratio leaves [tis_low, tis_cap]; sequence-mask: the sequence's ratio, 0 for sequences
+    whose ratio leaves the band. Metric: val/tis_masked_frac."""
+    tis_low: Annotated[float, Field(ge=0, lt=1)] = 0.5
+    """Lower end of the band of tis_mode icepop and sequence-mask, in [0, 1)."""
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
         if self.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_coef: must be > 0 with kl_target: it is the adaptive controller's starting value")
+        if self.clip_cov_bounds[0] >= self.clip_cov_bounds[1]:
+            raise ValueError(f"clip_cov_bounds: the low bound must be below the high one, got {list(self.clip_cov_bounds)}")
+        if self.tis_mode != "truncate" and self.tis_cap is not None and self.tis_cap <= 1:
+            raise ValueError(f"tis_cap: the upper end of tis_mode={self.tis_mode}'s band must be > 1, got {self.tis_cap}")
+        if self.advantage == "remax" and self.dynamic_sampling:
+            raise ValueError("dynamic_sampling: not with advantage=remax (the greedy baselines follow the prompts)")
         if not self.use_advantages and self.advantage == "gae":
             raise ValueError("use_advantages: false weighs log-probs by the rewards themselves; it cannot be combined "
                              "with advantage=gae (a critic's advantages)")
@@ -300,6 +334,12 @@ class AlgorithmConfig(_Section):
 #   ppo      Schulman et al. 2017 / Ouyang et al. 2022: GAE with a critic, KL in the reward, whitened advantages.
 #   gspo     Zheng et al. 2025: sequence-level ratio with tiny clip ranges.
 #   cispo    MiniMax 2025: clipped, stop-gradient importance weights on a REINFORCE objective.
+#   sapo     Gao et al. 2025: a soft sigmoid gate on the ratio instead of the clip.
+#   gmpo     Zhao et al. 2025: the geometric mean of the token ratios, clipped in log space to (e^-0.4, e^0.4).
+#   clip_cov, kl_cov  Cui et al. 2025: drop the gradient of / put a KL on the highest-covariance tokens.
+#   gpg      Chu et al. 2025: plain policy gradient (no ratio, no clip), advantages scaled by B / informative.
+#   cpgd     Liu et al. 2025: clipped log-ratio plus a policy-drift penalty.
+#   remax    Li et al. 2023: REINFORCE with the greedy completion's reward as the baseline.
 ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(advantage="grpo", aggregation="seq-mean-token-mean"),
     "dr_grpo": dict(advantage="dr_grpo", aggregation="seq-mean-token-sum-norm"),
@@ -318,6 +358,13 @@ ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
     "gspo": dict(advantage="grpo", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
                  aggregation="seq-mean-token-mean"),
     "cispo": dict(advantage="grpo", loss="cispo", clip_low=None, clip_high=5.0, aggregation="token-mean"),
+    "sapo": dict(advantage="grpo", loss="sapo", aggregation="token-mean"),
+    "gmpo": dict(advantage="grpo", loss="gmpo", clip_low=0.4, clip_high=0.4, aggregation="seq-mean-token-mean"),
+    "clip_cov": dict(advantage="grpo", loss="clip_cov", aggregation="token-mean"),
+    "kl_cov": dict(advantage="grpo", loss="kl_cov", aggregation="token-mean"),
+    "gpg": dict(advantage="gpg", clip_low=None, clip_high=None, aggregation="token-mean"),
+    "cpgd": dict(advantage="grpo", loss="cpgd", aggregation="token-mean"),
+    "remax": dict(advantage="remax", clip_low=None, clip_high=None, aggregation="token-mean"),
 }
 # Reward-side defaults of an algorithm, as fractions of rollout.max_new_tokens. DAPO's soft overlong
 # penalty starts in the last fifth of the length budget (4k of 20k tokens in the paper); a budget too short
@@ -510,8 +557,10 @@ class Config(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         a, r = self.algorithm, self.rollout
-        if a.advantage in ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_baseline") and r.group_size < 2:
+        if a.advantage in GROUP_ADVANTAGES and r.group_size < 2:
             raise ValueError(f"rollout.group_size: must be >= 2 for the {a.advantage} advantage (got {r.group_size})")
+        if a.advantage == "pass_at_k" and a.pass_k > r.group_size:
+            raise ValueError(f"algorithm.pass_k: must be <= rollout.group_size={r.group_size} (got {a.pass_k})")
         batch = r.prompts_per_step * r.group_size
         if batch % a.num_minibatches:
             raise ValueError(

@@ -121,10 +121,13 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
 
 # Sequence-level estimators: scores [B] -> baseline-corrected scores [B], by the name in
 # `algorithm.advantage`. gae is per-token and needs a critic: compute_advantages handles it.
+# Estimators that need more than (scores, G) (pass_at_k's k, remax's greedy baselines, a batch statistic of
+# every rank) are completed in `_sequence_advantages`.
 SEQUENCE_ESTIMATORS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
     "grpo": lambda r, g: A.grpo_advantages(r, g),
     "dr_grpo": lambda r, g: A.grpo_advantages(r, g, scale_by_std=False),
-    "grpo_batch_std": A.batch_std_advantages,  # compute_advantages passes every rank's std when distributed
+    "grpo_batch_std": A.batch_std_advantages,
+    "gpg": A.gpg_advantages,
     "rloo": A.rloo_advantages,
     "reinforce_baseline": A.reinforce_baseline_advantages,
     "reinforce": lambda r, g: r,
@@ -148,6 +151,7 @@ def compute_advantages(
     kl_coef: float = 0.0,
     values: torch.Tensor | None = None,
     world: World = ONE_PROCESS,
+    baseline: torch.Tensor | None = None,
 ) -> Advantages:
     """Advantages for the estimator `cfg.advantage`.
 
@@ -157,6 +161,7 @@ def compute_advantages(
         kl: [B, T] per-token KL estimate of the sampling policy against the reference, used only when
             `cfg.kl_in == "reward"`.
         values: [B, T] critic values (gae only).
+        baseline: [B / G] the reward of each prompt's greedy completion (remax only).
         world: the ranks sharing the batch (`lmrl.distributed`): batch whitening uses all of their rows.
 
     Group estimators (grpo, dr_grpo, rloo, reinforce_baseline) and plain REINFORCE turn the scores into a
@@ -186,12 +191,8 @@ def compute_advantages(
         adv, ret = A.gae(values, rewards, mask, cfg.gamma, cfg.lam)
         out = Advantages(adv, ret, rewards)
     else:
-        if not cfg.use_advantages:  # TapeAgents: the log-probs' weights are the rewards themselves
-            seq = scores
-        elif cfg.advantage == "grpo_batch_std" and world.distributed:  # the std of the whole batch, every rank's
-            seq = A.batch_std_advantages(scores, group_size, std=batch_std(scores, world))
-        else:
-            seq = SEQUENCE_ESTIMATORS[cfg.advantage](scores, group_size)  # [B]
+        # TapeAgents' use_advantages=false: the log-probs' weights are the rewards themselves
+        seq = _sequence_advantages(cfg, scores, group_size, world, baseline) if cfg.use_advantages else scores  # [B]
         if token_kl or cfg.gamma < 1:
             rewards = A.kl_shaped_rewards(seq, kl if token_kl else torch.zeros_like(mask, dtype=seq.dtype),
                                           mask, kl_coef if token_kl else 0.0)
@@ -264,6 +265,7 @@ def make_experience(
     loss_mask: torch.Tensor | None = None,
     info: dict[str, torch.Tensor] | None = None,
     world: World = ONE_PROCESS,
+    baseline: torch.Tensor | None = None,
 ) -> Experience:
     """Turn a scored rollout into an Experience.
 
@@ -277,6 +279,7 @@ def make_experience(
         ref_logprobs / critic_values: same shape contract; None skips that forward.
         loss_mask: [B] bool, False drops a whole completion from the loss (e.g. truncated ones).
         world: the ranks sharing the batch, this rollout being one rank's share (`lmrl.distributed`).
+        baseline: [B / G] rewards of each prompt's greedy completion (advantage=remax).
     """
     seqs, attn = rollout.sequences, rollout.attention_mask
     T = rollout.response_ids.shape[1]
@@ -296,8 +299,9 @@ def make_experience(
         entropy = _cat([o[1] for o in outs], seqs, T)
         if cfg.tis_cap is not None:
             # the sampler's probabilities differ from the trainer's: reweight instead of pretending on-policy
-            weights = A.truncated_is_weights(old, rollout.logprobs.float(), mask, cap=cfg.tis_cap)
+            weights = rollout_is_weights(cfg, old, rollout.logprobs.float(), mask)
             info["tis_weight"] = A.masked_mean(weights, mask, dim=1)
+            info["tis_masked"] = ((weights == 0) & mask).sum(1).float()
     if cfg.entropy_top_fraction is not None:
         if entropy is None:
             raise ValueError("algorithm.entropy_top_fraction needs the policy forward (entropy) in make_experience")
@@ -319,7 +323,8 @@ def make_experience(
         info["kl_k3"] = A.masked_sum(A.kl_penalty(behaviour, ref, "k3"), mask, dim=1)
         if cfg.reward_minus_kl_coef:  # TapeAgents: the reward minus the sequence's k3 KL, before advantages
             rewards = info["reward_minus_kl"] = scores - cfg.reward_minus_kl_coef * info["kl_k3"].to(scores.dtype)
-    adv = compute_advantages(cfg, rewards, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values, world=world)
+    adv = compute_advantages(cfg, rewards, mask, rollout.group_size, kl=kl, kl_coef=kl_coef, values=values, world=world,
+                             baseline=baseline)
     if adv.relu_zeroed is not None:
         info["relu_zeroed"] = adv.relu_zeroed
     if cfg.clip_filter_like_weight is not None:
@@ -350,13 +355,41 @@ def make_experience(
     )
 
 
+def _sequence_advantages(cfg: AlgorithmConfig, scores: torch.Tensor, group_size: int, world: World,
+                         baseline: torch.Tensor | None) -> torch.Tensor:
+    """[B] advantages of a sequence-level estimator; batch statistics span every rank's share."""
+    if cfg.advantage == "remax":
+        if baseline is None:
+            raise ValueError("algorithm.advantage=remax needs the greedy completions' rewards (baseline)")
+        return A.remax_advantages(scores, baseline.to(scores.dtype), group_size)
+    if cfg.advantage == "pass_at_k":
+        return A.pass_at_k_advantages(scores, group_size, cfg.pass_k)
+    if world.distributed and cfg.advantage == "grpo_batch_std":
+        return A.batch_std_advantages(scores, group_size, std=batch_std(scores, world))
+    if world.distributed and cfg.advantage == "gpg":
+        return A.gpg_advantages(scores, group_size, informative_fraction=_informative_fraction(scores, group_size, world))
+    return SEQUENCE_ESTIMATORS[cfg.advantage](scores, group_size)
+
+
+def _informative_fraction(scores: torch.Tensor, group_size: int, world: World) -> torch.Tensor:
+    """The share of groups whose rewards are not all equal, over every rank's groups."""
+    ok = informative_groups(scores, group_size, tol=0.0).double()
+    counts = world.sum(torch.stack([ok.sum(), torch.tensor(float(len(ok)), dtype=torch.float64)]))
+    return counts[0] / counts[1].clamp(min=1)
+
+
+def rollout_is_weights(cfg: AlgorithmConfig, old: torch.Tensor, rollout_logp: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] weights correcting for a sampler whose probabilities differ from the trainer's (`algorithm.tis_mode`)."""
+    if cfg.tis_mode == "truncate":
+        return A.truncated_is_weights(old, rollout_logp, mask, cap=cfg.tis_cap)
+    level = "token" if cfg.tis_mode == "icepop" else "sequence"
+    return A.masked_is_weights(old, rollout_logp, mask, low=cfg.tis_low, high=cfg.tis_cap, level=level)
+
+
 def clip_filter_weights(scores: torch.Tensor, group_size: int, cap: float, world: World = ONE_PROCESS) -> torch.Tensor:
     """`lmrl.algorithms.clip_filter_like_weights` with the informative share of the whole batch (every rank's)."""
-    fraction = None
-    if world.distributed:
-        ok = informative_groups(scores, group_size, tol=0.0).double()
-        counts = world.sum(torch.stack([ok.sum(), torch.tensor(float(len(ok)), dtype=torch.float64)]))
-        fraction = counts[0] / counts[1].clamp(min=1)
+    fraction = _informative_fraction(scores, group_size, world) if world.distributed else None
     return A.clip_filter_like_weights(scores, group_size, max_weight=cap, informative_fraction=fraction)
 
 

@@ -86,8 +86,8 @@ def experience_from_records(
     if not records:
         raise ValueError("records: no scored completions")
     if cfg.advantage not in BY_GROUP_ID:
-        raise ValueError(f"algorithm.advantage={cfg.advantage!r} needs a critic; scored rollouts support "
-                         f"{', '.join(BY_GROUP_ID)}")
+        raise ValueError(f"algorithm.advantage={cfg.advantage!r} is not supported for scored rollouts (gae needs a "
+                         f"critic, remax greedy completions); they support {', '.join(BY_GROUP_ID)}")
     eos = tokenizer.eos_token_id
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in records], max_prompt_length)
     responses = []

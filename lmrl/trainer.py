@@ -82,6 +82,7 @@ from lmrl.experience import (
     concat_rollouts,
     informative_groups,
     make_experience,
+    rollout_is_weights,
     select_rollout,
     shape_scores,
 )
@@ -110,6 +111,7 @@ class Collected:
     rows: list[dict[str, Any]]  # dataset rows of the kept groups, in group order
     metrics: dict[str, float]
     per_function: dict[str, torch.Tensor]  # "reward/<name>" -> [B] raw scores (NaN where None)
+    baseline: torch.Tensor | None = None  # [B / G] the greedy completion's reward per prompt (ReMax)
 
 
 # the real os._exit, kept at import: while reward functions run, lmrl.rewards replaces os._exit so that a
@@ -366,7 +368,13 @@ class Trainer:
             keep = torch.zeros(len(scores), dtype=torch.bool)
         metrics["objective/raw_scores"] = raw.mean().item()
         per_function = {f"reward/{k}": torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}  # [B], NaN = None
-        return Collected(rollout, scores, keep, rows_kept, metrics, per_function)
+        baseline = None
+        if cfg.algorithm.advantage == "remax":  # ReMax: each prompt's greedy completion, shaped as the samples are
+            greedy, out = self.generate_and_score(rows_kept, 1, temperature=0.0)
+            shaping = cfg.reward.model_copy(update={"normalize": False})  # (a batch statistic of other completions)
+            baseline, _ = shape_scores(greedy, out.scores, shaping, cfg.rollout.max_new_tokens, self.world)
+            metrics["objective/greedy_scores"] = baseline.mean().item()
+        return Collected(rollout, scores, keep, rows_kept, metrics, per_function, baseline)
 
     def experience(self, c: Collected) -> Experience:
         """A scored rollout (this rank's share of the batch) -> Experience: old / reference log-probs, values,
@@ -378,7 +386,7 @@ class Trainer:
             ref_logprobs=self._ref_forward if self.models.has_reference else None,
             critic_values=self._critic_forward if self.models.critic is not None else None,
             kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep,
-            info=c.per_function, world=self.world,
+            info=c.per_function, world=self.world, baseline=c.baseline,
         )
 
     def generate_and_score(self, rows: list[dict[str, Any]], n: int, seed: int | None = None,
@@ -439,7 +447,7 @@ class Trainer:
         norm = norm if a.aggregation == "token-sum" else self.world.sum(norm)
         vnorm = self.world.sum(A.loss_normalizer(mb.response_mask, "token-mean"))
         loss_fn, options = POLICY_LOSSES[a.loss]
-        kw = options(a)
+        kw = options(a, self.minibatch_rng)
         live = self._rows_with_gradient(mb)
         stats: dict[str, float] = {"update/rows_skipped": 1.0 - len(live) / len(mb)}
         mb = mb.select(live)  # the losses keep the whole minibatch's normalizer; metrics average over `live`
@@ -461,11 +469,12 @@ class Trainer:
             old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach().float()
             weights, tis_stats = micro.weights, {}
             if micro.rollout_logprobs is not None:  # the sampler differs from the trainer: reweight its tokens
-                tis = A.truncated_is_weights(old, micro.rollout_logprobs, micro.response_mask, cap=a.tis_cap)
+                tis = rollout_is_weights(a, old, micro.rollout_logprobs, micro.response_mask)
                 weights = tis if weights is None else weights * tis
                 tis_stats["val/tis_weight_mean"] = A.masked_mean(tis, micro.response_mask).item()
+                tis_stats["val/tis_masked_frac"] = A.masked_mean((tis == 0).float(), micro.response_mask).item()
             loss, m = loss_fn(logp, old, micro.advantages, micro.response_mask,
-                              clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation, norm_length=norm_length,
+                              aggregation=a.aggregation, norm_length=norm_length,
                               ref_logp=micro.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.value if kl_in_loss else 0.0,
                               kl_estimator=a.kl_estimator, kl_clamp=None if a.kl_clamp == "none" else a.kl_clamp,
                               weights=weights, normalizer=norm, **kw)
@@ -627,6 +636,7 @@ class Trainer:
             out["val/clip_filter_weight_mean"] = exp.info["clip_filter_weight"].float().mean().item()
         if "tis_weight" in exp.info:  # how far the sampler's probabilities are from the trainer's
             out["val/tis_weight_mean"] = exp.info["tis_weight"].mean().item()
+            out["val/tis_masked_frac"] = exp.info["tis_masked"].sum().item() / real
         if "entropy" in exp.info:
             out["objective/entropy"] = exp.info["entropy"].mean().item()
         return out
@@ -857,11 +867,22 @@ class Trainer:
         else:
             print_line(f"lmrl: warning: {line}")
 
-# The policy losses by `algorithm.loss`: the function, and its options beyond those every loss takes.
+def _clips(a) -> dict[str, Any]:
+    return {"clip_low": a.clip_low, "clip_high": a.clip_high}
+
+
+# The policy losses by `algorithm.loss`: the function, and its options beyond those every loss takes
+# (aggregation, KL to the reference, weights, normalizer), from the algorithm config and a torch.Generator.
 POLICY_LOSSES = {
-    "ppo": (A.policy_loss, lambda a: {"dual_clip": a.dual_clip, "ratio_level": a.ratio_level}),
-    "cispo": (A.cispo_loss, lambda a: {}),
-    "cpgd": (A.cpgd_loss, lambda a: {"drift_coef": a.drift_coef}),
+    "ppo": (A.policy_loss, lambda a, rng: {**_clips(a), "dual_clip": a.dual_clip, "ratio_level": a.ratio_level}),
+    "cispo": (A.cispo_loss, lambda a, rng: _clips(a)),
+    "cpgd": (A.cpgd_loss, lambda a, rng: {**_clips(a), "drift_coef": a.drift_coef}),
+    "sapo": (A.sapo_loss, lambda a, rng: {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}),
+    "gmpo": (A.gmpo_loss, lambda a, rng: _clips(a)),
+    "clip_cov": (A.clip_cov_loss, lambda a, rng: {**_clips(a), "clip_fraction": a.clip_cov_fraction,
+                                                  "cov_low": a.clip_cov_bounds[0], "cov_high": a.clip_cov_bounds[1],
+                                                  "generator": rng}),
+    "kl_cov": (A.kl_cov_loss, lambda a, rng: {"kl_fraction": a.kl_cov_fraction, "cov_kl_coef": a.kl_cov_coef}),
 }
 
 

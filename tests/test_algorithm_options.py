@@ -18,6 +18,14 @@ OPTIONS = [
     ["algorithm=reinforce_pp", "algorithm.whiten_std=population"],
     ["algorithm=rloo", "algorithm.ratio_level=sequence-sum", "algorithm.aggregation=seq-mean-token-sum",
      "algorithm.num_iterations=2"],
+    ["algorithm.advantage=pass_at_k", "algorithm.pass_k=2"],
+    ["algorithm.tis_cap=2.0", "algorithm.tis_mode=icepop"],
+    ["algorithm.tis_cap=2.0", "algorithm.tis_mode=sequence-mask", "algorithm.num_iterations=2"],
+    ["algorithm=clip_cov", "algorithm.clip_cov_fraction=0.05", "algorithm.clip_cov_bounds=[0.0, 100.0]",
+     "algorithm.num_minibatches=2"],
+    ["algorithm=kl_cov", "algorithm.kl_cov_fraction=0.1", "algorithm.num_iterations=2"],
+    ["algorithm=sapo", "algorithm.num_iterations=2"],
+    ["algorithm=gmpo", "algorithm.num_iterations=2"],
 ]
 
 
@@ -34,10 +42,25 @@ def test_option_trains_end_to_end(tmp_path, overrides):
     ("algorithm.kl_clamp=trl", "algorithm.kl_clamp"),
     ("algorithm.whiten_std=sample", "algorithm.whiten_std"),
     ("algorithm.ratio_level=seq", "algorithm.ratio_level"),
+    ("algorithm.pass_k=9", "algorithm.pass_k"),
+    ("algorithm.clip_cov_bounds=[5, 1]", "algorithm.clip_cov_bounds"),
+    ("algorithm.tis_low=1.5", "algorithm.tis_low"),
+    ("algorithm.tau_neg=0", "algorithm.tau_neg"),
 ])
 def test_bad_option_values_name_the_field(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(None, [override])
+        load_config(None, [override, "algorithm.advantage=pass_at_k", "rollout.group_size=8"])
+
+
+def test_remax_baseline_is_the_greedy_completions_reward(tmp_path):
+    trainer = make_trainer(tmp_path, "algorithm=remax")
+    c = trainer.collect(1)
+    assert c.baseline.shape == (4,)  # one greedy completion per prompt
+    exp = trainer.experience(c)
+    want = c.scores - c.baseline.repeat_interleave(4)
+    torch.testing.assert_close(exp.advantages[:, 0], torch.where(exp.response_mask[:, 0], want.float(), 0.0))
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        load_config(None, ["algorithm=remax", "algorithm.dynamic_sampling=true"])
 
 
 KNOBS = [

@@ -10,10 +10,13 @@ from lmrl.algorithms.advantages import (
     clip_filter_like_weights,
     discounted_returns,
     gae,
+    gpg_advantages,
     group_advantages,
     grpo_advantages,
     leave_one_out_advantages,
+    pass_at_k_advantages,
     reinforce_baseline_advantages,
+    remax_advantages,
     rloo_advantages,
 )
 from lmrl.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
@@ -27,11 +30,13 @@ from lmrl.algorithms.losses import (
     cpgd_loss,
     explained_variance,
     loss_normalizer,
+    masked_is_weights,
     policy_loss,
     truncated_is_weights,
     value_loss,
 )
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var, masked_whiten
+from lmrl.algorithms.surrogates import clip_cov_loss, gmpo_loss, kl_cov_loss, sapo_loss, token_covariance
 
 __all__ = [
     "masked_mean",
@@ -43,10 +48,13 @@ __all__ = [
     "clip_filter_like_weights",
     "discounted_returns",
     "gae",
+    "gpg_advantages",
     "grpo_advantages",
     "group_advantages",
     "leave_one_out_advantages",
+    "pass_at_k_advantages",
     "reinforce_baseline_advantages",
+    "remax_advantages",
     "rloo_advantages",
     "KL_CLAMPS",
     "KL_ESTIMATORS",
@@ -61,9 +69,15 @@ __all__ = [
     "cpgd_loss",
     "explained_variance",
     "loss_normalizer",
+    "masked_is_weights",
     "policy_loss",
     "truncated_is_weights",
     "value_loss",
+    "clip_cov_loss",
+    "gmpo_loss",
+    "kl_cov_loss",
+    "sapo_loss",
+    "token_covariance",
     "DEFAULT_CHUNK_SIZE",
     "hidden_logprobs",
     "token_entropy",

@@ -40,6 +40,7 @@ __all__ = [
     "cpgd_loss",
     "explained_variance",
     "loss_normalizer",
+    "masked_is_weights",
     "policy_loss",
     "truncated_is_weights",
     "value_loss",
@@ -769,6 +770,54 @@ def truncated_is_weights(
             log_ratio = log_ratio.clamp(max=math.log(cap))
         weights = torch.exp(log_ratio)
         return torch.where(mask, weights, torch.zeros((), dtype=dtype, device=weights.device))
+
+
+def masked_is_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    low: float = 0.5,
+    high: float = 2.0,
+    level: str = "token",
+) -> torch.Tensor:
+    """Importance weights that *mask* what the sampler got too wrong, instead of truncating it.
+
+    With ρ = π_old / π_rollout on the sampled tokens:
+
+        token (IcePop):  w_{i,t} = ρ_{i,t} if low <= ρ_{i,t} <= high, else 0
+        sequence:        w_{i,t} = ρ_i if low <= ρ_i <= high, else 0,   ρ_i = exp(Σ_t m (old_logp - rollout_logp))
+
+    Token level is IcePop's double-sided masking (inclusionAI 2025, "Small Leak Can Sink a Great Ship",
+    the Ring-1T report): tokens whose trainer and sampler probabilities disagree beyond the band carry
+    no gradient at all, since truncating their weight (`truncated_is_weights`) still trains on a
+    mismatch that compounds. Sequence level is masked sequence IS ("MIS", Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"): a sequence whose likelihood
+    ratio leaves the band is dropped whole.
+
+    Args:
+        old_logp: `[B, T]` trainer log-probs of the sampled tokens.
+        rollout_logp: `[B, T]` the sampler's log-probs of the same tokens.
+        mask: `[B, T]` bool or 0/1, real response tokens.
+        low, high: the band, 0 <= low < 1 < high.
+        level: "token" or "sequence".
+
+    Returns:
+        `[B, T]` weights, detached, float32 at least; padding and masked-out tokens are 0.
+    """
+    _check_choice("level", level, _IS_LEVELS)
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"low, high: must satisfy 0 <= low < 1 < high, got {low!r}, {high!r}")
+    mask = _as_bool_mask(mask, old_logp, "old_logp")
+    _check_same_shape("rollout_logp", rollout_logp, "old_logp", old_logp)
+    with torch.no_grad():
+        dtype = _compute_dtype(old_logp.dtype)
+        log_ratio = _clean(old_logp, mask, dtype) - _clean(rollout_logp, mask, dtype)  # [B, T]
+        if level == "sequence":
+            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+        log_low = math.log(low) if low > 0 else -math.inf
+        inside = (log_ratio >= log_low) & (log_ratio <= math.log(high))
+        weights = torch.exp(log_ratio.clamp(max=math.log(high)))  # no overflow where the band masks anyway
+        return torch.where(mask & inside, weights, torch.zeros((), dtype=dtype, device=weights.device))
 
 
 # --------------------------------------------------------------------------------------------------
