@@ -374,11 +374,12 @@ REWARD_PRESETS: dict[str, dict[str, float]] = {"dapo": dict(overlong_buffer=0.2)
 
 # Defaults for the model that ships with lmrl (a 0.5M-parameter character-level Llama): the general
 # defaults suit billion-parameter models (lr 1e-6); a tiny model learns at 1e-4 and runs fastest on one
-# thread. Measured in scripts/make_tiny_model.py's notes and the README's demo run. User values win.
+# thread. The critic (PPO), a copy of the same backbone, learns at 1e-4 too: at the general 1e-5 its value
+# loss took ~100 steps to settle instead of ~20 (docs/algorithms.md, "Learning on the shipped task"). Measured in scripts/make_tiny_model.py's notes and the README's demo run. User values win.
 MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny-addition": {
         "rollout": dict(prompts_per_step=32, group_size=8, max_new_tokens=4),
-        "optim": dict(lr=1e-4),
+        "optim": dict(lr=1e-4, critic_lr=1e-4),
         "data": dict(num_eval_prompts=500),
         "train": dict(steps=2000, max_minutes=4.5, eval_every=50, threads=1, output_dir="runs/tiny-addition"),
         "log": dict(every=25, samples_every=250),

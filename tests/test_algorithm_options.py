@@ -31,7 +31,7 @@ OPTIONS = [
 
 @pytest.mark.parametrize("overrides", OPTIONS, ids=lambda o: " ".join(o))
 def test_option_trains_end_to_end(tmp_path, overrides):
-    trainer = make_trainer(tmp_path, *overrides)
+    trainer = make_trainer(tmp_path, *overrides, "train.steps=1")
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     history = trainer.train().history
     assert all(math.isfinite(v) for k, v in history[-1].items() if k.startswith(("loss/", "policy/")))
@@ -74,7 +74,7 @@ KNOBS = [
 
 @pytest.mark.parametrize("overrides, metric", KNOBS, ids=lambda o: " ".join(o) if isinstance(o, list) else o)
 def test_seed_knob_trains_and_logs_its_metric(tmp_path, overrides, metric):
-    trainer = make_trainer(tmp_path, *overrides)
+    trainer = make_trainer(tmp_path, *overrides, "train.steps=1")
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     history = trainer.train().history
     assert all(metric in h and math.isfinite(h[metric]) for h in history)
