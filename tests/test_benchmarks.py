@@ -34,3 +34,12 @@ def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
     peaks = re.findall(r"train.parallel=(\w+)\s+peak memory per rank\s+([\d.]+) GB\s+([\d.]+)x", out)
     assert [p[0] for p in peaks] == ["ddp", "fsdp"] and peaks[0][2] == "1.00", out
     assert all(float(p[1]) > 0.1 for p in peaks), out  # a real resident set, not a zero from a failed run
+
+
+def test_preset_gains_benchmark_runs_lmrl_train_and_tabulates():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "preset_gains.py"), "--names", "grpo", "--steps", "2",
+         "--parallel", "1", "--set", "data.num_eval_prompts=8"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    assert re.search(r"\| grpo \| [\d.]+% -> [\d.]+% \| [+-][\d.]+ \| 2 \| [\d.]+ \|", out), out
