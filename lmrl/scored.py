@@ -130,10 +130,12 @@ def experience_from_records(
     index: dict[Any, int] = {}
     groups = torch.tensor([index.setdefault(_hashable(r["group_id"]), len(index)) for r in records])
     scores = torch.tensor([float(r["reward"]) for r in records])
-    seq_adv = BY_GROUP_ID[cfg.advantage](scores, groups)
+    seq_adv = BY_GROUP_ID[cfg.advantage](scores, groups) if cfg.use_advantages else scores  # TapeAgents' knob
     advantages = torch.where(mask, seq_adv[:, None].expand(B, T), torch.zeros(()))
     if cfg.whiten_advantages:
         advantages = A.masked_whiten(advantages, mask, unbiased=cfg.whiten_std == "unbiased")
+    if cfg.relu_log_p_weights:  # TapeAgents: learn only from what beat its baseline
+        advantages = advantages.clamp(min=0)
     return Experience(
         sequences=sequences, attention_mask=attention_mask, response_mask=mask, old_logprobs=old,
         advantages=advantages, scores=scores, group_index=groups,

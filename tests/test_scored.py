@@ -96,3 +96,13 @@ def test_batch_std_advantage_by_group_id():
     groups = torch.tensor([7, 7, 3, 3, 9])  # the lone sample of group 9 gets 0
     want = torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0]) / (r.std() + 1e-8)
     torch.testing.assert_close(BY_GROUP_ID["grpo_batch_std"](r, groups), want)
+
+
+def test_tapeagents_knobs_on_scored_rollouts():
+    tok = char_tokenizer()
+    raw = experience_from_records(ROWS, tok, load_config(None, ["algorithm.use_advantages=false"]).algorithm)
+    torch.testing.assert_close(raw.advantages[:, 0], torch.tensor([1.0, 0, 0, 1, 1, 0]))
+    relu = experience_from_records(ROWS, tok, load_config(None, ["algorithm.relu_log_p_weights=true"]).algorithm)
+    plain = experience_from_records(ROWS, tok, load_config().algorithm)
+    torch.testing.assert_close(relu.advantages, plain.advantages.clamp(min=0))
+    assert (plain.advantages < 0).any()
