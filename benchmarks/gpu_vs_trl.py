@@ -268,7 +268,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     floor = decode_bytes(params, 2 if args.dtype == "bfloat16" else 4, rows, 16, s.max_new_tokens, layers, kv_heads,
                          hidden // heads) / bandwidth
-    print(f"bandwidth limit: {bandwidth / 1e9:.0f} GB/s copy bandwidth -> a generation needs >= {floor:.3f} s "
+    print(f"bandwidth limit: {bandwidth / 1e9:.0f} GB/s copy bandwidth -> a generation needs >= {floor:.3g} s "
           f"({rows * s.max_new_tokens / floor:,.0f} tokens/s)")
     base = None
     for trainer, r in runs.items():

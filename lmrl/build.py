@@ -36,9 +36,15 @@ SHIPPED_NAMES = ("tiny-addition", "tiny-calculator")
 class Models:
     policy: nn.Module
     tokenizer: Any
-    reference: nn.Module | None = None
+    reference: nn.Module | None = None  # a frozen copy of the policy's starting weights
     critic: nn.Module | None = None
     sampler: nn.Module | None = None  # a copy of the policy in another dtype that generates (rollout.dtype)
+    # a LoRA run's reference: the policy's base with its adapters disabled, no second copy of the weights
+    reference_is_base: bool = False
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or self.reference_is_base
 
 
 def policy_path(cfg: Config) -> str:
@@ -102,14 +108,13 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
             policy.set_attn_implementation(m.attn_implementation)
         if m.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
-    # the reference is copied before LoRA wraps the policy: it is the frozen starting point
-    reference = reference_model(policy) if cfg.needs_reference else None
-    if adapter_base(m.name_or_path) is not None:  # an adapter to train on (its own r, alpha, modules)
-        policy = _load_adapter(policy, m.name_or_path)
-    elif m.lora is not None:
-        policy = _apply_lora(policy, m.lora)
+    adapter = adapter_base(m.name_or_path) is not None  # an adapter to train on (its own r, alpha, modules)
+    lora = adapter or m.lora is not None
+    # LoRA never changes the base weights: the reference is the policy with its adapters disabled. Otherwise
+    # it is a frozen copy, taken before training starts.
+    reference = reference_model(policy) if cfg.needs_reference and not lora else None
     critic = None
-    if cfg.algorithm.needs_critic:
+    if cfg.algorithm.needs_critic:  # from the base, before LoRA wraps (and changes) the policy's modules
         from lmrl.models.critic import ValueModel
 
         if m.critic_name_or_path:
@@ -117,8 +122,13 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
         else:
             critic = ValueModel.from_policy(reference or policy)
         critic.to(device)
+    if adapter:
+        policy = _load_adapter(policy, m.name_or_path)
+    elif m.lora is not None:
+        policy = _apply_lora(policy, m.lora)
     policy.train()
-    return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype))
+    return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype),
+                  reference_is_base=lora and cfg.needs_reference)
 
 
 def memory_bytes(device: torch.device) -> int:

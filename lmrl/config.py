@@ -209,12 +209,15 @@ class RewardConfig(_Section):
                                                        "drop_truncated")}
 
 
-Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "gae"]
+Advantage = Literal["grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce", "reinforce_baseline", "gae", "gpg",
+                    "remax", "pass_at_k"]
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_baseline", "gpg", "pass_at_k")
 Aggregation = Literal[
     "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
 AlgorithmName = Literal[
-    "grpo", "dr_grpo", "dapo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "ppo", "gspo", "cispo"
+    "grpo", "dr_grpo", "dapo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "ppo", "gspo", "cispo",
+    "sapo", "gmpo", "clip_cov", "kl_cov", "gpg", "cpgd", "remax"
 ]
 
 
@@ -222,25 +225,53 @@ class AlgorithmConfig(_Section):
     name: AlgorithmName = "grpo"
     """Algorithm preset; its defaults fill every field below that you do not set."""
     advantage: Advantage = "grpo"
-    """Advantage estimator."""
-    loss: Literal["ppo", "cispo"] = "ppo"
-    """Policy loss: PPO-style clipped surrogate (GRPO, DAPO, GSPO, RLOO, REINFORCE) or CISPO."""
+    """Advantage estimator. grpo_batch_std: r - group mean over the std of the whole batch (TRL's
+    scale_rewards="batch"); dr_grpo is TRL's scale_rewards="none"; gpg: GRPO's scaled up by batch / informative
+    samples; remax: r - the reward of the prompt's greedy completion; pass_at_k: the pass@k group advantage
+    (pass_k)."""
+    pass_k: PositiveInt = 4
+    """k of advantage=pass_at_k, at most rollout.group_size."""
+    loss: Literal["ppo", "cispo", "cpgd", "sapo", "gmpo", "clip_cov", "kl_cov"] = "ppo"
+    """Policy loss: PPO-style clipped surrogate (GRPO, DAPO, GSPO, RLOO, REINFORCE), CISPO, CPGD (clipped
+    log-ratio plus a policy-drift penalty, drift_coef), SAPO (soft gate, tau_pos / tau_neg), GMPO (geometric
+    mean of the token ratios, clip_low / clip_high bound the log-ratio), Clip-Cov or KL-Cov (covariance-based
+    token selection)."""
+    tau_pos: PositiveFloat = 1.0
+    """SAPO: gate temperature for positive advantages (loss=sapo)."""
+    tau_neg: PositiveFloat = 1.05
+    """SAPO: gate temperature for non-positive advantages (loss=sapo)."""
+    clip_cov_fraction: Fraction = 2e-4
+    """Clip-Cov: share of the real tokens whose gradient is dropped (loss=clip_cov)."""
+    clip_cov_bounds: tuple[float, float] = (1.0, 5.0)
+    """Clip-Cov: the covariance band (low, high) the dropped tokens are drawn from (loss=clip_cov)."""
+    kl_cov_fraction: Fraction = 2e-3
+    """KL-Cov: share of the real tokens, highest covariance first, held near the old policy (loss=kl_cov)."""
+    kl_cov_coef: NonNegativeFloat = 1.0
+    """KL-Cov: weight of the |log-ratio| penalty on those tokens (loss=kl_cov)."""
+    drift_coef: NonNegativeFloat = 0.1
+    """CPGD: weight of the policy-drift penalty, k3 of KL(old policy || policy) (loss=cpgd only)."""
     clip_low: Fraction | None = 0.2
     """Lower clip range in [0, 1]: the ratio is kept above 1 - clip_low (None = no clipping below)."""
     clip_high: NonNegativeFloat | None = 0.2
     """Upper clip range: the ratio is kept below 1 + clip_high (DAPO's clip-higher raises it)."""
     dual_clip: Annotated[float, Field(gt=1)] | None = None
     """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens (None = off)."""
-    ratio_level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token (PPO, GRPO) or per sequence (GSPO)."""
+    ratio_level: Literal["token", "sequence", "sequence-sum"] = "token"
+    """Importance ratio per token (PPO, GRPO), per sequence length-normalised (GSPO), or per sequence as
+    exp of the summed token log-ratios, clipped per sequence (sequence-sum: TRL's RLOOTrainer; pair it with
+    aggregation=seq-mean-token-sum for TRL's loss)."""
     aggregation: Aggregation = "seq-mean-token-mean"
     """How per-token losses become one number (token-mean is DAPO's, seq-mean-token-sum-norm Dr. GRPO's)."""
     norm_length: PositiveInt | None = None
     """Length normaliser of seq-mean-token-sum-norm (None = rollout.max_new_tokens)."""
     kl_coef: NonNegativeFloat = 0.0
     """Weight of the KL penalty against the reference model (0 skips the reference model entirely)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 = log-ratio (unbiased value), k3 = Schulman's low-variance estimator."""
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    """KL estimator: k1 = log-ratio (unbiased value), k3 = Schulman's low-variance estimator, k3+ = k3's
+    value with k2's gradient (verl's low_var_kl+)."""
+    kl_clamp: Literal["none", "verl", "openrlhf"] = "none"
+    """Clamp the KL estimate as a peer does: verl (k3: log-ratio to [-20, 20], k3 to [-10, 10]), openrlhf (every
+    estimator to [-10, 10]); none (lmrl's default) clamps nothing."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Put the KL term in the loss (GRPO) or subtract it from the reward (PPO, RLOO, REINFORCE++)."""
     kl_level: Literal["token", "sequence"] = "token"
@@ -255,6 +286,21 @@ class AlgorithmConfig(_Section):
     """Train only on this top fraction of tokens by entropy (the "forking tokens"; e.g. 0.2)."""
     whiten_advantages: bool = False
     """Whiten advantages across the whole batch (REINFORCE++, PPO)."""
+    whiten_std: Literal["unbiased", "population"] = "unbiased"
+    """The std whitening divides by: unbiased (n - 1; TRL, verl) or population (n; OpenRLHF)."""
+    use_advantages: bool = True
+    """False: weigh each completion's log-probs by its reward itself instead of an advantage (TapeAgents'
+    use_advantages=False; the advantage estimator is skipped)."""
+    relu_log_p_weights: bool = False
+    """Clamp the weights of the log-probs (advantages, or rewards with use_advantages=false) at 0 from below:
+    train only on completions better than their baseline (TapeAgents). Metric: val/relu_zeroed_frac."""
+    reward_minus_kl_coef: NonNegativeFloat = 0.0
+    """Subtract this times the sequence's summed k3 KL (sampling policy vs reference) from its reward before
+    advantages (TapeAgents' reward_minus_kl_coef; loads the reference model). Metric: objective/reward_minus_kl."""
+    clip_filter_like_weight: PositiveFloat | None = None
+    """LightRFT's clip-filter-like weight: completions of groups whose rewards differ are weighted by
+    min(groups / informative groups, this cap), those of all-equal groups by 1 (None = off; LightRFT: 3.0).
+    Metric: val/clip_filter_weight_mean."""
     gamma: Fraction = 1.0
     """Discount factor for per-token returns, in [0, 1]."""
     lam: Fraction = 0.95
@@ -273,12 +319,28 @@ class AlgorithmConfig(_Section):
     """DAPO: at most this many generation rounds per step when refilling."""
     tis_cap: PositiveFloat | None = None
     """Truncated importance sampling cap, when the sampler's probabilities differ from the trainer's
-    (2.0 when rollout.dtype makes the sampler a copy in another dtype)."""
+    (2.0 when rollout.dtype makes the sampler a copy in another dtype); the band's upper end with tis_mode
+    icepop or sequence-mask."""
+    tis_mode: Literal["truncate", "icepop", "sequence-mask"] = "truncate"
+    """How the sampler's mismatch is corrected: truncate each token's weight at tis_cap; icepop: weight ratio, but
+    0 for tokens whose ratio leaves [tis_low, tis_cap]; sequence-mask: the sequence's ratio, 0 for sequences
+    whose ratio leaves the band. Metric: val/tis_masked_frac."""
+    tis_low: Annotated[float, Field(ge=0, lt=1)] = 0.5
+    """Lower end of the band of tis_mode icepop and sequence-mask, in [0, 1)."""
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
         if self.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_coef: must be > 0 with kl_target: it is the adaptive controller's starting value")
+        if self.clip_cov_bounds[0] >= self.clip_cov_bounds[1]:
+            raise ValueError(f"clip_cov_bounds: the low bound must be below the high one, got {list(self.clip_cov_bounds)}")
+        if self.tis_mode != "truncate" and self.tis_cap is not None and self.tis_cap <= 1:
+            raise ValueError(f"tis_cap: the upper end of tis_mode={self.tis_mode}'s band must be > 1, got {self.tis_cap}")
+        if self.advantage == "remax" and self.dynamic_sampling:
+            raise ValueError("dynamic_sampling: not with advantage=remax (the greedy baselines follow the prompts)")
+        if not self.use_advantages and self.advantage == "gae":
+            raise ValueError("use_advantages: false weighs log-probs by the rewards themselves; it cannot be combined "
+                             "with advantage=gae (a critic's advantages)")
         return self
 
     @property
@@ -287,8 +349,10 @@ class AlgorithmConfig(_Section):
 
     def experience_options(self) -> dict[str, Any]:
         """The fields `lmrl.experience.make_experience` takes, as its keyword arguments of the same names."""
-        return {name: getattr(self, name) for name in ("advantage", "gamma", "lam", "whiten_advantages", "kl_in",
-                                                       "kl_level", "kl_estimator", "tis_cap", "entropy_top_fraction")}
+        return {name: getattr(self, name) for name in (
+            "advantage", "gamma", "lam", "whiten_advantages", "whiten_std", "use_advantages", "relu_log_p_weights",
+            "pass_k", "kl_in", "kl_level", "kl_estimator", "kl_clamp", "tis_cap", "tis_mode", "tis_low",
+            "entropy_top_fraction", "reward_minus_kl_coef", "clip_filter_like_weight")}
 
 
 # Defaults of each algorithm, as its paper (or the reference implementation) sets them. Fields not listed
@@ -303,6 +367,12 @@ class AlgorithmConfig(_Section):
 #   ppo      Schulman et al. 2017 / Ouyang et al. 2022: GAE with a critic, KL in the reward, whitened advantages.
 #   gspo     Zheng et al. 2025: sequence-level ratio with tiny clip ranges.
 #   cispo    MiniMax 2025: clipped, stop-gradient importance weights on a REINFORCE objective.
+#   sapo     Gao et al. 2025: a soft sigmoid gate on the ratio instead of the clip.
+#   gmpo     Zhao et al. 2025: the geometric mean of the token ratios, clipped in log space to (e^-0.4, e^0.4).
+#   clip_cov, kl_cov  Cui et al. 2025: drop the gradient of / put a KL on the highest-covariance tokens.
+#   gpg      Chu et al. 2025: plain policy gradient (no ratio, no clip), advantages scaled by B / informative.
+#   cpgd     Liu et al. 2025: clipped log-ratio plus a policy-drift penalty.
+#   remax    Li et al. 2023: REINFORCE with the greedy completion's reward as the baseline.
 ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(advantage="grpo", aggregation="seq-mean-token-mean"),
     "dr_grpo": dict(advantage="dr_grpo", aggregation="seq-mean-token-sum-norm"),
@@ -321,6 +391,13 @@ ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
     "gspo": dict(advantage="grpo", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
                  aggregation="seq-mean-token-mean"),
     "cispo": dict(advantage="grpo", loss="cispo", clip_low=None, clip_high=5.0, aggregation="token-mean"),
+    "sapo": dict(advantage="grpo", loss="sapo", aggregation="token-mean"),
+    "gmpo": dict(advantage="grpo", loss="gmpo", clip_low=0.4, clip_high=0.4, aggregation="seq-mean-token-mean"),
+    "clip_cov": dict(advantage="grpo", loss="clip_cov", aggregation="token-mean"),
+    "kl_cov": dict(advantage="grpo", loss="kl_cov", aggregation="token-mean"),
+    "gpg": dict(advantage="gpg", clip_low=None, clip_high=None, aggregation="token-mean"),
+    "cpgd": dict(advantage="grpo", loss="cpgd", aggregation="token-mean"),
+    "remax": dict(advantage="remax", clip_low=None, clip_high=None, aggregation="token-mean"),
 }
 # Reward-side defaults of an algorithm, as fractions of rollout.max_new_tokens. DAPO's soft overlong
 # penalty starts in the last fifth of the length budget (4k of 20k tokens in the paper); a budget too short
@@ -330,11 +407,12 @@ REWARD_PRESETS: dict[str, dict[str, float]] = {"dapo": dict(overlong_buffer=0.2)
 
 # Defaults for the model that ships with lmrl (a 0.5M-parameter character-level Llama): the general
 # defaults suit billion-parameter models (lr 1e-6); a tiny model learns at 1e-4 and runs fastest on one
-# thread. Measured in scripts/make_tiny_model.py's notes and the README's demo run. User values win.
+# thread. The critic (PPO), a copy of the same backbone, learns at 1e-4 too: at the general 1e-5 its value
+# loss took ~100 steps to settle instead of ~20 (docs/algorithms.md, "Learning on the shipped task"). Measured in scripts/make_tiny_model.py's notes and the README's demo run. User values win.
 MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny-addition": {
         "rollout": dict(prompts_per_step=32, group_size=8, max_new_tokens=4),
-        "optim": dict(lr=1e-4),
+        "optim": dict(lr=1e-4, critic_lr=1e-4),
         "data": dict(num_eval_prompts=500),
         "train": dict(steps=2000, max_minutes=4.5, eval_every=50, threads=1, output_dir="runs/tiny-addition"),
         "log": dict(every=25, samples_every=250),
@@ -609,8 +687,10 @@ class Config(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         a, r = self.algorithm, self.rollout
-        if a.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_baseline") and r.group_size < 2:
+        if a.advantage in GROUP_ADVANTAGES and r.group_size < 2:
             raise ValueError(f"rollout.group_size: must be >= 2 for the {a.advantage} advantage (got {r.group_size})")
+        if a.advantage == "pass_at_k" and a.pass_k > r.group_size:
+            raise ValueError(f"algorithm.pass_k: must be <= rollout.group_size={r.group_size} (got {a.pass_k})")
         batch = r.prompts_per_step * r.group_size
         if batch % a.num_minibatches:
             raise ValueError(
@@ -647,7 +727,8 @@ class Config(_Section):
     @property
     def needs_reference(self) -> bool:
         """The reference model is loaded only when a KL term can use it."""
-        return self.algorithm.kl_coef > 0 or self.algorithm.kl_target is not None
+        a = self.algorithm
+        return a.kl_coef > 0 or a.kl_target is not None or a.reward_minus_kl_coef > 0
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -168,18 +168,31 @@ ONE_PROCESS = World()
 """The world of a run not started by torchrun."""
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, world: World, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, world: World, eps: float = 1e-8,
+                  unbiased: bool = True) -> torch.Tensor:
     """`lmrl.algorithms.masked_whiten` over the batch of every rank: (x - mean) / (std + eps) with the mean and
-    unbiased std of the masked entries of all ranks together; masked-out entries become 0."""
+    std (unbiased, or population with `unbiased=False`) of the masked entries of all ranks together; masked-out
+    entries become 0."""
     if not world.distributed:
-        return A.masked_whiten(x, mask, eps=eps)
+        return A.masked_whiten(x, mask, eps=eps, unbiased=unbiased)
     mask = mask.bool()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    mean, std = _world_mean_std(x, mask, world, unbiased)
+    return torch.where(mask, (x - mean) / (std + eps), zero)
+
+
+def batch_std(x: torch.Tensor, world: World, unbiased: bool = True) -> torch.Tensor:
+    """The std of the 1-D `x` of every rank together (a 0-dim tensor)."""
+    return _world_mean_std(x, torch.ones_like(x, dtype=torch.bool), world, unbiased)[1]
+
+
+def _world_mean_std(x: torch.Tensor, mask: torch.Tensor, world: World, unbiased: bool):
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     stats = world.sum(torch.stack([torch.where(mask, x, zero).sum(), mask.sum().to(x.dtype)]))
     mean = stats[0] / stats[1].clamp(min=1)
     square = world.sum(torch.where(mask, (x - mean) ** 2, zero).sum())
-    std = (square / (stats[1] - 1).clamp(min=1)).sqrt()
-    return torch.where(mask, (x - mean) / (std + eps), zero)
+    std = (square / (stats[1] - (1 if unbiased else 0)).clamp(min=1)).sqrt()
+    return mean, std
 
 
 def init_world() -> World:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmrl import algorithms as A
-from lmrl.distributed import ONE_PROCESS, World, idle_batch, masked_whiten
+from lmrl.distributed import ONE_PROCESS, World, batch_std, idle_batch, masked_whiten
 from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
 
@@ -135,7 +135,11 @@ SEQUENCE_ESTIMATORS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
     "rloo": A.rloo_advantages,
     "reinforce_baseline": A.reinforce_baseline_advantages,
     "reinforce": lambda r, g: r,
+    "grpo_batch_std": A.batch_std_advantages,
+    "gpg": A.gpg_advantages,
 }
+# Estimators that need more than (scores, G) (pass_at_k's k, remax's greedy baselines, a batch statistic of
+# every rank) are completed in `_sequence_advantages`.
 
 
 @dataclass
@@ -143,6 +147,7 @@ class Advantages:
     advantages: torch.Tensor  # [B, T]
     returns: torch.Tensor | None = None  # [B, T]
     rewards: torch.Tensor | None = None  # [B, T]
+    relu_zeroed: torch.Tensor | None = None  # [B] tokens whose negative weight relu_log_p_weights zeroed
 
 
 def compute_advantages(
@@ -154,12 +159,17 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
     whiten_advantages: bool = False,
+    whiten_std: str = "unbiased",
+    use_advantages: bool = True,
+    relu_log_p_weights: bool = False,
+    pass_k: int = 4,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_in: str = "loss",
     kl_level: str = "token",
     values: torch.Tensor | None = None,
     world: World = ONE_PROCESS,
+    baseline: torch.Tensor | None = None,
 ) -> Advantages:
     """Advantages for the estimator named `advantage`.
 
@@ -169,11 +179,16 @@ def compute_advantages(
         group_size: G, completions per prompt (groups are contiguous).
         advantage: the estimator: a name in SEQUENCE_ESTIMATORS, or "gae" (needs `values`).
         gamma, lam: discount and GAE lambda.
-        whiten_advantages: whiten the advantages over the whole batch.
+        whiten_advantages: whiten the advantages over the whole batch, with the unbiased or the
+            population std (`whiten_std`, "unbiased" or "population").
+        use_advantages: False weighs the log-probs by the rewards themselves (TapeAgents).
+        relu_log_p_weights: clamp negative weights to 0 (TapeAgents): learn only from what beat the baseline.
+        pass_k: k of the pass@k advantage (advantage="pass_at_k").
         kl: [B, T] per-token KL estimate of the sampling policy against the reference, used only when
             `kl_in == "reward"`, weighted by `kl_coef`, per token or summed per sequence (`kl_level`).
         values: [B, T] critic values (gae only).
         world: the ranks sharing the batch (`lmrl.distributed`): batch whitening uses all of their rows.
+        baseline: [B / G] the reward of each prompt's greedy completion (remax only).
 
     Group estimators (grpo, dr_grpo, rloo, reinforce_baseline) and plain REINFORCE turn the scores into a
     sequence-level baseline-corrected reward. Without a per-token KL reward that is the advantage of every
@@ -202,7 +217,8 @@ def compute_advantages(
         adv, ret = A.gae(values, rewards, mask, gamma, lam)
         out = Advantages(adv, ret, rewards)
     else:
-        seq = SEQUENCE_ESTIMATORS[advantage](scores, group_size)  # [B]
+        # TapeAgents' use_advantages=false: the log-probs' weights are the rewards themselves
+        seq = _sequence_advantages(advantage, scores, group_size, world, baseline, pass_k) if use_advantages else scores
         if token_kl or gamma < 1:
             rewards = A.kl_shaped_rewards(seq, kl if token_kl else torch.zeros_like(mask, dtype=seq.dtype),
                                           mask, kl_coef if token_kl else 0.0)
@@ -211,10 +227,15 @@ def compute_advantages(
         else:
             out = Advantages(seq[:, None].expand(mask.shape).clone())
     if whiten_advantages:  # over the whole batch: every rank's share of it
-        out.advantages = masked_whiten(out.advantages, mask, world)
+        out.advantages = masked_whiten(out.advantages, mask, world, unbiased=whiten_std == "unbiased")
     out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
+    relu_zeroed = None
+    if relu_log_p_weights:  # TapeAgents: learn only from what beat its baseline
+        relu_zeroed = (out.advantages < 0).sum(1).float()
+        out.advantages = out.advantages.clamp(min=0)
     wide = out.advantages
-    out = Advantages(*(None if x is None else x.float() for x in (out.advantages, out.returns, out.rewards)))
+    out = Advantages(*(None if x is None else x.float() for x in (out.advantages, out.returns, out.rewards)),
+                     relu_zeroed=relu_zeroed)
     if bool(torch.isfinite(wide).all()) and not bool(torch.isfinite(out.advantages).all()):
         raise RewardError(f"advantages overflow float32: rewards up to {scores.abs().max().item():.3g} with "
                           f"algorithm.advantage={advantage}, which keeps the rewards' scale; scale the rewards "
@@ -268,8 +289,17 @@ def make_experience(
     kl_in: str = "loss",
     kl_level: str = "token",
     kl_estimator: str = "k3",
+    kl_clamp: str = "none",
     tis_cap: float | None = None,
+    tis_mode: str = "truncate",
+    tis_low: float = 0.5,
     entropy_top_fraction: float | None = None,
+    whiten_std: str = "unbiased",
+    use_advantages: bool = True,
+    relu_log_p_weights: bool = False,
+    reward_minus_kl_coef: float = 0.0,
+    clip_filter_like_weight: float | None = None,
+    pass_k: int = 4,
     policy_logprobs: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None,
     ref_logprobs: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     critic_values: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
@@ -278,16 +308,22 @@ def make_experience(
     loss_mask: torch.Tensor | None = None,
     info: dict[str, torch.Tensor] | None = None,
     world: World = ONE_PROCESS,
+    baseline: torch.Tensor | None = None,
 ) -> Experience:
     """Turn a scored rollout into an Experience.
 
     Args:
         rollout: B sequences with their sampling log-probs.
         scores: [B] shaped rewards.
-        advantage, gamma, lam, whiten_advantages, kl_in, kl_level: as `compute_advantages` takes them.
+        advantage, gamma, lam, whiten_advantages, whiten_std, use_advantages, relu_log_p_weights, kl_in,
+            kl_level, pass_k: as `compute_advantages` takes them.
         kl_estimator: the KL estimator of a KL in the reward (`kl_in="reward"`); a KL in the loss is
-            reported here as k1.
-        tis_cap: cap of the truncated importance weights against the sampling log-probs (None: none).
+            reported here as k1. `kl_clamp` ("none", "verl", "openrlhf") clamps it as that framework does.
+        tis_cap: cap of the importance weights against the sampling log-probs (None: none); `tis_mode`
+            "truncate" caps them, "icepop" / "sequence" mask tokens / sequences outside [tis_low, tis_cap].
+        reward_minus_kl_coef: subtract this times the sequence's k3 KL from its reward before the
+            advantages (TapeAgents).
+        clip_filter_like_weight: weigh each group's rows by LightRFT's clip-filter-like weight, capped here.
         entropy_top_fraction: train only on this top fraction of tokens by entropy (None: all).
         policy_logprobs: `fn(sequences, attention_mask, T) -> (logprobs [b, T], entropy [b, T])` of the
             current policy; None means one update per batch: the update's own forward gives the old
@@ -296,6 +332,7 @@ def make_experience(
         ref_logprobs / critic_values: same shape contract; None skips that forward.
         loss_mask: [B] bool, False drops a whole completion from the loss (e.g. truncated ones).
         world: the ranks sharing the batch, this rollout being one rank's share (`lmrl.distributed`).
+        baseline: [B / G] rewards of each prompt's greedy completion (advantage=remax).
     """
     seqs, attn = rollout.sequences, rollout.attention_mask
     T = rollout.response_ids.shape[1]
@@ -315,8 +352,10 @@ def make_experience(
         entropy = _cat([o[1] for o in outs], seqs, T)
         if tis_cap is not None:
             # the sampler's probabilities differ from the trainer's: reweight instead of pretending on-policy
-            weights = A.truncated_is_weights(old, rollout.logprobs.float(), mask, cap=tis_cap)
+            weights = rollout_is_weights(old, rollout.logprobs.float(), mask, tis_mode=tis_mode, tis_cap=tis_cap,
+                                         tis_low=tis_low)
             info["tis_weight"] = A.masked_mean(weights, mask, dim=1)
+            info["tis_masked"] = ((weights == 0) & mask).sum(1).float()
     if entropy_top_fraction is not None:
         if entropy is None:
             raise ValueError("algorithm.entropy_top_fraction needs the policy forward (entropy) in make_experience")
@@ -327,20 +366,31 @@ def make_experience(
     values = _cat(batched_forward(critic_values, seqs, attn, T, micro_batch_size, world), seqs, T) if critic_values else None
 
     # the KL that enters the reward uses the configured estimator; in the loss it is only reported (k1)
-    kl = None
+    kl, rewards = None, scores
     if ref is not None:
         behaviour = old if old is not None else rollout.logprobs.float()
-        kl = A.kl_penalty(behaviour, ref, estimator=kl_estimator if kl_in == "reward" else "k1")
-    adv = compute_advantages(scores, mask, rollout.group_size, advantage=advantage, gamma=gamma, lam=lam,
-                             whiten_advantages=whiten_advantages, kl=kl, kl_coef=kl_coef, kl_in=kl_in, kl_level=kl_level,
-                             values=values, world=world)
-
-    info["length"] = rollout.response_mask.sum(1)
-    info["finished"] = rollout.finished
-    if kl is not None:
+        in_reward = kl_in == "reward"
+        kl = A.kl_penalty(behaviour, ref, estimator=kl_estimator if in_reward else "k1",
+                          clamp=_kl_clamp(kl_clamp) if in_reward else None)
         info["kl"] = A.masked_sum(kl, mask, dim=1)
         # k3, never negative, summed per sequence: the `kl` TRL's GRPOTrainer logs (a token mean of it)
         info["kl_k3"] = A.masked_sum(A.kl_penalty(behaviour, ref, "k3"), mask, dim=1)
+        if reward_minus_kl_coef:  # TapeAgents: the reward minus the sequence's k3 KL, before advantages
+            rewards = info["reward_minus_kl"] = scores - reward_minus_kl_coef * info["kl_k3"].to(scores.dtype)
+    adv = compute_advantages(rewards, mask, rollout.group_size, advantage=advantage, gamma=gamma, lam=lam,
+                             whiten_advantages=whiten_advantages, whiten_std=whiten_std, use_advantages=use_advantages,
+                             relu_log_p_weights=relu_log_p_weights, pass_k=pass_k, kl=kl, kl_coef=kl_coef, kl_in=kl_in,
+                             kl_level=kl_level, values=values, world=world, baseline=baseline)
+    if adv.relu_zeroed is not None:
+        info["relu_zeroed"] = adv.relu_zeroed
+    if clip_filter_like_weight is not None:
+        w = clip_filter_weights(rewards, rollout.group_size, clip_filter_like_weight, world)  # [B]
+        info["clip_filter_weight"] = w
+        w = w[:, None].float().expand(mask.shape)
+        weights = w if weights is None else weights * w
+
+    info["length"] = rollout.response_mask.sum(1)
+    info["finished"] = rollout.finished
     if entropy is not None:
         info["entropy"] = A.masked_mean(entropy, mask, dim=1)
     return Experience(
@@ -396,3 +446,46 @@ def informative_groups(scores: torch.Tensor, group_size: int, tol: float = 1e-6)
     a group of equal rewards has zero advantage and teaches nothing)."""
     g = scores.view(-1, group_size)
     return (g.max(1).values - g.min(1).values) > tol
+
+
+def _sequence_advantages(advantage: str, scores: torch.Tensor, group_size: int, world: World,
+                         baseline: torch.Tensor | None, pass_k: int) -> torch.Tensor:
+    """[B] advantages of a sequence-level estimator; batch statistics span every rank's share."""
+    if advantage == "remax":
+        if baseline is None:
+            raise ValueError("algorithm.advantage=remax needs the greedy completions' rewards (baseline)")
+        return A.remax_advantages(scores, baseline.to(scores.dtype), group_size)
+    if advantage == "pass_at_k":
+        return A.pass_at_k_advantages(scores, group_size, pass_k)
+    if world.distributed and advantage == "grpo_batch_std":
+        return A.batch_std_advantages(scores, group_size, std=batch_std(scores, world))
+    if world.distributed and advantage == "gpg":
+        return A.gpg_advantages(scores, group_size, informative_fraction=_informative_fraction(scores, group_size, world))
+    return SEQUENCE_ESTIMATORS[advantage](scores, group_size)
+
+
+def _informative_fraction(scores: torch.Tensor, group_size: int, world: World) -> torch.Tensor:
+    """The share of groups whose rewards are not all equal, over every rank's groups."""
+    ok = informative_groups(scores, group_size, tol=0.0).double()
+    counts = world.sum(torch.stack([ok.sum(), torch.tensor(float(len(ok)), dtype=torch.float64)]))
+    return counts[0] / counts[1].clamp(min=1)
+
+
+def rollout_is_weights(old: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *, tis_mode: str = "truncate",
+                       tis_cap: float | None = None, tis_low: float = 0.5) -> torch.Tensor:
+    """[B, T] weights correcting for a sampler whose probabilities differ from the trainer's (`algorithm.tis_mode`)."""
+    if tis_mode == "truncate":
+        return A.truncated_is_weights(old, rollout_logp, mask, cap=tis_cap)
+    level = "token" if tis_mode == "icepop" else "sequence"
+    return A.masked_is_weights(old, rollout_logp, mask, low=tis_low, high=tis_cap, level=level)
+
+
+def clip_filter_weights(scores: torch.Tensor, group_size: int, cap: float, world: World = ONE_PROCESS) -> torch.Tensor:
+    """`lmrl.algorithms.clip_filter_like_weights` with the informative share of the whole batch (every rank's)."""
+    fraction = _informative_fraction(scores, group_size, world) if world.distributed else None
+    return A.clip_filter_like_weights(scores, group_size, max_weight=cap, informative_fraction=fraction)
+
+
+def _kl_clamp(kl_clamp: str) -> str | None:
+    """`algorithm.kl_clamp` as `lmrl.algorithms.kl_penalty` takes it."""
+    return None if kl_clamp == "none" else kl_clamp

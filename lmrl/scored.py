@@ -50,10 +50,16 @@ REQUIRED = ("prompt", "completion", "reward", "group_id")
 BY_GROUP_ID: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "grpo": lambda r, g: A.group_advantages(r, g),
     "dr_grpo": lambda r, g: A.group_advantages(r, g, scale_by_std=False),
+    "grpo_batch_std": lambda r, g: A.group_advantages(r, g, scale_by_std=False) / (_std(r) + 1e-8),
     "reinforce_baseline": lambda r, g: A.group_advantages(r, g, scale_by_std=False),
     "rloo": A.leave_one_out_advantages,
     "reinforce": lambda r, g: r,
 }
+
+
+def _std(r: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of a batch of rewards (0 for one reward)."""
+    return r.double().std().nan_to_num(0.0).to(r.dtype) if len(r) > 1 else torch.zeros((), dtype=r.dtype)
 
 
 def load_scored_rollouts(path: str | Path) -> list[dict[str, Any]]:
@@ -95,8 +101,8 @@ def experience_from_records(
     if not records:
         raise ValueError("records: no scored completions")
     if cfg.advantage not in BY_GROUP_ID:
-        raise ValueError(f"algorithm.advantage={cfg.advantage!r} needs a critic; scored rollouts support "
-                         f"{', '.join(BY_GROUP_ID)}")
+        raise ValueError(f"algorithm.advantage={cfg.advantage!r} is not supported for scored rollouts (gae needs a "
+                         f"critic, remax greedy completions); they support {', '.join(BY_GROUP_ID)}")
     eos = tokenizer.eos_token_id
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in records], max_prompt_length)
     responses, trainable = [], []
@@ -151,10 +157,12 @@ def experience_from_records(
     index: dict[Any, int] = {}
     groups = torch.tensor([index.setdefault(_hashable(r["group_id"]), len(index)) for r in records])
     scores = torch.tensor([float(r["reward"]) for r in records])
-    seq_adv = BY_GROUP_ID[cfg.advantage](scores, groups)
+    seq_adv = BY_GROUP_ID[cfg.advantage](scores, groups) if cfg.use_advantages else scores  # TapeAgents' knob
     advantages = torch.where(mask, seq_adv[:, None].expand(B, T), torch.zeros(()))
     if cfg.whiten_advantages:
-        advantages = A.masked_whiten(advantages, mask)
+        advantages = A.masked_whiten(advantages, mask, unbiased=cfg.whiten_std == "unbiased")
+    if cfg.relu_log_p_weights:  # TapeAgents: learn only from what beat its baseline
+        advantages = advantages.clamp(min=0)
     return Experience(
         sequences=sequences, attention_mask=attention_mask, response_mask=mask, old_logprobs=old,
         advantages=advantages, scores=scores, group_index=groups,

@@ -83,6 +83,7 @@ from lmrl.experience import (
     concat_rollouts,
     informative_groups,
     make_experience,
+    rollout_is_weights,
     select_rollout,
     shape_scores,
 )
@@ -116,6 +117,7 @@ class Collected:
     metrics: dict[str, float]
     per_function: dict[str, torch.Tensor]  # "reward/<name>" -> [B] raw scores (NaN where None)
     extra_columns: dict[str, list[Any]] = field(default_factory=dict)  # the reward functions' log_extra, [B] each
+    baseline: torch.Tensor | None = None  # [B / G] the greedy completion's reward per prompt (ReMax)
 
 
 # the real os._exit, kept at import: while reward functions run, lmrl.rewards replaces os._exit so that a
@@ -418,7 +420,14 @@ class Trainer:
         per_function = {f"reward/{k}": torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}  # [B], NaN = None
         names = dict.fromkeys(name for p in parts for name in p[3])  # a column a round did not log is None there
         extra = {name: [v for p in parts for v in p[3].get(name, [None] * len(p[1]))] for name in names}
-        return Collected(rollout, scores, keep, rows_kept, metrics, per_function, extra)
+        baseline = None
+        if cfg.algorithm.advantage == "remax":  # ReMax: each prompt's greedy completion, shaped as the samples are
+            greedy, out = self.generate_and_score(rows_kept, 1, temperature=0.0)
+            # no reward.normalize: a batch statistic of other completions
+            baseline, _ = shape_scores(greedy, out.scores, **{**cfg.reward.shaping_options(), "normalize": False},
+                                       max_new_tokens=cfg.rollout.max_new_tokens, world=self.world)
+            metrics["objective/greedy_scores"] = baseline.mean().item()
+        return Collected(rollout, scores, keep, rows_kept, metrics, per_function, extra, baseline)
 
     def experience(self, c: Collected) -> Experience:
         """A scored rollout (this rank's share of the batch) -> Experience: old / reference log-probs, values,
@@ -427,10 +436,10 @@ class Trainer:
         return make_experience(
             c.rollout, c.scores, **cfg.algorithm.experience_options(),
             policy_logprobs=self._policy_forward if self._needs_old_forward else None,
-            ref_logprobs=self._ref_forward if self.models.reference is not None else None,
+            ref_logprobs=self._ref_forward if self.models.has_reference else None,
             critic_values=self._critic_forward if self.models.critic is not None else None,
             kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep,
-            info=c.per_function, world=self.world,
+            info=c.per_function, world=self.world, baseline=c.baseline,
         )
 
     def generate_and_score(self, rows: list[dict[str, Any]], n: int, seed: int | None = None,
@@ -506,7 +515,8 @@ class Trainer:
         norm = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norm_length)
         norm = norm if a.aggregation == "token-sum" else self.world.sum(norm)
         vnorm = self.world.sum(A.loss_normalizer(mb.response_mask, "token-mean"))
-        loss_fn, kw = (A.cispo_loss, {}) if a.loss == "cispo" else (A.policy_loss, {"dual_clip": a.dual_clip, "ratio_level": a.ratio_level})
+        loss_fn, options = POLICY_LOSSES[a.loss]
+        kw = options(a, self.minibatch_rng)
         live = self._rows_with_gradient(mb)
         stats: dict[str, float] = {"update/rows_skipped": 1.0 - len(live) / len(mb)}
         mb = mb.select(live)  # the losses keep the whole minibatch's normalizer; metrics average over `live`
@@ -528,16 +538,23 @@ class Trainer:
             old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach().float()
             weights, tis_stats = micro.weights, {}
             if micro.rollout_logprobs is not None:  # the sampler differs from the trainer: reweight its tokens
-                tis = A.truncated_is_weights(old, micro.rollout_logprobs, micro.response_mask, cap=a.tis_cap)
+                tis = rollout_is_weights(old, micro.rollout_logprobs, micro.response_mask, tis_mode=a.tis_mode,
+                                         tis_cap=a.tis_cap, tis_low=a.tis_low)
                 weights = tis if weights is None else weights * tis
                 tis_stats["val/tis_weight_mean"] = A.masked_mean(tis, micro.response_mask).item()
+                tis_stats["val/tis_masked_frac"] = A.masked_mean((tis == 0).float(), micro.response_mask).item()
             loss, m = loss_fn(logp, old, micro.advantages, micro.response_mask,
-                              clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation, norm_length=norm_length,
+                              aggregation=a.aggregation, norm_length=norm_length,
                               ref_logp=micro.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.value if kl_in_loss else 0.0,
-                              kl_estimator=a.kl_estimator, weights=weights, normalizer=norm, **kw)
+                              kl_estimator=a.kl_estimator, kl_clamp=None if a.kl_clamp == "none" else a.kl_clamp,
+                              weights=weights, normalizer=norm, **kw)
             ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norm_length, normalizer=norm)
             ent_metric = A.aggregate_loss(entropy.detach(), micro.response_mask, a.aggregation, norm_length=norm_length,
                                           normalizer=metric_norm)
+            with torch.no_grad():  # TapeAgents' mean new log-prob of tokens with positive / negative weights
+                lp, adv_tok = logp.detach().float(), micro.advantages
+                for name, side in (("positive", adv_tok > 0), ("negative", adv_tok < 0)):
+                    tis_stats[f"policy/logprob_{name}_weights"] = A.masked_mean(lp, micro.response_mask & side).item()
             step_stats = {**tis_stats, "policy/approxkl_avg": m.approx_kl, "policy/clipfrac_avg": m.clipfrac,
                           "clip_ratio/low_mean": m.clipfrac_low, "clip_ratio/high_mean": m.clipfrac_high, "val/ratio": m.ratio_mean,
                           "val/ratio_max": m.ratio_max, "loss/policy_avg": loss.item() / share,
@@ -613,10 +630,25 @@ class Trainer:
 
     def _ref_forward(self, seqs, attn, T: int):
         self.forward_counts["reference"] += 1
-        with torch.no_grad(), self._autocast():
-            return model_forward_logprobs(self.models.reference, seqs, attn, T, self.cfg.rollout.temperature,
+        with torch.no_grad(), self._autocast(), self._reference() as reference:
+            return model_forward_logprobs(reference, seqs, attn, T, self.cfg.rollout.temperature,
                                           chunk_size=self.cfg.train.logprob_chunk_size,
                                           share_prompt=self.cfg.train.share_prompt)
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference model: the frozen copy, or for a LoRA run the policy itself with its adapters disabled
+        (its base weights, which LoRA never changes) in eval mode, as the copy is."""
+        if self.models.reference is not None:
+            yield self.models.reference
+            return
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                yield self.policy
+        finally:
+            self.policy.train(training)
 
     def _critic_forward(self, seqs, attn, T: int, grad: bool = False):
         self.forward_counts["critic"] += 1
@@ -668,8 +700,16 @@ class Trainer:
             out["objective/kl"] = exp.info["kl"].mean().item()
             out["objective/non_score_reward"] = -self.kl.value * out["objective/kl"]
             out["objective/rlhf_reward"] = out["objective/scores"] + out["objective/non_score_reward"]
+        real = max(int(exp.response_mask.sum()), 1)
+        if "reward_minus_kl" in exp.info:  # algorithm.reward_minus_kl_coef: the reward the advantages saw
+            out["objective/reward_minus_kl"] = exp.info["reward_minus_kl"].double().mean().item()
+        if "relu_zeroed" in exp.info:  # algorithm.relu_log_p_weights: share of tokens whose weight became 0
+            out["val/relu_zeroed_frac"] = exp.info["relu_zeroed"].sum().item() / real
+        if "clip_filter_weight" in exp.info:
+            out["val/clip_filter_weight_mean"] = exp.info["clip_filter_weight"].float().mean().item()
         if "tis_weight" in exp.info:  # how far the sampler's probabilities are from the trainer's
             out["val/tis_weight_mean"] = exp.info["tis_weight"].mean().item()
+            out["val/tis_masked_frac"] = exp.info["tis_masked"].sum().item() / real
         if "entropy" in exp.info:
             out["objective/entropy"] = exp.info["entropy"].mean().item()
         return out
@@ -913,6 +953,25 @@ class Trainer:
 
 def _prompt_count(data) -> str:
     return "streamed prompts" if data.train_stream is not None else f"{len(data.train_rows)} prompts"
+
+
+def _clips(a) -> dict[str, Any]:
+    return {"clip_low": a.clip_low, "clip_high": a.clip_high}
+
+
+# The policy losses by `algorithm.loss`: the function, and its options beyond those every loss takes
+# (aggregation, KL to the reference, weights, normalizer), from the algorithm config and a torch.Generator.
+POLICY_LOSSES = {
+    "ppo": (A.policy_loss, lambda a, rng: {**_clips(a), "dual_clip": a.dual_clip, "ratio_level": a.ratio_level}),
+    "cispo": (A.cispo_loss, lambda a, rng: _clips(a)),
+    "cpgd": (A.cpgd_loss, lambda a, rng: {**_clips(a), "drift_coef": a.drift_coef}),
+    "sapo": (A.sapo_loss, lambda a, rng: {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}),
+    "gmpo": (A.gmpo_loss, lambda a, rng: _clips(a)),
+    "clip_cov": (A.clip_cov_loss, lambda a, rng: {**_clips(a), "clip_fraction": a.clip_cov_fraction,
+                                                  "cov_low": a.clip_cov_bounds[0], "cov_high": a.clip_cov_bounds[1],
+                                                  "generator": rng}),
+    "kl_cov": (A.kl_cov_loss, lambda a, rng: {"kl_fraction": a.kl_cov_fraction, "cov_kl_coef": a.kl_cov_coef}),
+}
 
 
 def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> Config:

@@ -45,6 +45,13 @@ def share(c: Collected, world, group_size: int) -> Collected:
 # variants of GRPO that must keep working on several ranks
 VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"],
             "grpo-checkpointing": ["algorithm=grpo", "model.gradient_checkpointing=true"],
+            # batch statistics over every rank's share: the std of TRL's scale_rewards="batch", the informative
+            # share of GPG's scale and of the clip-filter-like weights
+            "grpo-batch-std": ["algorithm=grpo", "algorithm.advantage=grpo_batch_std",
+                               "algorithm.clip_filter_like_weight=3.0"],
+            "gpg": ["algorithm=gpg"],
+            # the reference of a LoRA run is the policy with its adapters disabled
+            "rloo-lora": ["algorithm=rloo", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"],
             # DAPO with dynamic sampling: one round keeps 3 groups of 8 (seed 0), split 1 + 2 over 2 ranks, and
             # micro-batches of one group, so that the ranks make different numbers of forwards
             "dapo": ["algorithm=dapo", "algorithm.max_sampling_rounds=1", "train.seed=0", "optim.micro_batch_size=4",

@@ -40,7 +40,7 @@ def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vs_trl.py"), "--tiny", "--trainers", "lmrl"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert re.search(r"Qwen2 [\d.]+M parameters \(64 hidden, 2 layers\), float32, on CPU", out), out
-    limit = re.search(r"a generation needs >= ([\d.]+) s", out)
+    limit = re.search(r"a generation needs >= ([\d.e-]+) s", out)
     assert limit and float(limit.group(1)) > 0, out
     line = re.search(r"lmrl\s+samples/s\s+([\d.]+) \(1.00x lmrl\).*tokens/s, ([\d.]+)x the limit\).*decode: (\w+)", out)
     assert line and float(line.group(1)) > 0 and float(line.group(2)) >= 1 and line.group(3) == "shared_prompt", out
@@ -60,3 +60,12 @@ def test_sandbox_benchmark_runs_and_reports_latency_and_rates():
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert re.search(r"one at a time: median \d+ ms per program", out), out
     assert len(re.findall(r"\d at once: [\d.]+ programs/s", out)) == 2, out
+
+
+def test_preset_gains_benchmark_runs_lmrl_train_and_tabulates():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "preset_gains.py"), "--names", "grpo", "--steps", "2",
+         "--parallel", "1", "--set", "data.num_eval_prompts=8"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    assert re.search(r"\| grpo \| [\d.]+% -> [\d.]+% \| [+-][\d.]+ \| 2 \| [\d.]+ \|", out), out

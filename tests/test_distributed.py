@@ -20,9 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "dist_driver.py"
 # grpo: group statistics (local to a rank); rloo: KL in the reward against a reference model; ppo: a critic,
 # GAE and batch whitening; reinforce_pp: whitening across the batch of both ranks; GRPO with LoRA adapters and
-# with gradient checkpointing; DAPO with dynamic sampling keeping groups that split unevenly over the ranks; then
+# with gradient checkpointing; DAPO with dynamic sampling keeping groups that split unevenly over the ranks; batch
+# statistics of the issue-19 options (grpo-batch-std, gpg); RLOO with LoRA (the reference: adapters disabled); then
 # the models sharded by FSDP2 (tests/dist_driver.py)
-ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpointing", "dapo",
+ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpointing", "dapo", "grpo-batch-std",
+              "gpg", "rloo-lora",
               "grpo-fsdp", "rloo-fsdp", "ppo-fsdp", "dapo-fsdp", "grpo-checkpointing-fsdp"]
 
 
@@ -49,7 +51,7 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path):
         assert one_process["groups"] == two_ranks["groups"] == (3 if name.startswith("dapo") else 8), name
         a, b = one_process["params"], two_ranks["params"]
         assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == name.startswith("ppo")
-        if name == "grpo-lora":  # the adapters moved; the base is frozen
+        if name.endswith("-lora"):  # the adapters moved; the base is frozen
             moved = max(v.abs().max().item() for k, v in a.items() if "lora_B" in k)
         else:
             moved = max((a[f"policy.{k}"] - v).abs().max().item() for k, v in start.items())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -26,7 +28,9 @@ def algo(*overrides):
 def adv_options(*overrides):
     """compute_advantages' keyword arguments as a config with these overrides gives them."""
     options = algo(*overrides).experience_options()
-    return {k: v for k, v in options.items() if k not in ("kl_estimator", "tis_cap", "entropy_top_fraction")}
+    make_experience_only = ("kl_estimator", "kl_clamp", "tis_cap", "tis_mode", "tis_low", "entropy_top_fraction",
+                            "reward_minus_kl_coef", "clip_filter_like_weight")
+    return {k: v for k, v in options.items() if k not in make_experience_only}
 
 
 def rollout(B=4, P=3, T=5, lengths=(5, 3, 2, 4), finished=(True, True, False, True), seed=0):
@@ -166,3 +170,58 @@ def test_concat_and_select_rollouts_keep_alignment():
     sub = select_rollout(both, torch.tensor([5, 6]))
     assert sub.response_ids.shape == (2, 2)  # trimmed to the longest kept response
     assert sub.texts == ["t1", "t2"]
+
+
+def test_batch_std_advantage_divides_by_the_std_of_the_whole_batch():
+    r = rollout()
+    adv = compute_advantages(SCORES, r.response_mask, 2, **adv_options("algorithm.advantage=grpo_batch_std")).advantages
+    want = torch.tensor([0.5, -0.5, 0.0, 0.0]) / (SCORES.std() + 1e-8)  # TRL's scale_rewards="batch"
+    torch.testing.assert_close(adv[:, 0], want)
+
+
+def test_population_std_whitening():
+    r = rollout()
+    options = adv_options("algorithm=reinforce_pp", "algorithm.whiten_std=population")
+    adv = compute_advantages(SCORES, r.response_mask, 2, kl=torch.rand(4, 5), kl_coef=0.1, **options).advantages
+    assert (A.masked_var(adv, r.response_mask, unbiased=False).sqrt() - 1).abs() < 1e-4
+
+
+@pytest.mark.parametrize("clamp, expected", [("none", 30.0), ("openrlhf", 10.0), ("verl", 30.0)])
+def test_kl_clamp_applies_to_the_kl_in_the_reward(clamp, expected):
+    r = rollout(B=2, lengths=(5, 5), finished=(True, True))
+    cfg = algo("algorithm=rloo", f"algorithm.kl_clamp={clamp}")
+    exp = make_experience(r, torch.tensor([1.0, 0.0]), **cfg.experience_options(), policy_logprobs=None,
+                          ref_logprobs=lambda s, a, T: r.logprobs[: s.shape[0]] - 30.0, kl_coef=0.1)
+    torch.testing.assert_close(exp.info["kl"], torch.full((2,), 5 * expected))  # k1 per token, 5 tokens
+
+
+def test_use_advantages_false_weighs_by_the_rewards_and_relu_clamps():
+    r = rollout()
+    adv = compute_advantages(SCORES, r.response_mask, 2, **adv_options("algorithm.use_advantages=false"))
+    torch.testing.assert_close(adv.advantages[:, 0], SCORES)
+    relu = compute_advantages(SCORES, r.response_mask, 2,
+                              **adv_options("algorithm.relu_log_p_weights=true", "algorithm.advantage=dr_grpo"))
+    torch.testing.assert_close(relu.advantages[:, 0], torch.tensor([0.5, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(relu.relu_zeroed, torch.tensor([0.0, 3.0, 0.0, 0.0]))  # row 1: 3 real tokens
+    with pytest.raises(Exception, match="use_advantages"):
+        algo("algorithm=ppo", "algorithm.use_advantages=false")
+
+
+def test_reward_minus_kl_and_clip_filter_weights_in_make_experience():
+    r = rollout()
+    cfg = algo("algorithm.reward_minus_kl_coef=0.5", "algorithm.clip_filter_like_weight=3.0",
+               "algorithm.advantage=dr_grpo")
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0])  # group 0 all equal, group 1 mixed
+    # reference log-probs 0.1 below the sampler's on every token: k3 = e^-0.1 - 1 + 0.1 per token
+    exp = make_experience(r, scores, **cfg.experience_options(), policy_logprobs=None, ref_logprobs=lambda s, a, T: r.logprobs[: s.shape[0]] - 0.1)
+    k3 = math.expm1(-0.1) + 0.1
+    lengths = r.response_mask.sum(1).float()
+    torch.testing.assert_close(exp.info["reward_minus_kl"], scores - 0.5 * k3 * lengths)
+    reduced = scores - 0.5 * k3 * lengths
+    want = reduced - reduced.view(2, 2).mean(1).repeat_interleave(2)  # advantages of the reduced rewards
+    torch.testing.assert_close(exp.advantages[:, 0], want)
+    # the KL made group 0's rewards differ (lengths 5 and 3): both groups informative, weight 1
+    torch.testing.assert_close(exp.info["clip_filter_weight"], torch.ones(4))
+    plain = make_experience(r, scores, **algo("algorithm.clip_filter_like_weight=3.0").experience_options(),
+                            policy_logprobs=None)
+    torch.testing.assert_close(plain.weights[:, 0], torch.tensor([1.0, 1.0, 2.0, 2.0]))

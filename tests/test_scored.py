@@ -157,3 +157,22 @@ def test_trainer_updates_on_multi_turn_traces(tmp_path):
     metrics = trainer.train_on_scored(TRACE)
     assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_batch_std_advantage_by_group_id():
+    from lmrl.scored import BY_GROUP_ID
+
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0])
+    groups = torch.tensor([7, 7, 3, 3, 9])  # the lone sample of group 9 gets 0
+    want = torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0]) / (r.std() + 1e-8)
+    torch.testing.assert_close(BY_GROUP_ID["grpo_batch_std"](r, groups), want)
+
+
+def test_tapeagents_knobs_on_scored_rollouts():
+    tok = char_tokenizer()
+    raw = experience_from_records(ROWS, tok, load_config(None, ["algorithm.use_advantages=false"]).algorithm)
+    torch.testing.assert_close(raw.advantages[:, 0], torch.tensor([1.0, 0, 0, 1, 1, 0]))
+    relu = experience_from_records(ROWS, tok, load_config(None, ["algorithm.relu_log_p_weights=true"]).algorithm)
+    plain = experience_from_records(ROWS, tok, load_config().algorithm)
+    torch.testing.assert_close(relu.advantages, plain.advantages.clamp(min=0))
+    assert (plain.advantages < 0).any()

@@ -6,15 +6,20 @@ tokens; sequence-level tensors are [B]. Groups are contiguous: sample i belongs 
 
 from lmrl.algorithms.advantages import (
     GAEResult,
+    batch_std_advantages,
+    clip_filter_like_weights,
     discounted_returns,
     gae,
+    gpg_advantages,
     group_advantages,
     grpo_advantages,
     leave_one_out_advantages,
+    pass_at_k_advantages,
     reinforce_baseline_advantages,
+    remax_advantages,
     rloo_advantages,
 )
-from lmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
+from lmrl.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
 from lmrl.algorithms.logprobs import DEFAULT_CHUNK_SIZE, hidden_logprobs, token_entropy, token_logprobs
 from lmrl.algorithms.losses import (
     AGGREGATION_MODES,
@@ -22,13 +27,16 @@ from lmrl.algorithms.losses import (
     ValueLossMetrics,
     aggregate_loss,
     cispo_loss,
+    cpgd_loss,
     explained_variance,
     loss_normalizer,
+    masked_is_weights,
     policy_loss,
     truncated_is_weights,
     value_loss,
 )
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var, masked_whiten
+from lmrl.algorithms.surrogates import clip_cov_loss, gmpo_loss, kl_cov_loss, sapo_loss, token_covariance
 
 __all__ = [
     "masked_mean",
@@ -36,13 +44,19 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "GAEResult",
+    "batch_std_advantages",
+    "clip_filter_like_weights",
     "discounted_returns",
     "gae",
+    "gpg_advantages",
     "grpo_advantages",
     "group_advantages",
     "leave_one_out_advantages",
+    "pass_at_k_advantages",
     "reinforce_baseline_advantages",
+    "remax_advantages",
     "rloo_advantages",
+    "KL_CLAMPS",
     "KL_ESTIMATORS",
     "kl_penalty",
     "kl_shaped_rewards",
@@ -52,11 +66,18 @@ __all__ = [
     "ValueLossMetrics",
     "aggregate_loss",
     "cispo_loss",
+    "cpgd_loss",
     "explained_variance",
     "loss_normalizer",
+    "masked_is_weights",
     "policy_loss",
     "truncated_is_weights",
     "value_loss",
+    "clip_cov_loss",
+    "gmpo_loss",
+    "kl_cov_loss",
+    "sapo_loss",
+    "token_covariance",
     "DEFAULT_CHUNK_SIZE",
     "hidden_logprobs",
     "token_entropy",

@@ -35,12 +35,17 @@ import torch
 
 __all__ = [
     "GAEResult",
+    "batch_std_advantages",
+    "clip_filter_like_weights",
     "discounted_returns",
     "gae",
+    "gpg_advantages",
     "grpo_advantages",
     "group_advantages",
     "leave_one_out_advantages",
+    "pass_at_k_advantages",
     "reinforce_baseline_advantages",
+    "remax_advantages",
     "rloo_advantages",
 ]
 
@@ -107,7 +112,38 @@ def grpo_advantages(
     """
     r = _grouped(rewards, group_size)  # [B/G, G]
     dev, var = _centered(r)
-    adv = dev / (var.sqrt() + eps) if scale_by_std else dev
+    # (a group of equal rewards has dev exactly 0: where() keeps it 0 with eps = 0 too, not 0 / 0)
+    adv = torch.where(var > 0, dev / (var.sqrt() + eps), dev) if scale_by_std else dev
+    return adv.reshape(-1).to(_float_dtypes(rewards.dtype)[1])
+
+
+def batch_std_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-8, std: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """Group-centred, batch-scaled advantages: A_i = (r_i - mean(group)) / (std(batch) + eps).
+
+    TRL's GRPOTrainer with ``scale_rewards="batch"`` (following Liu et al. 2025's remark that the
+    per-group std biases toward too easy or too hard prompts, while some scale is still wanted): the
+    baseline is the group mean, the scale the unbiased std of every reward in the batch. TRL adds
+    eps = 1e-4; lmrl's default 1e-8 differs from it only for rewards of std ~1e-4 or less.
+
+    Args:
+        rewards: [B] one scalar reward per completion, B = num_prompts · G, groups contiguous.
+        group_size: G >= 1.
+        eps: added to the std; a group of equal rewards gets exactly 0 regardless.
+        std: the batch std to divide by, when the batch is larger than `rewards` (several ranks each
+            holding a share of it); None computes it from `rewards` (unbiased, 0 for one reward).
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    r = _grouped(rewards, group_size)  # [B/G, G]
+    dev, _ = _centered(r)
+    if std is None:
+        flat = r.reshape(1, -1)
+        _, var = _centered(flat)  # around the first reward: an all-equal batch has std exactly 0
+        std = var.sqrt().reshape(())
+    adv = dev / (torch.as_tensor(std, dtype=dev.dtype, device=dev.device) + eps)
     return adv.reshape(-1).to(_float_dtypes(rewards.dtype)[1])
 
 
@@ -146,6 +182,168 @@ def reinforce_baseline_advantages(rewards: torch.Tensor, group_size: int) -> tor
         [B] advantages in the dtype of `rewards` (float32 for integer rewards).
     """
     return grpo_advantages(rewards, group_size, scale_by_std=False)
+
+
+def clip_filter_like_weights(
+    rewards: torch.Tensor,
+    group_size: int,
+    max_weight: float = 3.0,
+    equal_weight: float = 1.0,
+    informative_fraction: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-sample loss weights that make up for groups without signal (LightRFT's clip-filter-like weight).
+
+    A group whose rewards are all equal has advantage 0: it adds nothing to the gradient but still
+    counts in the loss's normaliser, so the batch's signal shrinks with the share of such groups.
+    Instead of filtering them out and sampling again (DAPO's dynamic sampling), every sample of an
+    informative group is weighted by
+
+        w = min(P / P_informative, max_weight)        (P groups in the batch, P_informative not all equal)
+
+    and every sample of an all-equal group by `equal_weight` (LightRFT, "clip_filter_like_weight",
+    named after the clip-filter of early RLHF code). A batch with no informative group gets weight 1
+    everywhere.
+
+    Args:
+        rewards: [B] one scalar reward per completion, B = P · G, groups contiguous.
+        group_size: G >= 1.
+        max_weight: cap of the informative groups' weight (LightRFT's default 3.0), > 0.
+        equal_weight: the weight of all-equal groups (LightRFT's lamda, default 1.0), >= 0.
+        informative_fraction: P_informative / P of a larger batch this one is a share of (several
+            ranks); None counts this batch's groups.
+
+    Returns:
+        [B] float32 weights (float64 for float64 rewards), constants.
+    """
+    if not max_weight > 0:
+        raise ValueError(f"max_weight: must be > 0, got {max_weight!r}")
+    if not equal_weight >= 0:
+        raise ValueError(f"equal_weight: must be >= 0, got {equal_weight!r}")
+    r = _grouped(rewards, group_size)  # [P, G]
+    informative = (r != r[:, :1]).any(dim=1)  # [P]
+    fraction = informative.float().mean() if informative_fraction is None else informative_fraction
+    fraction = torch.as_tensor(fraction, dtype=r.dtype, device=r.device)
+    if not bool(fraction > 0):
+        return torch.ones_like(r).reshape(-1)
+    boost = (1.0 / fraction).clamp(max=max_weight)
+    weights = torch.where(informative, boost, torch.full((), equal_weight, dtype=r.dtype, device=r.device))
+    return weights[:, None].expand_as(r).reshape(-1).clone()
+
+
+def gpg_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    scale_by_std: bool = True,
+    eps: float = 1e-8,
+    max_weight: float | None = None,
+    informative_fraction: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GPG's advantages: group-normalised, scaled up for the groups that carry no signal (Chu et al. 2025,
+    "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning", arXiv:2504.02546).
+
+        A_i = α · (r_i - mean(group)) / (std(group) + eps),    α = B / (B - M)
+
+    with M the samples of groups whose rewards are all equal (their advantage is 0). The loss averages
+    over all B samples, so without α those zero rows dilute the gradient; α restores the scale of the
+    informative ones (the paper's "accurate gradient estimation"). GPG trains these advantages with the
+    plain policy gradient, no ratio and no clip (lmrl: `policy_loss` with both clips None).
+    `scale_by_std=False` drops the std division; `max_weight` caps α (None: no cap; LightRFT's
+    clip-filter-like weight is the same idea capped at 3). A batch without signal gets all 0.
+
+    Args:
+        rewards: [B] one scalar reward per completion, B = num_prompts · G, groups contiguous.
+        group_size: G >= 1.
+        scale_by_std, eps: as in `grpo_advantages`.
+        max_weight: cap of α, > 0, or None.
+        informative_fraction: (B - M) / B of a larger batch this one is a share of (several ranks); None
+            counts this batch's groups.
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    adv = grpo_advantages(rewards, group_size, scale_by_std=scale_by_std, eps=eps)
+    r = _grouped(rewards, group_size)
+    informative = (r != r[:, :1]).any(dim=1).to(adv.dtype)  # [P]
+    fraction = informative.mean() if informative_fraction is None else informative_fraction
+    fraction = torch.as_tensor(fraction, dtype=adv.dtype, device=adv.device)
+    if not bool(fraction > 0):
+        return adv
+    alpha = 1.0 / fraction  # B / (B - M): groups have equal sizes
+    if max_weight is not None:
+        alpha = alpha.clamp(max=max_weight)
+    return adv * alpha
+
+
+def remax_advantages(rewards: torch.Tensor, baseline: torch.Tensor, group_size: int = 1) -> torch.Tensor:
+    """ReMax: REINFORCE with the reward of the greedy completion as the baseline (Li et al. 2023, "ReMax: A
+    Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large Language Models",
+    arXiv:2310.10505, eq. 7).
+
+        A_i = r_i - r(ŷ_p),     ŷ_p = argmax decoding of sample i's prompt p
+
+    The greedy completion costs one extra generation per prompt but no critic; the baseline does not
+    depend on the samples, so the gradient stays unbiased.
+
+    Args:
+        rewards: [B] rewards of the sampled completions, B = P · G, groups contiguous.
+        baseline: [P] reward of each prompt's greedy completion.
+        group_size: G, samples per prompt (>= 1).
+
+    Returns:
+        [B] advantages in the promoted dtype of `rewards` and `baseline` (float32 at least).
+    """
+    r = _grouped(rewards, group_size)  # [P, G]
+    if baseline.shape != (r.shape[0],):
+        raise ValueError(f"baseline: expected shape [P] = ({r.shape[0]},), one per prompt, got {tuple(baseline.shape)}")
+    work = torch.promote_types(r.dtype, baseline.dtype)
+    return (r.to(work) - baseline.to(work)[:, None]).reshape(-1)
+
+
+def pass_at_k_advantages(rewards: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
+    """Pass@k-style group advantages, in closed form (Chen et al. 2025, "Pass@k Training for Adaptively
+    Balancing Exploration and Exploitation of Large Reasoning Models", arXiv:2508.10751, §4).
+
+    Pass@k training rewards a k-subset of a group's N = G samples with 1 when any of its members is
+    correct, normalises over all C(N, k) subsets, and gives each sample the mean advantage of the
+    subsets that contain it. With c correct samples (reward > 0) in the group:
+
+        R̄   = 1 - C(N - c, k) / C(N, k)                 (the group's unbiased pass@k)
+        σ   = sqrt(R̄ (1 - R̄))
+        A+  = (1 - R̄) / σ                                for a correct sample
+        A-  = (1 - R̄ - C(N - c - 1, k - 1) / C(N - 1, k - 1)) / σ   for a wrong one
+
+    k = 1 gives GRPO's advantages with the population std. A wrong sample is punished less than under
+    pass@1 (a subset it is in may still be solved): exploration is cheaper. Groups where R̄ is 0 or 1
+    (every subset solved, or none) get 0.
+
+    Args:
+        rewards: [B] rewards, B = P · G, groups contiguous; reward > 0 counts as correct.
+        group_size: G = N >= k.
+        k: subset size, 1 <= k <= G.
+
+    Returns:
+        [B] advantages in the dtype of `rewards` (float32 for integer rewards).
+    """
+    r = _grouped(rewards, group_size)  # [P, N]
+    n = r.shape[1]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"k: must be an int in [1, group_size={n}], got {k!r}")
+    correct = (r > 0).to(r.dtype)
+    c = correct.sum(dim=1, keepdim=True)  # [P, 1]
+
+    def ratio_of_binomials(a: torch.Tensor, b: int, j: int) -> torch.Tensor:
+        # C(a, j) / C(b, j) = Π_{m<j} (a - m) / (b - m): 0 when a < j, never a huge factorial
+        out = torch.ones_like(a)
+        for m in range(j):
+            out = out * ((a - m).clamp(min=0) / (b - m))
+        return out
+
+    mean = 1.0 - ratio_of_binomials(n - c, n, k)  # [P, 1]
+    std = (mean * (1.0 - mean)).clamp(min=0).sqrt()
+    wrong_all = ratio_of_binomials(n - c - 1, n - 1, k - 1)  # P(every other member of its subset is wrong)
+    adv = torch.where(correct > 0, 1.0 - mean, 1.0 - mean - wrong_all)
+    adv = torch.where(std > 0, adv / std.clamp(min=torch.finfo(std.dtype).tiny), torch.zeros_like(adv))
+    return adv.reshape(-1).to(_float_dtypes(rewards.dtype)[1])
 
 
 class _GroupStats(NamedTuple):
@@ -203,7 +401,7 @@ def group_advantages(
         sq = sq.index_add_(0, stats.index, adv.square())[stats.index]  # [B] group sum of squares
         # Unbiased std; a size-1 group has dev = 0 and std = 0 (not NaN), hence advantage 0.
         std = (sq / (stats.count - 1).clamp(min=1)).sqrt()
-        adv = adv / (std + eps)
+        adv = torch.where(std > 0, adv / (std + eps), adv)  # equal rewards: dev is exactly 0, also for eps = 0
     return adv.to(_float_dtypes(rewards.dtype)[1])
 
 

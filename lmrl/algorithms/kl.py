@@ -14,6 +14,14 @@ value k3 is unbiased; as a loss its gradient is not the gradient of KL(π ‖ π
 samples (x drawn from π, treated as fixed): E[∇k1] = E[∇log π] = 0, E[∇k2] = ∇KL(π ‖ π_ref), and
 E[∇k3] = ∇KL(π_ref ‖ π), the forward KL.
 
+"k3+" (verl's name) is k3's value with k2's gradient, through a straight-through estimator: the
+number reported and added to the loss is k3's, the gradient is the on-policy-unbiased ∇KL(π ‖ π_ref)
+of k2.
+
+Clamping, as the peers do it (`KL_CLAMPS`; lmrl clamps nothing by default): ``"verl"`` clamps the
+log-ratio to [-20, 20] and the result to [-10, 10] for k3 (and k3+'s value) only; ``"openrlhf"``
+clamps every estimator's result to [-10, 10]. A clamped entry has no gradient.
+
 Half-precision inputs are computed in float32 and the result is cast back to the input dtype.
 """
 
@@ -25,7 +33,7 @@ import torch
 
 from lmrl.algorithms.masking import masked_sum
 
-__all__ = ["KL_ESTIMATORS", "kl_penalty", "kl_shaped_rewards", "sequence_kl"]
+__all__ = ["KL_CLAMPS", "KL_ESTIMATORS", "kl_penalty", "kl_shaped_rewards", "sequence_kl"]
 
 
 def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -43,8 +51,28 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.expm1(r) - r
 
 
+def _k3_plus(log_ratio: torch.Tensor) -> torch.Tensor:
+    # value k3, gradient k2 (straight-through)
+    k2 = _k2(log_ratio)
+    return k2 + (_k3(log_ratio) - k2).detach()
+
+
 # One table, chosen by name: each maps log π(x) - log π_ref(x) to a per-token KL estimate.
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": _k1, "k2": _k2, "k3": _k3, "k3+": _k3_plus
+}
+# Peer frameworks' clamping conventions (see the module docstring).
+KL_CLAMPS = ("verl", "openrlhf")
+
+
+def _estimate(log_ratio: torch.Tensor, estimator: str, clamp: str | None) -> torch.Tensor:
+    if estimator == "k3+" and clamp is not None:  # the (clamped) k3 value on k2's gradient
+        k2 = _k2(log_ratio)
+        return k2 + (_estimate(log_ratio, "k3", clamp) - k2).detach()
+    if clamp == "verl" and estimator == "k3":
+        return _k3(log_ratio.clamp(-20.0, 20.0)).clamp(-10.0, 10.0)
+    kl = KL_ESTIMATORS[estimator](log_ratio)
+    return kl.clamp(-10.0, 10.0) if clamp == "openrlhf" else kl
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -52,7 +80,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1", clamp: str | None = None
+) -> torch.Tensor:
     """Per-token estimate of KL(π ‖ π_ref) from the log-probs of tokens sampled from π.
 
     With log_ratio = logp - ref_logp:
@@ -60,14 +90,17 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1"
     - ``"k1"``: log_ratio
     - ``"k2"``: ½ · log_ratio²
     - ``"k3"``: exp(ref_logp - logp) - (ref_logp - logp) - 1
+    - ``"k3+"``: the value of k3 with the gradient of k2
 
-    (Schulman 2020, "Approximating KL divergence"). Differentiable in both arguments; no clamping is
-    applied, so a huge log-ratio gives a huge k3 (clip upstream if you need to).
+    (Schulman 2020, "Approximating KL divergence"). Differentiable in both arguments. By default no
+    clamping is applied, so a huge log-ratio gives a huge k3; `clamp` reproduces a peer's.
 
     Args:
         logp: [B, T] (any shape) log-probs of the sampled tokens under the policy.
         ref_logp: same shape as `logp`, log-probs of the same tokens under the reference model.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"k3+"``.
+        clamp: None, ``"verl"`` (k3: log-ratio to [-20, 20], result to [-10, 10]) or ``"openrlhf"``
+            (every estimator's result to [-10, 10]).
 
     Returns:
         Tensor of the shape of `logp` and dtype of ``logp - ref_logp`` (computed in at least float32).
@@ -75,16 +108,19 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1"
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator: unknown {estimator!r}; allowed: {', '.join(map(repr, KL_ESTIMATORS))}")
+    if clamp is not None and clamp not in KL_CLAMPS:
+        raise ValueError(f"clamp: unknown {clamp!r}; allowed: None, {', '.join(map(repr, KL_CLAMPS))}")
     if logp.shape != ref_logp.shape:
         raise ValueError(f"ref_logp: shape {tuple(ref_logp.shape)} does not match logp {tuple(logp.shape)}")
     out_dtype = torch.result_type(logp, ref_logp)
     work = _compute_dtype(out_dtype)
     log_ratio = logp.to(work) - ref_logp.to(work)
-    return KL_ESTIMATORS[estimator](log_ratio).to(out_dtype)
+    return _estimate(log_ratio, estimator, clamp).to(out_dtype)
 
 
 def sequence_kl(
-    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str = "k1"
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str = "k1",
+    clamp: str | None = None,
 ) -> torch.Tensor:
     """Sequence-level KL estimate: the per-token estimate summed over each sequence's real tokens.
 
@@ -97,14 +133,15 @@ def sequence_kl(
         logp: [B, T] policy log-probs of the sampled response tokens.
         ref_logp: [B, T] reference log-probs of the same tokens.
         mask: [B, T] bool or 0/1, true on real response tokens. Masked entries may hold anything.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see `kl_penalty`).
+        estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"k3+"`` (see `kl_penalty`).
+        clamp: a peer's clamping convention (see `kl_penalty`), applied per token.
 
     Returns:
         [B] summed KL per sequence; 0 for a sequence with no real token.
     """
     if mask.shape != logp.shape:
         raise ValueError(f"mask: shape {tuple(mask.shape)} does not match logp {tuple(logp.shape)}")
-    return masked_sum(kl_penalty(logp, ref_logp, estimator), mask, dim=-1)
+    return masked_sum(kl_penalty(logp, ref_logp, estimator, clamp), mask, dim=-1)
 
 
 def kl_shaped_rewards(

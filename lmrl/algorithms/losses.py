@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty
+from lmrl.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS, kl_penalty
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var
 
 __all__ = [
@@ -37,8 +37,10 @@ __all__ = [
     "ValueLossMetrics",
     "aggregate_loss",
     "cispo_loss",
+    "cpgd_loss",
     "explained_variance",
     "loss_normalizer",
+    "masked_is_weights",
     "policy_loss",
     "truncated_is_weights",
     "value_loss",
@@ -52,7 +54,7 @@ AGGREGATION_MODES = (
     "seq-mean-token-sum-norm",
 )
 _KL_ESTIMATORS = tuple(KL_ESTIMATORS)
-_RATIO_LEVELS = ("token", "sequence")
+_RATIO_LEVELS = ("token", "sequence", "sequence-sum")
 _IS_LEVELS = ("token", "sequence")
 
 
@@ -119,7 +121,8 @@ class ValueLossMetrics(_Metrics):
     """Diagnostics of one `value_loss` call, as Python floats.
 
     Attributes:
-        vf_clipfrac: fraction of real tokens where the clipped value error was the larger one (taken by the max).
+        vf_clipfrac: fraction of real tokens where the clipped value error was the larger one (taken by the
+            max, so the token has no value gradient). A value within `clip` of its old value never counts.
         value_mean: masked mean of the predicted values.
     """
 
@@ -253,12 +256,12 @@ def _prepare(
 
 
 def _add_kl_and_weights(
-    per_token: torch.Tensor, batch: _TokenBatch, kl_coef: float, kl_estimator: str
+    per_token: torch.Tensor, batch: _TokenBatch, kl_coef: float, kl_estimator: str, kl_clamp: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """per_token + kl_coef * KL(ref), times weights; also returns the per-token KL (or None)."""
     kl = None
     if batch.ref_logp is not None:
-        kl = kl_penalty(batch.logp, batch.ref_logp, kl_estimator)
+        kl = kl_penalty(batch.logp, batch.ref_logp, kl_estimator, kl_clamp)
         if kl_coef != 0.0:
             per_token = per_token + kl_coef * kl
     if batch.weights is not None:
@@ -266,8 +269,10 @@ def _add_kl_and_weights(
     return per_token, kl
 
 
-def _check_kl(kl_coef: float, ref_logp: torch.Tensor | None, kl_estimator: str) -> None:
+def _check_kl(kl_coef: float, ref_logp: torch.Tensor | None, kl_estimator: str, kl_clamp: str | None = None) -> None:
     _check_choice("kl_estimator", kl_estimator, _KL_ESTIMATORS)
+    if kl_clamp is not None:
+        _check_choice("kl_clamp", kl_clamp, KL_CLAMPS)
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef: must be >= 0, got {kl_coef!r}")
     if kl_coef > 0 and ref_logp is None:
@@ -397,6 +402,7 @@ def policy_loss(
     norm_length: float | None = None,
     weights: torch.Tensor | None = None,
     normalizer: float | torch.Tensor | None = None,
+    kl_clamp: str | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """PPO clipped surrogate with the variants of GRPO, Dr. GRPO, DAPO, REINFORCE(++) and GSPO.
 
@@ -419,6 +425,11 @@ def policy_loss(
       s_{i,t} = sg(s_i) · exp(logp_t - sg(logp_t)), whose value is s_i and whose gradient with
       "seq-mean-token-mean" and sequence-level A equals the GSPO gradient. GSPO's clip ranges are
       tiny (the paper: 3e-4 / 4e-4); pass them, nothing is hard-coded.
+    - `ratio_level="sequence-sum"` treats each sequence as one action, as TRL's RLOOTrainer does:
+      s_i = exp(Σ_t (logp - old_logp)) (no length normalisation), and the sequence's surrogate
+      ℓ_i = -min(s_i Ā_i, clip(s_i) Ā_i) (Ā_i the mean advantage over its real tokens; dual clip
+      applies to ℓ_i) is spread evenly over its |y_i| real tokens (ℓ_i / |y_i| each), so that
+      "seq-mean-token-sum" gives TRL's (1/B) Σ_i ℓ_i, value and gradient. Metrics report s_i.
     - With `kl_coef=0`, one update per batch and group-normalised advantages, the loss is about 0
       while learning happens (ρ = 1 and A averages to 0); that is expected, the gradient is not 0.
     - `weights` (truncated importance sampling, entropy masks) scale the whole per-token loss,
@@ -434,12 +445,13 @@ def policy_loss(
         dual_clip: c > 1 of dual-clip PPO; None disables it.
         ref_logp: `[B, T]` reference-model log-probs; enables the KL term and the `kl` metric.
         kl_coef: β, weight of the KL term (>= 0); > 0 requires `ref_logp`.
-        kl_estimator: "k1", "k2" or "k3" (GRPO uses k3).
+        kl_estimator: "k1", "k2", "k3" (GRPO uses k3) or "k3+" (k3's value, k2's gradient).
         aggregation: one of `AGGREGATION_MODES`.
-        ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO).
+        ratio_level: "token" (PPO/GRPO), "sequence" (GSPO) or "sequence-sum" (TRL's RLOO).
         norm_length: the constant of "seq-mean-token-sum-norm".
         weights: `[B, T]` per-token multipliers, treated as constants.
         normalizer: global normaliser for gradient accumulation (see `aggregate_loss`).
+        kl_clamp: None, "verl" or "openrlhf": that framework's clamping of the KL term (`kl_penalty`).
 
     Returns:
         (loss, metrics): a 0-dim tensor (float32, or float64 for float64 inputs) and `PolicyLossMetrics`.
@@ -450,11 +462,14 @@ def policy_loss(
     _check_clip("clip_high", clip_high)
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip: must be > 1 or None, got {dual_clip!r}")
-    _check_kl(kl_coef, ref_logp, kl_estimator)
+    _check_kl(kl_coef, ref_logp, kl_estimator, kl_clamp)
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
     logp, adv, mask = batch.logp, batch.advantages, batch.mask
 
     token_log_ratio = logp - batch.old_logp  # [B, T], 0 on padding
+    if ratio_level == "sequence-sum":
+        return _sequence_sum_loss(batch, token_log_ratio, clip_low, clip_high, dual_clip, kl_coef, kl_estimator,
+                                  kl_clamp, aggregation, norm_length, normalizer)
     if ratio_level == "sequence":
         seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [B]
         # GSPO-token: value s_i on every token, d/d logp_t = s_i.
@@ -479,7 +494,7 @@ def policy_loss(
         dual_active = negative & (per_token > bound)
         per_token = torch.where(negative, torch.minimum(per_token, bound), per_token)
 
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator)
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
     loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
 
     with torch.no_grad():
@@ -489,6 +504,48 @@ def policy_loss(
         high = (adv > 0) & (r > 1.0 + clip_high) if clip_high is not None else torch.zeros_like(mask)
         dual = dual_active if dual_active is not None else torch.zeros_like(mask)
         metrics = _policy_metrics(token_log_ratio, r, mask, low, high, dual, kl)
+    return loss, metrics
+
+
+def _sequence_sum_loss(
+    batch: _TokenBatch,
+    token_log_ratio: torch.Tensor,
+    clip_low: float | None,
+    clip_high: float | None,
+    dual_clip: float | None,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_clamp: str | None,
+    aggregation: str,
+    norm_length: float | None,
+    normalizer: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """`policy_loss` with ratio_level="sequence-sum": one clipped surrogate per sequence (TRL's RLOOTrainer)."""
+    mask = batch.mask
+    lengths = mask.sum(dim=-1)  # [B]
+    adv = masked_mean(batch.advantages, mask, dim=-1)  # [B]
+    ratio = torch.exp(masked_sum(token_log_ratio, mask, dim=-1))  # [B] s_i = π_θ(y_i) / π_old(y_i)
+    loss_seq = -adv * ratio
+    if clip_low is not None or clip_high is not None:
+        lower = None if clip_low is None else 1.0 - clip_low
+        upper = None if clip_high is None else 1.0 + clip_high
+        loss_seq = torch.maximum(loss_seq, -adv * ratio.clamp(min=lower, max=upper))
+    dual_active = torch.zeros_like(adv, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -dual_clip * adv
+        dual_active = (adv < 0) & (loss_seq > bound)
+        loss_seq = torch.where(adv < 0, torch.minimum(loss_seq, bound), loss_seq)
+    # spread each sequence's surrogate over its real tokens: their sum is ℓ_i
+    per_token = (loss_seq / lengths.clamp(min=1)).unsqueeze(-1).expand_as(token_log_ratio)
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
+    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (adv < 0) & (r < 1.0 - clip_low) if clip_low is not None else torch.zeros_like(dual_active)
+        high = (adv > 0) & (r > 1.0 + clip_high) if clip_high is not None else torch.zeros_like(dual_active)
+        per_seq = [x.unsqueeze(-1).expand_as(mask) for x in (r, low, high, dual_active)]
+        metrics = _policy_metrics(token_log_ratio, per_seq[0], mask, per_seq[1], per_seq[2], per_seq[3], kl)
     return loss, metrics
 
 
@@ -507,6 +564,7 @@ def cispo_loss(
     norm_length: float | None = None,
     weights: torch.Tensor | None = None,
     normalizer: float | torch.Tensor | None = None,
+    kl_clamp: str | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """CISPO: clip the importance-sampling weight, not the update (MiniMax-M1, Chen et al. 2025, eq. 4-5).
 
@@ -531,7 +589,8 @@ def cispo_loss(
         mask: `[B, T]` bool or 0/1, real response tokens.
         clip_low: weight lower bound 1 - clip_low (in [0, 1]); None = no lower bound.
         clip_high: weight upper bound 1 + clip_high (>= 0); None = no upper bound.
-        ref_logp, kl_coef, kl_estimator, aggregation, norm_length, weights, normalizer: as in `policy_loss`.
+        ref_logp, kl_coef, kl_estimator, aggregation, norm_length, weights, normalizer, kl_clamp: as in
+            `policy_loss`.
 
     Returns:
         (loss, metrics) as in `policy_loss`; `clipfrac` counts tokens whose weight was truncated.
@@ -539,7 +598,7 @@ def cispo_loss(
     _check_aggregation("aggregation", aggregation, norm_length, normalizer)
     _check_clip("clip_low", clip_low, upper=1.0)
     _check_clip("clip_high", clip_high)
-    _check_kl(kl_coef, ref_logp, kl_estimator)
+    _check_kl(kl_coef, ref_logp, kl_estimator, kl_clamp)
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
     logp, adv, mask = batch.logp, batch.advantages, batch.mask
 
@@ -550,13 +609,85 @@ def cispo_loss(
     is_weight = ratio if lower is None and upper is None else ratio.clamp(min=lower, max=upper)
     per_token = -is_weight * adv * logp
 
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator)
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
     loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
 
     with torch.no_grad():
         low = ratio < lower if lower is not None else torch.zeros_like(mask)
         high = ratio > upper if upper is not None else torch.zeros_like(mask)
         metrics = _policy_metrics(token_log_ratio, ratio, mask, low, high, torch.zeros_like(mask), kl)
+    return loss, metrics
+
+
+def cpgd_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float | None = 0.2,
+    clip_high: float | None = 0.2,
+    drift_coef: float = 0.1,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    aggregation: str = "token-mean",
+    norm_length: float | None = None,
+    weights: torch.Tensor | None = None,
+    normalizer: float | torch.Tensor | None = None,
+    kl_clamp: str | None = None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """CPGD: a clipped *log*-ratio surrogate plus a policy-drift penalty (Liu et al. 2025, "CPGD: Toward
+    Stable Rule-based Reinforcement Learning for Language Models", arXiv:2505.12504; LightRFT's "cpgd").
+
+    Per real token, with l = logp - old_logp (the log of PPO's ratio ρ):
+
+        ℓ = -min(l A, clip(l, ln(1 - clip_low), ln(1 + clip_high)) A) + drift_coef · ((ρ - 1) - l)
+
+    PPO's surrogate ρA grows exponentially in l when A > 0; l A grows linearly, so one step cannot
+    push a token's probability far (the paper's argument for stability). The drift term is the k3
+    estimate of KL(π_old ‖ π_θ) on tokens sampled from π_old: 0 with gradient 0 at ρ = 1, so the first
+    minibatch's update is REINFORCE's -A ∇logp, as for PPO; later minibatches are pulled back toward
+    π_old. lmrl's default drift_coef = 0.1 is not the paper's (tune it); the KL to the reference and
+    `weights` act as in `policy_loss`.
+
+    Args:
+        logp, old_logp, advantages, mask: as in `policy_loss`.
+        clip_low, clip_high: ε of the log-ratio bounds ln(1 - ε_low), ln(1 + ε_high); None = unbounded.
+        drift_coef: α >= 0, weight of the policy-drift penalty.
+        ref_logp, kl_coef, kl_estimator, aggregation, norm_length, weights, normalizer, kl_clamp: as in
+            `policy_loss`.
+
+    Returns:
+        (loss, metrics) as in `policy_loss`; `clipfrac` counts tokens whose clipped branch was taken.
+    """
+    _check_aggregation("aggregation", aggregation, norm_length, normalizer)
+    _check_clip("clip_low", clip_low, upper=1.0)
+    _check_clip("clip_high", clip_high)
+    if not drift_coef >= 0:
+        raise ValueError(f"drift_coef: must be >= 0, got {drift_coef!r}")
+    _check_kl(kl_coef, ref_logp, kl_estimator, kl_clamp)
+    if clip_low == 1.0:
+        clip_low = None  # ln(0): no lower bound
+    batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
+    logp, adv, mask = batch.logp, batch.advantages, batch.mask
+
+    log_ratio = logp - batch.old_logp  # [B, T]
+    lower = None if clip_low is None else math.log(1.0 - clip_low)
+    upper = None if clip_high is None else math.log1p(clip_high)
+    clipped = log_ratio if lower is None and upper is None else log_ratio.clamp(min=lower, max=upper)
+    per_token = torch.maximum(-adv * log_ratio, -adv * clipped)  # -min(l A, clip(l) A)
+    if drift_coef:
+        per_token = per_token + drift_coef * (torch.expm1(log_ratio) - log_ratio)
+
+    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
+    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
+
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        low = (adv < 0) & (lr < lower) if lower is not None else torch.zeros_like(mask)
+        high = (adv > 0) & (lr > upper) if upper is not None else torch.zeros_like(mask)
+        metrics = _policy_metrics(log_ratio, torch.exp(lr), mask, low, high, torch.zeros_like(mask), kl)
     return loss, metrics
 
 
@@ -641,6 +772,54 @@ def truncated_is_weights(
         return torch.where(mask, weights, torch.zeros((), dtype=dtype, device=weights.device))
 
 
+def masked_is_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    low: float = 0.5,
+    high: float = 2.0,
+    level: str = "token",
+) -> torch.Tensor:
+    """Importance weights that *mask* what the sampler got too wrong, instead of truncating it.
+
+    With ρ = π_old / π_rollout on the sampled tokens:
+
+        token (IcePop):  w_{i,t} = ρ_{i,t} if low <= ρ_{i,t} <= high, else 0
+        sequence:        w_{i,t} = ρ_i if low <= ρ_i <= high, else 0,   ρ_i = exp(Σ_t m (old_logp - rollout_logp))
+
+    Token level is IcePop's double-sided masking (inclusionAI 2025, "Small Leak Can Sink a Great Ship",
+    the Ring-1T report): tokens whose trainer and sampler probabilities disagree beyond the band carry
+    no gradient at all, since truncating their weight (`truncated_is_weights`) still trains on a
+    mismatch that compounds. Sequence level is masked sequence IS ("MIS", Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"): a sequence whose likelihood
+    ratio leaves the band is dropped whole.
+
+    Args:
+        old_logp: `[B, T]` trainer log-probs of the sampled tokens.
+        rollout_logp: `[B, T]` the sampler's log-probs of the same tokens.
+        mask: `[B, T]` bool or 0/1, real response tokens.
+        low, high: the band, 0 <= low < 1 < high.
+        level: "token" or "sequence".
+
+    Returns:
+        `[B, T]` weights, detached, float32 at least; padding and masked-out tokens are 0.
+    """
+    _check_choice("level", level, _IS_LEVELS)
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"low, high: must satisfy 0 <= low < 1 < high, got {low!r}, {high!r}")
+    mask = _as_bool_mask(mask, old_logp, "old_logp")
+    _check_same_shape("rollout_logp", rollout_logp, "old_logp", old_logp)
+    with torch.no_grad():
+        dtype = _compute_dtype(old_logp.dtype)
+        log_ratio = _clean(old_logp, mask, dtype) - _clean(rollout_logp, mask, dtype)  # [B, T]
+        if level == "sequence":
+            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+        log_low = math.log(low) if low > 0 else -math.inf
+        inside = (log_ratio >= log_low) & (log_ratio <= math.log(high))
+        weights = torch.exp(log_ratio.clamp(max=math.log(high)))  # no overflow where the band masks anyway
+        return torch.where(mask & inside, weights, torch.zeros((), dtype=dtype, device=weights.device))
+
+
 # --------------------------------------------------------------------------------------------------
 # value losses
 
@@ -692,7 +871,9 @@ def value_loss(
         per_token = 0.5 * err
         clipped = torch.zeros_like(mask)
     else:
-        v_clipped = v_old + (v - v_old).clamp(-clip, clip)
+        # Clamp V itself (not V_old + clamp(V - V_old), which rounds differently from V inside the
+        # range): a value within c of V_old is then bit-exactly V, and never counted as clipped.
+        v_clipped = torch.minimum(torch.maximum(v, v_old - clip), v_old + clip)
         err_clipped = (v_clipped - ret) ** 2
         per_token = 0.5 * torch.maximum(err, err_clipped)
         clipped = err_clipped > err

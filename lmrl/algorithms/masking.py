@@ -50,16 +50,17 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, unbiased: bool = True
 ) -> torch.Tensor:
-    """(x - mean) / (std + eps) over masked entries (unbiased std); masked-out entries become 0.
+    """(x - mean) / (std + eps) over masked entries; masked-out entries become 0.
 
     With `shift_mean=False` the mean is added back: only the scale changes, as in PPO
-    implementations that whiten rewards without moving them.
+    implementations that whiten rewards without moving them. The std is unbiased (n - 1, as TRL and
+    verl); `unbiased=False` divides by n, as OpenRLHF's advantage whitening does.
     """
     mask = _check(x, mask)
     mean = masked_mean(x, mask)
-    std = masked_var(x, mask, unbiased=True).sqrt()
+    std = masked_var(x, mask, unbiased=unbiased).sqrt()
     out = (x - mean) / (std + eps)
     if not shift_mean:
         out = out + mean

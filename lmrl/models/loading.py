@@ -192,8 +192,8 @@ def reference_model(policy: nn.Module) -> nn.Module:
 
     A deep copy (separate weights, same dtype and device), in eval mode (no dropout), with
     `requires_grad=False` on every parameter so that it never enters an optimizer or the autograd
-    graph. It costs one more copy of the weights; with LoRA (roadmap) the reference will instead be
-    the policy's own base model with its adapters disabled, so no copy is needed.
+    graph. It costs one more copy of the weights; a LoRA run needs none (its reference is the policy's
+    own base model with its adapters disabled, `Trainer._reference`).
     """
     ref = copy.deepcopy(policy)
     ref.eval()

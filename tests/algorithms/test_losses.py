@@ -661,3 +661,25 @@ def test_other_bad_arguments():
         value_loss(logp, old, old, mask, aggregation="x")
     with pytest.raises(ValueError, match="^kl_estimator:"):
         cispo_loss(logp, old, adv, mask, kl_estimator="k9")
+
+
+def test_value_loss_clipfrac_counts_only_values_outside_the_range():
+    # Values within c of their rollout-time prediction are not clipped. Forming the clipped value as
+    # V_old + clamp(V - V_old) rounds differently from V itself in float32 (here on 37% of the tokens),
+    # which used to mark about 2% of these unclipped tokens as clipped.
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(64, 256, generator=gen) * 0.05
+    old = torch.randn(64, 256, generator=gen) * 0.05
+    ret = torch.randn(64, 256, generator=gen)
+    mask = (v - old).abs() <= 0.2  # the tokens inside the range (99%)
+    loss, m = value_loss(v, old, ret, mask, clip=0.2)
+    assert m.vf_clipfrac == 0.0
+    assert loss.item() == pytest.approx(0.5 * ((v - ret) ** 2)[mask].mean().item(), rel=1e-6)
+    # outside the range a token counts exactly when the clipped error is the larger one
+    all_tokens = torch.ones_like(mask)
+    far = old + torch.where(torch.rand(64, 256, generator=gen) < 0.5, 0.5, -0.5)
+    _, m_far = value_loss(far, old, ret, all_tokens, clip=0.2)
+    v_clip = torch.minimum(torch.maximum(far, old - 0.2), old + 0.2)
+    expected = ((v_clip - ret) ** 2 > (far - ret) ** 2).float().mean().item()
+    assert m_far.vf_clipfrac == pytest.approx(expected, abs=1e-7)
+    assert 0.3 < m_far.vf_clipfrac < 0.7
