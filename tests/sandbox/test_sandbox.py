@@ -6,6 +6,7 @@ RLIMIT_NPROC (the programs run as `nobody` when the tests run as root) and dies 
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import socket
@@ -200,7 +201,13 @@ print(sandbox.isolated, [(r.status, r.stdout.strip()) for r in results])
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
                     reason="needs root to start a process as another user")
 def test_without_root_a_user_namespace_isolates_hides_home_and_leaves_no_capability():
-    root = str(Path(__file__).resolve().parents[2])
+    # a copy of the package that user can read (a checkout may sit in a directory only root can enter)
+    code = Path(tempfile.mkdtemp(prefix="lmrl-code-"))
+    shutil.copytree(Path(__file__).resolve().parents[2] / "lmrl", code / "lmrl",
+                    ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    for path in (code, *code.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    root = str(code)
     home = Path(tempfile.mkdtemp(prefix="lmrl-home-"))  # the user's home, with a secret the user can read
     secret = home / "token"
     secret.write_text("hunter2")
@@ -214,10 +221,11 @@ def test_without_root_a_user_namespace_isolates_hides_home_and_leaves_no_capabil
         )
     finally:
         shutil.rmtree(home)
+        shutil.rmtree(code)
     assert out.returncode == 0, out.stderr
     isolated, results = out.stdout.split(" ", 1)
     assert isolated == "True"
-    results = eval(results)  # noqa: S307 - our own test's printed list of tuples
+    results = ast.literal_eval(results)  # the script's printed list of (status, output) tuples
     assert results[0][0] == "ok" and 1 <= int(results[0][1]) <= 7
     assert results[1] == ("ok", "0000000000000000")
     assert results[2][0] == "error" and results[3][0] == "error"
