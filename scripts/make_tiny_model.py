@@ -94,14 +94,29 @@ def sft(task: AdditionTask, config: SFTConfig, log_every: int = 0):
         seed=config.seed,
     )
     train = encode_items(tokenizer, task.train_prompts())
+
+    def progress(model) -> str:
+        m = evaluate(model, tokenizer, task, n_prompts=200, k=8)
+        return f"greedy {m['accuracy']:.3f}  pass@8 {m['pass_at_k']:.3f}"
+
+    supervise(model, tokenizer, len(train), lambda index: collate([train[i] for i in index], tokenizer.pad_token_id),
+              config, log_every, progress)
+    return model, tokenizer
+
+
+def supervise(model, tokenizer, num_examples: int, batch, config: SFTConfig, log_every: int, progress) -> None:
+    """`config.steps` AdamW steps (linear warm-up, gradient norm clipped at 1) on batches of `config.batch_size`
+    examples drawn with replacement by a generator seeded with `config.seed`; `batch(indices)` gives their
+    (input_ids, attention_mask, labels). Every `log_every` steps prints the loss and `progress(model)`, which
+    evaluates (the model is put back in train mode after). Leaves the model in eval mode, its generation
+    config naming the tokenizer's EOS, pad and BOS."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / config.warmup))
     gen = torch.Generator().manual_seed(config.seed)
     model.train()
     start = time.perf_counter()
     for step in range(config.steps):
-        index = torch.randint(len(train), (config.batch_size,), generator=gen).tolist()
-        ids, attention, labels = collate([train[i] for i in index], tokenizer.pad_token_id)
+        ids, attention, labels = batch(torch.randint(num_examples, (config.batch_size,), generator=gen).tolist())
         logits = model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
         # logits at position t predict the token at t + 1
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
@@ -112,18 +127,13 @@ def sft(task: AdditionTask, config: SFTConfig, log_every: int = 0):
         schedule.step()
         if log_every and (step + 1) % log_every == 0:
             model.eval()
-            m = evaluate(model, tokenizer, task, n_prompts=200, k=8)
+            line = progress(model)
             model.train()
-            print(
-                f"step {step + 1:5d}  loss {loss.item():.4f}  greedy {m['accuracy']:.3f}  "
-                f"pass@8 {m['pass_at_k']:.3f}  {time.perf_counter() - start:.0f}s",
-                flush=True,
-            )
+            print(f"step {step + 1:5d}  loss {loss.item():.4f}  {line}  {time.perf_counter() - start:.0f}s", flush=True)
     model.eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
-    return model, tokenizer
 
 
 def calculator_traces(tokenizer, task, tool_fraction: float, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -155,33 +165,20 @@ def sft_calculator(task, config: SFTConfig, tool_fraction: float, log_every: int
     model = tiny_causal_lm(tokenizer, hidden_size=config.hidden_size, num_layers=config.num_layers,
                            num_heads=config.num_heads, max_position_embeddings=128, seed=config.seed)
     train = calculator_traces(tokenizer, task, tool_fraction, config.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / config.warmup))
-    gen = torch.Generator().manual_seed(config.seed)
-    model.train()
-    start = time.perf_counter()
-    for step in range(config.steps):
-        batch = [train[i] for i in torch.randint(len(train), (config.batch_size,), generator=gen).tolist()]
-        width = max(len(x) for x, _ in batch)
-        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
-        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
-        logits = model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if log_every and (step + 1) % log_every == 0:
-            m = evaluate_calculator(model, tokenizer, task, n_prompts=200)
-            model.train()
-            print(f"step {step + 1:5d}  loss {loss.item():.4f}  greedy {m['accuracy']:.3f}  "
-                  f"tool calls {m['tool_rate']:.2f}  {time.perf_counter() - start:.0f}s", flush=True)
-    model.eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
+
+    def batch(index: list[int]) -> tuple[torch.Tensor, ...]:
+        traces = [train[i] for i in index]
+        width = max(len(x) for x, _ in traces)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in traces])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in traces])
+        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in traces])
+        return ids, attention, labels
+
+    def progress(model) -> str:
+        m = evaluate_calculator(model, tokenizer, task, n_prompts=200)
+        return f"greedy {m['accuracy']:.3f}  tool calls {m['tool_rate']:.2f}"
+
+    supervise(model, tokenizer, len(train), batch, config, log_every, progress)
     return model, tokenizer
 
 
