@@ -29,6 +29,7 @@ from pydantic import (
 
 from lmrl.errors import ConfigError
 from lmrl.foreign_names import explain_foreign_name
+from lmrl.sandbox import SandboxLimits
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_TIS_CAP = 2.0  # truncated importance sampling cap when the sampler is another dtype
@@ -587,37 +588,36 @@ class EnvConfig(_Section):
 
 
 class SandboxConfig(_Section):
-    """Limits for model-written code (the `python` tool, the `code` reward); see `lmrl.sandbox`."""
+    """Limits for model-written code (the `python` tool, the `code` reward); see `lmrl.sandbox`. The defaults
+    are `lmrl.sandbox.SandboxLimits`'s."""
 
-    timeout: PositiveFloat = 10.0
+    timeout: PositiveFloat = SandboxLimits.timeout
     """Wall-clock seconds per program before it and everything it started are killed."""
-    cpu_seconds: PositiveInt = 10
+    cpu_seconds: PositiveInt = SandboxLimits.cpu_seconds
     """CPU seconds per process (RLIMIT_CPU)."""
-    memory_mb: PositiveInt = 1024
+    memory_mb: PositiveInt = SandboxLimits.memory_mb
     """Address space per process in MiB (RLIMIT_AS); Python itself needs about 30."""
-    processes: PositiveInt = 32
+    processes: PositiveInt = SandboxLimits.processes
     """Processes a program may have at once, itself included (RLIMIT_NPROC; as root programs run as nobody)."""
-    file_mb: PositiveInt = 16
+    file_mb: PositiveInt = SandboxLimits.file_mb
     """Largest file a program may write, in MiB (RLIMIT_FSIZE)."""
-    disk_mb: PositiveInt = 64
+    disk_mb: PositiveInt = SandboxLimits.disk_mb
     """Size of each program's private tmpfs work directory, in MiB."""
-    open_files: PositiveInt = 256
+    open_files: PositiveInt = SandboxLimits.open_files
     """File descriptors per process (RLIMIT_NOFILE)."""
-    output_bytes: PositiveInt = 65536
+    output_bytes: PositiveInt = SandboxLimits.output_bytes
     """Bytes kept of stdout and of stderr each; a program that writes more is stopped."""
-    max_parallel: PositiveInt = 4
+    max_parallel: PositiveInt = SandboxLimits.max_parallel
     """Programs run at once."""
-    allow_network_fallback: bool = False
+    allow_network_fallback: bool = SandboxLimits.allow_network_fallback
     """Where namespaces are unavailable (no root, no unprivileged user namespaces), run model code anyway,
     without network, mount and pid isolation. Off: the run refuses to start with one line."""
-    python: NonEmptyStr | None = None
+    python: NonEmptyStr | None = SandboxLimits.python
     """Interpreter programs run with (standard library only). None: this Python, or /usr/bin/python3 when
     the sandbox user cannot read this one's files."""
 
-    def limits(self) -> Any:
+    def limits(self) -> SandboxLimits:
         """These settings as `lmrl.sandbox.SandboxLimits`."""
-        from lmrl.sandbox import SandboxLimits
-
         return SandboxLimits(**self.model_dump())
 
 
