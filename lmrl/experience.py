@@ -371,7 +371,7 @@ def make_experience(
         behaviour = old if old is not None else rollout.logprobs.float()
         in_reward = kl_in == "reward"
         kl = A.kl_penalty(behaviour, ref, estimator=kl_estimator if in_reward else "k1",
-                          clamp=_kl_clamp(kl_clamp) if in_reward else None)
+                          clamp=kl_clamp_option(kl_clamp) if in_reward else None)
         info["kl"] = A.masked_sum(kl, mask, dim=1)
         # k3, never negative, summed per sequence: the `kl` TRL's GRPOTrainer logs (a token mean of it)
         info["kl_k3"] = A.masked_sum(A.kl_penalty(behaviour, ref, "k3"), mask, dim=1)
@@ -486,6 +486,6 @@ def clip_filter_weights(scores: torch.Tensor, group_size: int, cap: float, world
     return A.clip_filter_like_weights(scores, group_size, max_weight=cap, informative_fraction=fraction)
 
 
-def _kl_clamp(kl_clamp: str) -> str | None:
+def kl_clamp_option(kl_clamp: str) -> str | None:
     """`algorithm.kl_clamp` as `lmrl.algorithms.kl_penalty` takes it."""
     return None if kl_clamp == "none" else kl_clamp

@@ -82,6 +82,7 @@ from lmrl.experience import (
     Experience,
     concat_rollouts,
     informative_groups,
+    kl_clamp_option,
     make_experience,
     rollout_is_weights,
     select_rollout,
@@ -546,7 +547,7 @@ class Trainer:
             loss, m = loss_fn(logp, old, micro.advantages, micro.response_mask,
                               aggregation=a.aggregation, norm_length=norm_length,
                               ref_logp=micro.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.value if kl_in_loss else 0.0,
-                              kl_estimator=a.kl_estimator, kl_clamp=None if a.kl_clamp == "none" else a.kl_clamp,
+                              kl_estimator=a.kl_estimator, kl_clamp=kl_clamp_option(a.kl_clamp),
                               weights=weights, normalizer=norm, **kw)
             ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norm_length, normalizer=norm)
             ent_metric = A.aggregate_loss(entropy.detach(), micro.response_mask, a.aggregation, norm_length=norm_length,
