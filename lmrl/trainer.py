@@ -654,7 +654,7 @@ class Trainer:
     def _critic_forward(self, seqs, attn, T: int, grad: bool = False):
         self.forward_counts["critic"] += 1
         with torch.set_grad_enabled(grad), self._autocast():
-            return self.models.critic.response_values(seqs, attn, T)
+            return self.models.critic.response_values(seqs, attn, T, share_prompt=self.cfg.train.share_prompt)
 
     def _autocast(self):
         if not self.cfg.train.autocast_bf16:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmrl.models.forward import position_ids_from_mask
+from lmrl.models.shared_prompt import shared_prompt_hidden
 from lmrl.models.loading import DTYPES, _check_exists, _first_line
 
 HEAD_FILE = "value_head.safetensors"
@@ -135,7 +136,8 @@ class ValueModel(nn.Module):
         return self.value_head(hidden.float()).squeeze(-1).clone()
 
     def response_values(
-        self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int
+        self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int,
+        share_prompt: bool = False,
     ) -> torch.Tensor:
         """Values aligned to the response tokens: V(state before token t) for each of the last T.
 
@@ -143,6 +145,9 @@ class ValueModel(nn.Module):
             sequences: [B, S] prompt then response, left-padded.
             attention_mask: [B, S].
             num_response_tokens: T, 1 <= T < S.
+            share_prompt: where rows share a prompt and the backbone allows it (Llama / Qwen2,
+                `lmrl.models.shared_prompt`), run each distinct prompt through the backbone once, as the
+                policy's forward does: the same values, less work.
 
         Returns:
             [B, T] float32: entry t is the value read at position S-T-1+t, the position just before
@@ -154,4 +159,9 @@ class ValueModel(nn.Module):
             raise ValueError(
                 f"num_response_tokens: must be in [1, {seq_len - 1}] for sequences of length {seq_len}, got {t}"
             )
+        if share_prompt:
+            hidden = shared_prompt_hidden(self.backbone, sequences, attention_mask,
+                                          position_ids_from_mask(attention_mask), t)  # [B, T, H]
+            if hidden is not None:
+                return self.value_head(hidden.float()).squeeze(-1)
         return self(sequences, attention_mask)[:, -(t + 1) : -1]

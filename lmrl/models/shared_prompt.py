@@ -8,6 +8,9 @@ own tokens. It computes the same function as transformers' forward: log-probs an
 float rounding (tests), with the prompt's share of the projection and MLP work divided by G.
 `python benchmarks/shared_prompt.py` measures it.
 
+`shared_prompt_hidden` gives the final hidden states at those positions, for a model without an LM head
+(PPO's critic, a value head on a Llama / Qwen2 backbone) as for one with.
+
 Only for the Llama / Qwen2 classes whose decoder layers this module reproduces (`bypassable`), with
 full attention, no attention dropout in training and no gradient checkpointing; the modules called
 here (norms, projections, MLP, embeddings, LM head) may be LoRA-wrapped (a peft LoRA model is
@@ -25,17 +28,28 @@ import torch.nn.functional as F
 from torch import nn
 
 MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+BACKBONES = ("LlamaModel", "Qwen2Model")  # the same decoder stacks without an LM head (a critic's backbone)
 LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies that do not depend on the length seen
 
 
+def decoder_stack(model: nn.Module) -> nn.Module | None:
+    """The decoder stack (embeddings, layers, final norm, rotary embedding) of a Llama / Qwen2 causal LM, or
+    the model itself when it is such a stack without an LM head; None for any other class."""
+    name = type(model).__name__
+    if name in MODELS:
+        return getattr(model, "model", None)
+    return model if name in BACKBONES else None
+
+
 def bypassable(model: nn.Module) -> bool:
-    """True if `model` is a Llama / Qwen2 causal LM whose model, layer and attention `forward` may be
-    replaced by module-by-module code: the exact classes, a position-independent rotary embedding, no
-    device map, and no hooks on the bypassed modules (hooks on the leaf modules still run)."""
-    inner = getattr(model, "model", None)
+    """True if `model` is a Llama / Qwen2 causal LM (or its decoder stack alone) whose model, layer and
+    attention `forward` may be replaced by module-by-module code: the exact classes, a position-independent
+    rotary embedding, no device map, and no hooks on the bypassed modules (hooks on the leaf modules still
+    run)."""
+    inner = decoder_stack(model)
     rotary = getattr(inner, "rotary_emb", None)
-    if type(model).__name__ not in MODELS or rotary is None:
+    if rotary is None:
         return False
     bypassed = [inner, *inner.layers, *(layer.self_attn for layer in inner.layers)]
     return (
@@ -76,6 +90,16 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
     computed with each distinct prompt once; `position_ids` `[B, S]` as the model's forward takes them. A peft LoRA wrapper is looked through (its forward is the
     base model's, with the LoRA layers in place). None when `supports` is False or no two rows share a
     prompt (nothing to save): call the model instead."""
+    hidden = shared_prompt_hidden(model, sequences, attention_mask, position_ids, num_response_tokens)
+    return None if hidden is None else _lora_base(model).lm_head(hidden)
+
+
+def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                         position_ids: torch.Tensor, num_response_tokens: int) -> torch.Tensor | None:
+    """`[B, T, H]` final hidden states (after the last norm, as `last_hidden_state`) at columns S-T-1 .. S-2,
+    the positions just before each response token, computed with each distinct prompt once. `model` is a
+    causal LM or its decoder stack (`decoder_stack`). None when `supports` is False or no two rows share a
+    prompt."""
     num_rows, seq_len = sequences.shape
     p = seq_len - num_response_tokens
     # the last response token scores nothing and no other position attends to it: it is left out, and
@@ -95,7 +119,7 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
         0, row_prompt, torch.arange(num_rows, device=sequences.device), "amin")  # a row of each prompt
     prompt_ids, prompt_pos, prompt_mask = sequences[first, :p], position_ids[first, :p], prompt_mask[first].bool()
 
-    inner, config = model.model, model.config.get_text_config(decoder=True)
+    inner, config = decoder_stack(model), model.config.get_text_config(decoder=True)
     attn = inner.layers[0].self_attn
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
     # [U, P] prompt tokens then [B, t] response tokens as one flat batch of U*P + B*t positions
@@ -139,7 +163,7 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
     response_hidden = hidden[split:].view(num_rows, t, -1)
     # column S-T-1 (the prompt's last, always a real token) scores response token 0; column S-T-1+j token j
     scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden], dim=1)  # [B, T, H]
-    return model.lm_head(inner.norm(scoring))
+    return inner.norm(scoring)
 
 
 def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor,

@@ -161,3 +161,36 @@ def test_a_peft_lora_model_is_looked_through_with_the_same_gradients():
     assert lora_grads and all(want.abs().sum() > 0 for _, want in lora_grads)
     for got, want in lora_grads:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_critic_values_and_gradients_equal_its_plain_forward(arch, device):
+    """PPO's critic (a value head on the policy's Llama / Qwen2 backbone, without an LM head) runs each
+    distinct prompt once too: the same values at the response tokens, the same gradients, and the backbone's
+    own forward is not called."""
+    from lmrl.models.critic import ValueModel
+
+    critic = ValueModel.from_policy(model_of(arch, 2)).to(device).train()
+    assert shared_prompt.supports(critic.backbone)
+    seqs, mask = (t.to(device) for t in batch())
+    valid = mask[:, P:].bool()
+
+    def values_and_grads(**kw):
+        critic.zero_grad(set_to_none=True)
+        values = critic.response_values(seqs, mask, T, **kw)
+        (values[valid] * torch.linspace(0.5, 1.5, int(valid.sum()), device=device)).sum().backward()
+        return values.detach(), [p.grad.clone() for p in critic.parameters()]
+
+    plain = values_and_grads()
+    calls = []  # (a hook on the stack would itself send the call to its forward: patch the class instead)
+    real_forward = type(critic.backbone).forward
+    type(critic.backbone).forward = lambda self, *a, **k: calls.append(True) or real_forward(self, *a, **k)
+    try:
+        shared = values_and_grads(share_prompt=True)
+    finally:
+        type(critic.backbone).forward = real_forward
+    assert not calls
+    assert shared[0].shape == (len(seqs), T) and shared[0].dtype == torch.float32
+    torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=2e-6, rtol=0)
+    for got, want in zip(shared[1], plain[1]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
