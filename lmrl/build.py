@@ -115,9 +115,11 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
     reference = reference_model(policy) if cfg.needs_reference and not lora else None
     critic = None
     if cfg.algorithm.needs_critic:  # from the base, before LoRA wraps (and changes) the policy's modules
-        from lmrl.models.critic import ValueModel
+        from lmrl.models.critic import PolicyValueHead, ValueModel
 
-        if m.critic_name_or_path:
+        if m.shared_critic:
+            critic = PolicyValueHead.for_policy(policy)
+        elif m.critic_name_or_path:
             critic = ValueModel.from_pretrained(m.critic_name_or_path)
         else:
             critic = ValueModel.from_policy(reference or policy)

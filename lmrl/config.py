@@ -113,6 +113,10 @@ class ModelConfig(_Section):
     """Train LoRA adapters (needs `pip install lmrl[peft]`) instead of all weights."""
     critic_name_or_path: NonEmptyStr | None = None
     """PPO critic: a separate model; None copies the policy's backbone and adds a value head."""
+    shared_critic: bool = False
+    """PPO: the value head sits on the policy's own backbone instead of a separate critic (TRL's
+    AutoModelForCausalLMWithValueHead, trlx): one forward and backward serve both losses, and the value
+    loss trains the backbone too (vf_coef weighs it). No second copy of the weights."""
     chat_template: bool | None = None
     """Apply the tokenizer's chat template to chat-style prompts (None: when prompts are message lists)."""
     attn_implementation: str | None = None
@@ -705,6 +709,9 @@ class Config(_Section):
         if self.reward.overlong_buffer is not None and not 0 < self.reward.overlong_buffer <= r.max_new_tokens:
             raise ValueError(f"reward.overlong_buffer: must be <= rollout.max_new_tokens={r.max_new_tokens} "
                              f"(got {self.reward.overlong_buffer})")
+        if self.model.shared_critic and self.model.critic_name_or_path:
+            raise ValueError("model.shared_critic: the value head sits on the policy's backbone, so there is no separate "
+                             f"critic to load; unset model.critic_name_or_path (got {self.model.critic_name_or_path!r})")
         if self.train.parallel == "fsdp" and self.model.lora is not None:
             raise ValueError("train.parallel: fsdp does not shard LoRA runs yet; use train.parallel=ddp (the "
                              "adapters are small; every rank keeps the frozen base)")

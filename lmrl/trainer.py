@@ -91,7 +91,7 @@ from lmrl.experience import (
 from lmrl.guards import Guards
 from lmrl.logging import Console, make_sinks
 from lmrl.logging.sinks import jsonl_row
-from lmrl.models.forward import model_forward_logprobs
+from lmrl.models.forward import model_forward_logprobs, response_forward
 from lmrl.models.loading import quiet_progress_bars, resolve_device
 from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.rewards import score as score_rewards
@@ -535,7 +535,8 @@ class Trainer:
             micro = mb.select(torch.arange(start, min(start + cfg.optim.micro_batch_size, len(mb))))
             share = len(micro) / len(mb)  # metrics average over micro-batches by size
             T, kl_in_loss = micro.num_response_tokens, micro.ref_logprobs is not None and a.kl_in == "loss"
-            logp, entropy = self._policy_forward(micro.sequences, micro.attention_mask, T, grad=True)
+            logp, entropy, *hidden = self._policy_forward(micro.sequences, micro.attention_mask, T, grad=True,
+                                                          hidden=self._shared_critic)
             old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach().float()
             weights, tis_stats = micro.weights, {}
             if micro.rollout_logprobs is not None:  # the sampler differs from the trainer: reweight its tokens
@@ -564,8 +565,9 @@ class Trainer:
                 step_stats["objective/kl_loss"] = m.kl
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * ent
-            if self.models.critic is not None:
-                values = self._critic_forward(micro.sequences, micro.attention_mask, T, grad=True)
+            if self.models.critic is not None:  # a value head on the policy's backbone reads the forward above
+                values = (self.models.critic(hidden[0]) if self._shared_critic
+                          else self._critic_forward(micro.sequences, micro.attention_mask, T, grad=True))
                 vloss, vm = A.value_loss(values, micro.values, micro.returns, micro.response_mask, clip=a.value_clip, normalizer=vnorm)
                 loss = loss + a.vf_coef * vloss
                 step_stats.update({"loss/value_avg": vloss.item() / share, "val/clipfrac_avg": vm.vf_clipfrac})
@@ -596,10 +598,11 @@ class Trainer:
         """A forward and backward that add nothing to any gradient, by a rank with fewer micro-batches than
         another: each gathers the sharded weights with the other ranks, so every rank makes as many."""
         seqs, attn, T = idle_batch(self.world.device)
-        logp, _ = self._policy_forward(seqs, attn, T, grad=True)
+        logp, _, *hidden = self._policy_forward(seqs, attn, T, grad=True, hidden=self._shared_critic)
         loss = logp.sum() * 0.0
         if self.models.critic is not None:
-            loss = loss + self._critic_forward(seqs, attn, T, grad=True).sum() * 0.0
+            values = self.models.critic(hidden[0]) if self._shared_critic else self._critic_forward(seqs, attn, T, grad=True)
+            loss = loss + values.sum() * 0.0
         loss.backward()
 
     def _rows_with_gradient(self, mb: Experience) -> torch.Tensor:
@@ -622,12 +625,15 @@ class Trainer:
         a = self.cfg.algorithm
         return a.num_iterations > 1 or a.num_minibatches > 1 or a.entropy_top_fraction is not None
 
-    def _policy_forward(self, seqs, attn, T: int, grad: bool = False):
+    def _policy_forward(self, seqs, attn, T: int, grad: bool = False, hidden: bool = False):
+        """(log-probs, entropies) of the response tokens; with `hidden`, also the hidden states they were scored
+        from, which a value head on the policy's backbone reads (`model.shared_critic`)."""
         self.forward_counts["policy"] += 1
         with torch.set_grad_enabled(grad), self._autocast():
-            return model_forward_logprobs(self.policy, seqs, attn, T, self.cfg.rollout.temperature,
-                                          chunk_size=self.cfg.train.logprob_chunk_size, return_entropy=True,
-                                          share_prompt=self.cfg.train.share_prompt)
+            logp, entropy, states = response_forward(self.policy, seqs, attn, T, self.cfg.rollout.temperature,
+                                                     chunk_size=self.cfg.train.logprob_chunk_size, entropy=True,
+                                                     hidden=hidden, share_prompt=self.cfg.train.share_prompt)
+        return (logp, entropy, states) if hidden else (logp, entropy)
 
     def _ref_forward(self, seqs, attn, T: int):
         self.forward_counts["reference"] += 1
@@ -653,8 +659,15 @@ class Trainer:
 
     def _critic_forward(self, seqs, attn, T: int, grad: bool = False):
         self.forward_counts["critic"] += 1
+        share = self.cfg.train.share_prompt
         with torch.set_grad_enabled(grad), self._autocast():
-            return self.models.critic.response_values(seqs, attn, T, share_prompt=self.cfg.train.share_prompt)
+            if self._shared_critic:  # the value head reads the policy's own hidden states
+                return self.models.critic.response_values(self.policy, seqs, attn, T, share_prompt=share)
+            return self.models.critic.response_values(seqs, attn, T, share_prompt=share)
+
+    @property
+    def _shared_critic(self) -> bool:
+        return self.models.critic is not None and self.cfg.model.shared_critic
 
     def _autocast(self):
         if not self.cfg.train.autocast_bf16:

@@ -52,6 +52,8 @@ VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_
             "gpg": ["algorithm=gpg"],
             # the reference of a LoRA run is the policy with its adapters disabled
             "rloo-lora": ["algorithm=rloo", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"],
+            # PPO's value head on the policy's backbone: the value loss's gradient reaches the policy too
+            "ppo-shared": ["algorithm=ppo", "model.shared_critic=true"],
             # DAPO with dynamic sampling: one round keeps 3 groups of 8 (seed 0), split 1 + 2 over 2 ranks, and
             # micro-batches of one group, so that the ranks make different numbers of forwards
             "dapo": ["algorithm=dapo", "algorithm.max_sampling_rounds=1", "train.seed=0", "optim.micro_batch_size=4",
@@ -61,7 +63,7 @@ VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_
 # AdamW's first step, lr * g / (|g| + eps), turns 1e-7 of rounding in a near-zero gradient into 1e-5 of weight
 # "<name>-fsdp": the same with the models sharded by FSDP2 (train.parallel=fsdp)
 VARIANTS |= {f"{name}-fsdp": [*VARIANTS.get(name, [f"algorithm={name}"]), "train.parallel=fsdp", "train.share_prompt=false"]
-             for name in ("grpo", "rloo", "ppo", "dapo", "grpo-checkpointing")}
+             for name in ("grpo", "rloo", "ppo", "dapo", "grpo-checkpointing", "ppo-shared")}
 
 
 def full_state(module) -> dict[str, torch.Tensor]:

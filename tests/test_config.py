@@ -53,6 +53,8 @@ def test_override_values_are_parsed_as_yaml():
         (["algorithm.num_minibatches=3"], "algorithm.num_minibatches: 3 must divide"),
         (["algorithm.dual_clip=0.5"], "algorithm.dual_clip: must be > 1 (got 0.5)"),
         (["steps"], "expected key=value"),
+        (["algorithm=ppo", "model.shared_critic=true", "model.critic_name_or_path=critic"],
+         "model.shared_critic: the value head sits on the policy's backbone, so there is no separate critic to load"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_field(overrides, expected):

@@ -21,11 +21,12 @@ DRIVER = ROOT / "tests" / "dist_driver.py"
 # grpo: group statistics (local to a rank); rloo: KL in the reward against a reference model; ppo: a critic,
 # GAE and batch whitening; reinforce_pp: whitening across the batch of both ranks; GRPO with LoRA adapters and
 # with gradient checkpointing; DAPO with dynamic sampling keeping groups that split unevenly over the ranks; batch
-# statistics of the issue-19 options (grpo-batch-std, gpg); RLOO with LoRA (the reference: adapters disabled); then
+# statistics of the issue-19 options (grpo-batch-std, gpg); RLOO with LoRA (the reference: adapters disabled); PPO
+# with its value head on the policy's backbone (model.shared_critic); then
 # the models sharded by FSDP2 (tests/dist_driver.py)
 ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpointing", "dapo", "grpo-batch-std",
-              "gpg", "rloo-lora",
-              "grpo-fsdp", "rloo-fsdp", "ppo-fsdp", "dapo-fsdp", "grpo-checkpointing-fsdp"]
+              "gpg", "rloo-lora", "ppo-shared",
+              "grpo-fsdp", "rloo-fsdp", "ppo-fsdp", "dapo-fsdp", "grpo-checkpointing-fsdp", "ppo-shared-fsdp"]
 
 
 def _run(cmd: list[str], out: Path, batches: Path | None = None) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from lmrl.config import ALGORITHM_PRESETS, load_config
+from lmrl.models.critic import HEAD_FILE, PolicyValueHead
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 from lmrl.trainer import Trainer
 
@@ -65,6 +67,26 @@ def test_reference_and_old_forwards_happen_when_needed(tmp_path):
     trainer.train()
     # per step: 1 old-log-prob forward + 2 iterations x 1 micro-batch; 1 reference forward
     assert trainer.forward_counts == {"policy": 6, "reference": 2, "critic": 0}
+
+
+def test_ppo_with_a_shared_critic_reads_values_from_the_policys_forward(tmp_path):
+    """model.shared_critic: the critic is a value head on the policy (its only parameters, at critic_lr); the
+    update takes values from the policy's own forward, so the only critic forward is the experience's (no grad);
+    the head and the policy learn, and the head is saved with the model."""
+    trainer = make_trainer(tmp_path, "algorithm=ppo", "model.shared_critic=true", "optim.micro_batch_size=16",
+                           "optim.critic_lr=3e-3")
+    head = trainer.models.critic
+    assert isinstance(head, PolicyValueHead)
+    critic_group = trainer.optimizer.param_groups[-1]
+    assert critic_group["lr"] == 3e-3 and {id(p) for p in critic_group["params"]} == {id(p) for p in head.parameters()}
+    before = head.value_head.weight.detach().clone()
+    history = trainer.train().history
+    # per step: the update's policy forward, the reference's, and the experience's critic forward
+    assert trainer.forward_counts == {"policy": 2, "reference": 2, "critic": 2}
+    assert history[0]["val/clipfrac_avg"] == 0.0  # step 1: the update's values equal the experience's
+    assert all(math.isfinite(h["loss/value_avg"]) for h in history)
+    assert not torch.equal(before, head.value_head.weight)
+    assert (tmp_path / "final" / "critic" / HEAD_FILE).is_file()
 
 
 def test_step_one_invariants(tmp_path, device):
@@ -254,8 +276,8 @@ def test_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
     import lmrl.models.forward as forward
 
     calls = []
-    real = forward.shared_prompt_logits
-    monkeypatch.setattr(forward, "shared_prompt_logits", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = forward.shared_prompt_hidden
+    monkeypatch.setattr(forward, "shared_prompt_hidden", lambda *a: calls.append(real(*a)) or calls[-1])
     params = {}
     for share in (True, False):
         trainer = make_trainer(tmp_path / str(share), "train.steps=1", f"train.share_prompt={str(share).lower()}",

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmrl.models.forward import position_ids_from_mask
-from lmrl.models.shared_prompt import shared_prompt_hidden
+from lmrl.models.forward import position_ids_from_mask, response_hidden
 from lmrl.models.loading import DTYPES, _check_exists, _first_line
+from lmrl.models.shared_prompt import shared_prompt_hidden
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -165,3 +165,47 @@ class ValueModel(nn.Module):
             if hidden is not None:
                 return self.value_head(hidden.float()).squeeze(-1)
         return self(sequences, attention_mask)[:, -(t + 1) : -1]
+
+
+class PolicyValueHead(nn.Module):
+    """PPO's value head on the policy's own backbone (`model.shared_critic`): Linear(H, 1) over the hidden
+    states the policy's forward already computes, as TRL's AutoModelForCausalLMWithValueHead and trlx do.
+
+    It holds only the head (its parameters are the critic's in the optimizer, at optim.critic_lr); the policy
+    is passed to each call, so no weight is held twice. The value loss reaches the policy's backbone through the
+    hidden states: one forward and one backward serve both losses (vf_coef weighs them), where a separate
+    critic costs a second model's forward and backward.
+
+    Args:
+        hidden_size: the policy's hidden size H.
+        device: where the head lives (the policy's device).
+        head_init_std: std of the head's weights; default 1/sqrt(H + 1), as `ValueModel`'s.
+    """
+
+    def __init__(self, hidden_size: int, device: torch.device | str | None = None, head_init_std: float | None = None):
+        super().__init__()
+        self.value_head = nn.Linear(hidden_size, 1, device=device, dtype=torch.float32)
+        nn.init.normal_(self.value_head.weight, std=head_init_std or 1.0 / math.sqrt(hidden_size + 1))
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def for_policy(cls, policy: nn.Module, head_init_std: float | None = None) -> PolicyValueHead:
+        """A fresh head sized for `policy` (a causal LM), on its device."""
+        hidden = policy.config.get_text_config(decoder=True).hidden_size
+        return cls(hidden, device=next(policy.parameters()).device, head_init_std=head_init_std)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] hidden states (the policy's, after its final norm) -> [B, T] float32 values."""
+        return self.value_head(hidden.float()).squeeze(-1)
+
+    def response_values(self, policy: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                        num_response_tokens: int, share_prompt: bool = False) -> torch.Tensor:
+        """`ValueModel.response_values` read from `policy`'s backbone: [B, T] float32, V(state before token t)."""
+        return self(response_hidden(policy, sequences, attention_mask, num_response_tokens, share_prompt=share_prompt))
+
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the head to `value_head.safetensors` in `directory` (the backbone is the policy's, saved with it)."""
+        os.makedirs(directory, exist_ok=True)
+        state = state_dict if state_dict is not None else self.state_dict()
+        save_file({k.removeprefix("value_head."): v.detach().float().cpu().contiguous() for k, v in state.items()},
+                  os.path.join(directory, HEAD_FILE))

@@ -17,11 +17,14 @@ Two conventions hold everywhere in lmrl:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from lmrl.algorithms.logprobs import token_entropy, token_logprobs
-from lmrl.models.shared_prompt import shared_prompt_logits
+from lmrl.models.shared_prompt import lora_base, shared_prompt_hidden
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -71,6 +74,29 @@ def model_forward_logprobs(
         [B, T] float32 log-probs, differentiable when grad is enabled; with `return_entropy`, the
         pair (log-probs, entropies), both [B, T].
     """
+    logprobs, entropy, _ = response_forward(model, sequences, attention_mask, num_response_tokens, temperature,
+                                            chunk_size, entropy=return_entropy, share_prompt=share_prompt)
+    return (logprobs, entropy) if return_entropy else logprobs
+
+
+def response_forward(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_response_tokens: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    entropy: bool = False,
+    hidden: bool = False,
+    share_prompt: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`model_forward_logprobs`, optionally with the final hidden states it scored from.
+
+    Returns:
+        (log-probs [B, T] float32, entropies [B, T] or None, hidden [B, T, H] or None): `hidden` is the
+        last layer's output after the final norm at the T positions that score the response tokens,
+        the input of the LM head; PPO's value head on the policy's backbone reads it (`model.shared_critic`).
+    """
     seq_len = sequences.shape[1]
     t = num_response_tokens
     if not 1 <= t < seq_len:
@@ -84,19 +110,52 @@ def model_forward_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
     positions = position_ids_from_mask(attention_mask)
-    logits = shared_prompt_logits(model, sequences, attention_mask, positions, t) if share_prompt else None  # [B, T, V]
-    if logits is None:
-        out = model(
-            input_ids=sequences,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            logits_to_keep=t + 1,
-            use_cache=False,
-        )
+    states = shared_prompt_hidden(model, sequences, attention_mask, positions, t) if share_prompt else None  # [B, T, H]
+    if states is not None:
+        logits = lora_base(model).lm_head(states)  # [B, T, V]
+    else:
+        with _decoder_output(model) if hidden else contextlib.nullcontext() as captured:
+            out = model(
+                input_ids=sequences,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                logits_to_keep=t + 1,
+                use_cache=False,
+            )
         # Models that ignore logits_to_keep return all S positions: keep the last T + 1 either way.
         logits = out.logits[:, -(t + 1) : -1]  # [B, T, V]
+        states = captured[0][:, -(t + 1) : -1] if hidden else None
     tokens = sequences[:, -t:]  # [B, T]
     logprobs = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
-    if not return_entropy:
-        return logprobs
-    return logprobs, token_entropy(logits, chunk_size=chunk_size, temperature=temperature)
+    ent = token_entropy(logits, chunk_size=chunk_size, temperature=temperature) if entropy else None
+    return logprobs, ent, states if hidden else None
+
+
+def response_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int,
+                    share_prompt: bool = False) -> torch.Tensor:
+    """`[B, T, H]` final hidden states at the positions that score the T response tokens, without the LM head:
+    the decoder stack of a causal LM (looked through a peft LoRA wrapper) run alone, or each distinct prompt once
+    (`share_prompt`)."""
+    t = num_response_tokens
+    positions = position_ids_from_mask(attention_mask)
+    states = shared_prompt_hidden(model, sequences, attention_mask, positions, t) if share_prompt else None
+    if states is not None:
+        return states
+    with _decoder_output(model) as captured:  # the whole model runs (FSDP gathers at its root), the head on 1 position
+        model(input_ids=sequences, attention_mask=attention_mask, position_ids=positions, logits_to_keep=1, use_cache=False)
+    return captured[0][:, -(t + 1) : -1]
+
+
+@contextlib.contextmanager
+def _decoder_output(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While inside, a forward of `model` puts its decoder stack's `last_hidden_state` ([B, S, H], after the
+    final norm: the LM head's input) in the yielded list. A hook rather than `output_hidden_states`, which
+    would keep every layer's [B, S, H] output."""
+    base = lora_base(model)
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.base_model
+    captured: list[torch.Tensor] = []
+    handle = decoder.register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
+    try:
+        yield captured
+    finally:
+        handle.remove()

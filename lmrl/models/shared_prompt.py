@@ -91,7 +91,7 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
     base model's, with the LoRA layers in place). None when `supports` is False or no two rows share a
     prompt (nothing to save): call the model instead."""
     hidden = shared_prompt_hidden(model, sequences, attention_mask, position_ids, num_response_tokens)
-    return None if hidden is None else _lora_base(model).lm_head(hidden)
+    return None if hidden is None else lora_base(model).lm_head(hidden)
 
 
 def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -105,7 +105,7 @@ def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_ma
     # the last response token scores nothing and no other position attends to it: it is left out, and
     # the response part runs on the t = T - 1 columns before it
     t = num_response_tokens - 1
-    model = _lora_base(model)
+    model = lora_base(model)
     if t < 1 or not supports(model):
         return None
     # distinct prompts: the same real tokens at the same columns (padding zeroed out)
@@ -175,7 +175,7 @@ def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value)
 
 
-def _lora_base(model: nn.Module) -> nn.Module:
+def lora_base(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft LoRA wrapper, else `model` (other peft methods change the
     forward: prompt tuning adds virtual tokens)."""
     config = getattr(model, "active_peft_config", None)

@@ -1,4 +1,5 @@
-"""Tests for lmrl.models.critic.ValueModel: shapes, alignment, separate weights, save/load, gradients."""
+"""Tests for lmrl.models.critic: ValueModel (shapes, alignment, separate weights, save/load, gradients) and
+PolicyValueHead (a value head reading the policy's own hidden states)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from lmrl.models.critic import HEAD_FILE, ValueModel
-from lmrl.models.forward import position_ids_from_mask
+from lmrl.models.critic import HEAD_FILE, PolicyValueHead, ValueModel
+from lmrl.models.forward import position_ids_from_mask, response_forward
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 
 ARCHS = ["llama", "qwen2"]
@@ -152,3 +154,38 @@ def test_bad_response_length(policy_and_tok):
     seqs, mask = batch(tok, ["1=1"])
     with pytest.raises(ValueError, match="num_response_tokens: must be in"):
         critic.response_values(seqs, mask, 0)
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_a_value_head_on_the_policy_reads_the_hidden_states_the_policy_scores_from(policy_and_tok, share_prompt):
+    """PolicyValueHead: the values are the head over the policy's final hidden states at the positions before each
+    response token (the critic's alignment), the same from the experience's path (no LM head) and from the
+    update's forward (with log-probs); the value loss's gradient reaches the head and the policy's backbone."""
+    policy, tok = policy_and_tok
+    policy.train()
+    head = PolicyValueHead.for_policy(policy)
+    assert [p.shape for p in head.parameters()] == [(1, 32), (1,)]
+    # rows 0 and 2 share a prompt, so the shared-prompt path runs where asked
+    seqs, mask = batch(tok, ["12+3=15", "7+7=14", "12+3=16"])
+    t = 3
+    expected = policy.model(input_ids=seqs, attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
+    expected = head.value_head(expected[:, -(t + 1):-1]).squeeze(-1)
+    with torch.no_grad():
+        torch.testing.assert_close(head.response_values(policy, seqs, mask, t, share_prompt=share_prompt), expected,
+                                   atol=2e-6, rtol=0)
+    logp, _, hidden = response_forward(policy, seqs, mask, t, hidden=True, share_prompt=share_prompt)
+    assert hidden.shape == (3, t, 32)
+    torch.testing.assert_close(head(hidden), expected, atol=2e-6, rtol=0)
+    torch.testing.assert_close(logp, response_forward(policy, seqs, mask, t, share_prompt=share_prompt)[0])
+    head(hidden).pow(2).sum().backward()
+    assert head.value_head.weight.grad.abs().sum() > 0
+    assert sum(p.grad.abs().sum() for p in policy.model.layers[0].parameters()) > 0
+
+
+def test_a_value_head_on_the_policy_saves_only_its_head(policy_and_tok, tmp_path):
+    policy, _ = policy_and_tok
+    head = PolicyValueHead.for_policy(policy)
+    head.save_pretrained(tmp_path / "critic")
+    assert [f.name for f in (tmp_path / "critic").iterdir()] == [HEAD_FILE]
+    saved = load_file(tmp_path / "critic" / HEAD_FILE)
+    torch.testing.assert_close(saved["weight"], head.value_head.weight.detach())
