@@ -412,8 +412,12 @@ REWARD_PRESETS: dict[str, dict[str, float]] = {"dapo": dict(overlong_buffer=0.2)
 
 # Defaults for the model that ships with lmrl (a 0.5M-parameter character-level Llama): the general
 # defaults suit billion-parameter models (lr 1e-6); a tiny model learns at 1e-4 and runs fastest on one
-# thread. The critic (PPO), a copy of the same backbone, learns at 1e-4 too: at the general 1e-5 its value
-# loss took ~100 steps to settle instead of ~20 (docs/algorithms.md, "Learning on the shipped task"). Measured in scripts/make_tiny_model.py's notes and the README's demo run. User values win.
+# thread. The critic (PPO) learns at 1e-4 too: at the general 1e-5 its value loss took ~100 steps to settle
+# instead of ~20 (docs/algorithms.md, "Learning on the shipped task"). It is a value head on the policy's own
+# backbone (model.shared_critic): PPO learned as much per step as with a separate copy (300 steps: +27.8 and
+# +26.2 points against +27.0 and +27.2) in 0.15 s per step instead of 0.23, so 75 s take it past +25 points
+# (benchmarks/preset_gains.py). Measured in scripts/make_tiny_model.py's notes and the README's demo run. User
+# values win; model.critic_name_or_path, when given, drops the shared head.
 MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny-addition": {
         "rollout": dict(prompts_per_step=32, group_size=8, max_new_tokens=4),
@@ -421,6 +425,7 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "data": dict(num_eval_prompts=500),
         "train": dict(steps=2000, max_minutes=4.5, eval_every=50, threads=1, output_dir="runs/tiny-addition"),
         "log": dict(every=25, samples_every=250),
+        "model": dict(shared_critic=True),
     },
     "tiny-calculator": {  # the calculator task, multi-turn: a tool call, its result, the answer
         "data": dict(task="calculator", num_eval_prompts=500),
@@ -813,7 +818,10 @@ def with_presets(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` with the presets under it: the model's (`MODEL_PRESETS`), then the algorithm's (`ALGORITHM_PRESETS`,
     `REWARD_PRESETS`); anything set in `raw` wins."""
     model = (raw.get("model") or {}).get("name_or_path", ModelConfig.model_fields["name_or_path"].default)
-    raw = _merge(MODEL_PRESETS.get(model, {}), raw) if isinstance(model, str) else dict(raw)
+    preset = MODEL_PRESETS.get(model, {}) if isinstance(model, str) else {}
+    if (raw.get("model") or {}).get("critic_name_or_path"):  # a critic to load: no shared value head from the preset
+        preset = {**preset, "model": {k: v for k, v in preset.get("model", {}).items() if k != "shared_critic"}}
+    raw = _merge(preset, raw) if isinstance(model, str) else dict(raw)
     algo = raw.get("algorithm") or {}
     if not isinstance(algo, dict):
         return raw  # (pydantic names the section and what is wrong with it)
@@ -1048,7 +1056,8 @@ def describe_fields() -> str:
         extra = [f"reward.{k}={f:g} x rollout.max_new_tokens" for k, f in REWARD_PRESETS.get(name, {}).items()]
         lines.append(f"  {name}: " + (", ".join([*(f"{k}={v}" for k, v in changed.items()), *extra]) or "the defaults"))
     for model, sections in MODEL_PRESETS.items():
-        fields = [f"{s}.{k}={v}" for s, values in sections.items() for k, v in values.items()]
+        fields = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, values in sections.items()
+                  for k, v in values.items()]
         lines.append(f"  model.name_or_path={model}: {', '.join(fields)}")
     return "\n".join(lines)
 

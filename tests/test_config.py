@@ -79,5 +79,9 @@ def test_shipped_model_preset_under_user_values():
     assert load_config(None, ["optim.lr=3e-5"]).optim.lr == 3e-5
     real = load_config(None, ["model=Qwen/Qwen2.5-0.5B-Instruct", "data.path=x.jsonl"])
     assert real.optim.lr == 1e-6 and real.rollout.max_new_tokens == 256 and real.train.threads is None
+    # PPO's critic on the shipped model is a value head on the policy, unless a critic is named or set otherwise
+    assert load_config(None, ["algorithm=ppo"]).model.shared_critic and not real.model.shared_critic
+    assert not load_config(None, ["algorithm=ppo", "model.critic_name_or_path=critic"]).model.shared_critic
+    assert not load_config(None, ["algorithm=ppo", "model.shared_critic=false"]).model.shared_critic
     # the model preset never overrides what an algorithm preset defines
     assert load_config(None, ["algorithm=dr_grpo"]).algorithm.aggregation == "seq-mean-token-sum-norm"
