@@ -30,7 +30,8 @@ SMALL = ["train.steps=4", "train.save_every=2", "rollout.prompts_per_step=4", "r
          "data.num_eval_prompts=8", "train.eval_every=2", "log.console=false"]
 CONFIGS = {
     "grpo": [],
-    "ppo": ["algorithm=ppo"],
+    "ppo": ["algorithm=ppo"],  # the shipped model's preset: the value head on the policy (model.shared_critic)
+    "ppo-critic": ["algorithm=ppo", "model.shared_critic=false"],  # a separate critic
     "lora": ["model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}", "optim.lr=1e-3"],
 }
 TIMING = ("time/", "eps", "/seconds")  # wall-clock metrics: the only ones a resumed run may change
