@@ -65,7 +65,9 @@ def test_sandbox_benchmark_runs_and_reports_latency_and_rates():
 def test_preset_gains_benchmark_runs_lmrl_train_and_tabulates():
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "preset_gains.py"), "--names", "grpo", "--steps", "2",
-         "--parallel", "1", "--set", "data.num_eval_prompts=8"],
+         "--seeds", "0", "1", "--parallel", "2", "--set", "data.num_eval_prompts=8"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout
-    assert re.search(r"\| grpo \| [\d.]+% -> [\d.]+% \| [+-][\d.]+ \| 2 \| [\d.]+ \|", out), out
+    for seed in (0, 1):
+        assert re.search(rf"\| grpo \| {seed} \| [\d.]+% -> [\d.]+% \| [+-][\d.]+ \| 2 \| [\d.]+ \|", out), out
+    assert re.search(r"\| grpo \| mean of 2 \| \| [+-][\d.]+ \(min [+-][\d.]+\) \| 2 \| \|", out), out
