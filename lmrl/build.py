@@ -5,11 +5,14 @@ Each function builds one thing; the trainer calls them in order. Nothing here ru
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
 import math
 import os
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,10 +226,20 @@ def _load_adapter(policy: nn.Module, directory: str) -> nn.Module:
     except ImportError as e:
         raise ImportError("model.name_or_path: a LoRA adapter needs peft: pip install 'lmrl[peft]'") from e
     try:
-        return PeftModel.from_pretrained(policy, directory, is_trainable=True)
+        with _quiet_peft():
+            return PeftModel.from_pretrained(policy, directory, is_trainable=True)
     except Exception as e:  # noqa: BLE001 - one line naming the adapter
         raise ModelError(f"model.name_or_path: cannot load the LoRA adapter {directory}: "
                          f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model: a FutureWarning
+    about peft's code, not the user's, on every LoRA run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def _apply_lora(policy: nn.Module, lora) -> nn.Module:
@@ -236,7 +249,8 @@ def _apply_lora(policy: nn.Module, lora) -> nn.Module:
         raise ImportError("model.lora needs peft: pip install 'lmrl[peft]'") from e
     peft_cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                           target_modules=lora.target_modules, task_type="CAUSAL_LM")
-    return get_peft_model(policy, peft_cfg)
+    with _quiet_peft():
+        return get_peft_model(policy, peft_cfg)
 
 
 @dataclass

@@ -1026,7 +1026,9 @@ def config_summary(cfg: Config) -> str:
     """The resolved config, one line per section: `algorithm: name=grpo advantage=grpo ...`."""
     lines = []
     for section, values in cfg.model_dump(mode="json").items():
-        lines.append(f"{section}: " + " ".join(f"{k}={v}" for k, v in values.items()))
+        # a string with a line break (env.response_format) is shown as a literal, so each section stays one line
+        lines.append(f"{section}: " + " ".join(f"{k}={v!r}" if isinstance(v, str) and "\n" in v else f"{k}={v}"
+                                               for k, v in values.items()))
     return "\n".join(lines)
 
 
