@@ -12,7 +12,8 @@ file runs that file, as importing any module does: only load files you trust. Mo
 contrast, are never executed.
 
 Every problem is a one-line `lmrl.errors.ConfigError` (a ValueError) naming the spec, and, from
-`reward_set_from_config`, the entry: `reward.functions[2]: reward spec 'r.py:f': file 'r.py' not found`.
+`reward_set_from_config`, the entry: `reward.functions[2]: reward spec 'r.py:f': file 'r.py' not found`
+(`reward.recipes.math[0]: ...` for an entry of a recipe, `reward_recipes_from_config`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lmrl.errors import ConfigError, LmrlError
-from lmrl.rewards.core import RewardSet, WeightedReward, reward_name
+from lmrl.rewards.core import RewardRecipes, RewardSet, WeightedReward, reward_name
 from lmrl.rewards.verifiers import (
     exact_match_reward,
     format_reward,
@@ -180,20 +181,21 @@ def resolve_reward(spec: str | Callable[..., Any], **options: Any) -> Callable[.
     return fn
 
 
-def _weight(i: int, value: Any) -> float:
+def _weight(where: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-        raise ConfigError(f"reward.functions[{i}].weight: expected a finite number, got {value!r:.40}")
+        raise ConfigError(f"{where}.weight: expected a finite number, got {value!r:.40}")
     try:
         weight = float(value)
     except (ValueError, OverflowError):
         weight = math.nan
     if not math.isfinite(weight):
-        raise ConfigError(f"reward.functions[{i}].weight: expected a finite number, got {value!r:.40}")
+        raise ConfigError(f"{where}.weight: expected a finite number, got {value!r:.40}")
     return weight
 
 
 def reward_set_from_config(
-    entries: Sequence[str | Callable[..., Any] | Mapping[str, Any]], sandbox: Any = None
+    entries: Sequence[str | Callable[..., Any] | Mapping[str, Any]], sandbox: Any = None, *,
+    key: str = "reward.functions", resolved: list[tuple[Any, Callable[..., Any]]] | None = None,
 ) -> RewardSet:
     """Build a RewardSet from config entries.
 
@@ -209,33 +211,63 @@ def reward_set_from_config(
     `sandbox` (the config's `SandboxLimits`) goes to the built-ins that run model-written code
     (`SANDBOXED_REWARDS`), unless an entry gives its own `sandbox` option.
 
+    Args:
+        key: the config key the entries came from, which messages start with.
+        resolved: (entry without its weight, function) pairs already built: an equal entry reuses the
+            function rather than building a second one (the recipes of `reward_recipes_from_config`
+            share one list); new ones are appended.
+
     Raises:
         ConfigError: one line starting `reward.functions[i]: ` for the first entry that does not
             resolve (ModelError and other lmrl errors keep their class, with the same prefix).
     """
+    resolved = [] if resolved is None else resolved
     rewards = []
     for i, entry in enumerate(entries):
+        where = f"{key}[{i}]"
         if sandbox is not None and isinstance(entry, str) and entry in SANDBOXED_REWARDS:
             entry = {"fn": entry}
         if sandbox is not None and isinstance(entry, Mapping) and entry.get("fn") in SANDBOXED_REWARDS:
             entry = {"sandbox": sandbox, **entry}
         try:
-            if isinstance(entry, Mapping):
-                options = dict(entry)
-                if "fn" not in options:
-                    raise ConfigError(f"entry {dict(entry)!r} has no 'fn' (a built-in name or 'file.py:function')")
-                spec = options.pop("fn")
-                weight = _weight(i, options.pop("weight", 1.0))
-                name = options.pop("name", "")
-                if not isinstance(name, str):
-                    raise ConfigError(f"reward.functions[{i}].name: expected a string, got {name!r:.40}")
-                rewards.append(WeightedReward(resolve_reward(spec, **options), weight, name))
-            else:
-                rewards.append(WeightedReward(resolve_reward(entry)))
+            options = dict(entry) if isinstance(entry, Mapping) else {"fn": entry}
+            if "fn" not in options:
+                raise ConfigError(f"entry {dict(entry)!r} has no 'fn' (a built-in name or 'file.py:function')")
+            weight = _weight(where, options.pop("weight", 1.0))
+            name = options.get("name", "")
+            if not isinstance(name, str):
+                raise ConfigError(f"{where}.name: expected a string, got {name!r:.40}")
+            fn = next((fn for same, fn in resolved if same == options), None)
+            if fn is None:
+                built = dict(options)
+                fn = resolve_reward(built.pop("fn"), **{k: v for k, v in built.items() if k != "name"})
+                resolved.append((options, fn))
+            rewards.append(WeightedReward(fn, weight, name))
         except LmrlError as e:
-            message = str(e) if str(e).startswith(f"reward.functions[{i}]") else f"reward.functions[{i}]: {e}"
+            message = str(e) if str(e).startswith(where) else f"{where}: {e}"
             raise type(e)(message) from e
     try:
         return RewardSet(rewards)
     except ValueError as e:  # duplicate names
-        raise ConfigError(f"reward.functions: {str(e).removeprefix('rewards: ')}") from e
+        raise ConfigError(f"{key}: {str(e).removeprefix('rewards: ')}") from e
+
+
+def reward_recipes_from_config(
+    recipes: Mapping[str, Sequence[str | Callable[..., Any] | Mapping[str, Any]]], column: str = "data_source",
+    sandbox: Any = None,
+) -> RewardRecipes:
+    """Build RewardRecipes from the config's `reward.recipes` (label -> entries as `reward_set_from_config`
+    takes them) and `reward.recipe_column`. An entry written the same way in two recipes (its weight aside)
+    is one function, called once over the rows of both recipes, each with its own weight.
+
+    Raises:
+        ConfigError: one line starting `reward.recipes.<label>[i]: ` for an entry that does not resolve;
+            `reward.recipes: ` for two different functions under one name.
+    """
+    resolved: list[tuple[Any, Callable[..., Any]]] = []
+    sets = {label: reward_set_from_config(entries, sandbox, key=f"reward.recipes.{label}", resolved=resolved)
+            for label, entries in recipes.items()}
+    try:
+        return RewardRecipes(sets, column)
+    except ValueError as e:
+        raise ConfigError(f"reward.{e}") from e
