@@ -216,3 +216,87 @@ def test_recipes_from_config_share_equal_entries_and_name_the_bad_one():
         reward_recipes_from_config({"math": ["exact_match"], "code": ["exact_match", "exact"]})
     with pytest.raises(ConfigError, match=r"^reward.recipes.math\[0\].weight: expected a finite number"):
         reward_recipes_from_config({"math": [{"fn": "exact_match", "weight": "x"}]})
+
+
+# ----------------------------------------------------------------------------------------- in training
+
+def _mixed_rows(n: int = 16) -> list[dict]:
+    """The shipped task's prompts, half labelled "sum" (scored by exact match), half "style" (by a regex)."""
+    return [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "sum" if i % 2 else "style"} for i in range(n)]
+
+
+def test_the_cli_trains_with_a_recipe_per_data_source(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _mixed_rows()))
+    run = subprocess.run(
+        [sys.executable, "-m", "lmrl.cli", "train", "data.path=mixed.jsonl", "train.output_dir=out",
+         "reward.recipes={sum: [exact_match], style: [{fn: regex, pattern: '^[0-9]+', weight: 0.5}]}",
+         "reward.clip=[-1, 1]", "train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=2",
+         "data.num_eval_prompts=0", "log.console=false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "reward/recipe/sum/frac" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["reward/recipe/sum/frac"] + m["reward/recipe/style/frac"] == pytest.approx(1.0)
+        assert "reward/exact_match/mean" in m and "reward/regex/mean" in m
+    assert any("reward/recipe/sum/mean" in m for m in steps) and any("reward/recipe/style/mean" in m for m in steps)
+    saved = (tmp_path / "out" / "lmrl_config.yaml").read_text()
+    assert "recipes:" in saved and "recipe_column: data_source" in saved
+
+
+def test_a_row_without_a_recipe_stops_the_trainer_before_the_model_loads(tmp_path):
+    from lmrl import Config, Trainer
+    from lmrl.errors import DataError
+
+    rows = _mixed_rows()
+    rows[12]["data_source"] = "physics"
+    del rows[13]["data_source"]
+    cfg = Config(train={"steps": 1, "output_dir": str(tmp_path / "run")}, log={"console": False},
+                 data={"num_eval_prompts": 0}, rollout={"prompts_per_step": 4, "group_size": 2})
+    recipes = RewardRecipes({"sum": [exact_match_reward()], "style": [Recorder("style")]})
+    with pytest.raises(DataError) as raised:
+        Trainer(cfg, reward_funcs=recipes, train_dataset=rows)
+    assert str(raised.value) == (
+        "train_dataset index 12: data_source 'physics' has no reward.recipes entry (recipes: sum, style) "
+        "(1 other bad row: index 13); fix them, or set data.on_bad_row=skip to leave them out")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_streamed_row_is_checked_against_the_recipes_as_it_is_read():
+    from lmrl.data.prompts import PromptStream
+    from lmrl.errors import DataError
+
+    rows = _mixed_rows(8) + [{"prompt": "9+9=", "data_source": "chat"}]
+    recipes = RewardRecipes({"sum": [exact_match_reward(column="answer")], "style": [Recorder("style")]})
+    stream = PromptStream(iter(rows), required_columns=recipes.row_columns, name="train_dataset")
+    assert len(stream.peek(4)) == 4  # the first rows are fine
+    with pytest.raises(DataError, match=r"^train_dataset row 8: data_source 'chat' has no reward.recipes entry"):
+        stream.rows_at(0, 9)
+    # a column the recipe needs is asked only of that recipe's rows: "style" rows have no use for answer
+    no_answer = [{**r, "answer": None} if r["data_source"] == "style" else r for r in _mixed_rows(8)]
+    assert len(PromptStream(iter(no_answer), required_columns=recipes.row_columns).peek(8)) == 8
+    bad = [{**r, "answer": None} for r in _mixed_rows(4)]
+    with pytest.raises(DataError, match=r"row 1: column 'answer' \(needed by reward 'exact_match'\) is None"):
+        PromptStream(iter(bad), required_columns=recipes.row_columns).peek(4)
+
+
+def test_the_trainer_takes_reward_recipes_and_records_them(tmp_path):
+    from lmrl import Config, Trainer
+
+    cfg = Config(train={"steps": 1, "output_dir": str(tmp_path / "run")}, log={"console": False},
+                 data={"num_eval_prompts": 0}, rollout={"prompts_per_step": 8, "group_size": 2})
+    style = Recorder("style", lambda c: 0.5)
+    recipes = RewardRecipes({"sum": [exact_match_reward()], "style": [WeightedReward(style, 2.0)]})
+    trainer = Trainer(cfg, reward_funcs=recipes, train_dataset=_mixed_rows())
+    assert trainer.cfg.reward.functions == [] and trainer.cfg.reward.recipe_column == "data_source"
+    assert trainer.cfg.reward.recipes["style"] == [{"fn": "tests.rewards.test_recipes:Recorder", "weight": 2.0}]
+    m = trainer.train().history[0]
+    styled = [c["data_source"] for c in style.calls]
+    assert len(style.calls) == 1 and set(styled[0]) == {"style"}  # called once per step, on "style" rows only
+    assert m["reward/recipe/style/mean"] == pytest.approx(1.0)  # 2.0 x 0.5 on every style row
+    assert m["reward/recipe/sum/frac"] + m["reward/recipe/style/frac"] == pytest.approx(1.0)
