@@ -344,7 +344,8 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
         if cfg.reward.recipes:
             return reward_recipes_from_config(cfg.reward.recipes, cfg.reward.recipe_column, sandbox=cfg.sandbox.limits())
         if cfg.reward.functions:
-            reward_fns = reward_set_from_config(cfg.reward.functions, sandbox=cfg.sandbox.limits())
+            reward_fns = reward_set_from_config(cfg.reward.functions, sandbox=cfg.sandbox.limits(),
+                                                label_column=cfg.reward.recipe_column)
         elif task is not None:  # the task's own reward, plus a configured environment's (None where it gives none)
             reward_fns = list(task.reward_funcs) + ([reward_set_from_config(["env"]).rewards[0].fn] if cfg.env.name else [])
         elif cfg.env.name is not None:  # the environment's own reward

@@ -186,7 +186,8 @@ class RewardConfig(_Section):
     functions: list[str | dict[str, Any]] = []
     """Reward functions; empty = the task's reward. Each entry is a built-in name (math, exact_match,
     format, regex, length, remote, reward_model), "file.py:function", "module:function", or a mapping
-    {fn: NAME, weight: 0.5, OPTION: VALUE} (e.g. {fn: remote, url: "http://host:8000/score"})."""
+    {fn: NAME, weight: 0.5, OPTION: VALUE} (e.g. {fn: remote, url: "http://host:8000/score"}); `call: queries`
+    calls a user function as OpenRLHF and LightRFT do, reward_func(queries, prompts, labels)."""
     weights: list[float] | None = None
     """One weight per function (default: each entry's own weight, else 1.0)."""
     recipes: dict[NonEmptyStr, list[str | dict[str, Any]]] = {}

@@ -25,6 +25,7 @@ from lmrl.rewards.math_verifier import MathVerifyWorker, extract_final_answer, v
 from lmrl.rewards.registry import (
     BUILTIN_REWARDS,
     load_function,
+    queries_reward,
     resolve_reward,
     reward_recipes_from_config,
     reward_set_from_config,
@@ -76,6 +77,7 @@ __all__ = [
     "normalize_rewards",
     "overlong_filter_mask",
     "overlong_penalty",
+    "queries_reward",
     "regex_reward",
     "required_columns",
     "resolve_reward",

@@ -29,8 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lmrl.errors import ConfigError, LmrlError
-from lmrl.rewards.core import RewardRecipes, RewardSet, WeightedReward, reward_name
+from lmrl.rewards.core import RewardRecipes, RewardSet, WeightedReward, completion_text, is_chat, reward_name
 from lmrl.rewards.verifiers import (
     exact_match_reward,
     format_reward,
@@ -181,6 +183,36 @@ def resolve_reward(spec: str | Callable[..., Any], **options: Any) -> Callable[.
     return fn
 
 
+def queries_reward(fn: Callable[..., Any], label_column: str = "data_source") -> Callable[..., Any]:
+    """A function in OpenRLHF's and LightRFT's convention, `reward_func(queries, prompts, labels)`, as an lmrl
+    reward function (a config entry's `call: queries`).
+
+    It is called with `queries`: each prompt's text followed by its completion's (for a chat prompt, the
+    messages' contents joined by newlines, then the completion; lmrl has no chat template here), `prompts`:
+    the prompts as the dataset holds them, and `labels`: the `label_column` values (None when the dataset has
+    no such column). It returns N rewards (a list or a tensor), or as newer OpenRLHF versions do a dict
+    {"rewards": N rewards, "extra_logs": {name: values}}, each extra log becoming a metric (its mean).
+    """
+
+    def reward(prompts: list[Any], completions: list[Any], log_metric: Callable[..., Any], **kwargs: Any) -> Any:
+        queries = [_prompt_text(p) + completion_text(c) for p, c in zip(prompts, completions)]
+        out = fn(queries, prompts, kwargs.get(label_column))
+        if isinstance(out, Mapping):
+            if "rewards" not in out:
+                raise ValueError(f"returned a dict without 'rewards' (keys: {sorted(map(str, out))})")
+            for key, value in (out.get("extra_logs") or {}).items():
+                log_metric(key, float(torch.as_tensor(value, dtype=torch.float64).mean()))
+            out = out["rewards"]
+        return out
+
+    reward.__name__ = reward.__qualname__ = reward_name(fn)
+    return reward
+
+
+def _prompt_text(prompt: Any) -> str:
+    return "\n".join(str(m.get("content", "")) for m in prompt) + "\n" if is_chat(prompt) else str(prompt)
+
+
 def _weight(where: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise ConfigError(f"{where}.weight: expected a finite number, got {value!r:.40}")
@@ -196,6 +228,7 @@ def _weight(where: str, value: Any) -> float:
 def reward_set_from_config(
     entries: Sequence[str | Callable[..., Any] | Mapping[str, Any]], sandbox: Any = None, *,
     key: str = "reward.functions", resolved: list[tuple[Any, Callable[..., Any]]] | None = None,
+    label_column: str = "data_source",
 ) -> RewardSet:
     """Build a RewardSet from config entries.
 
@@ -209,7 +242,8 @@ def reward_set_from_config(
           - {fn: my_rewards.py:brevity, weight: 0.1}
 
     `sandbox` (the config's `SandboxLimits`) goes to the built-ins that run model-written code
-    (`SANDBOXED_REWARDS`), unless an entry gives its own `sandbox` option.
+    (`SANDBOXED_REWARDS`), unless an entry gives its own `sandbox` option. `call: queries` calls a user
+    function as OpenRLHF and LightRFT do, `reward_func(queries, prompts, labels)` (`queries_reward`).
 
     Args:
         key: the config key the entries came from, which messages start with.
@@ -239,8 +273,16 @@ def reward_set_from_config(
                 raise ConfigError(f"{where}.name: expected a string, got {name!r:.40}")
             fn = next((fn for same, fn in resolved if same == options), None)
             if fn is None:
-                built = dict(options)
-                fn = resolve_reward(built.pop("fn"), **{k: v for k, v in built.items() if k != "name"})
+                built = {k: v for k, v in options.items() if k != "name"}
+                spec, call = built.pop("fn"), built.pop("call", None)
+                if call is not None and call != "queries":
+                    raise ConfigError(f"{where}.call: expected 'queries' (reward_func(queries, prompts, labels), as "
+                                      f"OpenRLHF and LightRFT call it), got {call!r:.40}")
+                if call is not None and (not isinstance(spec, str) or spec in BUILTIN_REWARDS):
+                    raise ConfigError(f"{where}.call: only for a user function ('file.py:function'), not {spec!r:.40}")
+                fn = resolve_reward(spec, **built)
+                if call is not None:
+                    fn = queries_reward(fn, label_column)
                 resolved.append((options, fn))
             rewards.append(WeightedReward(fn, weight, name))
         except LmrlError as e:
@@ -265,7 +307,8 @@ def reward_recipes_from_config(
             `reward.recipes: ` for two different functions under one name.
     """
     resolved: list[tuple[Any, Callable[..., Any]]] = []
-    sets = {label: reward_set_from_config(entries, sandbox, key=f"reward.recipes.{label}", resolved=resolved)
+    sets = {label: reward_set_from_config(entries, sandbox, key=f"reward.recipes.{label}", resolved=resolved,
+                                          label_column=column)
             for label, entries in recipes.items()}
     try:
         return RewardRecipes(sets, column)

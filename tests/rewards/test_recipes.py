@@ -300,3 +300,60 @@ def test_the_trainer_takes_reward_recipes_and_records_them(tmp_path):
     assert len(style.calls) == 1 and set(styled[0]) == {"style"}  # called once per step, on "style" rows only
     assert m["reward/recipe/style/mean"] == pytest.approx(1.0)  # 2.0 x 0.5 on every style row
     assert m["reward/recipe/sum/frac"] + m["reward/recipe/style/frac"] == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------ OpenRLHF / LightRFT reward_func(queries, ...)
+
+LIGHTRFT_RM = '''
+import json
+
+import torch
+
+def reward_func(queries, prompts, labels):
+    with open("calls.jsonl", "a") as f:
+        f.write(json.dumps([queries, prompts, labels]) + "\\n")
+    return torch.tensor([float(len(q)) for q in queries])
+
+def with_logs(queries, prompts, labels, bonus=0.0):
+    return {"rewards": [1.0 + bonus] * len(queries), "scores": [0.0] * len(queries),
+            "extra_logs": {"rm/len": torch.tensor([float(len(q)) for q in queries])}}
+
+def no_rewards(queries, prompts, labels):
+    return {"scores": [0.0] * len(queries)}
+'''
+
+
+def test_call_queries_calls_a_user_function_as_lightrft_does(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rm.py").write_text(LIGHTRFT_RM)
+    recipes = reward_recipes_from_config({
+        "a": [{"fn": "my_rm.py:reward_func", "call": "queries"}],
+        "b": [{"fn": "my_rm.py:with_logs", "call": "queries", "bonus": 1.0, "weight": 0.5}],
+    }, column="label")
+    assert recipes.names == ["reward_func", "with_logs"]
+    prompts = ["1+1=", [{"role": "user", "content": "hi"}], "2+2="]
+    out = score(recipes, prompts, ["2", "hello", "4"], {"label": ["a", "a", "b"]})
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 1
+    queries, got_prompts, labels = calls[0]
+    assert queries == ["1+1=2", "hi\nhello"] and got_prompts == prompts[:2] and labels == ["a", "a"]
+    assert_nan_equal(out.scores, [5.0, 8.0, 1.0])  # len("1+1=2"), len("hi\nhello"), 0.5 x (1 + bonus 1)
+    assert out.metrics["rm/len"] == 5.0  # extra_logs: len("2+2=4")
+    with pytest.raises(RewardError, match=r"^reward function 'no_rewards' failed: ValueError: returned a dict "
+                                          r"without 'rewards' \(keys: \['scores'\]\)$"):
+        score(reward_recipes_from_config({"a": [{"fn": "my_rm.py:no_rewards", "call": "queries"}]}), ["p"], ["c"],
+              {"data_source": ["a"]})
+    # in reward.functions, without recipes: labels from the label column when the rows have it, else None
+    from lmrl.rewards import reward_set_from_config
+
+    plain = reward_set_from_config([{"fn": "my_rm.py:reward_func", "call": "queries"}], label_column="label")
+    score(plain, ["3+3="], ["6"], {"label": ["math"]})
+    score(plain, ["3+3="], ["6"], {"answer": ["6"]})
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert calls[1] == [["3+3=6"], ["3+3="], ["math"]] and calls[2] == [["3+3=6"], ["3+3="], None]
+    with pytest.raises(ConfigError, match=r"^reward.recipes.a\[0\].call: expected 'queries' "):
+        reward_recipes_from_config({"a": [{"fn": "my_rm.py:reward_func", "call": "kwargs"}]})
+    with pytest.raises(ConfigError, match=r"^reward.recipes.a\[0\].call: only for a user function"):
+        reward_recipes_from_config({"a": [{"fn": "exact_match", "call": "queries"}]})
