@@ -29,11 +29,13 @@ that function: NaN (return None instead), +-inf, a bool (convert with float()), 
 a set, a generator, a 2-D array. Scores are float64, so large finite rewards (1e39) are kept.
 
 Combining several functions (as in TRL): the total is the weighted sum over the functions that
-apply, sum_i w_i * r_i with None terms left out (not renormalised). `RewardRecipes` gives each kind of
-row its own functions and weights (LightRFT's reward recipes): each function is then called once,
-with only the rows whose recipe names it, and a row's total sums its own recipe's terms. When *every* function returns
+apply, sum_i w_i * r_i with None terms left out (not renormalised). When *every* function returns
 None for a sample, `all_none="zero"` (default, TRL's behaviour) gives that sample 0.0 and reports
 the fraction in `reward/all_none_frac`; `all_none="error"` raises instead.
+
+`RewardRecipes` gives each kind of row its own functions and weights (LightRFT's reward recipes,
+chosen by a label column such as verl's `data_source`): each function is then called once, with only
+the rows whose recipe names it, and a row's total sums its own recipe's terms.
 
 Without a `timeout`, sync functions run one after another in the calling thread. With a `timeout`,
 each sync function runs in its own daemon thread (all at once, each with its own deadline) so that
