@@ -633,7 +633,7 @@ def score(
     # each call gets its own copies of its rows, so that one function mutating its inputs cannot affect another
     def make_args(rows: list[int]) -> tuple[list[Any], list[Any], dict[str, Any]]:
         def pick(values: list[Any]) -> list[Any]:
-            return [values[i] for i in rows]
+            return list(values) if len(rows) == n else [values[i] for i in rows]
 
         copied = {k: pick(v) if isinstance(v, list) else v for k, v in kwargs.items()}
         copied["log_extra"] = functools.partial(_log_extra, extra, n, rows)
@@ -753,9 +753,10 @@ def _combine(routing: _Routing, results: dict[str, tuple[Any, BaseException | No
         if not rows:  # no completion of this batch has a recipe naming it: not called
             continue
         value, error, seconds = results[r.name]
+        index = torch.tensor(rows, dtype=torch.long)  # [n_f] the completions it scored
         if error is None:
             try:
-                values[rows] = torch.tensor(_check_values(r.name, value, rows), dtype=torch.float64)
+                values[index] = torch.tensor(_check_values(r.name, value, rows), dtype=torch.float64)
             except _Failure as e:
                 error = e
         if error is not None:
@@ -764,11 +765,11 @@ def _combine(routing: _Routing, results: dict[str, tuple[Any, BaseException | No
                 cause = error.__cause__ if isinstance(error, _Failure) else error
                 raise RewardError(msg) from cause
             errors[r.name] = msg
-            values[rows] = 0.0
+            values[index] = 0.0
         present = ~torch.isnan(values)
         total = total + torch.where(present, routing.weights[f] * values, torch.zeros_like(values))
         applicable |= present
-        metrics.update(_function_metrics(r.name, values[rows], present[rows], error is not None, seconds))
+        metrics.update(_function_metrics(r.name, values[index], present[index], error is not None, seconds))
 
     overflow = ~torch.isfinite(total)
     if overflow.any():  # each reward is finite, but weights times rewards summed can still overflow
