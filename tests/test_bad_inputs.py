@@ -188,7 +188,7 @@ BAD: dict[str, Bad] = {
     "recipes two functions one name": Bad("train data.path=mixed.jsonl 'reward.recipes={sum: [exact_match], "
                                           "default: [{fn: exact_match, column: answer}]}'",
                                           "reward.recipes: recipes 'sum' and 'default' hold two different reward functions "
-                                          "named 'exact_match'; give them distinct name= values", real=False),
+                                          "named 'exact_match'; give them distinct names (name: in a config entry, name= in Python)", real=False),
     "every row bad, skipped": Bad(f"train {ROWS} data.path=all_blank.jsonl data.on_bad_row=skip", "every row is bad, so there is nothing to train on", real=False),
     "eval rows bad": Bad(f"train {ROWS} data.eval_path=blank.jsonl", "data.eval_path: blank.jsonl line 5: prompt is only whitespace", real=False),
     "task unknown": Bad("train data.task=subtraction", "data.task: unknown task 'subtraction'; known tasks: addition", real=False),

@@ -261,7 +261,7 @@ class RewardRecipes:
                 fn, first = seen.setdefault(r.name, (r.fn, label))
                 if fn is not r.fn:
                     raise ValueError(f"recipes: recipes {first!r} and {label!r} hold two different reward functions "
-                                     f"named {r.name!r}; give them distinct name= values")
+                                     f"named {r.name!r}; give them distinct names (name: in a config entry, name= in Python)")
         self.recipes = sets
         self._functions = [WeightedReward(fn, 1.0, name) for name, (fn, _) in seen.items()]
         self._columns = {label: required_columns(s) for label, s in sets.items()}

@@ -109,7 +109,7 @@ def test_the_same_function_in_two_recipes_is_one_and_two_under_one_name_are_an_e
     recipes = RewardRecipes({"x": [shared], "y": [WeightedReward(shared, 3.0)]})
     assert recipes.names == ["shared"]
     with pytest.raises(ValueError, match=r"^recipes: recipes 'x' and 'y' hold two different reward functions named "
-                                         r"'f'; give them distinct name= values$"):
+                                         r"'f'; give them distinct names \(name: in a config entry, name= in Python\)$"):
         RewardRecipes({"x": [Recorder("f")], "y": [Recorder("f")]})
     ok = RewardRecipes({"x": [Recorder("f")], "y": [WeightedReward(Recorder("f"), name="f2")]})
     assert ok.names == ["f", "f2"]
@@ -210,7 +210,7 @@ def test_recipes_from_config_share_equal_entries_and_name_the_bad_one():
     assert recipes.recipes["math"].rewards[0].fn is recipes.recipes["code"].rewards[0].fn  # one function
     assert [r.weight for r in recipes.recipes["code"].rewards] == [0.5]
     with pytest.raises(ConfigError, match=r"^reward.recipes: recipes 'math' and 'code' hold two different reward "
-                                          r"functions named 'exact_match'; give them distinct name= values$"):
+                                          r"functions named 'exact_match'; give them distinct names \(name: in a config entry, name= in Python\)$"):
         reward_recipes_from_config({"math": ["exact_match"], "code": [{"fn": "exact_match", "column": "tests"}]})
     with pytest.raises(ConfigError, match=r"^reward.recipes.code\[1\]: reward spec 'exact': expected a built-in name"):
         reward_recipes_from_config({"math": ["exact_match"], "code": ["exact_match", "exact"]})
