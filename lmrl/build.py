@@ -272,7 +272,7 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     naming its file and line, or is left out under data.on_bad_row=skip.
     """
     from lmrl.data.prompts import PromptStream, check_rows, is_stream, load_prompts, open_stream
-    from lmrl.rewards import required_columns
+    from lmrl.rewards import RewardRecipes, required_columns
 
     d = cfg.data
     task, stream = None, None
@@ -289,7 +289,9 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
         longest = max(longest, *(n for n in out if n <= cfg.rollout.max_prompt_length), 0)
         return out
 
-    check = dict(prompt_column=d.prompt_column, required_columns=required_columns(rewards), prompt_length=lengths,
+    # with reward recipes, a row needs the columns of its own recipe, and a label that has one
+    needed = rewards.row_columns if isinstance(rewards, RewardRecipes) else required_columns(rewards)
+    check = dict(prompt_column=d.prompt_column, required_columns=needed, prompt_length=lengths,
                  max_prompt_length=cfg.rollout.max_prompt_length, on_bad_row=d.on_bad_row)
     skipped: list[str] = []  # one warning line per source that had bad rows left out
 
@@ -350,13 +352,16 @@ def _left_out(source: str, bad: list[Any], kept: int) -> str:
 
 
 def _reward_set(cfg: Config, reward_fns: Any, task: Any):
-    from lmrl.rewards import RewardSet
+    from lmrl.rewards import RewardRecipes, RewardSet
 
     if reward_fns is None:
-        from lmrl.rewards import reward_set_from_config
+        from lmrl.rewards import reward_recipes_from_config, reward_set_from_config
 
+        if cfg.reward.recipes:
+            return reward_recipes_from_config(cfg.reward.recipes, cfg.reward.recipe_column, sandbox=cfg.sandbox.limits())
         if cfg.reward.functions:
-            reward_fns = reward_set_from_config(cfg.reward.functions, sandbox=cfg.sandbox.limits())
+            reward_fns = reward_set_from_config(cfg.reward.functions, sandbox=cfg.sandbox.limits(),
+                                                label_column=cfg.reward.recipe_column)
         elif task is not None:  # the task's own reward, plus a configured environment's (None where it gives none)
             reward_fns = list(task.reward_funcs) + ([reward_set_from_config(["env"]).rewards[0].fn] if cfg.env.name else [])
         elif cfg.env.name is not None:  # the environment's own reward
@@ -364,6 +369,10 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
         else:
             raise ConfigError("reward.functions: a dataset needs at least one reward function, "
                               "e.g. reward.functions=[math]")
+    if isinstance(reward_fns, RewardRecipes):
+        if cfg.reward.weights is not None:
+            raise ConfigError("reward.weights: go with a list of reward functions; RewardRecipes holds its own weights")
+        return reward_fns
     if isinstance(reward_fns, RewardSet):
         return RewardSet.of(reward_fns.rewards, cfg.reward.weights)
     entries = reward_fns if isinstance(reward_fns, (list, tuple)) else [reward_fns]

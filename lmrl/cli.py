@@ -257,9 +257,9 @@ def _eval_config(args) -> tuple[dict, str]:
         split = args.split or "test"  # a plain file has no splits and ignores it
         data = {"task": None, "path": args.data, "split": split, "eval_path": args.data, "eval_split": split}
         source = args.data + (f":{args.split}" if args.split else "")
-        if args.reward:
-            raw["reward"] = {**(raw.get("reward") or {}), "functions": args.reward}
-        elif not (raw.get("reward") or {}).get("functions"):
+        if args.reward:  # they replace the run's functions or recipes
+            raw["reward"] = {**(raw.get("reward") or {}), "functions": args.reward, "recipes": {}}
+        elif not any((raw.get("reward") or {}).get(key) for key in ("functions", "recipes")):
             raise ConfigError(f"--reward: {args.run} was scored by its task's own reward "
                               f"(data.task={(raw.get('data') or {}).get('task')}); give --reward for --data")
     elif args.run is not None and str(data.get("path") or "").startswith("<"):

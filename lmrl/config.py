@@ -190,9 +190,17 @@ class RewardConfig(_Section):
     functions: list[str | dict[str, Any]] = []
     """Reward functions; empty = the task's reward. Each entry is a built-in name (math, exact_match,
     format, regex, length, remote, reward_model), "file.py:function", "module:function", or a mapping
-    {fn: NAME, weight: 0.5, OPTION: VALUE} (e.g. {fn: remote, url: "http://host:8000/score"})."""
+    {fn: NAME, weight: 0.5, OPTION: VALUE} (e.g. {fn: remote, url: "http://host:8000/score"}); `call: queries`
+    calls a user function as OpenRLHF and LightRFT do, reward_func(queries, prompts, labels)."""
     weights: list[float] | None = None
     """One weight per function (default: each entry's own weight, else 1.0)."""
+    recipes: dict[NonEmptyStr, list[str | dict[str, Any]]] = {}
+    """Reward recipes (LightRFT): label -> reward functions, written as in `functions`, for the rows whose
+    `recipe_column` holds that label (e.g. {math: [math], code: [{fn: code, weight: 0.5}]}); a recipe named
+    `default` scores rows whose label has none. Each function runs once per batch, on its recipes' rows.
+    Use instead of `functions`."""
+    recipe_column: NonEmptyStr = "data_source"
+    """The dataset column whose value picks each row's recipe (verl's data_source; LightRFT: label)."""
     timeout: PositiveFloat = 60.0
     """Seconds one reward call may take before it counts as failed (> 0)."""
     on_error: Literal["fail", "zero"] = "fail"
@@ -203,10 +211,46 @@ class RewardConfig(_Section):
     """DAPO soft overlong penalty: the last `overlong_buffer` tokens before max_new_tokens cost up to 1."""
     drop_truncated: bool = False
     """Leave completions cut at max_new_tokens out of the loss."""
-    clip: PositiveFloat | None = None
-    """Clip scores to [-clip, clip] (REINFORCE++; None = no clipping)."""
+    clip: PositiveFloat | tuple[float, float] | None = None
+    """Clip scores to [-clip, clip], or to [low, high] given a pair (REINFORCE++; OpenRLHF's reward_clip_range;
+    None = no clipping)."""
     normalize: bool = False
     """Normalise scores to mean 0, std 1 over the batch (REINFORCE++)."""
+
+    @field_validator("clip", mode="before")
+    @classmethod
+    def _clip_shape(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and len(value) != 2:
+            raise ValueError(f"clip: expected a number c (for [-c, c]) or a pair [low, high], got {list(value)}")
+        return value
+
+    @field_validator("recipes", mode="before")
+    @classmethod
+    def _labels(cls, value: Any) -> Any:
+        for label in value if isinstance(value, dict) else ():
+            if not isinstance(label, str):
+                raise ValueError(f"recipes: a label must be a string (quote it: '{label}'), got {label!r}")
+        return value
+
+    @field_validator("clip")
+    @classmethod
+    def _clip_range(cls, value: float | tuple[float, float] | None) -> float | tuple[float, float] | None:
+        if isinstance(value, tuple) and not value[0] < value[1]:
+            raise ValueError(f"clip: [low, high] needs low < high (got {list(value)})")
+        return value
+
+    @model_validator(mode="after")
+    def _recipes(self) -> RewardConfig:
+        if self.recipes and self.functions:
+            raise ValueError("recipes: set reward.functions (every row) or reward.recipes (a recipe per "
+                             f"{self.recipe_column}), not both")
+        if self.recipes and self.weights is not None:
+            raise ValueError("weights: go with reward.functions; give each reward.recipes entry its own weight, "
+                             "e.g. {fn: math, weight: 0.5}")
+        for label, entries in self.recipes.items():
+            if not entries:
+                raise ValueError(f"recipes: recipe {label!r} has no reward functions")
+        return self
 
     def shaping_options(self) -> dict[str, Any]:
         """The fields `lmrl.experience.shape_scores` takes, as its keyword arguments of the same names."""

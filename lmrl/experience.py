@@ -419,7 +419,7 @@ def _cat(parts: list[torch.Tensor], sequences: torch.Tensor, T: int) -> torch.Te
 # ------------------------------------------------------------------------------------- reward shaping
 
 def shape_scores(rollout: Rollout, scores: torch.Tensor, *, max_new_tokens: int, missing_eos_penalty: float | None = None,
-                 overlong_buffer: int | None = None, clip: float | None = None, normalize: bool = False,
+                 overlong_buffer: int | None = None, clip: float | tuple[float, float] | None = None, normalize: bool = False,
                  drop_truncated: bool = False, world: World = ONE_PROCESS):
     """Reward-side options (the `reward` section's fields of the same names) in the order they compose:
     missing-EOS penalty, DAPO overlong penalty (the last `overlong_buffer` of `max_new_tokens`), clip, normalise

@@ -1,4 +1,4 @@
-"""Config names of TRL, verl and OpenRLHF, and the lmrl field each one is.
+"""Config names of TRL, verl, OpenRLHF and LightRFT, and the lmrl field each one is.
 
 A user coming from another framework writes its names first (`learning_rate=1e-6`, `beta=0.04`,
 `actor_rollout_ref.rollout.n=8`). lmrl does not accept them as aliases (one name per field keeps
@@ -6,7 +6,7 @@ configs greppable); instead the error names lmrl's field:
 
     lmrl: error: learning_rate is TRL's name; lmrl calls it optim.lr
 
-TRL's GRPOConfig and OpenRLHF's command-line flags are flat names, recognised wherever they appear
+TRL's GRPOConfig, OpenRLHF's command-line flags and LightRFT's arguments are flat names, recognised wherever they appear
 (`learning_rate=` or `optim.learning_rate=`); verl's are dotted paths, recognised as written.
 docs/coming-from-trl.md shows the same table; a test keeps the two in step.
 """
@@ -94,9 +94,13 @@ FLAT_NAMES: dict[str, tuple[str, str, str]] = {
     "advantage_estimator": ("OpenRLHF", "algorithm.advantage", "or a whole preset with algorithm.name"),
     "entropy_loss_coef": ("OpenRLHF", "algorithm.entropy_coef", ""),
     "normalize_reward": ("OpenRLHF", "reward.normalize", ""),
-    "reward_clip_range": ("OpenRLHF", "reward.clip", ""),
+    "reward_clip_range": ("OpenRLHF", "reward.clip", "reward.clip=[low, high]; a number c means [-c, c]"),
     "save_path": ("OpenRLHF", "train.output_dir", ""),
     "lr_warmup_ratio": ("OpenRLHF", "optim.warmup_steps", "lmrl counts warm-up in steps"),
+    # LightRFT (its experience maker's arguments)
+    "reward_recipe": ("LightRFT", "reward.recipes", "label -> reward functions written as in reward.functions, "
+                      "each with its weight; reward.recipe_column=label names the label column"),
+    "reward_fn_label_map": ("LightRFT", "reward.recipes", "each label's reward functions are its recipe"),
 }
 
 # verl's dotted paths (its Hydra config, as written on its command line) -> (lmrl's field, note)

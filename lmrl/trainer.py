@@ -94,6 +94,7 @@ from lmrl.logging.sinks import jsonl_row
 from lmrl.models.forward import model_forward_logprobs, response_forward
 from lmrl.models.loading import quiet_progress_bars, resolve_device
 from lmrl.models.prompt_encoding import encode_prompts
+from lmrl.rewards import RewardRecipes
 from lmrl.rewards import score as score_rewards
 from lmrl.rewards.core import TrainerState
 from lmrl.rollout import HFGenerator, Rollout, SamplingParams
@@ -133,7 +134,8 @@ class _AbandonStep(BaseException):
 
 class Trainer:
     """RL post-training of one causal LM. Give a Config; optionally the model, tokenizer, reward functions
-    and prompt rows directly (as with TRL's GRPOTrainer): those override the config's. `env` (an
+    and prompt rows directly (as with TRL's GRPOTrainer): those override the config's (`reward_funcs` may also
+    be `lmrl.rewards.RewardRecipes`: functions per data label). `env` (an
     `lmrl.envs` Environment) makes every rollout a multi-turn episode, as `env.name` does."""
 
     def __init__(self, cfg: Config, *, model=None, tokenizer=None, reward_funcs=None, train_dataset=None,
@@ -155,7 +157,8 @@ class Trainer:
         tokenizer = tokenizer or load_policy_tokenizer(cfg)
         # its sandbox, if any, starts (or refuses) before a model loads; a built-in task may bring its own
         self.env = make_environment(cfg, env, use_task=train_dataset is None)
-        if env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions:
+        if (env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions
+                and not cfg.reward.recipes):
             reward_funcs = ["env"]
         self.data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset)
         # what was passed in, recorded in the config a run directory keeps (lmrl_config.yaml)
@@ -992,7 +995,12 @@ def _recorded(cfg: Config, reward_funcs, train_dataset, eval_dataset, data) -> C
     """`cfg` naming the reward functions and datasets passed to the Trainer instead of the task and functions
     it would otherwise load: functions as "module:qualified name", datasets as what they were and their rows."""
     sections = {}
-    if reward_funcs is not None:
+    if isinstance(reward_funcs, RewardRecipes):
+        recipes = {label: [{"fn": _reward_record(r.fn), "weight": r.weight} for r in s.rewards]
+                   for label, s in reward_funcs.recipes.items()}
+        sections["reward"] = cfg.reward.model_copy(update={"functions": [], "recipes": recipes,
+                                                           "recipe_column": reward_funcs.column})
+    elif reward_funcs is not None:
         named = [_reward_record(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
         sections["reward"] = cfg.reward.model_copy(update={"functions": named})
     if train_dataset is not None:

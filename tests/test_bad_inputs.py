@@ -93,6 +93,10 @@ BAD: dict[str, Bad] = {
     "reward weight inf": Bad("train reward.weights=[.inf]", "reward.weights[0]: must be a finite number (got inf)"),
     "overlong_buffer zero": Bad("train reward.overlong_buffer=0", "reward.overlong_buffer: must be >= 1 (got 0)"),
     "reward clip zero": Bad("train reward.clip=0", "reward.clip: must be > 0 (got 0)"),
+    "reward clip range reversed": Bad("train 'reward.clip=[1, -1]'", "reward.clip: [low, high] needs low < high (got [1.0, -1.0])"),
+    "recipes and functions": Bad("train reward.functions=[math] 'reward.recipes={math: [math]}'",
+                                 "reward.recipes: set reward.functions (every row) or reward.recipes (a recipe per data_source), not both"),
+    "recipe empty": Bad("train 'reward.recipes={math: []}'", "reward.recipes: recipe 'math' has no reward functions"),
     "on_error unknown": Bad("train reward.on_error=ignore", "reward.on_error: got 'ignore'; input should be 'fail' or 'zero'"),
     "eos penalty inf": Bad("train reward.missing_eos_penalty=inf", "reward.missing_eos_penalty: must be a finite number (got 'inf')"),
     "algorithm unknown": Bad("train algorithm=foo", "algorithm.name: unknown algorithm 'foo'; choose one of grpo,"),
@@ -171,6 +175,20 @@ BAD: dict[str, Bad] = {
     "prompt a number": Bad(f"train {ROWS} data.path=number.jsonl", "data.path: number.jsonl line 2: prompt must be a string or a list", real=False),
     "reward column missing": Bad(f"train {ROWS} 'reward.functions=[{{fn: exact_match, column: solution}}]'",
                                  "data.path: rows.jsonl line 1: column 'solution' (needed by reward 'exact_match') is missing", real=False),
+    "recipe label unknown": Bad("train data.path=mixed.jsonl 'reward.recipes={sum: [exact_match], code: [exact_match]}'",
+                                "data.path: mixed.jsonl line 3: data_source 'physics' has no reward.recipes entry (recipes: sum, code); "
+                                "fix it, or set data.on_bad_row=skip to leave it out", real=False),
+    "recipe column missing": Bad("train data.path=rows.jsonl 'reward.recipes={sum: [exact_match]}' reward.recipe_column=label",
+                                 "data.path: rows.jsonl line 1: column 'label' (reward.recipe_column: it picks the row's reward "
+                                 "recipe) is missing (19 other bad rows: line 2, line 3, line 4, ...)", real=False),
+    "recipe column a recipe needs": Bad("train data.path=mixed.jsonl 'reward.recipes={sum: [exact_match], "
+                                        "code: [{fn: exact_match, column: tests, name: tests}], default: [exact_match]}'",
+                                        "data.path: mixed.jsonl line 2: column 'tests' (needed by reward 'tests') is missing; "
+                                        "fix it, or set data.on_bad_row=skip", real=False),
+    "recipes two functions one name": Bad("train data.path=mixed.jsonl 'reward.recipes={sum: [exact_match], "
+                                          "default: [{fn: exact_match, column: answer}]}'",
+                                          "reward.recipes: recipes 'sum' and 'default' hold two different reward functions "
+                                          "named 'exact_match'; give them distinct names (name: in a config entry, name= in Python)", real=False),
     "every row bad, skipped": Bad(f"train {ROWS} data.path=all_blank.jsonl data.on_bad_row=skip", "every row is bad, so there is nothing to train on", real=False),
     "eval rows bad": Bad(f"train {ROWS} data.eval_path=blank.jsonl", "data.eval_path: blank.jsonl line 5: prompt is only whitespace", real=False),
     "task unknown": Bad("train data.task=subtraction", "data.task: unknown task 'subtraction'; known tasks: addition", real=False),
@@ -257,6 +275,8 @@ def _rows(n: int, long_at: tuple[int, ...] = ()) -> str:
 
 FILES = {
     "rows.jsonl": _rows(20),
+    "mixed.jsonl": "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "data_source": source}) + "\n"
+                           for i, source in enumerate(["sum", "code", "physics", "sum"])),
     "long.jsonl": _rows(640, long_at=(600, 601, 640)),
     "blank.jsonl": _rows(4) + json.dumps({"prompt": "  \t ", "answer": "1"}) + "\n" + _rows(3),
     "all_blank.jsonl": "\n".join(json.dumps({"prompt": " ", "answer": "1"}) for _ in range(3)) + "\n",

@@ -85,3 +85,28 @@ def test_shipped_model_preset_under_user_values():
     assert not load_config(None, ["algorithm=ppo", "model.shared_critic=false"]).model.shared_critic
     # the model preset never overrides what an algorithm preset defines
     assert load_config(None, ["algorithm=dr_grpo"]).algorithm.aggregation == "seq-mean-token-sum-norm"
+
+
+def test_reward_recipes_and_a_clip_range_are_checked_on_load():
+    cfg = load_config(None, ["reward.recipes={math: [exact_match], code: [{fn: regex, pattern: x, weight: 0.5}]}",
+                             "reward.recipe_column=label", "reward.clip=[-1, 3]"])
+    assert cfg.reward.recipes == {"math": ["exact_match"], "code": [{"fn": "regex", "pattern": "x", "weight": 0.5}]}
+    assert cfg.reward.recipe_column == "label" and cfg.reward.clip == (-1.0, 3.0)
+    assert cfg.reward.shaping_options()["clip"] == (-1.0, 3.0)
+    assert load_config(None, ["reward.clip=2"]).reward.clip == 2.0  # c still means [-c, c]
+    for overrides, line in [
+        (["reward.functions=[math]", "reward.recipes={a: [math]}"],
+         "reward.recipes: set reward.functions (every row) or reward.recipes (a recipe per data_source), not both"),
+        (["reward.weights=[1]", "reward.recipes={a: [math]}"],
+         "reward.weights: go with reward.functions; give each reward.recipes entry its own weight, e.g. {fn: math, weight: 0.5}"),
+        (["reward.recipes={a: []}"], "reward.recipes: recipe 'a' has no reward functions"),
+        (["reward.recipes={1: [math]}"], "reward.recipes: a label must be a string (quote it: '1'), got 1"),
+        (["reward.recipe_column="], "reward.recipe_column: must be set (got null or an empty value)"),
+        (["reward.clip=[1, -1]"], "reward.clip: [low, high] needs low < high (got [1.0, -1.0])"),
+        (["reward.clip=[2, 2]"], "reward.clip: [low, high] needs low < high (got [2.0, 2.0])"),
+        (["reward.clip=[1]"], "reward.clip: expected a number c (for [-c, c]) or a pair [low, high], got [1]"),
+        (["reward.clip=0"], "reward.clip: must be > 0 (got 0)"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            load_config(None, overrides)
+        assert str(raised.value) == line

@@ -126,3 +126,17 @@ def test_evaluate_from_python_without_held_out_prompts_is_one_line(tmp_path):
                       reward_funcs=[lambda completions, **kw: [1.0] * len(completions)])
     with pytest.raises(DataError, match=r"^evaluate: no held-out prompts \(give eval_dataset, data.eval_path or a task"):
         trainer.evaluate()
+
+
+def test_eval_a_run_that_had_reward_recipes(files):
+    labelled = [{**r, "data_source": "one" if i % 2 else "minus"} for i, r in enumerate(ROWS)]
+    (files / "labelled.jsonl").write_text("".join(json.dumps(r) + "\n" for r in labelled))
+    assert lmrl("train", "train.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "log.console=false",
+                "train.output_dir=runs/mixed", "data.path=labelled.jsonl",
+                "reward.recipes={one: [rw.py:one], minus: [rw.py:minus]}", cwd=files).returncode == 0
+    out = lmrl("eval", "runs/mixed", "--data", "labelled.jsonl", cwd=files)  # the run's own recipes
+    assert out.returncode == 0, out.stderr
+    assert _numbers(out.stdout.strip())[:3] == (len(ROWS), 50.0, 0.0)  # half score 1, half -1
+    out = lmrl("eval", "runs/mixed", "--data", "labelled.jsonl", "--reward", "rw.py:quarter", cwd=files)
+    assert out.returncode == 0, out.stderr  # --reward replaces the recipes
+    assert _numbers(out.stdout.strip())[:3] == (len(ROWS), 100.0, 0.25)

@@ -66,7 +66,7 @@ def test_the_cli_prints_one_line():
 def test_the_docs_table_lists_every_name():
     text = DOC.read_text()
     for name, (framework, field, _) in FLAT_NAMES.items():
-        shown = name if framework == "TRL" else f"--{name}"
+        shown = f"--{name}" if framework == "OpenRLHF" else name
         assert f"| `{shown}` | `{field}` |" in text, name
     for path, (field, _) in VERL_PATHS.items():
         assert f"| `{path}` | `{field}` |" in text, path

@@ -108,9 +108,12 @@ def _needed_by(rewards: Sequence[str] | str) -> str:
     return f" (needed by reward{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))})"
 
 
-def _row_problem(
-    row: Any, prompt_column: str, required_columns: Mapping[str, Sequence[str]] | None
-) -> str | None:
+RequiredColumns = Mapping[str, Sequence[str]] | Callable[[Mapping[str, Any]], Mapping[str, Sequence[str]] | str]
+"""column -> names of the reward functions reading it, for every row; or a function of one row giving that
+row's (with reward recipes, those of the row's recipe), or one line saying why the row cannot be scored."""
+
+
+def _row_problem(row: Any, prompt_column: str, required_columns: RequiredColumns | None) -> str | None:
     """The first thing wrong with a row (shape, then prompt, then required columns), or None."""
     if not isinstance(row, Mapping):
         return f"row is a {type(row).__name__}, not an object of columns"
@@ -121,7 +124,10 @@ def _row_problem(
     problem = _prompt_problem(row[prompt_column])
     if problem is not None:
         return problem
-    for column, rewards in (required_columns or {}).items():
+    needed = required_columns(row) if callable(required_columns) else required_columns
+    if isinstance(needed, str):
+        return needed
+    for column, rewards in (needed or {}).items():
         if row.get(column) is None:
             state = "missing" if column not in row else "None"
             return f"column {column!r}{_needed_by(rewards)} is {state}"
@@ -181,7 +187,7 @@ def check_rows(
     rows: Sequence[Any] | PromptDataset,
     *,
     prompt_column: str | None = None,
-    required_columns: Mapping[str, Sequence[str]] | None = None,
+    required_columns: RequiredColumns | None = None,
     prompt_length: PromptLength | None = None,
     max_prompt_length: int | None = None,
     on_bad_row: Literal["fail", "skip"] = "fail",
@@ -200,7 +206,9 @@ def check_rows(
         rows: the rows, or a `PromptDataset` (its prompt column, name and row locations are used).
         prompt_column: the column holding the prompt (default: the dataset's, else "prompt").
         required_columns: column -> names of the reward functions that read it, e.g.
-            {"answer": ["math"]}; the names go into the message.
+            {"answer": ["math"]}; the names go into the message. Or a function of one row giving
+            that row's columns, or one line saying what is wrong with the row
+            (`lmrl.rewards.RewardRecipes.row_columns`: the columns of the row's recipe).
         prompt_length: token counts of a *list* of prompts (called with up to 1024 prompts at a
             time, only for rows that passed the other checks), e.g.
             `lambda ps: [len(ids) for ids in encode_prompts(tok, ps, 10**9)]`.
@@ -559,7 +567,7 @@ class PromptStream:
         source: Any,
         *,
         prompt_column: str = "prompt",
-        required_columns: Mapping[str, Sequence[str]] | None = None,
+        required_columns: RequiredColumns | None = None,
         prompt_length: PromptLength | None = None,
         max_prompt_length: int | None = None,
         on_bad_row: Literal["fail", "skip"] = "fail",
@@ -659,7 +667,7 @@ def load_prompts(
     field: str | None = None,
     name: str | None = None,
     on_bad_row: Literal["fail", "skip"] = "fail",
-    required_columns: Mapping[str, Sequence[str]] | None = None,
+    required_columns: RequiredColumns | None = None,
     prompt_length: PromptLength | None = None,
     max_prompt_length: int | None = None,
 ) -> PromptDataset:

@@ -2,7 +2,8 @@
 
 A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]` (sync or async), called
 with keyword arguments only, as TRL calls it; see `lmrl.rewards.core` for the arguments lmrl passes
-(columns, completion_ids, trainer_state, log_metric, log_extra, finished) and how scores combine.
+(columns, completion_ids, trainer_state, log_metric, log_extra, finished) and how scores combine;
+`RewardRecipes` gives each kind of row (a label column such as `data_source`) its own functions.
 """
 
 from lmrl.rewards.code import code_reward, extract_code
@@ -10,6 +11,7 @@ from lmrl.rewards.core import (
     RewardError,
     RewardFn,
     RewardOutput,
+    RewardRecipes,
     RewardSet,
     TrainerState,
     WeightedReward,
@@ -20,7 +22,14 @@ from lmrl.rewards.core import (
     score,
 )
 from lmrl.rewards.math_verifier import MathVerifyWorker, extract_final_answer, verify_answer
-from lmrl.rewards.registry import BUILTIN_REWARDS, load_function, resolve_reward, reward_set_from_config
+from lmrl.rewards.registry import (
+    BUILTIN_REWARDS,
+    load_function,
+    queries_reward,
+    resolve_reward,
+    reward_recipes_from_config,
+    reward_set_from_config,
+)
 from lmrl.rewards.remote import RemoteRewardError, RemoteScorer
 from lmrl.rewards.reward_model import RewardModelScorer
 from lmrl.rewards.shaping import (
@@ -50,6 +59,7 @@ __all__ = [
     "RewardFn",
     "RewardModelScorer",
     "RewardOutput",
+    "RewardRecipes",
     "RewardSet",
     "WeightedReward",
     "call_reward",
@@ -67,10 +77,12 @@ __all__ = [
     "normalize_rewards",
     "overlong_filter_mask",
     "overlong_penalty",
+    "queries_reward",
     "regex_reward",
     "required_columns",
     "resolve_reward",
     "reward_name",
+    "reward_recipes_from_config",
     "reward_set_from_config",
     "score",
     "verify_answer",

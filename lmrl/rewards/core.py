@@ -33,6 +33,10 @@ apply, sum_i w_i * r_i with None terms left out (not renormalised). When *every*
 None for a sample, `all_none="zero"` (default, TRL's behaviour) gives that sample 0.0 and reports
 the fraction in `reward/all_none_frac`; `all_none="error"` raises instead.
 
+`RewardRecipes` gives each kind of row its own functions and weights (LightRFT's reward recipes,
+chosen by a label column such as verl's `data_source`): each function is then called once, with only
+the rows whose recipe names it, and a row's total sums its own recipe's terms.
+
 Without a `timeout`, sync functions run one after another in the calling thread. With a `timeout`,
 each sync function runs in its own daemon thread (all at once, each with its own deadline) so that
 a stuck function cannot hang the trainer; Python cannot kill a thread, so a timed-out function
@@ -218,6 +222,78 @@ class RewardSet:
         return [r.name for r in self.rewards]
 
 
+@dataclass
+class RewardRecipes:
+    """Reward functions per kind of data: each row's label (a dataset column) picks the recipe that scores it.
+
+    LightRFT calls these reward recipes, verl routes by the `data_source` column: the rows of a mixed
+    dataset (math, code, chat) each get their own functions and weights. A function is called once per
+    batch, with only the rows whose recipe names it; a row whose label has no recipe uses the one named
+    `default` when there is one. The same function in two recipes (the same object, or the same config
+    entry) is one function, called once over the rows of both, each recipe with its own weight.
+
+        RewardRecipes({"math": [math_fn, WeightedReward(format_fn, 0.2)], "code": [code_fn]}, column="data_source")
+
+    Attributes:
+        recipes: label -> the functions of that label's rows: a RewardSet, or a list of functions /
+            WeightedReward (weights default to 1.0), as `RewardSet.of` takes them.
+        column: the dataset column holding each row's label.
+    """
+
+    recipes: Mapping[str, RewardSet | Sequence[RewardFn | WeightedReward] | RewardFn]
+    column: str = "data_source"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.column, str) or not self.column:
+            raise ValueError(f"column: expected the name of the column holding each row's label, got {self.column!r}")
+        if not isinstance(self.recipes, Mapping) or not self.recipes:
+            raise ValueError("recipes: need at least one recipe, label -> reward functions")
+        sets: dict[str, RewardSet] = {}
+        seen: dict[str, tuple[RewardFn, str]] = {}  # name -> (function, the first recipe naming it)
+        for label, fns in self.recipes.items():
+            if not isinstance(label, str) or not label:
+                raise ValueError(f"recipes: a label must be a non-empty string, got {label!r}")
+            try:
+                sets[label] = fns if isinstance(fns, RewardSet) else RewardSet.of(fns)
+            except ValueError as e:
+                raise ValueError(f"recipes[{label!r}]: {str(e).removeprefix('rewards: ')}") from e
+            for r in sets[label].rewards:
+                fn, first = seen.setdefault(r.name, (r.fn, label))
+                if fn is not r.fn:
+                    raise ValueError(f"recipes: recipes {first!r} and {label!r} hold two different reward functions "
+                                     f"named {r.name!r}; give them distinct names (name: in a config entry, name= in Python)")
+        self.recipes = sets
+        self._functions = [WeightedReward(fn, 1.0, name) for name, (fn, _) in seen.items()]
+        self._columns = {label: required_columns(s) for label, s in sets.items()}
+
+    @property
+    def rewards(self) -> list[WeightedReward]:
+        """Each distinct function once (weight 1.0: each recipe holds its own weights)."""
+        return list(self._functions)
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self._functions]
+
+    def recipe_for(self, label: Any) -> str | None:
+        """The recipe of a row labelled `label`: its own, else `default` when there is one, else None."""
+        if isinstance(label, str) and label in self.recipes:
+            return label
+        return "default" if "default" in self.recipes else None
+
+    def row_columns(self, row: Mapping[str, Any]) -> Mapping[str, list[str]] | str:
+        """The columns one dataset row needs (column -> names of its recipe's functions reading it), or one
+        line saying why no recipe can score the row."""
+        if row.get(self.column) is None:
+            return f"column {self.column!r} (reward.recipe_column: it picks the row's reward recipe) is " + (
+                "missing" if self.column not in row else "None")
+        recipe = self.recipe_for(row[self.column])
+        return self._no_recipe(row[self.column]) if recipe is None else self._columns[recipe]
+
+    def _no_recipe(self, label: Any) -> str:
+        return f"{self.column} {_short(label)} has no reward.recipes entry (recipes: {', '.join(self.recipes)})"
+
+
 def _columns_of(fn: Callable[..., Any]) -> list[str]:
     """The dataset columns one reward function cannot run without (see `required_columns`)."""
     declared = list(getattr(fn, "columns", None) or [])
@@ -236,7 +312,9 @@ def _columns_of(fn: Callable[..., Any]) -> list[str]:
     return list(dict.fromkeys(declared + needed))
 
 
-def required_columns(reward_set: RewardSet | Sequence[RewardFn | WeightedReward] | RewardFn) -> dict[str, list[str]]:
+def required_columns(
+    reward_set: RewardSet | RewardRecipes | Sequence[RewardFn | WeightedReward] | RewardFn,
+) -> dict[str, list[str]]:
     """The dataset columns each reward function needs: column -> names of the functions needing it.
 
     A function needs the parameters of its signature that have no default and can be passed by
@@ -247,9 +325,10 @@ def required_columns(reward_set: RewardSet | Sequence[RewardFn | WeightedReward]
     `column=` set it). A function taking only `**kwargs` needs nothing that can be known in advance.
 
     Example: `def f(completions, answer, *, level, hint=None, **kw)` needs "answer" and "level", so
-    `required_columns([f])` is `{"answer": ["f"], "level": ["f"]}`.
+    `required_columns([f])` is `{"answer": ["f"], "level": ["f"]}`. For RewardRecipes: the columns of
+    any recipe (`RewardRecipes.row_columns(row)` gives those of one row's recipe).
     """
-    rewards = reward_set if isinstance(reward_set, RewardSet) else RewardSet.of(reward_set)
+    rewards = reward_set if isinstance(reward_set, (RewardSet, RewardRecipes)) else RewardSet.of(reward_set)
     needed: dict[str, list[str]] = {}
     for r in rewards.rewards:
         for column in _columns_of(r.fn):
@@ -264,10 +343,14 @@ class RewardOutput:
     Attributes:
         scores: [N] float64, the weighted total per completion. float64 because a finite reward
             such as 1e39 overflows float32 to inf; cast where a lower precision is wanted.
-        per_function: name -> [N] float64 raw (unweighted) scores, NaN where the function returned None.
-        metrics: `reward/<name>/mean|std|none_frac|errors|seconds`, `reward/mean|std`,
-            `reward/all_none_frac`, as Python floats. mean/std are over the non-None values
-            (population std); NaN when a function returned None for every sample.
+        per_function: name -> [N] float64 raw (unweighted) scores, NaN where the function returned None
+            (and, with RewardRecipes, at the completions outside its recipes).
+        metrics: `reward/<name>/mean|std|none_frac|errors|seconds` (over the completions the function
+            was called on; none when it was called on none), `reward/mean|std`, `reward/all_none_frac`,
+            as Python floats. mean/std are over the non-None values (population std); NaN when a
+            function returned None for every sample. With RewardRecipes also, per recipe,
+            `reward/recipe/<label>/frac` (its share of the batch) and `reward/recipe/<label>/mean`
+            (the mean total score of its completions, when it has any).
             Also each name a function passed to `log_metric`, with the mean of its values.
         errors: name -> one-line message, for each function that failed and was zeroed
             (`on_error="zero"`); empty when none failed.
@@ -320,8 +403,10 @@ def _check_value(name: str, i: int, v: Any) -> float:
     return x
 
 
-def _check_values(name: str, values: Any, n: int) -> list[float]:
-    """Validate one function's return value: N finite real numbers or None (None becomes NaN)."""
+def _check_values(name: str, values: Any, rows: Sequence[int]) -> list[float]:
+    """Validate one function's return value: a finite real number or None (None becomes NaN) for each of the
+    completions `rows` (their indices in the batch, which messages name) it was called on."""
+    n = len(rows)
     expected = f"expected a list of {n} rewards, one per completion"
     if isinstance(values, (torch.Tensor, np.ndarray)):
         if values.ndim != 1:
@@ -335,7 +420,7 @@ def _check_values(name: str, values: Any, n: int) -> list[float]:
         raise _Failure(f"reward function {name!r} returned a {type(values).__name__} ({_short(values)}) ({expected})")
     if len(values) != n:
         raise _Failure(f"reward function {name!r} returned {len(values)} rewards for {n} completions")
-    return [_check_value(name, i, v) for i, v in enumerate(values)]
+    return [_check_value(name, i, v) for i, v in zip(rows, values)]
 
 
 def _exit_call(e: SystemExit) -> str:
@@ -483,7 +568,7 @@ def _resolve_awaitable(value: Any) -> Any:
 
 
 def score(
-    reward_fns: RewardSet | Sequence[RewardFn | WeightedReward] | RewardFn,
+    reward_fns: RewardSet | RewardRecipes | Sequence[RewardFn | WeightedReward] | RewardFn,
     prompts: Sequence[Any],
     completions: Sequence[str],
     columns: Mapping[str, Sequence[Any]] | None = None,
@@ -496,17 +581,21 @@ def score(
     on_error: Literal["fail", "zero"] = "fail",
     all_none: Literal["zero", "error"] = "zero",
 ) -> RewardOutput:
-    """Score N completions with every reward function and combine them with their weights.
+    """Score N completions with their reward functions and combine them with their weights.
 
-    Three steps: check the inputs, call the functions (`call_reward`: keywords, as TRL does), combine
-    their checked values into one weighted score per completion.
+    Three steps: check the inputs and route them (which function scores which completion, with which
+    weight), call the functions (`call_reward`: keywords, as TRL does), combine their checked values
+    into one weighted score per completion. With a RewardSet every function scores every completion;
+    with RewardRecipes each function is called once, on the completions whose recipe names it.
 
     Args:
-        reward_fns: a RewardSet, or a list of functions / WeightedReward (weights from `weights`).
+        reward_fns: a RewardSet, RewardRecipes, or a list of functions / WeightedReward (weights from
+            `weights`).
         prompts: N prompts (strings or chat-message lists), one per completion.
         completions: N completion texts. The completion of a chat prompt reaches the functions as
             `[{"role": "assistant", "content": text}]`, as in TRL.
-        columns: other dataset columns, name -> list of N values, passed as keyword arguments.
+        columns: other dataset columns, name -> list of N values, passed as keyword arguments (with
+            RewardRecipes, its `column` picks each completion's recipe).
         completion_ids: N lists of generated token ids, passed as `completion_ids` when given.
         finished: N bools (True = ended with EOS), passed as `finished` when given.
         trainer_state: passed as `trainer_state`; None passes a `TrainerState()` (global_step 0).
@@ -517,55 +606,99 @@ def score(
             `reward/<name>/errors` and keeps its message in `RewardOutput.errors`. A failure is an
             exception, a timeout, sys.exit() or os._exit(), a wrong count, or a value that is not a
             finite real number or None (NaN, inf, bool, str, ...).
-        all_none: what a sample gets when every function returned None: "zero" or "error".
+        all_none: what a sample gets when every function of it returned None: "zero" or "error".
 
     Returns:
         RewardOutput with `scores` [N] float64 (weighted total), `per_function` name -> [N]
-        float64 (NaN = None), `metrics`, `errors` and `extra_columns`.
+        float64 (NaN = None, or a completion outside the function's recipes), `metrics`, `errors`
+        and `extra_columns`.
 
     Raises:
         RewardError: a failure under on_error="fail", a weighted total that overflows float64, or
             a sample no function applied to under all_none="error".
+        ValueError: bad arguments, e.g. a completion whose label has no recipe.
     """
-    # 1. check the inputs
+    # 1. check the inputs, and route them: which function scores which completion, with which weight
     reward_set, kwargs = _checked_inputs(reward_fns, prompts, completions, columns, completion_ids, finished,
                                          weights, timeout, on_error, all_none)
     n = len(completions)
+    routing = _route(reward_set, kwargs, n)
     prompts = list(prompts)
     completions = [[{"role": "assistant", "content": c}] if is_chat(p) else c for p, c in zip(prompts, completions)]
     logged: dict[str, list[float]] = {}
     extra: dict[str, list[Any]] = {}
     kwargs |= {"trainer_state": trainer_state if trainer_state is not None else TrainerState(),
-               "log_metric": functools.partial(_log_metric, logged), "log_extra": functools.partial(_log_extra, extra, n)}
+               "log_metric": functools.partial(_log_metric, logged)}
 
-    # each function gets its own copies so that one function mutating its inputs cannot affect another
-    def make_args() -> tuple[list[Any], list[Any], dict[str, Any]]:
-        copied = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-        return list(prompts), [list(c) if isinstance(c, list) else c for c in completions], copied
+    # each call gets its own copies of its rows, so that one function mutating its inputs cannot affect another
+    def make_args(rows: list[int]) -> tuple[list[Any], list[Any], dict[str, Any]]:
+        def pick(values: list[Any]) -> list[Any]:
+            return list(values) if len(rows) == n else [values[i] for i in rows]
+
+        copied = {k: pick(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+        copied["log_extra"] = functools.partial(_log_extra, extra, n, rows)
+        return pick(prompts), [list(c) if isinstance(c, list) else c for c in pick(completions)], copied
 
     # 2. call the functions
     with _os_exit_guard():
-        results = _run_all(reward_set, make_args, timeout)
+        results = _run_all(routing, make_args, timeout)
 
     # 3. combine their values
-    out = _combine(reward_set, results, n, on_error, all_none)
+    out = _combine(routing, results, n, on_error, all_none)
     out.metrics |= {name: sum(values) / len(values) for name, values in logged.items()}
     out.extra_columns = extra
     return out
 
 
+@dataclass
+class _Routing:
+    """Which function scores which completion, and its weight there (F distinct functions, N completions)."""
+
+    functions: list[WeightedReward]  # the distinct functions; their weights are in `weights`
+    weights: torch.Tensor  # [F, N] float64: function f's weight in completion i's total
+    applies: torch.Tensor  # [F, N] bool: the completions function f is called on
+    recipes: dict[str, list[int]] | None = None  # recipe -> its completions (RewardRecipes only)
+
+    def rows(self, f: int) -> list[int]:
+        return self.applies[f].nonzero().flatten().tolist()
+
+
+def _route(reward_set: RewardSet | RewardRecipes, kwargs: Mapping[str, list[Any]], n: int) -> _Routing:
+    """A RewardSet: every function on every completion. RewardRecipes: each completion's label (its `column`)
+    picks its recipe, and the recipe's functions and weights apply to it."""
+    if isinstance(reward_set, RewardSet):
+        w = torch.tensor([r.weight for r in reward_set.rewards], dtype=torch.float64)
+        return _Routing(reward_set.rewards, w[:, None].expand(-1, n), torch.ones(len(w), n, dtype=torch.bool))
+    functions = reward_set.rewards
+    index = {r.name: f for f, r in enumerate(functions)}
+    weights = torch.zeros(len(functions), n, dtype=torch.float64)
+    applies = torch.zeros(len(functions), n, dtype=torch.bool)
+    recipes: dict[str, list[int]] = {label: [] for label in reward_set.recipes}
+    for i, label in enumerate(kwargs[reward_set.column]):
+        recipe = reward_set.recipe_for(label)
+        if recipe is None:
+            raise ValueError(f"columns: completion {i}: {reward_set._no_recipe(label)}")
+        recipes[recipe].append(i)
+    for label, rows in recipes.items():
+        for r in reward_set.recipes[label].rewards:
+            weights[index[r.name], rows] = r.weight
+            applies[index[r.name], rows] = True
+    return _Routing(functions, weights, applies, recipes)
+
+
 def _checked_inputs(reward_fns, prompts, completions, columns, completion_ids, finished, weights, timeout,
-                    on_error, all_none) -> tuple[RewardSet, dict[str, list[Any]]]:
-    """score()'s arguments checked: the reward set and the keyword arguments every function gets."""
+                    on_error, all_none) -> tuple[RewardSet | RewardRecipes, dict[str, list[Any]]]:
+    """score()'s arguments checked: the reward set (or recipes) and the keyword arguments every function gets."""
     if on_error not in ("fail", "zero"):
         raise ValueError(f"on_error: expected 'fail' or 'zero', got {on_error!r}")
     if all_none not in ("zero", "error"):
         raise ValueError(f"all_none: expected 'zero' or 'error', got {all_none!r}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout: must be a positive number of seconds or None, got {timeout!r}")
-    reward_set = reward_fns if isinstance(reward_fns, RewardSet) else RewardSet.of(reward_fns, weights)
-    if isinstance(reward_fns, RewardSet) and weights is not None:
-        raise ValueError("weights: give weights inside the RewardSet, not both")
+    given = isinstance(reward_fns, (RewardSet, RewardRecipes))
+    reward_set = reward_fns if given else RewardSet.of(reward_fns, weights)
+    if given and weights is not None:
+        raise ValueError(f"weights: give weights inside the {type(reward_fns).__name__}, not both")
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"prompts: got {len(prompts)} prompts for {n} completions")
@@ -577,6 +710,8 @@ def _checked_inputs(reward_fns, prompts, completions, columns, completion_ids, f
         if len(values) != n:
             raise ValueError(f"columns: column {key!r} has {len(values)} values for {n} completions")
         kwargs[key] = list(values)
+    if isinstance(reward_set, RewardRecipes) and reward_set.column not in kwargs:
+        raise ValueError(f"columns: no column {reward_set.column!r}, which picks each completion's reward recipe")
     return reward_set, kwargs
 
 
@@ -589,28 +724,39 @@ def _log_metric(logged: dict[str, list[float]], name: str, value: float) -> None
     logged.setdefault(name, []).append(float(value))
 
 
-def _log_extra(extra: dict[str, list[Any]], n: int, column: str, values: Sequence[Any]) -> None:
-    """A reward function's `log_extra(column, values)`: one value per completion, shown in the sample table."""
+def _log_extra(extra: dict[str, list[Any]], n: int, rows: list[int], column: str, values: Sequence[Any]) -> None:
+    """A reward function's `log_extra(column, values)`: one value per completion it was called on, shown in the
+    sample table; the column holds N values (None at the completions no call gave a value for)."""
     if not isinstance(column, str) or not column:
         raise ValueError(f"log_extra: the column must be a non-empty string, got {_short(column)}")
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != n:
-        raise ValueError(f"log_extra({column!r}, ...): expected {n} values, one per completion, got {_short(values)}")
-    extra[column] = list(values)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != len(rows):
+        raise ValueError(f"log_extra({column!r}, ...): expected {len(rows)} values, one per completion, "
+                         f"got {_short(values)}")
+    out = extra.setdefault(column, [None] * n)
+    for i, v in zip(rows, values):
+        out[i] = v
 
 
-def _combine(reward_set: RewardSet, results: dict[str, tuple[Any, BaseException | None, float]], n: int,
+def _combine(routing: _Routing, results: dict[str, tuple[Any, BaseException | None, float]], n: int,
              on_error: str, all_none: str) -> RewardOutput:
-    """Each function's values checked (a failure raised or zeroed), then summed with their weights."""
+    """Each function's values checked (a failure raised or zeroed) and put at its completions (NaN elsewhere),
+    then summed with each completion's weights."""
     per_function: dict[str, torch.Tensor] = {}
     metrics: dict[str, float] = {}
     errors: dict[str, str] = {}
     total = torch.zeros(n, dtype=torch.float64)
     applicable = torch.zeros(n, dtype=torch.bool)
-    for r in reward_set.rewards:
+    for f, r in enumerate(routing.functions):
+        rows = routing.rows(f)
+        values = torch.full((n,), math.nan, dtype=torch.float64)  # [N] NaN = None or not this function's completion
+        per_function[r.name] = values
+        if not rows:  # no completion of this batch has a recipe naming it: not called
+            continue
         value, error, seconds = results[r.name]
+        index = torch.tensor(rows, dtype=torch.long)  # [n_f] the completions it scored
         if error is None:
             try:
-                values = torch.tensor(_check_values(r.name, value, n), dtype=torch.float64)
+                values[index] = torch.tensor(_check_values(r.name, value, rows), dtype=torch.float64)
             except _Failure as e:
                 error = e
         if error is not None:
@@ -619,12 +765,11 @@ def _combine(reward_set: RewardSet, results: dict[str, tuple[Any, BaseException 
                 cause = error.__cause__ if isinstance(error, _Failure) else error
                 raise RewardError(msg) from cause
             errors[r.name] = msg
-            values = torch.zeros(n, dtype=torch.float64)
+            values[index] = 0.0
         present = ~torch.isnan(values)
-        total = total + torch.where(present, r.weight * values, torch.zeros_like(values))
+        total = total + torch.where(present, routing.weights[f] * values, torch.zeros_like(values))
         applicable |= present
-        per_function[r.name] = values
-        metrics.update(_function_metrics(r.name, values, present, error is not None, seconds))
+        metrics.update(_function_metrics(r.name, values[index], present[index], error is not None, seconds))
 
     overflow = ~torch.isfinite(total)
     if overflow.any():  # each reward is finite, but weights times rewards summed can still overflow
@@ -632,7 +777,7 @@ def _combine(reward_set: RewardSet, results: dict[str, tuple[Any, BaseException 
         terms = {name: v[i].item() for name, v in per_function.items() if not math.isnan(v[i])}
         raise RewardError(
             f"the weighted total reward of completion {i} overflows float64 ({_short(terms, 120)}, "
-            f"weights {[r.weight for r in reward_set.rewards]}); scale the rewards or weights down"
+            f"weights {routing.weights[routing.applies[:, i], i].tolist()}); scale the rewards or weights down"
         )
     if not applicable.all() and all_none == "error":
         idx = (~applicable).nonzero().flatten().tolist()
@@ -641,23 +786,31 @@ def _combine(reward_set: RewardSet, results: dict[str, tuple[Any, BaseException 
     metrics["reward/all_none_frac"] = float((~applicable).double().mean()) if n else 0.0
     metrics["reward/mean"] = float(scores.mean()) if n else math.nan
     metrics["reward/std"] = float(scores.std(correction=0)) if n else math.nan
+    for label, rows in (routing.recipes or {}).items():  # every recipe's share, 0 when it has no completion here
+        metrics[f"reward/recipe/{label}/frac"] = len(rows) / n if n else 0.0
+        if rows:
+            metrics[f"reward/recipe/{label}/mean"] = float(scores[rows].mean())
     return RewardOutput(scores=scores, per_function=per_function, metrics=metrics, errors=errors)
 
 
 def _run_all(
-    reward_set: RewardSet,
-    make_args: Callable[[], tuple[list[Any], list[Any], dict[str, Any]]],
+    routing: _Routing,
+    make_args: Callable[[list[int]], tuple[list[Any], list[Any], dict[str, Any]]],
     timeout: float | None,
 ) -> dict[str, tuple[Any, BaseException | None, float]]:
-    """Call every function: name -> (returned value, exception or None, seconds).
+    """Call every function once, on its completions: name -> (returned value, exception or None, seconds).
+    A function with no completion in the batch is not called.
 
     Only Exception and SystemExit count as a function's failure: KeyboardInterrupt and other
     BaseExceptions (the trainer abandons a step with one) propagate.
     """
     results: dict[str, tuple[Any, BaseException | None, float]] = {}
     async_calls, threaded = [], []
-    for r in reward_set.rewards:
-        p, c, kw = make_args()
+    for f, r in enumerate(routing.functions):
+        rows = routing.rows(f)
+        if not rows:
+            continue
+        p, c, kw = make_args(rows)
         if is_async_reward(r.fn):
             async_calls.append((r.name, lambda fn=r.fn, p=p, c=c, kw=kw: call_reward(fn, p, c, kw)))
             continue

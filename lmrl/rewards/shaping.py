@@ -8,7 +8,7 @@ leaves its inputs unchanged.
 - `overlong_penalty`: DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13).
 - `overlong_filter_mask`: DAPO's overlong filtering: drop truncated completions from the loss.
 - `clip_rewards`, `normalize_rewards`: REINFORCE++ options (Hu 2025; TRL RLOO docs): clip scores to
-  [-c, c]; normalise to mean 0, std 1 over the batch.
+  [-c, c] (or a [low, high] range); normalise to mean 0, std 1 over the batch.
 """
 
 from __future__ import annotations
@@ -91,19 +91,26 @@ def overlong_filter_mask(finished: torch.Tensor) -> torch.Tensor:
     return _as_bool(finished, "finished").clone()
 
 
-def clip_rewards(scores: torch.Tensor, clip: float) -> torch.Tensor:
-    """Clip scores to [-clip, clip] (REINFORCE++ reward clipping).
+def clip_rewards(scores: torch.Tensor, clip: float | tuple[float, float]) -> torch.Tensor:
+    """Clip scores to [-clip, clip], or to [low, high] (REINFORCE++ reward clipping; OpenRLHF's and LightRFT's
+    `reward_clip_range` is the pair).
 
     Args:
         scores: [B] float scores.
-        clip: c > 0.
+        clip: c > 0 for [-c, c], or a pair (low, high) with low < high.
 
     Returns:
         [B] clipped scores.
     """
-    if not clip > 0:
+    if isinstance(clip, (tuple, list)):
+        if len(clip) != 2 or not clip[0] < clip[1]:
+            raise ValueError(f"clip: a range must be (low, high) with low < high, got {tuple(clip)}")
+        low, high = clip
+    elif not clip > 0:
         raise ValueError(f"clip: must be > 0, got {clip}")
-    return scores.clamp(-clip, clip)
+    else:
+        low, high = -clip, clip
+    return scores.clamp(low, high)
 
 
 def normalize_rewards(scores: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

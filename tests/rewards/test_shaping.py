@@ -89,6 +89,17 @@ def test_clip_rewards():
         clip_rewards(torch.zeros(2), 0.0)
 
 
+def test_clip_rewards_to_a_range():
+    # OpenRLHF's reward_clip_range: [low, high], not symmetric
+    out = clip_rewards(torch.tensor([-3.0, -0.5, 0.0, 2.0, 10.0]), (-1.0, 5.0))
+    torch.testing.assert_close(out, torch.tensor([-1.0, -0.5, 0.0, 2.0, 5.0]))
+    out = clip_rewards(torch.tensor([-3.0, 0.7, 2.0]), (0.5, 1.0))  # a range above zero
+    torch.testing.assert_close(out, torch.tensor([0.5, 0.7, 1.0]))
+    for bad in [(1.0, 1.0), (2.0, -2.0), (1.0,)]:
+        with pytest.raises(ValueError, match="clip: a range must be"):
+            clip_rewards(torch.zeros(2), bad)
+
+
 def test_normalize_rewards_hand_computed():
     # mean 2, unbiased std of [1, 2, 3] = 1
     out = normalize_rewards(torch.tensor([1.0, 2.0, 3.0]), eps=0.0)
