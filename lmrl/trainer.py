@@ -633,10 +633,10 @@ class Trainer:
         from, which a value head on the policy's backbone reads (`model.shared_critic`)."""
         self.forward_counts["policy"] += 1
         with torch.set_grad_enabled(grad), self._autocast():
-            logp, entropy, states = response_forward(self.policy, seqs, attn, T, self.cfg.rollout.temperature,
-                                                     chunk_size=self.cfg.train.logprob_chunk_size, entropy=True,
-                                                     hidden=hidden, share_prompt=self.cfg.train.share_prompt)
-        return (logp, entropy, states) if hidden else (logp, entropy)
+            out = response_forward(self.policy, seqs, attn, T, self.cfg.rollout.temperature,
+                                   chunk_size=self.cfg.train.logprob_chunk_size, entropy=True,
+                                   hidden=hidden, share_prompt=self.cfg.train.share_prompt)
+        return (out.logprobs, out.entropy, out.hidden) if hidden else (out.logprobs, out.entropy)
 
     def _ref_forward(self, seqs, attn, T: int):
         self.forward_counts["reference"] += 1

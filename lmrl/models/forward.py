@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -74,9 +75,26 @@ def model_forward_logprobs(
         [B, T] float32 log-probs, differentiable when grad is enabled; with `return_entropy`, the
         pair (log-probs, entropies), both [B, T].
     """
-    logprobs, entropy, _ = response_forward(model, sequences, attention_mask, num_response_tokens, temperature,
-                                            chunk_size, entropy=return_entropy, share_prompt=share_prompt)
-    return (logprobs, entropy) if return_entropy else logprobs
+    out = response_forward(model, sequences, attention_mask, num_response_tokens, temperature, chunk_size,
+                           entropy=return_entropy, share_prompt=share_prompt)
+    return (out.logprobs, out.entropy) if return_entropy else out.logprobs
+
+
+@dataclass
+class ResponseForward:
+    """What `response_forward` computes at the T response positions of B rows.
+
+    Attributes:
+        logprobs: [B, T] float32 log-probs of the response tokens.
+        entropy: [B, T] entropies of softmax(logits / temperature), when asked for.
+        hidden: [B, T, H] the last layer's output after the final norm (the LM head's input) at the positions
+            that score the response tokens, when asked for; PPO's value head on the policy reads it
+            (`model.shared_critic`).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 def response_forward(
@@ -89,14 +107,8 @@ def response_forward(
     entropy: bool = False,
     hidden: bool = False,
     share_prompt: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`model_forward_logprobs`, optionally with the final hidden states it scored from.
-
-    Returns:
-        (log-probs [B, T] float32, entropies [B, T] or None, hidden [B, T, H] or None): `hidden` is the
-        last layer's output after the final norm at the T positions that score the response tokens,
-        the input of the LM head; PPO's value head on the policy's backbone reads it (`model.shared_critic`).
-    """
+) -> ResponseForward:
+    """`model_forward_logprobs` as a record, optionally with the final hidden states it scored from (`hidden`)."""
     seq_len = sequences.shape[1]
     t = num_response_tokens
     if not 1 <= t < seq_len:
@@ -128,7 +140,7 @@ def response_forward(
     tokens = sequences[:, -t:]  # [B, T]
     logprobs = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
     ent = token_entropy(logits, chunk_size=chunk_size, temperature=temperature) if entropy else None
-    return logprobs, ent, states if hidden else None
+    return ResponseForward(logprobs, ent, states if hidden else None)
 
 
 def response_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int,

@@ -173,10 +173,11 @@ def test_a_value_head_on_the_policy_reads_the_hidden_states_the_policy_scores_fr
     with torch.no_grad():
         torch.testing.assert_close(head.response_values(policy, seqs, mask, t, share_prompt=share_prompt), expected,
                                    atol=2e-6, rtol=0)
-    logp, _, hidden = response_forward(policy, seqs, mask, t, hidden=True, share_prompt=share_prompt)
+    out = response_forward(policy, seqs, mask, t, hidden=True, share_prompt=share_prompt)
+    logp, hidden = out.logprobs, out.hidden
     assert hidden.shape == (3, t, 32)
     torch.testing.assert_close(head(hidden), expected, atol=2e-6, rtol=0)
-    torch.testing.assert_close(logp, response_forward(policy, seqs, mask, t, share_prompt=share_prompt)[0])
+    torch.testing.assert_close(logp, response_forward(policy, seqs, mask, t, share_prompt=share_prompt).logprobs)
     head(hidden).pow(2).sum().backward()
     assert head.value_head.weight.grad.abs().sum() > 0
     assert sum(p.grad.abs().sum() for p in policy.model.layers[0].parameters()) > 0
