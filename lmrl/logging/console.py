@@ -56,7 +56,10 @@ class Console:
         self.progress.update(self._task, completed=step)
 
     def print(self, *args, **kwargs) -> None:
+        """Print above the progress bar. Into a file or pipe (a log, a scheduler's output) a line stays one line,
+        however long: rich would wrap it at 80 columns, splitting what a reader greps for."""
         if self.enabled:
+            kwargs.setdefault("soft_wrap", not self.rich.is_terminal)
             self.progress.console.print(*args, **kwargs)
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
