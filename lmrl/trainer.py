@@ -568,9 +568,8 @@ class Trainer:
                 step_stats["objective/kl_loss"] = m.kl
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * ent
-            if self.models.critic is not None:  # a value head on the policy's backbone reads the forward above
-                values = (self.models.critic(hidden[0]) if self._shared_critic
-                          else self._critic_forward(micro.sequences, micro.attention_mask, T, grad=True))
+            if self.models.critic is not None:
+                values = self._update_values(micro.sequences, micro.attention_mask, T, hidden)
                 vloss, vm = A.value_loss(values, micro.values, micro.returns, micro.response_mask, clip=a.value_clip, normalizer=vnorm)
                 loss = loss + a.vf_coef * vloss
                 step_stats.update({"loss/value_avg": vloss.item() / share, "val/clipfrac_avg": vm.vf_clipfrac})
@@ -604,8 +603,7 @@ class Trainer:
         logp, _, *hidden = self._policy_forward(seqs, attn, T, grad=True, hidden=self._shared_critic)
         loss = logp.sum() * 0.0
         if self.models.critic is not None:
-            values = self.models.critic(hidden[0]) if self._shared_critic else self._critic_forward(seqs, attn, T, grad=True)
-            loss = loss + values.sum() * 0.0
+            loss = loss + self._update_values(seqs, attn, T, hidden).sum() * 0.0
         loss.backward()
 
     def _rows_with_gradient(self, mb: Experience) -> torch.Tensor:
@@ -667,6 +665,13 @@ class Trainer:
             if self._shared_critic:  # the value head reads the policy's own hidden states
                 return self.models.critic.response_values(self.policy, seqs, attn, T, share_prompt=share)
             return self.models.critic.response_values(seqs, attn, T, share_prompt=share)
+
+    def _update_values(self, seqs, attn, T: int, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """[b, T] values with their gradient, for the update: a value head on the policy's backbone reads the
+        hidden states of the policy's forward (`hidden`, one tensor); a separate critic runs its own forward."""
+        if self._shared_critic:
+            return self.models.critic(hidden[0])
+        return self._critic_forward(seqs, attn, T, grad=True)
 
     @property
     def _shared_critic(self) -> bool:
