@@ -459,7 +459,7 @@ REWARD_PRESETS: dict[str, dict[str, float]] = {"dapo": dict(overlong_buffer=0.2)
 # thread. The critic (PPO) learns at 1e-4 too: at the general 1e-5 its value loss took ~100 steps to settle
 # instead of ~20 (docs/algorithms.md, "Learning on the shipped task"). It is a value head on the policy's own
 # backbone (model.shared_critic): PPO learned as much per step as with a separate copy (300 steps: +27.8 and
-# +26.2 points against +27.0 and +27.2) in 0.15 s per step instead of 0.23, so 75 s take it past +25 points
+# +26.2 points against +27.0 and +27.2) in 0.15 s per step instead of 0.22, so 75 s take it past +25 points
 # (benchmarks/preset_gains.py). Measured in scripts/make_tiny_model.py's notes and the README's demo run. User
 # values win; model.critic_name_or_path, when given, drops the shared head.
 MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
