@@ -74,7 +74,8 @@ def test_wrong_logprob_count_and_critic_estimators():
         experience_from_records(ROWS, tok, load_config(None, ["algorithm=ppo"]).algorithm)
 
 
-def test_trainer_updates_on_scored_traces(tmp_path):
+def scored_trainer(tmp_path):
+    """A Trainer on a tiny model, to update on rollouts scored elsewhere: (trainer, model, tokenizer)."""
     from lmrl.trainer import Trainer
 
     tok = char_tokenizer()
@@ -82,6 +83,11 @@ def test_trainer_updates_on_scored_traces(tmp_path):
     cfg = load_config(None, [f"train.output_dir={tmp_path}", "log.console=false", "optim.lr=1e-2"])
     trainer = Trainer(cfg, model=model, tokenizer=tok, reward_funcs=[lambda p, c, **k: [0.0] * len(c)],
                       train_dataset=[{"prompt": "1+1="}])
+    return trainer, model, tok
+
+
+def test_trainer_updates_on_scored_traces(tmp_path):
+    trainer, model, tok = scored_trainer(tmp_path)
     before = [p.detach().clone() for p in model.parameters()]
     rows = [{k: v for k, v in r.items() if k != "old_logprobs"} for r in ROWS]
     metrics = trainer.train_on_scored(rows)
@@ -146,13 +152,7 @@ def test_bad_traces_name_the_row_and_segment(tmp_path, completion, message):
 
 
 def test_trainer_updates_on_multi_turn_traces(tmp_path):
-    from lmrl.trainer import Trainer
-
-    tok = char_tokenizer()
-    model = tiny_causal_lm(tok, hidden_size=32, num_layers=1)
-    cfg = load_config(None, [f"train.output_dir={tmp_path}", "log.console=false", "optim.lr=1e-2"])
-    trainer = Trainer(cfg, model=model, tokenizer=tok, reward_funcs=[lambda p, c, **k: [0.0] * len(c)],
-                      train_dataset=[{"prompt": "1+1="}])
+    trainer, model, tok = scored_trainer(tmp_path)
     before = [p.detach().clone() for p in model.parameters()]
     metrics = trainer.train_on_scored(TRACE)
     assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)
