@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -134,6 +135,118 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
     policy.train()
     return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype),
                   reference_is_base=lora and cfg.needs_reference)
+
+
+@dataclass
+class Run:
+    """What a Trainer is made of, built from the config in order (`build_run`)."""
+
+    cfg: Config  # checked, and recording what was passed in instead of the config's own task and functions
+    world: Any  # lmrl.distributed.World, sharded when train.parallel=fsdp shards the models
+    device: torch.device
+    env: Any  # a multi-turn environment, or None
+    data: Data
+    models: Models
+    units: dict[str, list[nn.Module]]  # FSDP units per model name (empty unless train.parallel is fsdp)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    notes: list[str] = field(default_factory=list)  # lines about how the run runs, printed under its header
+
+
+def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = None, reward_funcs: Any = None,
+              train_dataset: Any = None, eval_dataset: Any = None, env: Any = None) -> Run:
+    """Everything a run needs before its first step, from the config and what the user passed instead of parts of
+    it (as `lmrl.Trainer` takes them). Every row is checked (prompt, length in tokens, the rewards' columns) and a
+    sandbox starts (or refuses) before a model loads."""
+    from lmrl.checkpoint import all_finite
+    from lmrl.distributed import init_world
+
+    if model is not None and not cfg.user_set("model.name_or_path"):
+        cfg = cfg.for_model(model_name(model))  # no preset made for another model (the shipped one's 4.5 min)
+    cfg = cfg.checked()  # fields assigned after the config was built, checked together
+    world = init_world()  # one rank unless started by torchrun
+    world.shard(cfg.rollout.prompts_per_step)  # a share of whole groups per rank, or one line now
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    if (note := slow_bf16_warning(cfg)) is not None:
+        warnings.warn(note, SlowBf16Warning, stacklevel=3)
+    device = resolve_device(cfg.model.device)
+    if model is not None and tokenizer is None:
+        raise ValueError("tokenizer: pass the tokenizer together with a policy model")
+    tokenizer = tokenizer or load_policy_tokenizer(cfg)
+    environment = make_environment(cfg, env, use_task=train_dataset is None)  # a built-in task may bring its own
+    if (env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions
+            and not cfg.reward.recipes):
+        reward_funcs = ["env"]
+    data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset)
+    cfg = recorded_config(cfg, reward_funcs, train_dataset, eval_dataset, data)  # what lmrl_config.yaml records
+    models = load_models(cfg, model, tokenizer)
+    if not all_finite([models.policy]):
+        raise ModelError(f"model: {cfg.model.name_or_path if model is None else 'the given model'} has non-finite "
+                         "weights (NaN or inf); refusing to train or evaluate it")
+    check_rollout_fits(cfg, models.policy.config, data.longest_prompt, device)
+    notes: list[str] = []
+    world, units = _shard_models(cfg, world, models, notes)
+    optimizer, scheduler = make_optimizer(cfg, models.policy, models.critic)
+    return Run(cfg, world, device, environment, data, models, units, optimizer, scheduler, notes)
+
+
+def _shard_models(cfg: Config, world: Any, models: Models, notes: list[str]) -> tuple[Any, dict[str, list[nn.Module]]]:
+    """train.parallel under torchrun: ddp keeps every model whole on every rank; fsdp shards the policy,
+    reference and critic (`lmrl.distributed.shard`). Returns the world (marked sharded) and their units by name."""
+    from lmrl.distributed import choose_parallel, shard
+
+    mode, why = choose_parallel(cfg.train.parallel, world, models.policy, cfg.model.lora is not None, cfg.samples_with_copy)
+    if mode == "none":
+        return world, {}
+    notes.append(f"{world.size} ranks, train.parallel={mode} ({why})")
+    if mode == "ddp":
+        return world, {}
+    world = dataclasses.replace(world, sharded=True)
+    named = {"policy": models.policy, "reference": models.reference, "critic": models.critic}
+    units = {name: shard(m, world, bf16=cfg.train.autocast_bf16) for name, m in named.items() if m is not None}
+    notes.append("fsdp: the shared-prompt forward and the fast decoder with its C kernels step aside (they "
+                 "bypass the decoder layers' forward, where FSDP gathers a layer's weights); generation "
+                 "gathers the whole policy once per batch")
+    return world, units
+
+
+def recorded_config(cfg: Config, reward_funcs: Any, train_dataset: Any, eval_dataset: Any, data: Data) -> Config:
+    """`cfg` naming the reward functions and datasets passed to the Trainer instead of the task and functions
+    it would otherwise load: functions as "module:qualified name", datasets as what they were and their rows."""
+    from lmrl.rewards import RewardRecipes
+
+    sections = {}
+    if isinstance(reward_funcs, RewardRecipes):
+        recipes = {label: [{"fn": _reward_record(r.fn), "weight": r.weight} for r in s.rewards]
+                   for label, s in reward_funcs.recipes.items()}
+        sections["reward"] = cfg.reward.model_copy(update={"functions": [], "recipes": recipes,
+                                                           "recipe_column": reward_funcs.column})
+    elif reward_funcs is not None:
+        named = [_reward_record(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
+        sections["reward"] = cfg.reward.model_copy(update={"functions": named})
+    if train_dataset is not None:
+        rows = "streamed" if data.train_stream is not None else f"{len(data.train_rows)} rows"
+        update = {"task": None, "path": f"<{type(train_dataset).__name__} passed to Trainer: {rows}>"}
+        if eval_dataset is not None:
+            update["eval_path"] = f"<{type(eval_dataset).__name__} passed to Trainer: {len(data.eval_rows)} rows used>"
+        sections["data"] = cfg.data.model_copy(update=update)
+    return cfg.model_copy(update=sections) if sections else cfg
+
+
+def _reward_record(fn: Any) -> str:
+    """A reward_funcs entry as lmrl_config.yaml names it: a string as given, a model by where it came from."""
+    if isinstance(fn, str):
+        return fn
+    if isinstance(fn, torch.nn.Module):
+        return model_name(fn)
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def model_name(model: Any) -> str:
+    """What `model.name_or_path` records for a model object: where transformers loaded it from, or its class."""
+    return str(getattr(model, "name_or_path", "") or f"{type(model).__name__} object")
 
 
 def memory_bytes(device: torch.device) -> int:

@@ -171,3 +171,85 @@ def _decoder_output(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         yield captured
     finally:
         handle.remove()
+
+
+class Forwards:
+    """The run's forwards through its models, with the run's settings: the policy's (with or without gradient;
+    with the hidden states a value head on the policy's backbone reads), the reference's and the critic's, each
+    under bf16 autocast when the run asks for it. `counts` says how many of each kind ran.
+
+    Args:
+        policy: the policy being trained.
+        reference: the frozen reference copy, or None: a LoRA run's reference is the policy with its adapters
+            disabled (`reference_is_base`), a run without a KL term has none.
+        critic: a `lmrl.models.critic` value model, or a value head on the policy (`shared_critic`), or None.
+        temperature: the sampling temperature; logits are divided by it before every log-softmax.
+        chunk_size: `token_logprobs`' chunk (None: the whole response at once).
+        share_prompt: run each distinct prompt of a batch once (`lmrl.models.shared_prompt`).
+        autocast_bf16: forwards under bf16 autocast.
+        shared_critic: the critic is a head on the policy's own hidden states.
+    """
+
+    def __init__(self, policy: nn.Module, reference: nn.Module | None, critic: nn.Module | None, *, temperature: float,
+                 chunk_size: int | None, share_prompt: bool, autocast_bf16: bool, shared_critic: bool):
+        self.policy_model, self.reference_model, self.critic_model = policy, reference, critic
+        self.temperature, self.chunk_size, self.share_prompt = temperature, chunk_size, share_prompt
+        self.autocast_bf16 = autocast_bf16
+        self.shared_critic = critic is not None and shared_critic
+        self.counts = {"policy": 0, "reference": 0, "critic": 0}
+
+    def policy(self, seqs: torch.Tensor, attn: torch.Tensor, T: int, grad: bool = False,
+               hidden: bool = False) -> ResponseForward:
+        """Log-probs and entropies of the `[b, T]` response tokens; with `hidden`, the hidden states too."""
+        self.counts["policy"] += 1
+        with torch.set_grad_enabled(grad), self.autocast():
+            return response_forward(self.policy_model, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
+                                    entropy=True, hidden=hidden, share_prompt=self.share_prompt)
+
+    def policy_logprobs(self, seqs: torch.Tensor, attn: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(log-probs, entropies)`, `[b, T]` each, no gradient: the old log-probs `make_experience` asks for."""
+        out = self.policy(seqs, attn, T)
+        return out.logprobs, out.entropy
+
+    def reference(self, seqs: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
+        """`[b, T]` log-probs of the response tokens under the reference model, no gradient."""
+        self.counts["reference"] += 1
+        with torch.no_grad(), self.autocast(), self._reference() as reference:
+            return model_forward_logprobs(reference, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
+                                          share_prompt=self.share_prompt)
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[nn.Module]:
+        """The reference model: the frozen copy, or for a LoRA run the policy itself with its adapters disabled
+        (its base weights, which LoRA never changes) in eval mode, as the copy is."""
+        if self.reference_model is not None:
+            yield self.reference_model
+            return
+        policy = self.policy_model
+        training = policy.training
+        policy.eval()
+        try:
+            with policy.disable_adapter():
+                yield policy
+        finally:
+            policy.train(training)
+
+    def critic(self, seqs: torch.Tensor, attn: torch.Tensor, T: int, grad: bool = False) -> torch.Tensor:
+        """`[b, T]` values of the response positions."""
+        self.counts["critic"] += 1
+        with torch.set_grad_enabled(grad), self.autocast():
+            if self.shared_critic:  # the value head reads the policy's own hidden states
+                return self.critic_model.response_values(self.policy_model, seqs, attn, T, share_prompt=self.share_prompt)
+            return self.critic_model.response_values(seqs, attn, T, share_prompt=self.share_prompt)
+
+    def update_values(self, seqs: torch.Tensor, attn: torch.Tensor, T: int, policy_out: ResponseForward) -> torch.Tensor:
+        """`[b, T]` values with their gradient, for the update: a value head on the policy's backbone reads the
+        hidden states of the policy's forward (`policy_out`); a separate critic runs its own forward."""
+        if self.shared_critic:
+            return self.critic_model(policy_out.hidden)
+        return self.critic(seqs, attn, T, grad=True)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if not self.autocast_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=next(self.policy_model.parameters()).device.type, dtype=torch.bfloat16)
