@@ -78,14 +78,14 @@ def main(out: Path, algorithms: list[str]) -> None:
         chosen = VARIANTS.get(name, [f"algorithm={name}"])
         cfg = load_config(None, [*COMMON, *chosen, f"train.output_dir={out}/{name}"])
         trainer = Trainer(cfg)
-        world, trainer.world = trainer.world, ONE_PROCESS
+        world, trainer.collector.world = trainer.collector.world, ONE_PROCESS  # collect as one process does
         if os.environ.get("BATCHES"):
             c = torch.load(Path(os.environ["BATCHES"]) / f"{name}.batch.pt", weights_only=False)
         else:
             c = trainer.collect(1)  # the global batch as one process collects it: seeded, the same on every rank
             if not world.distributed:
                 torch.save(c, out / f"{name}.batch.pt")
-        trainer.world = world
+        trainer.collector.world = world
         trainer.update(trainer.experience(share(c, world, cfg.rollout.group_size)))
         params = {f"policy.{k}": v for k, v in full_state(trainer.policy).items()}
         if trainer.models.critic is not None:

@@ -121,7 +121,7 @@ def test_lora_reference_is_the_base_with_adapters_disabled(tmp_path):
     exp_rows = [{"prompt": "3+4="}, {"prompt": "12+9="}]
     rollout, _ = trainer.generate_and_score([{**r, "kind": "digits"} for r in exp_rows], 4, seed=1)
     seqs, attn, T = rollout.sequences, rollout.attention_mask, rollout.response_ids.shape[1]
-    ref = trainer._ref_forward(seqs, attn, T)
+    ref = trainer.forwards.reference(seqs, attn, T)
     with torch.no_grad():
         want = model_forward_logprobs(separate, seqs, attn, T, 1.0, share_prompt=False)
         policy = model_forward_logprobs(trainer.policy, seqs, attn, T, 1.0, share_prompt=False)

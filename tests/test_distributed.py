@@ -146,7 +146,7 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path, parallel):
     from lmrl.trainer import Trainer
 
     trainer = Trainer(load_config(None, [*SMALL, f"train.output_dir={tmp_path / 'out'}", "train.steps=3"]))
-    assert trainer._load_checkpoint(saved) == 2
+    assert trainer.lifecycle.load_checkpoint(saved) == 2
     weights = load_file(saved / "model.safetensors")
     for name, p in trainer.policy.named_parameters():
         assert torch.equal(p.detach(), weights[name]), name

@@ -116,7 +116,7 @@ def test_gradient_accumulation_1x8_equals_8x1(tmp_path, aggregation):
 
         exp = make_experience(c.rollout, c.scores, **trainer.cfg.algorithm.experience_options(), policy_logprobs=None)
         trainer.optimizer.step = lambda: None  # keep the gradients, skip the update
-        trainer._optimizer_step(exp)
+        trainer.updater.optimizer_step(exp)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
@@ -134,8 +134,8 @@ def _step_with_zeroed_groups(tmp_path, skip: bool, zero_groups, steps=1, *overri
     for g in zero_groups:
         exp.advantages[exp.group_index == g] = 0.0
     if not skip:
-        trainer._rows_with_gradient = lambda mb: torch.arange(len(mb))
-    stats = [trainer._optimizer_step(exp if i == 0 else exp.select(torch.arange(len(exp)))) for i in range(steps)]
+        trainer.updater.rows_with_gradient = lambda mb: torch.arange(len(mb))
+    stats = [trainer.updater.optimizer_step(exp if i == 0 else exp.select(torch.arange(len(exp)))) for i in range(steps)]
     return [p.detach().clone() for p in trainer.policy.parameters()], trainer.forward_counts["policy"], stats
 
 
@@ -299,8 +299,8 @@ def test_minibatches_keep_a_prompts_rows_adjacent(tmp_path, monkeypatch):
     micro-batches can share prompts."""
     trainer = make_trainer(tmp_path, "algorithm.num_minibatches=2", "optim.micro_batch_size=2")
     seen = []
-    real = trainer._optimizer_step
-    monkeypatch.setattr(trainer, "_optimizer_step", lambda mb: seen.append(mb.group_index.clone()) or real(mb))
+    real = trainer.updater.optimizer_step
+    monkeypatch.setattr(trainer.updater, "optimizer_step", lambda mb: seen.append(mb.group_index.clone()) or real(mb))
     trainer.train_step(1)
     order = torch.randperm(16, generator=torch.Generator().manual_seed(trainer.cfg.train.seed))
     groups = torch.arange(4).repeat_interleave(4)  # 4 prompts x 4 completions, in group order

@@ -537,7 +537,7 @@ print("fork exit code", score([forks], ["p"], ["c"]).scores.tolist(), flush=True
 
 # the trainer's deliberate exit (a second Ctrl-C) uses the os._exit it kept at import: it ends the process,
 # even inside score()
-from lmrl.trainer import _EXIT_NOW
+from lmrl.lifecycle import _EXIT_NOW
 score([lambda prompts, completions, **kwargs: _EXIT_NOW(7)], ["p"], ["c"])
 print("not reached")
 """
