@@ -334,68 +334,40 @@ def make_experience(
         world: the ranks sharing the batch, this rollout being one rank's share (`lmrl.distributed`).
         baseline: [B / G] rewards of each prompt's greedy completion (advantage=remax).
     """
-    seqs, attn = rollout.sequences, rollout.attention_mask
-    T = rollout.response_ids.shape[1]
     info = dict(info or {})
     mask = rollout.response_mask.bool()
     if loss_mask is not None:
         mask = mask & loss_mask[:, None].bool()
-    weights, rollout_logp = None, None
 
-    if policy_logprobs is None:
-        old, entropy = None, None
-        if tis_cap is not None:
-            rollout_logp = rollout.logprobs.float()
-    else:
-        outs = batched_forward(policy_logprobs, seqs, attn, T, micro_batch_size, world)
-        old = _cat([o[0] for o in outs], seqs, T)
-        entropy = _cat([o[1] for o in outs], seqs, T)
-        if tis_cap is not None:
-            # the sampler's probabilities differ from the trainer's: reweight instead of pretending on-policy
-            weights = rollout_is_weights(old, rollout.logprobs.float(), mask, tis_mode=tis_mode, tis_cap=tis_cap,
-                                         tis_low=tis_low)
-            info["tis_weight"] = A.masked_mean(weights, mask, dim=1)
-            info["tis_masked"] = ((weights == 0) & mask).sum(1).float()
-    if entropy_top_fraction is not None:
-        if entropy is None:
-            raise ValueError("algorithm.entropy_top_fraction needs the policy forward (entropy) in make_experience")
-        keep = top_entropy_mask(entropy, mask, entropy_top_fraction).float()
-        weights = keep if weights is None else weights * keep
-
-    ref = _cat(batched_forward(ref_logprobs, seqs, attn, T, micro_batch_size, world), seqs, T) if ref_logprobs else None
-    values = _cat(batched_forward(critic_values, seqs, attn, T, micro_batch_size, world), seqs, T) if critic_values else None
-
-    # the KL that enters the reward uses the configured estimator; in the loss it is only reported (k1)
-    kl, rewards = None, scores
-    if ref is not None:
-        behaviour = old if old is not None else rollout.logprobs.float()
-        in_reward = kl_in == "reward"
-        kl = A.kl_penalty(behaviour, ref, estimator=kl_estimator if in_reward else "k1",
-                          clamp=kl_clamp_option(kl_clamp) if in_reward else None)
-        info["kl"] = A.masked_sum(kl, mask, dim=1)
-        # k3, never negative, summed per sequence: the `kl` TRL's GRPOTrainer logs (a token mean of it)
-        info["kl_k3"] = A.masked_sum(A.kl_penalty(behaviour, ref, "k3"), mask, dim=1)
-        if reward_minus_kl_coef:  # TapeAgents: the reward minus the sequence's k3 KL, before advantages
-            rewards = info["reward_minus_kl"] = scores - reward_minus_kl_coef * info["kl_k3"].to(scores.dtype)
+    # 1. the policy's forward: old log-probs and entropy, and the per-token weights they give (TIS, entropy mask)
+    old, entropy = _policy_forward(policy_logprobs, rollout, micro_batch_size, world)
+    weights = _token_weights(rollout, old, entropy, mask, info, tis_cap=tis_cap, tis_mode=tis_mode, tis_low=tis_low,
+                             entropy_top_fraction=entropy_top_fraction)
+    # 2. the reference's log-probs and the critic's values
+    ref = _forward(ref_logprobs, rollout, micro_batch_size, world)
+    values = _forward(critic_values, rollout, micro_batch_size, world)
+    # 3. the KL to the reference, and the rewards the advantages see
+    kl, rewards = _kl_and_rewards(rollout, scores, mask, old, ref, info, kl_in=kl_in, kl_estimator=kl_estimator,
+                                  kl_clamp=kl_clamp, reward_minus_kl_coef=reward_minus_kl_coef)
+    # 4. advantages
     adv = compute_advantages(rewards, mask, rollout.group_size, advantage=advantage, gamma=gamma, lam=lam,
                              whiten_advantages=whiten_advantages, whiten_std=whiten_std, use_advantages=use_advantages,
                              relu_log_p_weights=relu_log_p_weights, pass_k=pass_k, kl=kl, kl_coef=kl_coef, kl_in=kl_in,
                              kl_level=kl_level, values=values, world=world, baseline=baseline)
     if adv.relu_zeroed is not None:
         info["relu_zeroed"] = adv.relu_zeroed
+    # 5. each group's clip-filter-like weight on its rows
     if clip_filter_like_weight is not None:
-        w = clip_filter_weights(rewards, rollout.group_size, clip_filter_like_weight, world)  # [B]
-        info["clip_filter_weight"] = w
-        w = w[:, None].float().expand(mask.shape)
-        weights = w if weights is None else weights * w
+        weights = _times_clip_filter(weights, rewards, mask, info, rollout.group_size, clip_filter_like_weight, world)
 
+    # 6. the Experience
     info["length"] = rollout.response_mask.sum(1)
     info["finished"] = rollout.finished
     if entropy is not None:
         info["entropy"] = A.masked_mean(entropy, mask, dim=1)
     return Experience(
-        sequences=seqs,
-        attention_mask=attn,
+        sequences=rollout.sequences,
+        attention_mask=rollout.attention_mask,
         response_mask=mask,
         old_logprobs=old,
         advantages=adv.advantages,
@@ -406,9 +378,81 @@ def make_experience(
         returns=adv.returns,
         rewards=adv.rewards,
         weights=weights,
-        rollout_logprobs=rollout_logp,
+        # one update per batch: the update's own forward reweighs against the sampling log-probs
+        rollout_logprobs=rollout.logprobs.float() if old is None and tis_cap is not None else None,
         info=info,
     )
+
+
+def _policy_forward(
+    fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None,
+    rollout: Rollout,
+    micro_batch_size: int,
+    world: World,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The policy's [B, T] old log-probs and entropy; (None, None) without its forward."""
+    if fn is None:
+        return None, None
+    seqs, T = rollout.sequences, rollout.response_ids.shape[1]
+    outs = batched_forward(fn, seqs, rollout.attention_mask, T, micro_batch_size, world)
+    return _cat([o[0] for o in outs], seqs, T), _cat([o[1] for o in outs], seqs, T)
+
+
+def _token_weights(rollout: Rollout, old: torch.Tensor | None, entropy: torch.Tensor | None, mask: torch.Tensor,
+                   info: dict[str, torch.Tensor], *, tis_cap: float | None, tis_mode: str, tis_low: float,
+                   entropy_top_fraction: float | None) -> torch.Tensor | None:
+    """[B, T] TIS weights times the top-entropy mask (None: neither); adds the TIS metrics to `info`."""
+    weights = None
+    if old is not None and tis_cap is not None:
+        # the sampler's probabilities differ from the trainer's: reweight instead of pretending on-policy
+        weights = rollout_is_weights(old, rollout.logprobs.float(), mask, tis_mode=tis_mode, tis_cap=tis_cap,
+                                     tis_low=tis_low)
+        info["tis_weight"] = A.masked_mean(weights, mask, dim=1)
+        info["tis_masked"] = ((weights == 0) & mask).sum(1).float()
+    if entropy_top_fraction is not None:
+        if entropy is None:
+            raise ValueError("algorithm.entropy_top_fraction needs the policy forward (entropy) in make_experience")
+        keep = top_entropy_mask(entropy, mask, entropy_top_fraction).float()
+        weights = keep if weights is None else weights * keep
+    return weights
+
+
+def _forward(fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None, rollout: Rollout,
+             micro_batch_size: int, world: World) -> torch.Tensor | None:
+    """[B, T] float32 of `fn(sequences, attention_mask, T)` over the rollout's micro-batches; None without `fn`."""
+    if fn is None:
+        return None
+    seqs, T = rollout.sequences, rollout.response_ids.shape[1]
+    return _cat(batched_forward(fn, seqs, rollout.attention_mask, T, micro_batch_size, world), seqs, T)
+
+
+def _kl_and_rewards(rollout: Rollout, scores: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None,
+                    ref: torch.Tensor | None, info: dict[str, torch.Tensor], *, kl_in: str, kl_estimator: str,
+                    kl_clamp: str, reward_minus_kl_coef: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """[B, T] KL to the reference (None without one) and the [B] rewards the advantages see; KL metrics to `info`."""
+    if ref is None:
+        return None, scores
+    # the KL that enters the reward uses the configured estimator; in the loss it is only reported (k1)
+    behaviour = old if old is not None else rollout.logprobs.float()
+    in_reward = kl_in == "reward"
+    kl = A.kl_penalty(behaviour, ref, estimator=kl_estimator if in_reward else "k1",
+                      clamp=kl_clamp_option(kl_clamp) if in_reward else None)
+    info["kl"] = A.masked_sum(kl, mask, dim=1)
+    # k3, never negative, summed per sequence: the `kl` TRL's GRPOTrainer logs (a token mean of it)
+    info["kl_k3"] = A.masked_sum(A.kl_penalty(behaviour, ref, "k3"), mask, dim=1)
+    rewards = scores
+    if reward_minus_kl_coef:  # TapeAgents: the reward minus the sequence's k3 KL, before advantages
+        rewards = info["reward_minus_kl"] = scores - reward_minus_kl_coef * info["kl_k3"].to(scores.dtype)
+    return kl, rewards
+
+
+def _times_clip_filter(weights: torch.Tensor | None, rewards: torch.Tensor, mask: torch.Tensor,
+                       info: dict[str, torch.Tensor], group_size: int, cap: float, world: World) -> torch.Tensor:
+    """[B, T] `weights` (None: ones) times each row's clip-filter-like weight; adds that [B] weight to `info`."""
+    w = clip_filter_weights(rewards, group_size, cap, world)  # [B]
+    info["clip_filter_weight"] = w
+    w = w[:, None].float().expand(mask.shape)
+    return w if weights is None else weights * w
 
 
 def _cat(parts: list[torch.Tensor], sequences: torch.Tensor, T: int) -> torch.Tensor:

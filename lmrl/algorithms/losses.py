@@ -222,6 +222,7 @@ class _TokenBatch:
     """Inputs of a policy loss after checks: same dtype, padding zeroed, everything but logp detached."""
 
     logp: torch.Tensor  # [B, T], carries the gradient
+    log_ratio: torch.Tensor  # [B, T] logp - old_logp, 0 on padding; carries the gradient
     old_logp: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B, T]
     mask: torch.Tensor  # [B, T] bool
@@ -245,9 +246,11 @@ def _prepare(
     if weights is not None:
         _check_same_shape("weights", weights, "logp", logp)
     dtype = _compute_dtype(logp.dtype)
+    logp, old_logp = _clean(logp, mask, dtype), _clean(old_logp.detach(), mask, dtype)
     return _TokenBatch(
-        logp=_clean(logp, mask, dtype),
-        old_logp=_clean(old_logp.detach(), mask, dtype),
+        logp=logp,
+        log_ratio=logp - old_logp,
+        old_logp=old_logp,
         advantages=_clean(advantages.detach(), mask, dtype),
         mask=mask,
         ref_logp=None if ref_logp is None else _clean(ref_logp.detach(), mask, dtype),
@@ -255,10 +258,17 @@ def _prepare(
     )
 
 
-def _add_kl_and_weights(
-    per_token: torch.Tensor, batch: _TokenBatch, kl_coef: float, kl_estimator: str, kl_clamp: str | None = None
+def _finish(
+    per_token: torch.Tensor,
+    batch: _TokenBatch,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_clamp: str | None,
+    aggregation: str,
+    norm_length: float | None,
+    normalizer: float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """per_token + kl_coef * KL(ref), times weights; also returns the per-token KL (or None)."""
+    """The loss, aggregate_loss((per_token + kl_coef * KL) * weights), and the `[B, T]` KL (or None)."""
     kl = None
     if batch.ref_logp is not None:
         kl = kl_penalty(batch.logp, batch.ref_logp, kl_estimator, kl_clamp)
@@ -266,7 +276,42 @@ def _add_kl_and_weights(
             per_token = per_token + kl_coef * kl
     if batch.weights is not None:
         per_token = per_token * batch.weights
-    return per_token, kl
+    return aggregate_loss(per_token, batch.mask, aggregation, norm_length, normalizer=normalizer), kl
+
+
+def _ratio_bounds(clip_low: float | None, clip_high: float | None) -> tuple[float | None, float | None]:
+    """The ratio's clip range (1 - clip_low, 1 + clip_high); None leaves that side open."""
+    return None if clip_low is None else 1.0 - clip_low, None if clip_high is None else 1.0 + clip_high
+
+
+def _clipped_surrogate(
+    adv: torch.Tensor,
+    ratio: torch.Tensor,
+    clip_low: float | None,
+    clip_high: float | None,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's -min(ρA, clip(ρ)A), capped at dual_clip * |A| where A < 0, and where that cap held; [B, T] or [B]."""
+    loss = -adv * ratio
+    if clip_low is not None or clip_high is not None:
+        lower, upper = _ratio_bounds(clip_low, clip_high)
+        loss = torch.maximum(loss, -adv * ratio.clamp(min=lower, max=upper))
+    if dual_clip is None:
+        return loss, torch.zeros_like(adv, dtype=torch.bool)
+    bound = -dual_clip * adv  # dual_clip * |A| where A < 0
+    negative = adv < 0
+    return torch.where(negative, torch.minimum(loss, bound), loss), negative & (loss > bound)
+
+
+def _clipped_sides(
+    adv: torch.Tensor, ratio: torch.Tensor, clip_low: float | None, clip_high: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where PPO's clipped branch is taken (gradient zeroed), at the lower and the upper bound; [B, T] or [B]."""
+    # only where clipping moves the objective down: A < 0 below the range, A > 0 above it
+    nowhere = torch.zeros_like(adv, dtype=torch.bool)
+    low = (adv < 0) & (ratio < 1.0 - clip_low) if clip_low is not None else nowhere
+    high = (adv > 0) & (ratio > 1.0 + clip_high) if clip_high is not None else nowhere
+    return low, high
 
 
 def _check_kl(kl_coef: float, ref_logp: torch.Tensor | None, kl_estimator: str, kl_clamp: str | None = None) -> None:
@@ -464,52 +509,23 @@ def policy_loss(
         raise ValueError(f"dual_clip: must be > 1 or None, got {dual_clip!r}")
     _check_kl(kl_coef, ref_logp, kl_estimator, kl_clamp)
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
-    logp, adv, mask = batch.logp, batch.advantages, batch.mask
-
-    token_log_ratio = logp - batch.old_logp  # [B, T], 0 on padding
     if ratio_level == "sequence-sum":
-        return _sequence_sum_loss(batch, token_log_ratio, clip_low, clip_high, dual_clip, kl_coef, kl_estimator,
-                                  kl_clamp, aggregation, norm_length, normalizer)
+        return _sequence_sum_loss(batch, clip_low, clip_high, dual_clip, kl_coef, kl_estimator, kl_clamp,
+                                  aggregation, norm_length, normalizer)
+    log_ratio = batch.log_ratio  # [B, T], 0 on padding
     if ratio_level == "sequence":
-        seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [B]
+        seq_log_ratio = masked_mean(batch.log_ratio, batch.mask, dim=-1)  # [B]
         # GSPO-token: value s_i on every token, d/d logp_t = s_i.
-        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
-    else:
-        log_ratio = token_log_ratio
+        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + batch.logp - batch.logp.detach()
     ratio = torch.exp(log_ratio)
-
-    loss_unclipped = -adv * ratio
-    if clip_low is None and clip_high is None:
-        per_token = loss_unclipped
-    else:
-        lower = None if clip_low is None else 1.0 - clip_low
-        upper = None if clip_high is None else 1.0 + clip_high
-        loss_clipped = -adv * ratio.clamp(min=lower, max=upper)
-        per_token = torch.maximum(loss_unclipped, loss_clipped)  # = -min(ρA, clip(ρ)A)
-
-    dual_active = None
-    if dual_clip is not None:
-        bound = -dual_clip * adv  # dual_clip * |A| where A < 0
-        negative = adv < 0
-        dual_active = negative & (per_token > bound)
-        per_token = torch.where(negative, torch.minimum(per_token, bound), per_token)
-
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
-    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
-
-    with torch.no_grad():
-        r = ratio.detach()
-        # The clipped branch is taken (gradient zeroed) only when clipping moves the objective down.
-        low = (adv < 0) & (r < 1.0 - clip_low) if clip_low is not None else torch.zeros_like(mask)
-        high = (adv > 0) & (r > 1.0 + clip_high) if clip_high is not None else torch.zeros_like(mask)
-        dual = dual_active if dual_active is not None else torch.zeros_like(mask)
-        metrics = _policy_metrics(token_log_ratio, r, mask, low, high, dual, kl)
-    return loss, metrics
+    per_token, dual = _clipped_surrogate(batch.advantages, ratio, clip_low, clip_high, dual_clip)
+    loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)
+    low, high = _clipped_sides(batch.advantages, ratio.detach(), clip_low, clip_high)
+    return loss, _policy_metrics(batch.log_ratio, ratio.detach(), batch.mask, low, high, dual, kl)
 
 
 def _sequence_sum_loss(
     batch: _TokenBatch,
-    token_log_ratio: torch.Tensor,
     clip_low: float | None,
     clip_high: float | None,
     dual_clip: float | None,
@@ -524,29 +540,15 @@ def _sequence_sum_loss(
     mask = batch.mask
     lengths = mask.sum(dim=-1)  # [B]
     adv = masked_mean(batch.advantages, mask, dim=-1)  # [B]
-    ratio = torch.exp(masked_sum(token_log_ratio, mask, dim=-1))  # [B] s_i = π_θ(y_i) / π_old(y_i)
-    loss_seq = -adv * ratio
-    if clip_low is not None or clip_high is not None:
-        lower = None if clip_low is None else 1.0 - clip_low
-        upper = None if clip_high is None else 1.0 + clip_high
-        loss_seq = torch.maximum(loss_seq, -adv * ratio.clamp(min=lower, max=upper))
-    dual_active = torch.zeros_like(adv, dtype=torch.bool)
-    if dual_clip is not None:
-        bound = -dual_clip * adv
-        dual_active = (adv < 0) & (loss_seq > bound)
-        loss_seq = torch.where(adv < 0, torch.minimum(loss_seq, bound), loss_seq)
+    ratio = torch.exp(masked_sum(batch.log_ratio, mask, dim=-1))  # [B] s_i = π_θ(y_i) / π_old(y_i)
+    loss_seq, dual = _clipped_surrogate(adv, ratio, clip_low, clip_high, dual_clip)  # [B]
     # spread each sequence's surrogate over its real tokens: their sum is ℓ_i
-    per_token = (loss_seq / lengths.clamp(min=1)).unsqueeze(-1).expand_as(token_log_ratio)
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
-    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
-
-    with torch.no_grad():
-        r = ratio.detach()
-        low = (adv < 0) & (r < 1.0 - clip_low) if clip_low is not None else torch.zeros_like(dual_active)
-        high = (adv > 0) & (r > 1.0 + clip_high) if clip_high is not None else torch.zeros_like(dual_active)
-        per_seq = [x.unsqueeze(-1).expand_as(mask) for x in (r, low, high, dual_active)]
-        metrics = _policy_metrics(token_log_ratio, per_seq[0], mask, per_seq[1], per_seq[2], per_seq[3], kl)
-    return loss, metrics
+    per_token = (loss_seq / lengths.clamp(min=1)).unsqueeze(-1).expand_as(batch.log_ratio)
+    loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)
+    r = ratio.detach()
+    low, high = _clipped_sides(adv, r, clip_low, clip_high)
+    r, low, high, dual = (x.unsqueeze(-1).expand_as(mask) for x in (r, low, high, dual))  # [B] -> [B, T]
+    return loss, _policy_metrics(batch.log_ratio, r, mask, low, high, dual, kl)
 
 
 def cispo_loss(
@@ -600,23 +602,14 @@ def cispo_loss(
     _check_clip("clip_high", clip_high)
     _check_kl(kl_coef, ref_logp, kl_estimator, kl_clamp)
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
-    logp, adv, mask = batch.logp, batch.advantages, batch.mask
-
-    token_log_ratio = logp - batch.old_logp  # [B, T]
-    ratio = torch.exp(token_log_ratio.detach())
-    lower = None if clip_low is None else 1.0 - clip_low
-    upper = None if clip_high is None else 1.0 + clip_high
+    ratio = torch.exp(batch.log_ratio.detach())  # [B, T]
+    lower, upper = _ratio_bounds(clip_low, clip_high)
     is_weight = ratio if lower is None and upper is None else ratio.clamp(min=lower, max=upper)
-    per_token = -is_weight * adv * logp
-
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
-    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
-
-    with torch.no_grad():
-        low = ratio < lower if lower is not None else torch.zeros_like(mask)
-        high = ratio > upper if upper is not None else torch.zeros_like(mask)
-        metrics = _policy_metrics(token_log_ratio, ratio, mask, low, high, torch.zeros_like(mask), kl)
-    return loss, metrics
+    per_token = -is_weight * batch.advantages * batch.logp
+    loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)
+    low = ratio < lower if lower is not None else None
+    high = ratio > upper if upper is not None else None
+    return loss, _policy_metrics(batch.log_ratio, ratio, batch.mask, low, high, None, kl)
 
 
 def cpgd_loss(
@@ -670,37 +663,33 @@ def cpgd_loss(
     if clip_low == 1.0:
         clip_low = None  # ln(0): no lower bound
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
-    logp, adv, mask = batch.logp, batch.advantages, batch.mask
-
-    log_ratio = logp - batch.old_logp  # [B, T]
+    adv, log_ratio = batch.advantages, batch.log_ratio  # [B, T]
     lower = None if clip_low is None else math.log(1.0 - clip_low)
     upper = None if clip_high is None else math.log1p(clip_high)
     clipped = log_ratio if lower is None and upper is None else log_ratio.clamp(min=lower, max=upper)
     per_token = torch.maximum(-adv * log_ratio, -adv * clipped)  # -min(l A, clip(l) A)
     if drift_coef:
         per_token = per_token + drift_coef * (torch.expm1(log_ratio) - log_ratio)
-
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
-    loss = aggregate_loss(per_token, mask, aggregation, norm_length, normalizer=normalizer)
-
-    with torch.no_grad():
-        lr = log_ratio.detach()
-        low = (adv < 0) & (lr < lower) if lower is not None else torch.zeros_like(mask)
-        high = (adv > 0) & (lr > upper) if upper is not None else torch.zeros_like(mask)
-        metrics = _policy_metrics(log_ratio, torch.exp(lr), mask, low, high, torch.zeros_like(mask), kl)
-    return loss, metrics
+    loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)
+    lr = log_ratio.detach()
+    low = (adv < 0) & (lr < lower) if lower is not None else None
+    high = (adv > 0) & (lr > upper) if upper is not None else None
+    return loss, _policy_metrics(log_ratio, torch.exp(lr), batch.mask, low, high, None, kl)
 
 
+@torch.no_grad()
 def _policy_metrics(
     token_log_ratio: torch.Tensor,
     ratio: torch.Tensor,
     mask: torch.Tensor,
-    low: torch.Tensor,
-    high: torch.Tensor,
-    dual: torch.Tensor,
+    low: torch.Tensor | None,
+    high: torch.Tensor | None,
+    dual: torch.Tensor | None,
     kl: torch.Tensor | None,
 ) -> PolicyLossMetrics:
+    """A loss's metrics from its `[B, T]` token log-ratio, the ratio it used and its clipped tokens (None: none)."""
     lr = token_log_ratio.detach()
+    low, high, dual = (torch.zeros_like(mask) if x is None else x for x in (low, high, dual))
     values = [
         masked_mean(low.to(lr.dtype), mask),
         masked_mean(high.to(lr.dtype), mask),

@@ -18,23 +18,17 @@ import torch
 
 from lmrl.algorithms.losses import (
     PolicyLossMetrics,
-    _add_kl_and_weights,
     _check_aggregation,
     _check_clip,
     _check_kl,
+    _finish,
     _policy_metrics,
     _prepare,
-    _TokenBatch,
-    aggregate_loss,
+    _ratio_bounds,
 )
 from lmrl.algorithms.masking import masked_mean
 
 __all__ = ["clip_cov_loss", "gmpo_loss", "kl_cov_loss", "sapo_loss", "token_covariance"]
-
-
-def _finish(per_token, batch: _TokenBatch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer):
-    per_token, kl = _add_kl_and_weights(per_token, batch, kl_coef, kl_estimator, kl_clamp)
-    return aggregate_loss(per_token, batch.mask, aggregation, norm_length, normalizer=normalizer), kl
 
 
 def _checks(aggregation, norm_length, normalizer, kl_coef, ref_logp, kl_estimator, kl_clamp) -> None:
@@ -86,19 +80,15 @@ def sapo_loss(
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"tau_pos, tau_neg: must be > 0, got {tau_pos!r}, {tau_neg!r}")
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
-    adv, mask = batch.advantages, batch.mask
-    log_ratio = batch.logp - batch.old_logp
-    ratio = torch.exp(log_ratio)
+    adv = batch.advantages
+    ratio = torch.exp(batch.log_ratio)
     tau = torch.where(adv > 0, torch.tensor(tau_pos, dtype=ratio.dtype), torch.tensor(tau_neg, dtype=ratio.dtype))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -(4.0 / tau) * gate * adv
     loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)
-    with torch.no_grad():
-        g = gate.detach()
-        soft = 4.0 * g * (1.0 - g) < 0.5
-        r = ratio.detach()
-        metrics = _policy_metrics(log_ratio, r, mask, soft & (r < 1), soft & (r > 1), torch.zeros_like(mask), kl)
-    return loss, metrics
+    g, r = gate.detach(), ratio.detach()
+    soft = 4.0 * g * (1.0 - g) < 0.5
+    return loss, _policy_metrics(batch.log_ratio, r, batch.mask, soft & (r < 1), soft & (r > 1), None, kl)
 
 
 def gmpo_loss(
@@ -145,23 +135,20 @@ def gmpo_loss(
     _check_clip("clip_low", clip_low)
     _check_clip("clip_high", clip_high)
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
-    mask = batch.mask
+    mask, log_ratio = batch.mask, batch.log_ratio  # [B, T]
     adv = masked_mean(batch.advantages, mask, dim=-1)  # [B]
     sign = torch.sign(adv).unsqueeze(-1)  # [B, 1]
-    log_ratio = batch.logp - batch.old_logp  # [B, T]
     lower = None if clip_low is None else -clip_low
     clipped = log_ratio if lower is None and clip_high is None else log_ratio.clamp(min=lower, max=clip_high)
     kept = sign * torch.minimum(sign * log_ratio, sign * clipped)  # [B, T]
     seq_ratio = torch.exp(masked_mean(kept, mask, dim=-1))  # [B] s_i
     per_token = (-adv * seq_ratio).unsqueeze(-1).expand_as(log_ratio)
     loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)
-    with torch.no_grad():
-        lr = log_ratio.detach()
-        low = (sign < 0) & (lr < lower) if lower is not None else torch.zeros_like(mask)
-        high = (sign > 0) & (lr > clip_high) if clip_high is not None else torch.zeros_like(mask)
-        s = seq_ratio.detach().unsqueeze(-1).expand_as(lr)
-        metrics = _policy_metrics(log_ratio, s, mask, low, high, torch.zeros_like(mask), kl)
-    return loss, metrics
+    lr = log_ratio.detach()
+    low = (sign < 0) & (lr < lower) if lower is not None else None
+    high = (sign > 0) & (lr > clip_high) if clip_high is not None else None
+    s = seq_ratio.detach().unsqueeze(-1).expand_as(lr)
+    return loss, _policy_metrics(log_ratio, s, mask, low, high, None, kl)
 
 
 def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -232,10 +219,8 @@ def clip_cov_loss(
         raise ValueError(f"cov_low: must be below cov_high, got {cov_low!r} and {cov_high!r}")
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
     adv, mask = batch.advantages, batch.mask
-    log_ratio = batch.logp - batch.old_logp
-    ratio = torch.exp(log_ratio)
-    lower = None if clip_low is None else 1.0 - clip_low
-    upper = None if clip_high is None else 1.0 + clip_high
+    ratio = torch.exp(batch.log_ratio)
+    lower, upper = _ratio_bounds(clip_low, clip_high)
     unclipped_loss, clipped_loss = -adv * ratio, -adv * ratio.clamp(min=lower, max=upper)
     per_token = torch.maximum(unclipped_loss, clipped_loss)
     with torch.no_grad():
@@ -250,12 +235,8 @@ def clip_cov_loss(
         dropped = dropped.view_as(mask)
     per_token = torch.where(dropped, torch.zeros((), dtype=per_token.dtype, device=per_token.device), per_token)
     loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)
-    with torch.no_grad():
-        r = ratio.detach()
-        low = clipped & (adv < 0)
-        high = clipped & (adv > 0)
-        metrics = _policy_metrics(log_ratio, r, mask, low, high | dropped, dropped, kl)
-    return loss, metrics
+    low, high = clipped & (adv < 0), clipped & (adv > 0)
+    return loss, _policy_metrics(batch.log_ratio, ratio.detach(), mask, low, high | dropped, dropped, kl)
 
 
 def kl_cov_loss(
@@ -298,8 +279,7 @@ def kl_cov_loss(
     if not cov_kl_coef >= 0:
         raise ValueError(f"cov_kl_coef: must be >= 0, got {cov_kl_coef!r}")
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
-    adv, mask = batch.advantages, batch.mask
-    log_ratio = batch.logp - batch.old_logp
+    adv, mask, log_ratio = batch.advantages, batch.mask, batch.log_ratio
     ratio = torch.exp(log_ratio)
     with torch.no_grad():
         real = int(mask.sum())
@@ -310,7 +290,4 @@ def kl_cov_loss(
         chosen = chosen.view_as(mask)
     per_token = -adv * ratio + torch.where(chosen, cov_kl_coef * log_ratio.abs(), 0.0)
     loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)
-    with torch.no_grad():
-        nothing = torch.zeros_like(mask)
-        metrics = _policy_metrics(log_ratio, ratio.detach(), mask, nothing, chosen, chosen, kl)
-    return loss, metrics
+    return loss, _policy_metrics(log_ratio, ratio.detach(), mask, None, chosen, chosen, kl)

@@ -460,6 +460,20 @@ class _ChunkResult:
     finished: torch.Tensor  # [b]
 
 
+@dataclass
+class _Prefill:
+    """What a chunk's decode loop starts from: the prefilled cache, the decode path's state, the first logits."""
+
+    static: bool  # fixed-shape step (`StaticDecoder`): every row steps, the active ones are sampled
+    lean: bool  # shared-prompt step (`_SharedPromptDecoder`)
+    cache: Cache
+    decoder: StaticDecoder | _SharedPromptDecoder | None  # None: the model's own forward on `cache`
+    mask: torch.Tensor | None  # the model's forward: `attention_mask` over [prompt | response], sliced per step
+    logits: torch.Tensor  # [b, V] float32, at each row's last prompt token
+    next_position: torch.Tensor  # [b] position of each row's first response token
+    prompt_len: int  # P, the left-padded prompt width
+
+
 class HFGenerator:
     """Samples completions with a Hugging Face causal LM and its own KV-cached decode loop.
 
@@ -584,41 +598,13 @@ class HFGenerator:
         self, prompts: list[list[int]], row_prompt: list[int], params: SamplingParams, rng: torch.Generator
     ) -> _ChunkResult:
         """Prefill the distinct prompts of `row_prompt`, then decode one completion per row."""
-        device, max_new = self.device, params.max_new_tokens
-        distinct = sorted(set(row_prompt))
-        local = {p: i for i, p in enumerate(distinct)}
-        row_local = torch.tensor([local[p] for p in row_prompt], device=device)  # [b] row -> prefill row
-        prompt_ids, prompt_mask = self._left_pad([prompts[p] for p in distinct])  # [U, P]
-        num_rows, prompt_len = len(row_prompt), prompt_ids.shape[1]
-        capacity = prompt_len + max_new
-
-        # 1. prefill: each distinct prompt once; positions count real tokens only (left padding)
-        path, _ = self.decode_path()
-        static, lean = path in ("cuda_graph", "fixed_shapes"), path == "shared_prompt"
-        cache = self._new_cache(prompt_len if lean or static else capacity)
-        position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask.long(),
-            position_ids=position_ids,
-            **{self._cache_kwarg: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1].float().index_select(0, row_local)  # [b, V]
-        next_position = prompt_mask.sum(1).index_select(0, row_local)  # [b]
+        device, max_new, num_rows = self.device, params.max_new_tokens, len(row_prompt)
+        # 1. prefill: each distinct prompt once
+        start = self._prefill(prompts, row_prompt, max_new)
+        static, lean, cache, decoder, mask = start.static, start.lean, start.cache, start.decoder, start.mask
+        logits, next_position, prompt_len = start.logits, start.next_position, start.prompt_len
         first_position = next_position  # [b] of every row, as the fixed-shape step takes them
-        if static:
-            decoder = StaticDecoder(self.model, cache, prompt_mask, row_local, max_new, self._cache_kwarg,
-                                    graph=path == "cuda_graph")
-        elif lean:
-            decoder = _SharedPromptDecoder(self.model, cache, prompt_mask, row_local, max_new)
-        else:
-            cache.batch_select_indices(row_local)  # copy each prompt's cache to its rows
-            # attention over [prompt | response]: the response part is all ones, sliced per step
-            mask = torch.ones(num_rows, capacity, dtype=torch.bool, device=device)
-            mask[:, :prompt_len] = prompt_mask.index_select(0, row_local)
-            mask = self._decode_mask(mask)
+        del start  # the first logits [b, V] are freed once the first step replaces them
 
         tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)
@@ -675,9 +661,52 @@ class HFGenerator:
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1].float()
+        return self._trimmed(tokens, logprobs, lengths, finished)
 
+    def _prefill(self, prompts: list[list[int]], row_prompt: list[int], max_new: int) -> _Prefill:
+        """Run each distinct prompt of `row_prompt` once and set up the decode path; `[b, V]` first logits."""
+        device = self.device
+        distinct = sorted(set(row_prompt))
+        local = {p: i for i, p in enumerate(distinct)}
+        row_local = torch.tensor([local[p] for p in row_prompt], device=device)  # [b] row -> prefill row
+        prompt_ids, prompt_mask = self._left_pad([prompts[p] for p in distinct])  # [U, P]
+        num_rows, prompt_len = len(row_prompt), prompt_ids.shape[1]
+        capacity = prompt_len + max_new
+
+        # positions count real tokens only (left padding)
+        path, _ = self.decode_path()
+        static, lean = path in ("cuda_graph", "fixed_shapes"), path == "shared_prompt"
+        cache = self._new_cache(prompt_len if lean or static else capacity)
+        position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask.long(),
+            position_ids=position_ids,
+            **{self._cache_kwarg: cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1].float().index_select(0, row_local)  # [b, V]
+        next_position = prompt_mask.sum(1).index_select(0, row_local)  # [b]
+        decoder, mask = None, None
+        if static:
+            decoder = StaticDecoder(self.model, cache, prompt_mask, row_local, max_new, self._cache_kwarg,
+                                    graph=path == "cuda_graph")
+        elif lean:
+            decoder = _SharedPromptDecoder(self.model, cache, prompt_mask, row_local, max_new)
+        else:
+            cache.batch_select_indices(row_local)  # copy each prompt's cache to its rows
+            # attention over [prompt | response]: the response part is all ones, sliced per step
+            mask = torch.ones(num_rows, capacity, dtype=torch.bool, device=device)
+            mask[:, :prompt_len] = prompt_mask.index_select(0, row_local)
+            mask = self._decode_mask(mask)
+        return _Prefill(static, lean, cache, decoder, mask, logits, next_position, prompt_len)
+
+    def _trimmed(self, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor,
+                 finished: torch.Tensor) -> _ChunkResult:
+        """`[b, max_new]` buffers cut to the longest row, padding (and log-prob 0) past each row's length."""
         width = int(lengths.max())
-        valid = torch.arange(width, device=device) < lengths[:, None]
+        valid = torch.arange(width, device=tokens.device) < lengths[:, None]
         tokens = tokens[:, :width].masked_fill(~valid, self.pad_token_id)
         logprobs = logprobs[:, :width].masked_fill(~valid, 0.0)
         return _ChunkResult(tokens=tokens, logprobs=logprobs, lengths=lengths, finished=finished)
