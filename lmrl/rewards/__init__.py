@@ -24,7 +24,6 @@ from lmrl.rewards.core import (
 from lmrl.rewards.math_verifier import MathVerifyWorker, extract_final_answer, verify_answer
 from lmrl.rewards.registry import (
     BUILTIN_REWARDS,
-    load_function,
     queries_reward,
     resolve_reward,
     reward_recipes_from_config,
@@ -47,6 +46,7 @@ from lmrl.rewards.verifiers import (
     math_reward,
     regex_reward,
 )
+from lmrl.user_code import load_function
 
 __all__ = [
     "BUILTIN_REWARDS",
