@@ -569,26 +569,3 @@ def _schedule(kind: str, warmup: int, total: int):
         return 1.0
 
     return f
-
-
-class KLController:
-    """The KL coefficient: fixed, or adaptive (Ziegler et al. 2019, sec. 2.2) when a target is set.
-
-    Adaptive: e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n / horizon, with KL the mean summed
-    KL per sequence of the last batch and n its number of samples.
-    """
-
-    def __init__(self, coef: float, target: float | None = None, horizon: int = 10000):
-        self.value, self.target, self.horizon = coef, target, horizon
-
-    def update(self, kl: float, n: int) -> None:
-        if self.target is None:
-            return
-        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n / self.horizon
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = state["value"]

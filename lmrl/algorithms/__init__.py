@@ -19,7 +19,14 @@ from lmrl.algorithms.advantages import (
     remax_advantages,
     rloo_advantages,
 )
-from lmrl.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
+from lmrl.algorithms.kl import (
+    KL_CLAMPS,
+    KL_ESTIMATORS,
+    KLController,
+    kl_penalty,
+    kl_shaped_rewards,
+    sequence_kl,
+)
 from lmrl.algorithms.logprobs import DEFAULT_CHUNK_SIZE, hidden_logprobs, token_entropy, token_logprobs
 from lmrl.algorithms.losses import (
     AGGREGATION_MODES,
@@ -58,6 +65,7 @@ __all__ = [
     "rloo_advantages",
     "KL_CLAMPS",
     "KL_ESTIMATORS",
+    "KLController",
     "kl_penalty",
     "kl_shaped_rewards",
     "sequence_kl",
