@@ -6,7 +6,6 @@ Each function builds one thing; the trainer calls them in order. Nothing here ru
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import json
@@ -32,6 +31,7 @@ from lmrl.models.loading import (
     resolve_device,
 )
 from lmrl.models.prompt_encoding import prompt_lengths
+from lmrl.models.weights import sampler_copy
 
 SHIPPED_NAMES = ("tiny-addition", "tiny-calculator")
 
@@ -313,24 +313,6 @@ def slow_bf16_warning(cfg: Config) -> str | None:
         return None
     return (f"{', '.join(asked)}: this CPU has no native bfloat16 matmul (oneDNN needs AVX512), so bfloat16 "
             "runs far slower than float32 here (see benchmarks/precision.py); float32 is faster on this machine")
-
-
-def sampler_copy(policy: nn.Module, dtype: str | None) -> nn.Module | None:
-    """A frozen copy of the policy in `dtype` for generation (`rollout.dtype`), or None when the policy
-    itself samples. `copy_weights(policy, copy)` refreshes it."""
-    if dtype is None or all(p.dtype == DTYPES[dtype] for p in policy.parameters() if p.is_floating_point()):
-        return None
-    sampler = copy.deepcopy(policy).to(DTYPES[dtype])
-    sampler.eval()
-    sampler.requires_grad_(False)
-    return sampler
-
-
-@torch.no_grad()
-def copy_weights(src: nn.Module, dst: nn.Module) -> None:
-    """dst's parameters := src's (cast to dst's dtype); both have the same structure (`sampler_copy`)."""
-    for d, s in zip(dst.parameters(), src.parameters(), strict=True):
-        d.copy_(s)
 
 
 def _load_adapter(policy: nn.Module, directory: str) -> nn.Module:
