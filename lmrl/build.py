@@ -1,6 +1,12 @@
 """Setup helpers for the trainer: everything built from the config before the first step.
 
-Each function builds one thing; the trainer calls them in order. Nothing here runs a training step.
+Each function builds one thing, and `build_run` calls them in order for the Trainer: the ranks (and FSDP
+sharding), the models (policy, tokenizer, reference, critic, LoRA adapters, the sampler copy), the prompts
+and reward functions, the environment, the optimizer and its schedule; with the checks that need the
+config and the model together (memory, bfloat16 on a CPU). Nothing here runs during a step: the sampler
+copy's refresh before each generation is `lmrl.models.weights`, the KL coefficient
+`lmrl.algorithms.KLController`. The one helper used after setup, `portable_adapter_config`, writes the
+base-model record that `adapter_base` reads, when an adapter is saved.
 """
 
 from __future__ import annotations
