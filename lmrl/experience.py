@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmrl import algorithms as A
-from lmrl.distributed import ONE_PROCESS, World, batch_std, idle_batch, masked_whiten
+from lmrl.distributed import ONE_PROCESS, World, idle_batch, std_across_ranks, whiten_across_ranks
 from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
 
@@ -227,7 +227,7 @@ def compute_advantages(
         else:
             out = Advantages(seq[:, None].expand(mask.shape).clone())
     if whiten_advantages:  # over the whole batch: every rank's share of it
-        out.advantages = masked_whiten(out.advantages, mask, world, unbiased=whiten_std == "unbiased")
+        out.advantages = whiten_across_ranks(out.advantages, mask, world, unbiased=whiten_std == "unbiased")
     out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
     relu_zeroed = None
     if relu_log_p_weights:  # TapeAgents: learn only from what beat its baseline
@@ -434,7 +434,7 @@ def shape_scores(rollout: Rollout, scores: torch.Tensor, *, max_new_tokens: int,
     if clip is not None:
         scores = shaping.clip_rewards(scores, clip)
     if normalize and world.distributed:
-        scores = masked_whiten(scores, torch.ones_like(scores, dtype=torch.bool), world)
+        scores = whiten_across_ranks(scores, torch.ones_like(scores, dtype=torch.bool), world)
     elif normalize:
         scores = shaping.normalize_rewards(scores)
     keep = shaping.overlong_filter_mask(rollout.finished) if drop_truncated else None
@@ -458,7 +458,7 @@ def _sequence_advantages(advantage: str, scores: torch.Tensor, group_size: int, 
     if advantage == "pass_at_k":
         return A.pass_at_k_advantages(scores, group_size, pass_k)
     if world.distributed and advantage == "grpo_batch_std":
-        return A.batch_std_advantages(scores, group_size, std=batch_std(scores, world))
+        return A.batch_std_advantages(scores, group_size, std=std_across_ranks(scores, world))
     if world.distributed and advantage == "gpg":
         return A.gpg_advantages(scores, group_size, informative_fraction=_informative_fraction(scores, group_size, world))
     return SEQUENCE_ESTIMATORS[advantage](scores, group_size)
