@@ -416,31 +416,6 @@ def _cat(parts: list[torch.Tensor], sequences: torch.Tensor, T: int) -> torch.Te
     return torch.cat(parts).float() if parts else torch.zeros(0, T, device=sequences.device)
 
 
-# ------------------------------------------------------------------------------------- reward shaping
-
-def shape_scores(rollout: Rollout, scores: torch.Tensor, *, max_new_tokens: int, missing_eos_penalty: float | None = None,
-                 overlong_buffer: int | None = None, clip: float | tuple[float, float] | None = None, normalize: bool = False,
-                 drop_truncated: bool = False, world: World = ONE_PROCESS):
-    """Reward-side options (the `reward` section's fields of the same names) in the order they compose:
-    missing-EOS penalty, DAPO overlong penalty (the last `overlong_buffer` of `max_new_tokens`), clip, normalise
-    (over the whole batch: every rank's share of it). Returns (scores [B], keep [B] bool or None: False leaves a
-    truncated completion out of the loss, with `drop_truncated`)."""
-    from lmrl.rewards import shaping
-
-    if missing_eos_penalty is not None:
-        scores = shaping.missing_eos_penalty(scores, rollout.finished, missing_eos_penalty)
-    if overlong_buffer is not None:
-        scores = scores + shaping.overlong_penalty(rollout.lengths, max_new_tokens, overlong_buffer)
-    if clip is not None:
-        scores = shaping.clip_rewards(scores, clip)
-    if normalize and world.distributed:
-        scores = whiten_across_ranks(scores, torch.ones_like(scores, dtype=torch.bool), world)
-    elif normalize:
-        scores = shaping.normalize_rewards(scores)
-    keep = shaping.overlong_filter_mask(rollout.finished) if drop_truncated else None
-    return scores, keep
-
-
 def informative_groups(scores: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
     """[B / G] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these:
     a group of equal rewards has zero advantage and teaches nothing)."""

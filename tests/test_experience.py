@@ -15,7 +15,6 @@ from lmrl.experience import (
     informative_groups,
     make_experience,
     select_rollout,
-    shape_scores,
     top_entropy_mask,
 )
 from lmrl.rollout import Rollout
@@ -144,16 +143,6 @@ def test_top_entropy_mask_picks_the_highest():
     ent = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.2, 7.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     assert top_entropy_mask(ent, mask, 0.4).tolist() == [[False, True, False], [True, False, False]]
-
-
-def test_shape_scores_composes_penalties():
-    r = rollout(lengths=(5, 3, 2, 4), finished=(True, True, False, True))
-    cfg = load_config(None, ["reward.missing_eos_penalty=1.0", "reward.overlong_buffer=2", "rollout.max_new_tokens=5",
-                             "reward.drop_truncated=true"]).reward
-    scores, keep = shape_scores(r, SCORES, max_new_tokens=5, **cfg.shaping_options())
-    # overlong: length 5 -> -1 (at limit: (3 - 5) / 2), length 4 -> -0.5; missing EOS: row 2 -1
-    torch.testing.assert_close(scores, torch.tensor([0.0, 0.0, -0.5, 0.0]))
-    assert keep.tolist() == [True, True, False, True]
 
 
 def test_informative_groups():

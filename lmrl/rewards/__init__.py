@@ -37,6 +37,7 @@ from lmrl.rewards.shaping import (
     normalize_rewards,
     overlong_filter_mask,
     overlong_penalty,
+    shape_scores,
 )
 from lmrl.rewards.verifiers import (
     THINK_ANSWER_PATTERN,
@@ -85,5 +86,6 @@ __all__ = [
     "reward_recipes_from_config",
     "reward_set_from_config",
     "score",
+    "shape_scores",
     "verify_answer",
 ]
