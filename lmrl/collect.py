@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from lmrl.algorithms import informative_groups
 from lmrl.distributed import World, full_weights
-from lmrl.experience import concat_rollouts, informative_groups, select_rollout
+from lmrl.experience import concat_rollouts, select_rollout
 from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.models.weights import copy_weights
 from lmrl.rewards import score as score_rewards

@@ -416,13 +416,6 @@ def _cat(parts: list[torch.Tensor], sequences: torch.Tensor, T: int) -> torch.Te
     return torch.cat(parts).float() if parts else torch.zeros(0, T, device=sequences.device)
 
 
-def informative_groups(scores: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
-    """[B / G] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these:
-    a group of equal rewards has zero advantage and teaches nothing)."""
-    g = scores.view(-1, group_size)
-    return (g.max(1).values - g.min(1).values) > tol
-
-
 def _sequence_advantages(advantage: str, scores: torch.Tensor, group_size: int, world: World,
                          baseline: torch.Tensor | None, pass_k: int) -> torch.Tensor:
     """[B] advantages of a sequence-level estimator; batch statistics span every rank's share."""
@@ -441,7 +434,7 @@ def _sequence_advantages(advantage: str, scores: torch.Tensor, group_size: int, 
 
 def _informative_fraction(scores: torch.Tensor, group_size: int, world: World) -> torch.Tensor:
     """The share of groups whose rewards are not all equal, over every rank's groups."""
-    ok = informative_groups(scores, group_size, tol=0.0).double()
+    ok = A.informative_groups(scores, group_size, tol=0.0).double()
     counts = world.sum(torch.stack([ok.sum(), torch.tensor(float(len(ok)), dtype=torch.float64)]))
     return counts[0] / counts[1].clamp(min=1)
 

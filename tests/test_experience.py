@@ -12,7 +12,6 @@ from lmrl.config import load_config
 from lmrl.experience import (
     compute_advantages,
     concat_rollouts,
-    informative_groups,
     make_experience,
     select_rollout,
     top_entropy_mask,
@@ -143,10 +142,6 @@ def test_top_entropy_mask_picks_the_highest():
     ent = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.2, 7.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     assert top_entropy_mask(ent, mask, 0.4).tolist() == [[False, True, False], [True, False, False]]
-
-
-def test_informative_groups():
-    assert informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.3, 0.3]), 2).tolist() == [False, True, False]
 
 
 def test_concat_and_select_rollouts_keep_alignment():
