@@ -11,9 +11,7 @@ from lmrl import algorithms as A
 from lmrl.config import load_config
 from lmrl.experience import (
     compute_advantages,
-    concat_rollouts,
     make_experience,
-    select_rollout,
     top_entropy_mask,
 )
 from lmrl.rollout import Rollout
@@ -142,18 +140,6 @@ def test_top_entropy_mask_picks_the_highest():
     ent = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.2, 7.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     assert top_entropy_mask(ent, mask, 0.4).tolist() == [[False, True, False], [True, False, False]]
-
-
-def test_concat_and_select_rollouts_keep_alignment():
-    a, b = rollout(P=3, T=5), rollout(P=2, T=3, lengths=(3, 1, 2, 3), seed=1)
-    both = concat_rollouts([a, b], pad_id=0)
-    assert both.prompt_ids.shape == (8, 3) and both.response_ids.shape == (8, 5)
-    assert torch.equal(both.prompt_ids[4:, 1:], b.prompt_ids) and not both.prompt_mask[4:, 0].any()
-    assert torch.equal(both.response_mask[4:, :3], b.response_mask) and not both.response_mask[4:, 3:].any()
-    assert both.prompt_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    sub = select_rollout(both, torch.tensor([5, 6]))
-    assert sub.response_ids.shape == (2, 2)  # trimmed to the longest kept response
-    assert sub.texts == ["t1", "t2"]
 
 
 def test_batch_std_advantage_divides_by_the_std_of_the_whole_batch():
