@@ -9,9 +9,9 @@ Data flow (one step):
       -> Experience: every tensor aligned to response tokens [B, T]
 
 Everything here is plain tensors, models and keyword arguments (named as the config fields they come from,
-e.g. `advantage`, `kl_in`, `tis_cap`: `AlgorithmConfig.experience_options()` and
-`RewardConfig.shaping_options()` give them), so this module knows nothing of the config layer; the math is
-in `lmrl.algorithms`.
+e.g. `advantage`, `kl_in`, `tis_cap`: `AlgorithmConfig.experience_options()` gives them), so this module
+knows nothing of the config layer; the math is in `lmrl.algorithms`. The scores arrive shaped
+(`lmrl.rewards.shaping`), and the rollout joined and filtered (`lmrl.rollout.ops`), before this module.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""make_experience and its pieces: advantages by estimator, KL in the reward, shaping, rollout surgery."""
+"""make_experience and its pieces: advantages by estimator, KL in the reward, importance and entropy weights."""
 
 from __future__ import annotations
 
