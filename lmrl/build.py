@@ -1,12 +1,17 @@
 """Setup helpers for the trainer: everything built from the config before the first step.
 
-Each function builds one thing; the trainer calls them in order. Nothing here runs a training step.
+Each function builds one thing, and `build_run` calls them in order for the Trainer: the ranks (and FSDP
+sharding), the models (policy, tokenizer, reference, critic, LoRA adapters, the sampler copy), the prompts
+and reward functions, the environment, the optimizer and its schedule; with the checks that need the
+config and the model together (memory, bfloat16 on a CPU). Nothing here runs during a step: the sampler
+copy's refresh before each generation is `lmrl.models.weights`, the KL coefficient
+`lmrl.algorithms.KLController`. The one helper used after setup, `portable_adapter_config`, writes the
+base-model record that `adapter_base` reads, when an adapter is saved.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import json
@@ -32,6 +37,7 @@ from lmrl.models.loading import (
     resolve_device,
 )
 from lmrl.models.prompt_encoding import prompt_lengths
+from lmrl.models.weights import sampler_copy
 
 SHIPPED_NAMES = ("tiny-addition", "tiny-calculator")
 
@@ -315,24 +321,6 @@ def slow_bf16_warning(cfg: Config) -> str | None:
             "runs far slower than float32 here (see benchmarks/precision.py); float32 is faster on this machine")
 
 
-def sampler_copy(policy: nn.Module, dtype: str | None) -> nn.Module | None:
-    """A frozen copy of the policy in `dtype` for generation (`rollout.dtype`), or None when the policy
-    itself samples. `copy_weights(policy, copy)` refreshes it."""
-    if dtype is None or all(p.dtype == DTYPES[dtype] for p in policy.parameters() if p.is_floating_point()):
-        return None
-    sampler = copy.deepcopy(policy).to(DTYPES[dtype])
-    sampler.eval()
-    sampler.requires_grad_(False)
-    return sampler
-
-
-@torch.no_grad()
-def copy_weights(src: nn.Module, dst: nn.Module) -> None:
-    """dst's parameters := src's (cast to dst's dtype); both have the same structure (`sampler_copy`)."""
-    for d, s in zip(dst.parameters(), src.parameters(), strict=True):
-        d.copy_(s)
-
-
 def _load_adapter(policy: nn.Module, directory: str) -> nn.Module:
     try:
         from peft import PeftModel
@@ -529,16 +517,17 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
 
         return getattr(get_task(cfg.data.task), "environment", lambda: None)()
     from lmrl.envs import HERMES_PATTERN, ToolEnvironment, tools_from
+    from lmrl.rewards.registry import BUILTIN_REWARDS
+    from lmrl.user_code import load_function
 
+    # a spec in neither form gets the message a reward spec gets: it lists the reward built-ins
     if cfg.env.name == "tools":
-        tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits())
+        tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits(), builtins=BUILTIN_REWARDS)
         return ToolEnvironment(tools, cfg.env.tool_call_pattern or HERMES_PATTERN, cfg.env.response_format)
-    from lmrl.rewards.registry import load_function
-
     try:
-        return load_function(cfg.env.name)
+        return load_function(cfg.env.name, "environment", BUILTIN_REWARDS)
     except ConfigError as e:
-        raise ConfigError(f"env.name: {str(e).replace('reward spec', 'environment')}") from e
+        raise ConfigError(f"env.name: {e}") from e
 
 
 def make_optimizer(cfg: Config, policy: nn.Module, critic: nn.Module | None):
@@ -568,26 +557,3 @@ def _schedule(kind: str, warmup: int, total: int):
         return 1.0
 
     return f
-
-
-class KLController:
-    """The KL coefficient: fixed, or adaptive (Ziegler et al. 2019, sec. 2.2) when a target is set.
-
-    Adaptive: e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n / horizon, with KL the mean summed
-    KL per sequence of the last batch and n its number of samples.
-    """
-
-    def __init__(self, coef: float, target: float | None = None, horizon: int = 10000):
-        self.value, self.target, self.horizon = coef, target, horizon
-
-    def update(self, kl: float, n: int) -> None:
-        if self.target is None:
-            return
-        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n / self.horizon
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = state["value"]

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from lmrl.build import copy_weights
+from lmrl.algorithms import informative_groups
 from lmrl.distributed import World, full_weights
-from lmrl.experience import concat_rollouts, informative_groups, select_rollout, shape_scores
 from lmrl.models.prompt_encoding import encode_prompts
+from lmrl.models.weights import copy_weights
 from lmrl.rewards import score as score_rewards
+from lmrl.rewards import shape_scores
 from lmrl.rewards.core import TrainerState
-from lmrl.rollout import Rollout, SamplingParams
+from lmrl.rollout import Rollout, SamplingParams, concat_rollouts, select_rollout
 from lmrl.rollout.multiturn import generate_episodes
 
 

@@ -168,8 +168,8 @@ ONE_PROCESS = World()
 """The world of a run not started by torchrun."""
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, world: World, eps: float = 1e-8,
-                  unbiased: bool = True) -> torch.Tensor:
+def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, world: World, eps: float = 1e-8,
+                        unbiased: bool = True) -> torch.Tensor:
     """`lmrl.algorithms.masked_whiten` over the batch of every rank: (x - mean) / (std + eps) with the mean and
     std (unbiased, or population with `unbiased=False`) of the masked entries of all ranks together; masked-out
     entries become 0."""
@@ -181,7 +181,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, world: World, eps: float 
     return torch.where(mask, (x - mean) / (std + eps), zero)
 
 
-def batch_std(x: torch.Tensor, world: World, unbiased: bool = True) -> torch.Tensor:
+def std_across_ranks(x: torch.Tensor, world: World, unbiased: bool = True) -> torch.Tensor:
     """The std of the 1-D `x` of every rank together (a 0-dim tensor)."""
     return _world_mean_std(x, torch.ones_like(x, dtype=torch.bool), world, unbiased)[1]
 

@@ -9,9 +9,9 @@ Data flow (one step):
       -> Experience: every tensor aligned to response tokens [B, T]
 
 Everything here is plain tensors, models and keyword arguments (named as the config fields they come from,
-e.g. `advantage`, `kl_in`, `tis_cap`: `AlgorithmConfig.experience_options()` and
-`RewardConfig.shaping_options()` give them), so this module knows nothing of the config layer; the math is
-in `lmrl.algorithms`.
+e.g. `advantage`, `kl_in`, `tis_cap`: `AlgorithmConfig.experience_options()` gives them), so this module
+knows nothing of the config layer; the math is in `lmrl.algorithms`. The scores arrive shaped
+(`lmrl.rewards.shaping`), and the rollout joined and filtered (`lmrl.rollout.ops`), before this module.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmrl import algorithms as A
-from lmrl.distributed import ONE_PROCESS, World, batch_std, idle_batch, masked_whiten
+from lmrl.distributed import ONE_PROCESS, World, idle_batch, std_across_ranks, whiten_across_ranks
 from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
 
@@ -70,59 +70,6 @@ class Experience:
             else:
                 out[f.name] = v
         return Experience(**out)
-
-
-def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
-    """Join rollouts of different prompt / response widths: prompts left-padded, responses right-padded."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    P = max(r.prompt_ids.shape[1] for r in rollouts)
-    T = max(r.response_ids.shape[1] for r in rollouts)
-
-    def pad(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
-        extra = width - x.shape[1]
-        if extra == 0:
-            return x
-        filler = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
-        return torch.cat([filler, x] if left else [x, filler], dim=1)
-
-    offset, index = 0, []
-    for r in rollouts:
-        index.append(r.prompt_index + offset)
-        offset += int(r.prompt_index.max()) + 1 if len(r.prompt_index) else 0
-    return Rollout(
-        prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_id, True) for r in rollouts]),
-        prompt_mask=torch.cat([pad(r.prompt_mask, P, False, True) for r in rollouts]),
-        response_ids=torch.cat([pad(r.response_ids, T, pad_id, False) for r in rollouts]),
-        response_mask=torch.cat([pad(r.response_mask, T, False, False) for r in rollouts]),
-        logprobs=torch.cat([pad(r.logprobs, T, 0.0, False) for r in rollouts]),
-        texts=[t for r in rollouts for t in r.texts],
-        finished=torch.cat([r.finished for r in rollouts]),
-        prompt_index=torch.cat(index),
-        response_attention=None if all(r.response_attention is None for r in rollouts) else torch.cat(
-            [pad(r.response_mask if r.response_attention is None else r.response_attention, T, False, False)
-             for r in rollouts]),
-    )
-
-
-def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
-    """Rows `index` of a rollout, its response width trimmed to the longest kept response."""
-    mask = r.response_mask[index]
-    attention = None if r.response_attention is None else r.response_attention[index]
-    real = mask if attention is None else attention
-    T = int(real.sum(1).max()) if len(index) else 0
-    T = max(T, 1)
-    return Rollout(
-        prompt_ids=r.prompt_ids[index],
-        prompt_mask=r.prompt_mask[index],
-        response_ids=r.response_ids[index, :T],
-        response_mask=mask[:, :T],
-        logprobs=r.logprobs[index, :T],
-        texts=[r.texts[i] for i in index.tolist()],
-        finished=r.finished[index],
-        prompt_index=r.prompt_index[index],
-        response_attention=None if attention is None else attention[:, :T],
-    )
 
 
 # ------------------------------------------------------------------------------------------- advantages
@@ -227,7 +174,7 @@ def compute_advantages(
         else:
             out = Advantages(seq[:, None].expand(mask.shape).clone())
     if whiten_advantages:  # over the whole batch: every rank's share of it
-        out.advantages = masked_whiten(out.advantages, mask, world, unbiased=whiten_std == "unbiased")
+        out.advantages = whiten_across_ranks(out.advantages, mask, world, unbiased=whiten_std == "unbiased")
     out.advantages = torch.where(mask, out.advantages, torch.zeros_like(out.advantages))
     relu_zeroed = None
     if relu_log_p_weights:  # TapeAgents: learn only from what beat its baseline
@@ -460,38 +407,6 @@ def _cat(parts: list[torch.Tensor], sequences: torch.Tensor, T: int) -> torch.Te
     return torch.cat(parts).float() if parts else torch.zeros(0, T, device=sequences.device)
 
 
-# ------------------------------------------------------------------------------------- reward shaping
-
-def shape_scores(rollout: Rollout, scores: torch.Tensor, *, max_new_tokens: int, missing_eos_penalty: float | None = None,
-                 overlong_buffer: int | None = None, clip: float | tuple[float, float] | None = None, normalize: bool = False,
-                 drop_truncated: bool = False, world: World = ONE_PROCESS):
-    """Reward-side options (the `reward` section's fields of the same names) in the order they compose:
-    missing-EOS penalty, DAPO overlong penalty (the last `overlong_buffer` of `max_new_tokens`), clip, normalise
-    (over the whole batch: every rank's share of it). Returns (scores [B], keep [B] bool or None: False leaves a
-    truncated completion out of the loss, with `drop_truncated`)."""
-    from lmrl.rewards import shaping
-
-    if missing_eos_penalty is not None:
-        scores = shaping.missing_eos_penalty(scores, rollout.finished, missing_eos_penalty)
-    if overlong_buffer is not None:
-        scores = scores + shaping.overlong_penalty(rollout.lengths, max_new_tokens, overlong_buffer)
-    if clip is not None:
-        scores = shaping.clip_rewards(scores, clip)
-    if normalize and world.distributed:
-        scores = masked_whiten(scores, torch.ones_like(scores, dtype=torch.bool), world)
-    elif normalize:
-        scores = shaping.normalize_rewards(scores)
-    keep = shaping.overlong_filter_mask(rollout.finished) if drop_truncated else None
-    return scores, keep
-
-
-def informative_groups(scores: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
-    """[B / G] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these:
-    a group of equal rewards has zero advantage and teaches nothing)."""
-    g = scores.view(-1, group_size)
-    return (g.max(1).values - g.min(1).values) > tol
-
-
 def _sequence_advantages(advantage: str, scores: torch.Tensor, group_size: int, world: World,
                          baseline: torch.Tensor | None, pass_k: int) -> torch.Tensor:
     """[B] advantages of a sequence-level estimator; batch statistics span every rank's share."""
@@ -502,7 +417,7 @@ def _sequence_advantages(advantage: str, scores: torch.Tensor, group_size: int, 
     if advantage == "pass_at_k":
         return A.pass_at_k_advantages(scores, group_size, pass_k)
     if world.distributed and advantage == "grpo_batch_std":
-        return A.batch_std_advantages(scores, group_size, std=batch_std(scores, world))
+        return A.batch_std_advantages(scores, group_size, std=std_across_ranks(scores, world))
     if world.distributed and advantage == "gpg":
         return A.gpg_advantages(scores, group_size, informative_fraction=_informative_fraction(scores, group_size, world))
     return SEQUENCE_ESTIMATORS[advantage](scores, group_size)
@@ -510,7 +425,7 @@ def _sequence_advantages(advantage: str, scores: torch.Tensor, group_size: int, 
 
 def _informative_fraction(scores: torch.Tensor, group_size: int, world: World) -> torch.Tensor:
     """The share of groups whose rewards are not all equal, over every rank's groups."""
-    ok = informative_groups(scores, group_size, tol=0.0).double()
+    ok = A.informative_groups(scores, group_size, tol=0.0).double()
     counts = world.sum(torch.stack([ok.sum(), torch.tensor(float(len(ok)), dtype=torch.float64)]))
     return counts[0] / counts[1].clamp(min=1)
 

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from lmrl import algorithms as A
-from lmrl.build import KLController, build_run
+from lmrl.algorithms import KLController
+from lmrl.build import build_run
 from lmrl.collect import Collected, Collector, generation_weights
 from lmrl.config import Config, config_warnings
 from lmrl.data.prompts import PromptSampler

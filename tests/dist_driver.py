@@ -21,7 +21,7 @@ import torch
 
 from lmrl.config import load_config
 from lmrl.distributed import ONE_PROCESS
-from lmrl.experience import select_rollout
+from lmrl.rollout import select_rollout
 from lmrl.trainer import Collected, Trainer
 
 # 8 prompts x 4 completions of the shipped task; a learning rate that moves weights visibly in one step

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lmrl import algorithms as A
-from lmrl.distributed import World, masked_whiten
+from lmrl.distributed import World, whiten_across_ranks
 from lmrl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_one_rank_is_the_identity():
     assert world.shard(16) == slice(0, 16)
     mask = torch.tensor([[True, True, False], [True, False, True]])
     y = torch.tensor([[1.0, 3.0, 9.0], [2.0, 7.0, 4.0]])
-    torch.testing.assert_close(masked_whiten(y, mask, world), A.masked_whiten(y, mask))
+    torch.testing.assert_close(whiten_across_ranks(y, mask, world), A.masked_whiten(y, mask))
 
 
 def test_a_share_is_whole_and_even():
@@ -203,7 +203,7 @@ def test_reward_normalisation_on_one_rank_is_the_single_process_one():
 
     scores = torch.tensor([0.0, 3.0, 1.0, 1.0, 5.0], dtype=torch.float64)
     ones = torch.ones_like(scores, dtype=torch.bool)
-    torch.testing.assert_close(masked_whiten(scores, ones, World(size=1)), normalize_rewards(scores))
+    torch.testing.assert_close(whiten_across_ranks(scores, ones, World(size=1)), normalize_rewards(scores))
 
 
 def test_parallel_is_chosen_by_size_and_what_fsdp_shards():

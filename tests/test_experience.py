@@ -1,4 +1,4 @@
-"""make_experience and its pieces: advantages by estimator, KL in the reward, shaping, rollout surgery."""
+"""make_experience and its pieces: advantages by estimator, KL in the reward, importance and entropy weights."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ from lmrl import algorithms as A
 from lmrl.config import load_config
 from lmrl.experience import (
     compute_advantages,
-    concat_rollouts,
-    informative_groups,
     make_experience,
-    select_rollout,
-    shape_scores,
     top_entropy_mask,
 )
 from lmrl.rollout import Rollout
@@ -144,32 +140,6 @@ def test_top_entropy_mask_picks_the_highest():
     ent = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.2, 7.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     assert top_entropy_mask(ent, mask, 0.4).tolist() == [[False, True, False], [True, False, False]]
-
-
-def test_shape_scores_composes_penalties():
-    r = rollout(lengths=(5, 3, 2, 4), finished=(True, True, False, True))
-    cfg = load_config(None, ["reward.missing_eos_penalty=1.0", "reward.overlong_buffer=2", "rollout.max_new_tokens=5",
-                             "reward.drop_truncated=true"]).reward
-    scores, keep = shape_scores(r, SCORES, max_new_tokens=5, **cfg.shaping_options())
-    # overlong: length 5 -> -1 (at limit: (3 - 5) / 2), length 4 -> -0.5; missing EOS: row 2 -1
-    torch.testing.assert_close(scores, torch.tensor([0.0, 0.0, -0.5, 0.0]))
-    assert keep.tolist() == [True, True, False, True]
-
-
-def test_informative_groups():
-    assert informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.3, 0.3]), 2).tolist() == [False, True, False]
-
-
-def test_concat_and_select_rollouts_keep_alignment():
-    a, b = rollout(P=3, T=5), rollout(P=2, T=3, lengths=(3, 1, 2, 3), seed=1)
-    both = concat_rollouts([a, b], pad_id=0)
-    assert both.prompt_ids.shape == (8, 3) and both.response_ids.shape == (8, 5)
-    assert torch.equal(both.prompt_ids[4:, 1:], b.prompt_ids) and not both.prompt_mask[4:, 0].any()
-    assert torch.equal(both.response_mask[4:, :3], b.response_mask) and not both.response_mask[4:, 3:].any()
-    assert both.prompt_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    sub = select_rollout(both, torch.tensor([5, 6]))
-    assert sub.response_ids.shape == (2, 2)  # trimmed to the longest kept response
-    assert sub.texts == ["t1", "t2"]
 
 
 def test_batch_std_advantage_divides_by_the_std_of_the_whole_batch():

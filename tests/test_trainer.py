@@ -218,19 +218,6 @@ def test_sampler_in_the_policy_dtype_is_the_policy(tmp_path):
     assert trainer.cfg.algorithm.tis_cap is None
 
 
-def test_adaptive_kl_controller_moves_toward_its_target():
-    from lmrl.build import KLController
-
-    kl = KLController(0.1, target=1.0, horizon=100)
-    kl.update(kl=3.0, n=10)  # too much KL: error clipped at +0.2 -> coef * (1 + 0.2 * 10 / 100)
-    assert kl.value == pytest.approx(0.1 * 1.02)
-    kl.update(kl=0.0, n=10)
-    assert kl.value == pytest.approx(0.1 * 1.02 * 0.98)
-    fixed = KLController(0.1)
-    fixed.update(kl=5.0, n=10)
-    assert fixed.value == 0.1
-
-
 @pytest.mark.parametrize("fast", [True, False])
 def test_bf16_on_a_cpu_without_native_bf16_warns_once_naming_the_fields(tmp_path, monkeypatch, fast):
     import warnings

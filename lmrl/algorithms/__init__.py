@@ -13,13 +13,21 @@ from lmrl.algorithms.advantages import (
     gpg_advantages,
     group_advantages,
     grpo_advantages,
+    informative_groups,
     leave_one_out_advantages,
     pass_at_k_advantages,
     reinforce_baseline_advantages,
     remax_advantages,
     rloo_advantages,
 )
-from lmrl.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
+from lmrl.algorithms.kl import (
+    KL_CLAMPS,
+    KL_ESTIMATORS,
+    KLController,
+    kl_penalty,
+    kl_shaped_rewards,
+    sequence_kl,
+)
 from lmrl.algorithms.logprobs import DEFAULT_CHUNK_SIZE, hidden_logprobs, token_entropy, token_logprobs
 from lmrl.algorithms.losses import (
     AGGREGATION_MODES,
@@ -51,6 +59,7 @@ __all__ = [
     "gpg_advantages",
     "grpo_advantages",
     "group_advantages",
+    "informative_groups",
     "leave_one_out_advantages",
     "pass_at_k_advantages",
     "reinforce_baseline_advantages",
@@ -58,6 +67,7 @@ __all__ = [
     "rloo_advantages",
     "KL_CLAMPS",
     "KL_ESTIMATORS",
+    "KLController",
     "kl_penalty",
     "kl_shaped_rewards",
     "sequence_kl",

@@ -9,6 +9,9 @@ after filtering samples).
 Token-level estimators (`discounted_returns`, `gae`) take [B, T] per-token rewards, e.g. from
 `lmrl.algorithms.kl.kl_shaped_rewards`.
 
+`informative_groups` marks the groups whose rewards are not all equal, the only ones with a signal
+(DAPO's dynamic sampling keeps these).
+
 How lmrl departs from the usual implementations:
 
 1. Masks may have holes (environment or tool tokens inside a response). Returns and GAE skip masked
@@ -42,6 +45,7 @@ __all__ = [
     "gpg_advantages",
     "grpo_advantages",
     "group_advantages",
+    "informative_groups",
     "leave_one_out_advantages",
     "pass_at_k_advantages",
     "reinforce_baseline_advantages",
@@ -182,6 +186,13 @@ def reinforce_baseline_advantages(rewards: torch.Tensor, group_size: int) -> tor
         [B] advantages in the dtype of `rewards` (float32 for integer rewards).
     """
     return grpo_advantages(rewards, group_size, scale_by_std=False)
+
+
+def informative_groups(scores: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
+    """[B / G] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these:
+    a group of equal rewards has zero advantage and teaches nothing)."""
+    g = scores.view(-1, group_size)
+    return (g.max(1).values - g.min(1).values) > tol
 
 
 def clip_filter_like_weights(

@@ -23,6 +23,9 @@ log-ratio to [-20, 20] and the result to [-10, 10] for k3 (and k3+'s value) only
 clamps every estimator's result to [-10, 10]. A clamped entry has no gradient.
 
 Half-precision inputs are computed in float32 and the result is cast back to the input dtype.
+
+`KLController` holds the coefficient of the KL term, fixed or adaptive toward a target KL (Ziegler et
+al. 2019): plain Python arithmetic, checkpointed with the run (`state_dict` / `load_state_dict`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from lmrl.algorithms.masking import masked_sum
 
-__all__ = ["KL_CLAMPS", "KL_ESTIMATORS", "kl_penalty", "kl_shaped_rewards", "sequence_kl"]
+__all__ = ["KL_CLAMPS", "KL_ESTIMATORS", "KLController", "kl_penalty", "kl_shaped_rewards", "sequence_kl"]
 
 
 def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -195,3 +198,26 @@ def kl_shaped_rewards(
     last = torch.where(mask, positions, -1).amax(dim=1, keepdim=True)  # [B, 1]
     at_last = positions == last  # [B, T]
     return rewards + torch.where(at_last, scores.to(out_dtype).unsqueeze(1), zero)
+
+
+class KLController:
+    """The KL coefficient: fixed, or adaptive (Ziegler et al. 2019, sec. 2.2) when a target is set.
+
+    Adaptive: e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n / horizon, with KL the mean summed
+    KL per sequence of the last batch and n its number of samples.
+    """
+
+    def __init__(self, coef: float, target: float | None = None, horizon: int = 10000):
+        self.value, self.target, self.horizon = coef, target, horizon
+
+    def update(self, kl: float, n: int) -> None:
+        if self.target is None:
+            return
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = state["value"]

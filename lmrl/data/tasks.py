@@ -26,7 +26,10 @@ RewardFn = Callable[..., list[float]]
 
 
 def completion_text(completion: Any) -> str:
-    """The text of one completion: a string, or the last message of a conversational completion."""
+    """The text of one completion: a string, or the last message of a conversational completion.
+
+    Stricter than `lmrl.rewards.completion_text`: only a list whose last item is a dict is a conversation.
+    """
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
@@ -40,7 +43,9 @@ def exact_match_reward(
     """1.0 when the completion, stripped of surrounding whitespace, equals the answer; else 0.0.
 
     No partial credit and no format bonus: on this task a shaped reward did not speed RL up, and
-    the held-out metric stays the same function as the training reward.
+    the held-out metric stays the same function as the training reward. Not the built-in
+    `lmrl.rewards.exact_match_reward` (a factory whose functions also collapse inner whitespace and
+    score a missing answer None): this one is the task's reward itself, metric name and all.
     """
     if len(completions) != len(answer):
         raise ValueError(f"answer: expected {len(completions)} answers (one per completion), got {len(answer)}")

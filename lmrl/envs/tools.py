@@ -31,7 +31,7 @@ import inspect
 import json
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,10 +222,14 @@ def python_tool(sandbox: Any = None, name: str = "python") -> Tool:
     return Tool(python, name=name)
 
 
-def tools_from(specs: Sequence[str | Callable[..., Any] | Mapping[str, Any]], sandbox: Any = None) -> Tools:
-    """Tools from config entries: "python" (the built-in), "file.py:function", "module:function", or a function."""
+def tools_from(specs: Sequence[str | Callable[..., Any] | Mapping[str, Any]], sandbox: Any = None, *,
+               builtins: Iterable[str] = ()) -> Tools:
+    """Tools from config entries: "python" (the built-in), "file.py:function", "module:function", or a function.
+
+    `builtins` are the names that the message of a spec in neither form lists (`lmrl.user_code.load_function`).
+    """
     from lmrl.errors import ConfigError
-    from lmrl.rewards.registry import load_function
+    from lmrl.user_code import load_function
 
     tools = []
     for i, spec in enumerate(specs):
@@ -233,11 +237,11 @@ def tools_from(specs: Sequence[str | Callable[..., Any] | Mapping[str, Any]], sa
             if spec == "python":
                 tools.append(python_tool(sandbox))
             elif isinstance(spec, str):
-                tools.append(Tool(load_function(spec)))
+                tools.append(Tool(load_function(spec, "tool spec", builtins)))
             else:
                 tools.append(spec if isinstance(spec, Tool) else Tool(spec))
         except ConfigError as e:
-            raise ConfigError(f"env.tools[{i}]: {str(e).replace('reward spec', 'tool spec')}") from e
+            raise ConfigError(f"env.tools[{i}]: {e}") from e
         except (TypeError, ValueError) as e:
             raise ConfigError(f"env.tools[{i}]: {e}") from e
     try:

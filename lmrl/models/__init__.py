@@ -1,1 +1,1 @@
-"""Models: loading Hugging Face causal LMs, tokenizers, reward models, critics; the shipped tiny model."""
+"""Models: loading Hugging Face causal LMs, tokenizers, reward models, critics and the sampler copy; the shipped tiny model."""

@@ -24,7 +24,6 @@ from lmrl.rewards.core import (
 from lmrl.rewards.math_verifier import MathVerifyWorker, extract_final_answer, verify_answer
 from lmrl.rewards.registry import (
     BUILTIN_REWARDS,
-    load_function,
     queries_reward,
     resolve_reward,
     reward_recipes_from_config,
@@ -38,6 +37,7 @@ from lmrl.rewards.shaping import (
     normalize_rewards,
     overlong_filter_mask,
     overlong_penalty,
+    shape_scores,
 )
 from lmrl.rewards.verifiers import (
     THINK_ANSWER_PATTERN,
@@ -47,6 +47,7 @@ from lmrl.rewards.verifiers import (
     math_reward,
     regex_reward,
 )
+from lmrl.user_code import load_function
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -85,5 +86,6 @@ __all__ = [
     "reward_recipes_from_config",
     "reward_set_from_config",
     "score",
+    "shape_scores",
     "verify_answer",
 ]

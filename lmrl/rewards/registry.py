@@ -8,8 +8,8 @@ A spec is one of:
 - `"package.module:function_name"`: a function importable from an installed module.
 
 For user functions, options are bound as keyword arguments (`functools.partial`). Loading a user
-file runs that file, as importing any module does: only load files you trust. Model outputs, by
-contrast, are never executed.
+file (`lmrl.user_code.load_function`) runs that file, as importing any module does: only load files
+you trust. Model outputs, by contrast, are never executed.
 
 Every problem is a one-line `lmrl.errors.ConfigError` (a ValueError) naming the spec, and, from
 `reward_set_from_config`, the entry: `reward.functions[2]: reward spec 'r.py:f': file 'r.py' not found`
@@ -19,14 +19,10 @@ Every problem is a one-line `lmrl.errors.ConfigError` (a ValueError) naming the 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +36,7 @@ from lmrl.rewards.verifiers import (
     math_reward,
     regex_reward,
 )
+from lmrl.user_code import load_function
 
 
 def _remote(**kwargs: Any) -> Callable[..., Any]:
@@ -84,58 +81,6 @@ SANDBOXED_REWARDS = ("code",)
 """Built-ins that run model-written code: they get the config's `sandbox` limits unless an entry sets its own."""
 
 
-def _one_line(e: BaseException) -> str:
-    if isinstance(e, SystemExit):
-        return f"it called sys.exit({'' if e.code is None else repr(e.code)})"
-    text = " ".join(f"{type(e).__name__}: {e}".split())
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def load_function(spec: str) -> Callable[..., Any]:
-    """Load `"path/to/file.py:function"` or `"package.module:function"`.
-
-    Importing runs the file or module; an exception or a sys.exit() there is reported, not
-    propagated (KeyboardInterrupt still is).
-
-    Raises:
-        ConfigError: a malformed spec, a missing file or module, a file or module that fails to
-            import, or a missing / non-callable attribute; the message names the spec.
-    """
-    module_part, sep, attr = spec.rpartition(":")
-    if not sep or not module_part or not attr:
-        raise ConfigError(f"reward spec {spec!r}: expected a built-in name {sorted(BUILTIN_REWARDS)}, "
-                          "'path/to/file.py:function' or 'module.sub:function'")
-    if module_part.endswith(".py"):
-        path = Path(module_part).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"reward spec {spec!r}: file {str(path)!r} not found")
-        module_name = f"lmrl_user_reward_{abs(hash(str(path.resolve())))}"
-        file_spec = importlib.util.spec_from_file_location(module_name, path)
-        if file_spec is None or file_spec.loader is None:
-            raise ConfigError(f"reward spec {spec!r}: cannot load {str(path)!r} as a Python module")
-        module = importlib.util.module_from_spec(file_spec)
-        sys.modules[module_name] = module  # so that pickling and dataclasses inside the file work
-        try:
-            file_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as e:
-            sys.modules.pop(module_name, None)
-            raise ConfigError(f"reward spec {spec!r}: importing {str(path)!r} failed: {_one_line(e)}") from e
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except ImportError as e:
-            raise ConfigError(f"reward spec {spec!r}: cannot import module {module_part!r}: {_one_line(e)}") from e
-        except (Exception, SystemExit) as e:
-            raise ConfigError(f"reward spec {spec!r}: importing module {module_part!r} failed: {_one_line(e)}") from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ConfigError(f"reward spec {spec!r}: no function {attr!r} in {module_part!r}; callables there: {public}")
-    if not callable(fn):
-        raise ConfigError(f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
 def _check_options(spec: str, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
     """Options bound to a user function must be parameters of it (or go to its **kwargs)."""
     try:
@@ -174,7 +119,7 @@ def resolve_reward(spec: str | Callable[..., Any], **options: Any) -> Callable[.
                 raise type(e)(f"reward {spec!r}: {e}") from e
             raise ConfigError(f"reward {spec!r}: {' '.join(str(e).split())}") from e
     else:
-        fn = load_function(spec)
+        fn = load_function(spec, "reward spec", BUILTIN_REWARDS)
     if options:
         name = reward_name(fn)
         _check_options(spec if isinstance(spec, str) else name, fn, options)

@@ -1,7 +1,8 @@
-"""Reward shaping: pure tensor functions applied to sequence-level scores before advantages.
+"""Reward shaping: functions applied to sequence-level scores before advantages.
 
-All inputs are [B] tensors (one entry per completion); every function returns a new tensor and
-leaves its inputs unchanged.
+The shaping functions are pure tensor functions: all inputs are [B] tensors (one entry per completion);
+every function returns a new tensor and leaves its inputs unchanged. `shape_scores` applies them, as the
+`reward` section configures them, to the scores of a rollout.
 
 - `missing_eos_penalty`: TRL's "EOS trick" (RLOO / PPO trainer docs): subtract a fixed penalty from
   completions that were cut off before EOS.
@@ -9,11 +10,20 @@ leaves its inputs unchanged.
 - `overlong_filter_mask`: DAPO's overlong filtering: drop truncated completions from the loss.
 - `clip_rewards`, `normalize_rewards`: REINFORCE++ options (Hu 2025; TRL RLOO docs): clip scores to
   [-c, c] (or a [low, high] range); normalise to mean 0, std 1 over the batch.
+- `shape_scores`: the options above in the order they compose, on a rollout's scores; under torchrun the
+  normalisation spans every rank's share of the batch (`lmrl.distributed`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from lmrl.distributed import ONE_PROCESS, World, whiten_across_ranks
+
+if TYPE_CHECKING:  # for annotations only: importing lmrl.rollout would import transformers
+    from lmrl.rollout import Rollout
 
 
 def _as_bool(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -131,3 +141,27 @@ def normalize_rewards(scores: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     centered = scores - scores.mean()
     std = scores.std() if scores.numel() > 1 else scores.new_zeros(())
     return centered / (std + eps)
+
+
+_missing_eos_penalty = missing_eos_penalty  # shape_scores' keyword of that name (the config field) hides it
+
+
+def shape_scores(rollout: Rollout, scores: torch.Tensor, *, max_new_tokens: int, missing_eos_penalty: float | None = None,
+                 overlong_buffer: int | None = None, clip: float | tuple[float, float] | None = None, normalize: bool = False,
+                 drop_truncated: bool = False, world: World = ONE_PROCESS):
+    """Reward-side options (the `reward` section's fields of the same names) in the order they compose:
+    missing-EOS penalty, DAPO overlong penalty (the last `overlong_buffer` of `max_new_tokens`), clip, normalise
+    (over the whole batch: every rank's share of it). Returns (scores [B], keep [B] bool or None: False leaves a
+    truncated completion out of the loss, with `drop_truncated`)."""
+    if missing_eos_penalty is not None:
+        scores = _missing_eos_penalty(scores, rollout.finished, missing_eos_penalty)
+    if overlong_buffer is not None:
+        scores = scores + overlong_penalty(rollout.lengths, max_new_tokens, overlong_buffer)
+    if clip is not None:
+        scores = clip_rewards(scores, clip)
+    if normalize and world.distributed:
+        scores = whiten_across_ranks(scores, torch.ones_like(scores, dtype=torch.bool), world)
+    elif normalize:
+        scores = normalize_rewards(scores)
+    keep = overlong_filter_mask(rollout.finished) if drop_truncated else None
+    return scores, keep

@@ -15,6 +15,7 @@ from lmrl.algorithms import (
     gae,
     group_advantages,
     grpo_advantages,
+    informative_groups,
     leave_one_out_advantages,
     reinforce_baseline_advantages,
     rloo_advantages,
@@ -203,6 +204,10 @@ def test_group_estimators_bfloat16_close_to_float32():
 def test_errors_name_the_argument(call, error, match):
     with pytest.raises(error, match=f"^{match}"):
         call()
+
+
+def test_informative_groups():
+    assert informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.3, 0.3]), 2).tolist() == [False, True, False]
 
 
 # per-token estimators -----------------------------------------------------------------------------

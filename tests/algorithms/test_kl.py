@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmrl.algorithms import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, sequence_kl
+from lmrl.algorithms import KL_ESTIMATORS, KLController, kl_penalty, kl_shaped_rewards, sequence_kl
 
 NAN, INF = float("nan"), float("inf")
 
@@ -222,3 +222,14 @@ def test_sequence_kl_sums_real_tokens():
     mask = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     torch.testing.assert_close(sequence_kl(logp, ref, mask), torch.tensor([0.5 - 1.0, 0.0 + 1.0]))
     torch.testing.assert_close(sequence_kl(logp, ref, mask, "k2"), torch.tensor([0.125 + 0.5, 0.5]))
+
+
+def test_adaptive_kl_controller_moves_toward_its_target():
+    kl = KLController(0.1, target=1.0, horizon=100)
+    kl.update(kl=3.0, n=10)  # too much KL: error clipped at +0.2 -> coef * (1 + 0.2 * 10 / 100)
+    assert kl.value == pytest.approx(0.1 * 1.02)
+    kl.update(kl=0.0, n=10)
+    assert kl.value == pytest.approx(0.1 * 1.02 * 0.98)
+    fixed = KLController(0.1)
+    fixed.update(kl=5.0, n=10)
+    assert fixed.value == 0.1

@@ -7,13 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmrl.config import load_config
 from lmrl.rewards.shaping import (
     clip_rewards,
     missing_eos_penalty,
     normalize_rewards,
     overlong_filter_mask,
     overlong_penalty,
+    shape_scores,
 )
+from tests.test_experience import SCORES, rollout
 
 
 def test_missing_eos_penalty_hand_computed():
@@ -124,3 +127,13 @@ def test_normalize_rewards_mean_zero_std_one(values):
     assert abs(out.mean().item()) < 1e-6
     expected_std = (x.std() / (x.std() + 1e-8)).item()  # 1 up to the eps guarding equal scores
     assert abs(out.std().item() - expected_std) < 1e-9
+
+
+def test_shape_scores_composes_penalties():
+    r = rollout(lengths=(5, 3, 2, 4), finished=(True, True, False, True))
+    cfg = load_config(None, ["reward.missing_eos_penalty=1.0", "reward.overlong_buffer=2", "rollout.max_new_tokens=5",
+                             "reward.drop_truncated=true"]).reward
+    scores, keep = shape_scores(r, SCORES, max_new_tokens=5, **cfg.shaping_options())
+    # overlong: length 5 -> -1 (at limit: (3 - 5) / 2), length 4 -> -0.5; missing EOS: row 2 -1
+    torch.testing.assert_close(scores, torch.tensor([0.0, 0.0, -0.5, 0.0]))
+    assert keep.tolist() == [True, True, False, True]
