@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import lmrl.checkpoint as checkpoint
+import lmrl.lifecycle as lifecycle
 import lmrl.trainer as trainer
 from lmrl.cli import main
 
@@ -49,16 +50,17 @@ def inject(fault: str, step: int) -> None:
 
         T.update = faulty_update
     elif fault == "kill-after-state":
-        save = trainer.save_model_state
+        save = lifecycle.save_model_state
 
         def faulty_save(directory, *args):
             save(directory, *args)
             if Path(directory).parent.name.startswith(f".tmp-checkpoint-{step}-"):
                 _kill()
 
-        trainer.save_model_state = faulty_save
+        lifecycle.save_model_state = faulty_save
     elif fault == "kill-mid-model":
-        files = T._save_model_files
+        L = lifecycle.RunLifecycle
+        files = L._save_model_files
 
         def faulty_files(self, directory, final=False):
             files(self, directory, final)
@@ -67,7 +69,7 @@ def inject(fault: str, step: int) -> None:
                 weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
                 _kill()
 
-        T._save_model_files = faulty_files
+        L._save_model_files = faulty_files
     elif fault == "kill-before-rename":
         write = checkpoint._write_synced
 
