@@ -32,8 +32,7 @@ from lmrl.models.loading import (
     resolve_device,
 )
 from lmrl.models.prompt_encoding import prompt_lengths
-
-SHIPPED_NAMES = ("tiny-addition", "tiny-calculator")
+from lmrl.models.shipped import SHIPPED_MODELS
 
 
 @dataclass
@@ -59,9 +58,7 @@ def policy_path(cfg: Config) -> str:
 
 
 def _resolved(path: str) -> str:
-    if path in SHIPPED_NAMES:
-        from lmrl.models.shipped import SHIPPED_MODELS
-
+    if path in SHIPPED_MODELS:
         return str(SHIPPED_MODELS[path])
     return path
 

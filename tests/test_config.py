@@ -2,7 +2,8 @@
 
 import pytest
 
-from lmrl.config import ALGORITHM_PRESETS, ConfigError, load_config, parse_overrides
+from lmrl.config import ALGORITHM_PRESETS, MODEL_PRESETS, ConfigError, load_config, parse_overrides
+from lmrl.models.shipped import SHIPPED_MODELS
 
 
 def test_defaults_are_grpo_on_the_shipped_task():
@@ -85,6 +86,11 @@ def test_shipped_model_preset_under_user_values():
     assert not load_config(None, ["algorithm=ppo", "model.shared_critic=false"]).model.shared_critic
     # the model preset never overrides what an algorithm preset defines
     assert load_config(None, ["algorithm=dr_grpo"]).algorithm.aggregation == "seq-mean-token-sum-norm"
+
+
+def test_model_presets_are_for_shipped_models():
+    # SHIPPED_MODELS is the one list of shipped names; a preset for any other name would never apply
+    assert set(MODEL_PRESETS) <= set(SHIPPED_MODELS)
 
 
 def test_reward_recipes_and_a_clip_range_are_checked_on_load():
