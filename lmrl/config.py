@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -72,6 +74,17 @@ class _Section(BaseModel):
             # a path may be a pathlib.Path wherever the config takes one; it is kept as a string
             data = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in data.items()}
         return data
+
+    # fields `options_for` leaves out although a function takes them (a value the caller passes instead)
+    _not_options: ClassVar[frozenset[str]] = frozenset()
+
+    def options_for(self, fn: Callable[..., Any]) -> dict[str, Any]:
+        """This section's fields that `fn` takes as keyword arguments of the same names, so that a call reads
+        `make_experience(..., **cfg.algorithm.options_for(make_experience))` and no name is listed twice."""
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        params = {name for name, p in inspect.signature(fn).parameters.items() if p.kind in keyword}
+        return {name: getattr(self, name) for name in type(self).model_fields
+                if name in params and name not in self._not_options}
 
     def __setattr__(self, name: str, value: Any) -> None:
         # `cfg.train.steps = -3` is checked on assignment (validate_assignment): one line naming the full key
@@ -377,6 +390,9 @@ class AlgorithmConfig(_Section):
     tis_low: Annotated[float, Field(ge=0, lt=1)] = 0.5
     """Lower end of the band of tis_mode icepop and sequence-mask, in [0, 1)."""
 
+    # kl_coef only starts the KL controller (kl_target adapts it): its caller passes the current value
+    _not_options: ClassVar[frozenset[str]] = frozenset({"kl_coef"})
+
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
         if self.kl_target is not None and self.kl_coef == 0:
@@ -396,12 +412,6 @@ class AlgorithmConfig(_Section):
     def needs_critic(self) -> bool:
         return self.advantage == "gae"
 
-    def experience_options(self) -> dict[str, Any]:
-        """The fields `lmrl.experience.make_experience` takes, as its keyword arguments of the same names."""
-        return {name: getattr(self, name) for name in (
-            "advantage", "gamma", "lam", "whiten_advantages", "whiten_std", "use_advantages", "relu_log_p_weights",
-            "pass_k", "kl_in", "kl_level", "kl_estimator", "kl_clamp", "tis_cap", "tis_mode", "tis_low",
-            "entropy_top_fraction", "reward_minus_kl_coef", "clip_filter_like_weight")}
 
 
 # Defaults of each algorithm, as its paper (or the reference implementation) sets them. Fields not listed

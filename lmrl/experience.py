@@ -9,7 +9,7 @@ Data flow (one step):
       -> Experience: every tensor aligned to response tokens [B, T]
 
 Everything here is plain tensors, models and keyword arguments (named as the config fields they come from,
-e.g. `advantage`, `kl_in`, `tis_cap`: `AlgorithmConfig.experience_options()` and
+e.g. `advantage`, `kl_in`, `tis_cap`: `cfg.algorithm.options_for(make_experience)` and
 `RewardConfig.shaping_options()` give them), so this module knows nothing of the config layer; the math is
 in `lmrl.algorithms`.
 """
