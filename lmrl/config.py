@@ -1042,25 +1042,6 @@ def _section_at(path: str) -> type[BaseModel] | None:
     return model
 
 
-# fields a resumed run may change: none of them can make the saved state mean something else
-RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.max_minutes",
-                     "train.resume", "train.overwrite", "train.threads", "train.parallel", "train.output_dir",
-                     "rollout.cuda_graph", "reward.timeout", "log.")
-
-
-def resume_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
-    """`section.field (old -> new)` for every field that differs from a checkpoint's config and may not."""
-    out = []
-    now = cfg.model_dump(mode="json")
-    for section, fields in now.items():
-        for name, value in fields.items():
-            key = f"{section}.{name}"
-            old = (saved.get(section) or {}).get(name, value)
-            if old != value and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_CHANGES):
-                out.append(f"{key} ({old!r} -> {value!r})")
-    return out
-
-
 def config_warnings(cfg: Config) -> list[str]:
     """Values that are valid but quietly waste a run: one line each, printed when a run starts."""
     out = []
