@@ -712,6 +712,7 @@ class Config(_Section):
         except ValidationError as e:
             raise ConfigError(_one_line(e)) from None
         self._given = _user_values(values)
+        derive(self)
 
     @model_validator(mode="before")
     @classmethod
@@ -781,8 +782,6 @@ class Config(_Section):
             section, _, name = key.partition(".")
             if getattr(getattr(self, section), name) not in (None, False) and importlib.util.find_spec(module) is None:
                 raise ValueError(f"{key}: needs the {module} package, which is not installed: pip install 'lmrl[{extra}]'")
-        if self.samples_with_copy and a.tis_cap is None:
-            a.tis_cap = DEFAULT_TIS_CAP  # another sampler: correct for it rather than pretend on-policy
         return self
 
     @property
@@ -795,6 +794,18 @@ class Config(_Section):
         """The reference model is loaded only when a KL term can use it."""
         a = self.algorithm
         return a.kl_coef > 0 or a.kl_target is not None or a.reward_minus_kl_coef > 0
+
+
+def derive(cfg: Config) -> None:
+    """Fill the values a Config derives from its other fields, where the user left them unset (None). Run once
+    as each Config is built, after validation (`Config(...)`, `checked()`, `for_model()`), never inside a
+    validator:
+
+        algorithm.tis_cap  DEFAULT_TIS_CAP when the sampler is a copy of the policy in another dtype
+                           (rollout.dtype): correct for it rather than pretend the run is on-policy
+    """
+    if cfg.samples_with_copy and cfg.algorithm.tis_cap is None:
+        cfg.algorithm.tis_cap = DEFAULT_TIS_CAP
 
 
 # ---------------------------------------------------------------------------------------------- loading
