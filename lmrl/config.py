@@ -689,9 +689,10 @@ _EXTRAS = (("log.tensorboard", "tensorboard", "tensorboard"), ("log.wandb", "wan
 
 
 class Config(_Section):
-    """The whole configuration. Built from YAML, `key=value` overrides or Python alike: presets fill what the
-    user did not set (the model's, then the algorithm's), so `Config(algorithm={"name": "rloo"})` is the
-    config `lmrl train algorithm=rloo` runs. An invalid value raises `ConfigError` with one line."""
+    """The whole configuration. Built from YAML, `key=value` overrides or Python alike, in three steps: presets
+    fill what the user did not set (`with_presets`: the model's, then the algorithm's), pydantic validates, and
+    `derive` fills the derived values. So `Config(algorithm={"name": "rloo"})` is the config
+    `lmrl train algorithm=rloo` runs. An invalid value raises `ConfigError` with one line."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -707,17 +708,14 @@ class Config(_Section):
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)  # the values the user set, before presets
 
     def __init__(self, **values: Any) -> None:
+        # pydantic calls this for Config.model_validate too: every way of building a Config takes these steps
+        given = _user_values(values)
         try:
-            super().__init__(**values)
+            super().__init__(**with_presets(given))
         except ValidationError as e:
             raise ConfigError(_one_line(e)) from None
-        self._given = _user_values(values)
+        self._given = given
         derive(self)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _presets(cls, data: Any) -> Any:
-        return with_presets(_user_values(data)) if isinstance(data, dict) else data
 
     def user_set(self, key: str) -> bool:
         """The user gave a value for `key` ("section.field"), rather than a preset or the default."""
