@@ -28,6 +28,7 @@ def config_warnings(cfg: Config) -> list[str]:
 
 
 def config_to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML: what a run saves as `lmrl_config.yaml`."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
