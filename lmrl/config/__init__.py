@@ -25,7 +25,7 @@ This module only hands names on.
 # the algorithm section (`Config(algorithm=AlgorithmConfig(name="rloo"))`, lmrl.scored, tests)
 from lmrl.config.algorithm import AlgorithmConfig
 
-# --help-config, and the resolved config as a run prints and saves it (cli, trainer)
+# --help-config, and the resolved config as a run prints and saves it (cli, trainer, lifecycle)
 from lmrl.config.describe import config_summary, config_to_yaml, config_warnings, describe_fields
 
 # building a Config from YAML files, overrides or a nested dict (cli, tests, benchmarks)
