@@ -335,7 +335,7 @@ def update_difference(s: Settings, out_dir: str) -> tuple[float, float]:
     trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[coin_reward],
                       train_dataset=prompt_rows(s), console=False)
     c = trainer.collect(1)
-    exp = make_experience(c.rollout, c.scores, **cfg.algorithm.experience_options(), policy_logprobs=None, kl_coef=0.0,
+    exp = make_experience(c.rollout, c.scores, **cfg.algorithm.options_for(make_experience), policy_logprobs=None, kl_coef=0.0,
                           micro_batch_size=len(c.scores), loss_mask=c.keep, info=c.per_function)
     trainer.update(exp)  # leaves the (unclipped) gradient in .grad; lr ~0 leaves the weights
     ours = {n: p.grad for n, p in trainer.policy.named_parameters()}

@@ -37,9 +37,8 @@ from lmrl.models.loading import (
     resolve_device,
 )
 from lmrl.models.prompt_encoding import prompt_lengths
+from lmrl.models.shipped import SHIPPED_MODELS
 from lmrl.models.weights import sampler_copy
-
-SHIPPED_NAMES = ("tiny-addition", "tiny-calculator")
 
 
 @dataclass
@@ -65,9 +64,7 @@ def policy_path(cfg: Config) -> str:
 
 
 def _resolved(path: str) -> str:
-    if path in SHIPPED_NAMES:
-        from lmrl.models.shipped import SHIPPED_MODELS
-
+    if path in SHIPPED_MODELS:
         return str(SHIPPED_MODELS[path])
     return path
 

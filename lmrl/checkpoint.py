@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -49,6 +49,9 @@ from torch import nn
 
 from lmrl.distributed import ONE_PROCESS, World, local
 from lmrl.errors import RunError
+
+if TYPE_CHECKING:
+    from lmrl.config import Config
 
 COMPLETE = "COMPLETE"
 LOCK = ".lmrl.lock"
@@ -230,8 +233,6 @@ def plan_run(cfg) -> RunPlan:
         raise RunError(f"train.output_dir: {out} holds a run ({', '.join(earlier[:4])}); resume it with "
                        "train.resume=auto, or start afresh with train.overwrite=true (deletes it)")
     if checkpoint is not None:
-        from lmrl.config import RESUMABLE_CHANGES, resume_differences
-
         saved = yaml.safe_load((checkpoint / "lmrl_config.yaml").read_text()) or {}
         if diffs := resume_differences(saved, cfg):
             allowed = ", ".join(k + ("*" if k.endswith(".") else "") for k in RESUMABLE_CHANGES)
@@ -239,6 +240,25 @@ def plan_run(cfg) -> RunPlan:
                            f"only {allowed} may change on resume")
     # a run killed before its first checkpoint (resume=auto finds none) has nothing to keep: start afresh
     return RunPlan(checkpoint, clear=bool(earlier) and not own)
+
+
+# fields a resumed run may change: none of them can make the saved state mean something else
+RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.max_minutes",
+                     "train.resume", "train.overwrite", "train.threads", "train.parallel", "train.output_dir",
+                     "rollout.cuda_graph", "reward.timeout", "log.")
+
+
+def resume_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """`section.field (old -> new)` for every field that differs from a checkpoint's config and may not."""
+    out = []
+    now = cfg.model_dump(mode="json")
+    for section, fields in now.items():
+        for name, value in fields.items():
+            key = f"{section}.{name}"
+            old = (saved.get(section) or {}).get(name, value)
+            if old != value and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_CHANGES):
+                out.append(f"{key} ({old!r} -> {value!r})")
+    return out
 
 
 # ------------------------------------------------------------------------------------------- lock

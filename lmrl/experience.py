@@ -9,7 +9,7 @@ Data flow (one step):
       -> Experience: every tensor aligned to response tokens [B, T]
 
 Everything here is plain tensors, models and keyword arguments (named as the config fields they come from,
-e.g. `advantage`, `kl_in`, `tis_cap`: `AlgorithmConfig.experience_options()` gives them), so this module
+e.g. `advantage`, `kl_in`, `tis_cap`: `cfg.algorithm.options_for(make_experience)` gives them), so this module
 knows nothing of the config layer; the math is in `lmrl.algorithms`. The scores arrive shaped
 (`lmrl.rewards.shaping`), and the rollout joined and filtered (`lmrl.rollout.ops`), before this module.
 """

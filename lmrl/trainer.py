@@ -240,7 +240,7 @@ class Trainer:
         KL, advantages."""
         cfg, f = self.cfg, self.forwards
         return make_experience(
-            c.rollout, c.scores, **cfg.algorithm.experience_options(),
+            c.rollout, c.scores, **cfg.algorithm.options_for(make_experience),
             policy_logprobs=f.policy_logprobs if needs_old_logprobs(cfg.algorithm) else None,
             ref_logprobs=f.reference if self.models.has_reference else None,
             critic_values=f.critic if self.models.critic is not None else None,

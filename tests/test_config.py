@@ -2,7 +2,15 @@
 
 import pytest
 
-from lmrl.config import ALGORITHM_PRESETS, ConfigError, load_config, parse_overrides
+from lmrl.config import (
+    ALGORITHM_PRESETS,
+    DEFAULT_TIS_CAP,
+    MODEL_PRESETS,
+    ConfigError,
+    load_config,
+    parse_overrides,
+)
+from lmrl.models.shipped import SHIPPED_MODELS
 
 
 def test_defaults_are_grpo_on_the_shipped_task():
@@ -85,6 +93,21 @@ def test_shipped_model_preset_under_user_values():
     assert not load_config(None, ["algorithm=ppo", "model.shared_critic=false"]).model.shared_critic
     # the model preset never overrides what an algorithm preset defines
     assert load_config(None, ["algorithm=dr_grpo"]).algorithm.aggregation == "seq-mean-token-sum-norm"
+
+
+def test_a_derived_value_fills_only_what_the_user_left_unset():
+    # a sampler in another dtype (rollout.dtype) gets truncated importance sampling, however the config is built
+    assert load_config(None, ["rollout.dtype=bfloat16"]).algorithm.tis_cap == DEFAULT_TIS_CAP
+    assert load_config(None, ["rollout.dtype=bfloat16", "algorithm.tis_cap=3"]).algorithm.tis_cap == 3
+    assert load_config(None, ["rollout.dtype=bfloat16", "model.dtype=bfloat16"]).algorithm.tis_cap is None
+    cfg = load_config()
+    cfg.rollout.dtype = "float16"  # an assignment is checked at once; derived values follow in checked()
+    assert cfg.algorithm.tis_cap is None and cfg.checked().algorithm.tis_cap == DEFAULT_TIS_CAP
+
+
+def test_model_presets_are_for_shipped_models():
+    # SHIPPED_MODELS is the one list of shipped names; a preset for any other name would never apply
+    assert set(MODEL_PRESETS) <= set(SHIPPED_MODELS)
 
 
 def test_reward_recipes_and_a_clip_range_are_checked_on_load():

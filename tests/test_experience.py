@@ -23,10 +23,24 @@ def algo(*overrides):
 
 def adv_options(*overrides):
     """compute_advantages' keyword arguments as a config with these overrides gives them."""
-    options = algo(*overrides).experience_options()
+    options = algo(*overrides).options_for(make_experience)
     make_experience_only = ("kl_estimator", "kl_clamp", "tis_cap", "tis_mode", "tis_low", "entropy_top_fraction",
                             "reward_minus_kl_coef", "clip_filter_like_weight")
     return {k: v for k, v in options.items() if k not in make_experience_only}
+
+
+# the AlgorithmConfig fields make_experience takes (kl_coef aside: the trainer passes its KL controller's value)
+EXPERIENCE_OPTIONS = ("advantage", "gamma", "lam", "whiten_advantages", "whiten_std", "use_advantages",
+                      "relu_log_p_weights", "pass_k", "kl_in", "kl_level", "kl_estimator", "kl_clamp", "tis_cap",
+                      "tis_mode", "tis_low", "entropy_top_fraction", "reward_minus_kl_coef", "clip_filter_like_weight")
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo"])
+def test_options_for_make_experience_are_its_18_algorithm_fields(name):
+    cfg = algo(f"algorithm={name}", "rollout.dtype=bfloat16")
+    options = cfg.options_for(make_experience)
+    assert sorted(options) == sorted(EXPERIENCE_OPTIONS) and len(options) == 18
+    assert options == {k: getattr(cfg, k) for k in EXPERIENCE_OPTIONS}
 
 
 def rollout(B=4, P=3, T=5, lengths=(5, 3, 2, 4), finished=(True, True, False, True), seed=0):
@@ -100,7 +114,7 @@ def test_whitening_gives_zero_mean_unit_std_over_real_tokens():
 
 def test_make_experience_leaves_old_logprobs_to_the_update_and_drops_truncated():
     r = rollout()
-    exp = make_experience(r, SCORES, **algo().experience_options(), policy_logprobs=None, loss_mask=r.finished)
+    exp = make_experience(r, SCORES, **algo().options_for(make_experience), policy_logprobs=None, loss_mask=r.finished)
     assert exp.old_logprobs is None and exp.rollout_logprobs is None  # one update: its own forward serves
     assert not exp.response_mask[2].any() and exp.response_mask[0].all()
     assert exp.ref_logprobs is None and exp.values is None
@@ -109,7 +123,7 @@ def test_make_experience_leaves_old_logprobs_to_the_update_and_drops_truncated()
 
 def test_make_experience_hands_sampling_logprobs_to_the_update_for_tis():
     r = rollout()
-    exp = make_experience(r, SCORES, **algo("algorithm.tis_cap=2.0").experience_options(), policy_logprobs=None)
+    exp = make_experience(r, SCORES, **algo("algorithm.tis_cap=2.0").options_for(make_experience), policy_logprobs=None)
     assert exp.old_logprobs is None and torch.equal(exp.rollout_logprobs, r.logprobs.float())
     assert torch.equal(exp.select(torch.tensor([2, 0])).rollout_logprobs, r.logprobs[[2, 0]].float())
 
@@ -128,7 +142,7 @@ def test_make_experience_with_reference_and_entropy_filter():
         return torch.full((seqs.shape[0], T), -1.5)
 
     cfg = algo("algorithm.kl_coef=0.1", "algorithm.entropy_top_fraction=0.5")
-    exp = make_experience(r, SCORES, **cfg.experience_options(), policy_logprobs=policy, ref_logprobs=ref,
+    exp = make_experience(r, SCORES, **cfg.options_for(make_experience), policy_logprobs=policy, ref_logprobs=ref,
                           micro_batch_size=3)
     assert calls == [("policy", 3, 5), ("policy", 1, 5), ("ref", 3, 5), ("ref", 1, 5)]
     torch.testing.assert_close(exp.info["kl"], 0.5 * r.response_mask.sum(1).float())  # k1: -1 - (-1.5) per token
@@ -160,7 +174,7 @@ def test_population_std_whitening():
 def test_kl_clamp_applies_to_the_kl_in_the_reward(clamp, expected):
     r = rollout(B=2, lengths=(5, 5), finished=(True, True))
     cfg = algo("algorithm=rloo", f"algorithm.kl_clamp={clamp}")
-    exp = make_experience(r, torch.tensor([1.0, 0.0]), **cfg.experience_options(), policy_logprobs=None,
+    exp = make_experience(r, torch.tensor([1.0, 0.0]), **cfg.options_for(make_experience), policy_logprobs=None,
                           ref_logprobs=lambda s, a, T: r.logprobs[: s.shape[0]] - 30.0, kl_coef=0.1)
     torch.testing.assert_close(exp.info["kl"], torch.full((2,), 5 * expected))  # k1 per token, 5 tokens
 
@@ -183,7 +197,7 @@ def test_reward_minus_kl_and_clip_filter_weights_in_make_experience():
                "algorithm.advantage=dr_grpo")
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0])  # group 0 all equal, group 1 mixed
     # reference log-probs 0.1 below the sampler's on every token: k3 = e^-0.1 - 1 + 0.1 per token
-    exp = make_experience(r, scores, **cfg.experience_options(), policy_logprobs=None, ref_logprobs=lambda s, a, T: r.logprobs[: s.shape[0]] - 0.1)
+    exp = make_experience(r, scores, **cfg.options_for(make_experience), policy_logprobs=None, ref_logprobs=lambda s, a, T: r.logprobs[: s.shape[0]] - 0.1)
     k3 = math.expm1(-0.1) + 0.1
     lengths = r.response_mask.sum(1).float()
     torch.testing.assert_close(exp.info["reward_minus_kl"], scores - 0.5 * k3 * lengths)
@@ -192,6 +206,6 @@ def test_reward_minus_kl_and_clip_filter_weights_in_make_experience():
     torch.testing.assert_close(exp.advantages[:, 0], want)
     # the KL made group 0's rewards differ (lengths 5 and 3): both groups informative, weight 1
     torch.testing.assert_close(exp.info["clip_filter_weight"], torch.ones(4))
-    plain = make_experience(r, scores, **algo("algorithm.clip_filter_like_weight=3.0").experience_options(),
+    plain = make_experience(r, scores, **algo("algorithm.clip_filter_like_weight=3.0").options_for(make_experience),
                             policy_logprobs=None)
     torch.testing.assert_close(plain.weights[:, 0], torch.tensor([1.0, 1.0, 2.0, 2.0]))

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from lmrl import Config, load_config
-from lmrl.config import _section_at
+from lmrl.config.foreign_names import FLAT_NAMES, VERL_PATHS
+from lmrl.config.messages import section_at
 from lmrl.errors import ConfigError
-from lmrl.foreign_names import FLAT_NAMES, VERL_PATHS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coming-from-trl.md"
 
 
 def _is_lmrl_field(path: str) -> bool:
     section, _, name = path.rpartition(".")
-    model = _section_at(section)
+    model = section_at(Config, section)
     return model is not None and name in model.model_fields
 
 

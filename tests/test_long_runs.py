@@ -285,7 +285,7 @@ def test_a_non_finite_loss_skips_the_update_moving_nothing():
     cfg = load_config(None, [*SMALL, "algorithm.entropy_coef=0.01", "optim.warmup_steps=4"])
     trainer = Trainer(cfg)
     c = trainer.collect(1)
-    exp = make_experience(c.rollout, c.scores, **cfg.algorithm.experience_options(), policy_logprobs=None)
+    exp = make_experience(c.rollout, c.scores, **cfg.algorithm.options_for(make_experience), policy_logprobs=None)
     exp.advantages[0, 0] = math.nan
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     stats = trainer.update(exp)

@@ -27,6 +27,7 @@ def test_a_config_built_in_python_is_the_clis(name):
     assert Config(algorithm={"name": name}) == cli
     assert Config(algorithm=name) == cli
     assert Config(algorithm=AlgorithmConfig(name=name)) == cli
+    assert Config.model_validate({"algorithm": name}) == cli  # pydantic's entry point takes the same steps
     assert Config(algorithm={"name": name, "clip_high": 0.5}).algorithm.clip_high == 0.5  # the user's value wins
 
 

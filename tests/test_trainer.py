@@ -114,7 +114,7 @@ def test_gradient_accumulation_1x8_equals_8x1(tmp_path, aggregation):
         c = trainer.collect(1)
         from lmrl.experience import make_experience
 
-        exp = make_experience(c.rollout, c.scores, **trainer.cfg.algorithm.experience_options(), policy_logprobs=None)
+        exp = make_experience(c.rollout, c.scores, **trainer.cfg.algorithm.options_for(make_experience), policy_logprobs=None)
         trainer.optimizer.step = lambda: None  # keep the gradients, skip the update
         trainer.updater.optimizer_step(exp)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
@@ -130,7 +130,7 @@ def _step_with_zeroed_groups(tmp_path, skip: bool, zero_groups, steps=1, *overri
     trainer = make_trainer(tmp_path, "optim.micro_batch_size=1", "rollout.prompts_per_step=3", *overrides,
                            model=tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0))
     c = trainer.collect(1)
-    exp = make_experience(c.rollout, c.scores, **trainer.cfg.algorithm.experience_options(), policy_logprobs=None)
+    exp = make_experience(c.rollout, c.scores, **trainer.cfg.algorithm.options_for(make_experience), policy_logprobs=None)
     for g in zero_groups:
         exp.advantages[exp.group_index == g] = 0.0
     if not skip:
