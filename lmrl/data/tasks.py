@@ -21,20 +21,9 @@ from typing import Any
 import torch
 
 from lmrl.errors import ConfigError
+from lmrl.rewards.core import completion_text
 
 RewardFn = Callable[..., list[float]]
-
-
-def completion_text(completion: Any) -> str:
-    """The text of one completion: a string, or the last message of a conversational completion.
-
-    Stricter than `lmrl.rewards.completion_text`: only a list whose last item is a dict is a conversation.
-    """
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
-    raise TypeError(f"completions: expected str or list of message dicts, got {type(completion).__name__}")
 
 
 def exact_match_reward(
