@@ -11,14 +11,11 @@ base-model record that `adapter_base` reads, when an adapter is saved.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import json
 import math
 import os
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ from lmrl.models.loading import (
     reference_model,
     resolve_device,
 )
+from lmrl.models.lora import adapter_base, apply_lora, load_adapter
 from lmrl.models.prompt_encoding import prompt_lengths
 from lmrl.models.shipped import SHIPPED_MODELS
 from lmrl.models.weights import sampler_copy
@@ -67,30 +65,6 @@ def _resolved(path: str) -> str:
     if path in SHIPPED_MODELS:
         return str(SHIPPED_MODELS[path])
     return path
-
-
-def adapter_base(path: str) -> str | None:
-    """The base model a LoRA adapter directory (one holding adapter_config.json: `final/adapter/`, a LoRA
-    run's checkpoint) was trained on, as recorded there; None when `path` is not one."""
-    config = Path(path) / "adapter_config.json"
-    if not config.is_file():
-        return None
-    try:
-        base = json.loads(config.read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ModelError(f"model.name_or_path: cannot read {config}: {e}") from e
-    if not isinstance(base, str) or not base:
-        raise ModelError(f"model.name_or_path: {config} names no base model (base_model_name_or_path)")
-    return base
-
-
-def portable_adapter_config(directory: Path, base: str) -> None:
-    """Record `base` (the model as the user named it: a hub id, a relative path, "tiny-addition") as the
-    adapter's base model, instead of the absolute path peft writes."""
-    config = directory / "adapter_config.json"
-    values = json.loads(config.read_text())
-    values["base_model_name_or_path"] = base
-    config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def load_policy_tokenizer(cfg: Config) -> Any:
@@ -132,9 +106,9 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
             critic = ValueModel.from_policy(reference or policy)
         critic.to(device)
     if adapter:
-        policy = _load_adapter(policy, m.name_or_path)
+        policy = load_adapter(policy, m.name_or_path)
     elif m.lora is not None:
-        policy = _apply_lora(policy, m.lora)
+        policy = apply_lora(policy, m.lora)
     policy.train()
     return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype),
                   reference_is_base=lora and cfg.needs_reference)
@@ -316,39 +290,6 @@ def slow_bf16_warning(cfg: Config) -> str | None:
         return None
     return (f"{', '.join(asked)}: this CPU has no native bfloat16 matmul (oneDNN needs AVX512), so bfloat16 "
             "runs far slower than float32 here (see benchmarks/precision.py); float32 is faster on this machine")
-
-
-def _load_adapter(policy: nn.Module, directory: str) -> nn.Module:
-    try:
-        from peft import PeftModel
-    except ImportError as e:
-        raise ImportError("model.name_or_path: a LoRA adapter needs peft: pip install 'lmrl[peft]'") from e
-    try:
-        with _quiet_peft():
-            return PeftModel.from_pretrained(policy, directory, is_trainable=True)
-    except Exception as e:  # noqa: BLE001 - one line naming the adapter
-        raise ModelError(f"model.name_or_path: cannot load the LoRA adapter {directory}: "
-                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
-
-
-@contextlib.contextmanager
-def _quiet_peft() -> Iterator[None]:
-    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model: a FutureWarning
-    about peft's code, not the user's, on every LoRA run."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        yield
-
-
-def _apply_lora(policy: nn.Module, lora) -> nn.Module:
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as e:
-        raise ImportError("model.lora needs peft: pip install 'lmrl[peft]'") from e
-    peft_cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=lora.target_modules, task_type="CAUSAL_LM")
-    with _quiet_peft():
-        return get_peft_model(policy, peft_cfg)
 
 
 @dataclass

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmrl.build import adapter_base, portable_adapter_config
 from lmrl.checkpoint import (
     RunLock,
     all_finite,
@@ -46,6 +45,7 @@ from lmrl.distributed import World, whole_state
 from lmrl.errors import Interrupted, LmrlError, RunError, print_line
 from lmrl.logging.run_log import RunLog
 from lmrl.models.loading import quiet_progress_bars
+from lmrl.models.lora import adapter_base, portable_adapter_config
 
 # the real os._exit, kept at import: while reward functions run, lmrl.rewards replaces os._exit so that a
 # reward calling it fails instead of ending the run with exit 0; a second Ctrl-C must still exit at once

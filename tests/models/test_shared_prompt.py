@@ -193,4 +193,6 @@ def test_critic_values_and_gradients_equal_its_plain_forward(arch, device):
     assert shared[0].shape == (len(seqs), T) and shared[0].dtype == torch.float32
     torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=2e-6, rtol=0)
     for got, want in zip(shared[1], plain[1]):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+        # float32 rounding in a sum grows with the tensor's scale (the embedding's gradient reaches ~70 here):
+        # an element near 0 of such a tensor differs by a few 1e-6 between two summation orders
+        torch.testing.assert_close(got, want, atol=1e-6 + 1e-7 * want.abs().max().item(), rtol=1e-4)
