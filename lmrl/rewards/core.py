@@ -1,4 +1,4 @@
-"""The reward-function protocol and `score()`, the one entry point the experience maker calls.
+"""The reward-function protocol and `score()`, the one entry point that collecting a step (`lmrl.collect`) calls.
 
 A reward function is called exactly as TRL's GRPOTrainer calls one, with keyword arguments only:
 
@@ -458,7 +458,7 @@ _os_exit_pid = os.getpid()
 
 def _os_exit_in_reward(code: int) -> None:
     # a forked child (multiprocessing ends its children with os._exit) exits for real; lmrl's own deliberate
-    # exit (the trainer's second Ctrl-C) calls the os._exit it kept at import, not this one
+    # exit (the trainer's second Ctrl-C) calls the os._exit it kept at import (lmrl.lifecycle), not this one
     if os.getpid() != _os_exit_pid:
         _os_exit_original(code)
     raise _OsExitCalled(code)
