@@ -455,15 +455,14 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
 
         return getattr(get_task(cfg.data.task), "environment", lambda: None)()
     from lmrl.envs import HERMES_PATTERN, ToolEnvironment, tools_from
-    from lmrl.rewards.registry import BUILTIN_REWARDS
     from lmrl.user_code import load_function
 
-    # a spec in neither form gets the message a reward spec gets: it lists the reward built-ins
+    # a spec in neither form is told the built-in names of its own field
     if cfg.env.name == "tools":
-        tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits(), builtins=BUILTIN_REWARDS)
+        tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits(), builtins=("python",))
         return ToolEnvironment(tools, cfg.env.tool_call_pattern or HERMES_PATTERN, cfg.env.response_format)
     try:
-        return load_function(cfg.env.name, "environment", BUILTIN_REWARDS)
+        return load_function(cfg.env.name, "environment", ("tools",))
     except ConfigError as e:
         raise ConfigError(f"env.name: {e}") from e
 

@@ -87,6 +87,21 @@ def test_an_environment_spec_that_does_not_load_is_one_line(tmp_path):
                 tokenizer=tok, train_dataset=ROWS)
 
 
+@pytest.mark.parametrize(("override", "line"), [
+    ("env.name=tool", "env.name: environment 'tool': expected a built-in name ['tools'], "),
+    ("env.tools=[pyhton]", "env.tools[0]: tool spec 'pyhton': expected a built-in name ['python'], "),
+])
+def test_a_misspelt_builtin_environment_or_tool_is_told_its_own_builtins(tmp_path, override, line):
+    """A spec in neither file nor module form lists the names its own field takes, not the reward built-ins."""
+    from lmrl.build import make_environment
+    from lmrl.errors import ConfigError
+
+    extra = ["env.name=tools"] if override.startswith("env.tools") else []
+    with pytest.raises(ConfigError) as e:
+        make_environment(config(tmp_path, *extra, override))
+    assert str(e.value) == line + "'path/to/file.py:function' or 'module.sub:function'"
+
+
 def test_the_documented_retry_environment_runs_from_the_command_line(tmp_path):
     """What docs/agents.md tells users to run: a custom environment named in the config, the shipped model."""
     import subprocess
