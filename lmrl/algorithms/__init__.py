@@ -20,6 +20,7 @@ from lmrl.algorithms.advantages import (
     remax_advantages,
     rloo_advantages,
 )
+from lmrl.algorithms.importance import masked_is_weights, truncated_is_weights
 from lmrl.algorithms.kl import (
     KL_CLAMPS,
     KL_ESTIMATORS,
@@ -38,9 +39,7 @@ from lmrl.algorithms.losses import (
     cpgd_loss,
     explained_variance,
     loss_normalizer,
-    masked_is_weights,
     policy_loss,
-    truncated_is_weights,
     value_loss,
 )
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var, masked_whiten

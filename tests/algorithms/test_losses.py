@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmrl.algorithms.importance import truncated_is_weights
 from lmrl.algorithms.losses import (
     AGGREGATION_MODES,
     aggregate_loss,
@@ -16,7 +17,6 @@ from lmrl.algorithms.losses import (
     explained_variance,
     loss_normalizer,
     policy_loss,
-    truncated_is_weights,
     value_loss,
 )
 
