@@ -21,7 +21,10 @@ How it departs from a textbook PPO update, and why:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +52,16 @@ POLICY_LOSSES = {
                                                   "generator": rng}),
     "kl_cov": (A.kl_cov_loss, lambda a, rng: {"kl_fraction": a.kl_cov_fraction, "cov_kl_coef": a.kl_cov_coef}),
 }
+
+
+@dataclass
+class _Norms:
+    """What a minibatch's losses are divided by, the whole global minibatch's (so micro-batches add up to it)."""
+
+    policy: Any  # the policy loss's normaliser (and the entropy bonus's)
+    value: Any  # the value loss's: the global minibatch's real tokens
+    length: int  # seq-mean-token-sum-norm's constant length
+    metric: Any = None  # the live rows' own normaliser, for the entropy metric
 
 
 def needs_old_logprobs(a) -> bool:
@@ -99,11 +112,14 @@ class Updater:
     def optimizer_step(self, mb: Experience) -> dict[str, float]:
         """One optimizer step on a minibatch, accumulating gradients over micro-batches. Every loss is
         normalised by the whole minibatch, so the micro-batch split never changes the update."""
+        a = self.cfg.algorithm
         norms = self._normalizers(mb)
+        loss_fn, options = POLICY_LOSSES[a.loss]
+        loss_fn = functools.partial(loss_fn, **options(a, self.rng))  # the loss and its options, for every micro-batch
         live = self.rows_with_gradient(mb)
         stats: dict[str, float] = {"update/rows_skipped": 1.0 - len(live) / len(mb)}
         mb = mb.select(live)  # the losses keep the whole minibatch's normalizer; metrics average over `live`
-        norms["metric"] = A.loss_normalizer(mb.response_mask, self.cfg.algorithm.aggregation, norm_length=norms["length"])
+        norms.metric = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norms.length)
         self.optimizer.zero_grad(set_to_none=True)
         finite, size = True, self.cfg.optim.micro_batch_size
         starts = range(0, len(mb), size)
@@ -115,7 +131,7 @@ class Updater:
                 continue
             micro = mb.select(torch.arange(starts[i], min(starts[i] + size, len(mb))))
             share = len(micro) / len(mb)  # metrics average over micro-batches by size
-            loss, step_stats = self.micro_batch_loss(micro, norms, share)
+            loss, step_stats = self.micro_batch_loss(micro, loss_fn, norms, share)
             finite = finite and math.isfinite(step_stats["loss/policy_avg"]) and math.isfinite(
                 step_stats.get("loss/value_avg", 0.0))
             loss.backward()
@@ -123,7 +139,7 @@ class Updater:
                 stats[k] = stats.get(k, 0.0) + v * share
         return stats | self._step(len(mb), finite)
 
-    def _normalizers(self, mb: Experience) -> dict[str, Any]:
+    def _normalizers(self, mb: Experience) -> _Norms:
         """The loss normalisers of a minibatch: the policy loss's and the value loss's, over every rank's share of
         the global minibatch (token-sum's normaliser is 1 on every rank), and the length of seq-mean-token-sum-norm."""
         a = self.cfg.algorithm
@@ -131,27 +147,27 @@ class Updater:
         policy = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=length)
         policy = policy if a.aggregation == "token-sum" else self.world.sum(policy)
         value = self.world.sum(A.loss_normalizer(mb.response_mask, "token-mean"))
-        return {"policy": policy, "value": value, "length": length}
+        return _Norms(policy, value, length)
 
-    def micro_batch_loss(self, micro: Experience, norms: dict[str, Any], share: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of one micro-batch (policy loss, minus the entropy bonus, plus the value loss) with its
-        gradient, and its metrics; `share`: its fraction of the minibatch's rows."""
+    def micro_batch_loss(self, micro: Experience, loss_fn: Callable[..., Any], norms: _Norms,
+                         share: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch (`loss_fn`, the policy loss with its options, minus the entropy bonus, plus
+        the value loss) with its gradient, and its metrics; `share`: its fraction of the minibatch's rows."""
         a = self.cfg.algorithm
         T, kl_in_loss = micro.num_response_tokens, micro.ref_logprobs is not None and a.kl_in == "loss"
         out = self.forwards.policy(micro.sequences, micro.attention_mask, T, grad=True, hidden=self.forwards.shared_critic)
         logp, entropy = out.logprobs, out.entropy
         old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach().float()
         weights, stats = self._weights(micro, old)
-        loss_fn, options = POLICY_LOSSES[a.loss]
         loss, m = loss_fn(logp, old, micro.advantages, micro.response_mask,
-                          aggregation=a.aggregation, norm_length=norms["length"],
+                          aggregation=a.aggregation, norm_length=norms.length,
                           ref_logp=micro.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.value if kl_in_loss else 0.0,
                           kl_estimator=a.kl_estimator, kl_clamp=kl_clamp_option(a.kl_clamp),
-                          weights=weights, normalizer=norms["policy"], **options(a, self.rng))
-        ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norms["length"],
-                               normalizer=norms["policy"])
-        ent_metric = A.aggregate_loss(entropy.detach(), micro.response_mask, a.aggregation, norm_length=norms["length"],
-                                      normalizer=norms["metric"])
+                          weights=weights, normalizer=norms.policy)
+        ent = A.aggregate_loss(entropy, micro.response_mask, a.aggregation, norm_length=norms.length,
+                               normalizer=norms.policy)
+        ent_metric = A.aggregate_loss(entropy.detach(), micro.response_mask, a.aggregation, norm_length=norms.length,
+                                      normalizer=norms.metric)
         with torch.no_grad():  # TapeAgents' mean new log-prob of tokens with positive / negative weights
             lp, adv_tok = logp.detach().float(), micro.advantages
             for name, side in (("positive", adv_tok > 0), ("negative", adv_tok < 0)):
@@ -167,7 +183,7 @@ class Updater:
         if self._has_critic:
             values = self.forwards.update_values(micro.sequences, micro.attention_mask, T, out)
             vloss, vm = A.value_loss(values, micro.values, micro.returns, micro.response_mask, clip=a.value_clip,
-                                     normalizer=norms["value"])
+                                     normalizer=norms.value)
             loss = loss + a.vf_coef * vloss
             stats.update({"loss/value_avg": vloss.item() / share, "val/clipfrac_avg": vm.vf_clipfrac})
         return loss, stats
