@@ -131,7 +131,7 @@ class Collector:
         ok = self.world.sum(ok).bool()
         chosen = ok.nonzero().flatten()[:P - kept]
         if last and kept == 0 and len(chosen) == 0:
-            chosen = torch.arange(min(P - kept, P))  # nothing informative at all: zero advantages
+            chosen = torch.arange(P)  # nothing informative at all (nothing kept either): zero advantages
         count = len(chosen)
         chosen = chosen[(chosen >= share.start) & (chosen < share.stop)] - share.start  # this rank's
         index = (chosen[:, None] * G + torch.arange(G)).flatten()
