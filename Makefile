@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each creates .venv and installs
-# what it needs (the CPU build of PyTorch when there is no GPU) before running.
+# what it needs (the CPU build of PyTorch when there is no GPU, vLLM's CPU build on x86-64 Linux) before running.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,10 +7,11 @@ STAMP := $(VENV)/.lmrl-installed
 
 .PHONY: setup demo test lint bench clean
 
-$(STAMP): pyproject.toml scripts/install_torch.sh
+$(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_vllm.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	bash scripts/install_torch.sh $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
+	bash scripts/install_vllm.sh $(PY)
 	touch $(STAMP)
 
 setup: $(STAMP)

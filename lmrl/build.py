@@ -37,6 +37,8 @@ from lmrl.models.lora import adapter_base, apply_lora, load_adapter
 from lmrl.models.prompt_encoding import prompt_lengths
 from lmrl.models.shipped import SHIPPED_MODELS
 from lmrl.models.weights import sampler_copy
+from lmrl.rollout import Generator, HFGenerator
+from lmrl.rollout.hf import resolve_eos
 
 
 @dataclass
@@ -110,7 +112,7 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
     elif m.lora is not None:
         policy = apply_lora(policy, m.lora)
     policy.train()
-    return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype),
+    return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype) if cfg.samples_with_copy else None,
                   reference_is_base=lora and cfg.needs_reference)
 
 
@@ -494,3 +496,25 @@ def _schedule(kind: str, warmup: int, total: int):
         return 1.0
 
     return f
+
+
+def make_generator(cfg: Config, models: Models, env: Any, device: torch.device) -> Generator:
+    """The generation backend `rollout.backend` names: lmrl's decode over the live policy (or its sampler copy),
+    or a vLLM engine in this process that holds its own weights (`lmrl.rollout.vllm_engine`); the engine is sized
+    for the longest row a rollout can hold, within the model's positions."""
+    r = cfg.rollout
+    if r.backend == "lmrl":
+        return HFGenerator(models.sampler or models.policy, models.tokenizer, batch_size=r.batch_size,
+                           cuda_graph=r.cuda_graph)
+    from lmrl.rollout.vllm_engine import VLLMGenerator
+
+    base = getattr(models.policy, "module", models.policy)
+    base = base.get_base_model() if hasattr(base, "peft_config") else base
+    completion = (cfg.env.max_tokens or cfg.env.max_turns * r.max_new_tokens) if env is not None else r.max_new_tokens
+    longest = r.max_prompt_length + completion
+    positions = getattr(base.config.get_text_config(), "max_position_embeddings", None) or longest
+    return VLLMGenerator(base.config, models.tokenizer, dtype=r.dtype or cfg.model.dtype,
+                         max_model_len=r.vllm.max_model_len or min(longest, positions), seed=cfg.train.seed,
+                         eos_token_ids=resolve_eos(base, models.tokenizer, None), device=device.type,
+                         gpu_memory_utilization=r.vllm.gpu_memory_utilization, cpu_kv_cache_gb=r.vllm.cpu_kv_cache_gb,
+                         sleep=r.vllm.sleep, enforce_eager=r.vllm.enforce_eager)

@@ -140,8 +140,9 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _leave_process_group() -> None:
-    """Under torchrun, leave the process group before exiting (its threads stop with it)."""
-    if "torch.distributed" in sys.modules:
+    """Under torchrun, leave the process group before exiting (its threads stop with it). A single process leaves
+    alone the group a vLLM engine made for itself: the engine leaves it as it shuts down."""
+    if "torch.distributed" in sys.modules and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

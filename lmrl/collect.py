@@ -13,6 +13,7 @@ and the trainer's `make_experience` takes it from there.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from lmrl.algorithms import informative_groups
 from lmrl.distributed import World, full_weights
 from lmrl.models.prompt_encoding import encode_prompts
-from lmrl.models.weights import copy_weights
+from lmrl.models.weights import copy_weights, export_weights
 from lmrl.rewards import score as score_rewards
 from lmrl.rewards import shape_scores
 from lmrl.rewards.core import TrainerState
@@ -55,13 +56,14 @@ class Collector:
         tokenizer: the policy's tokenizer.
         env: a multi-turn environment (`lmrl.envs`), or None for single-turn completions.
         world: the ranks; each generates its share of a step's prompts.
-        weights: a context manager factory that readies the generator's weights for a batch (the sampler copy
-            synced, sharded weights gathered, autocast).
+        weights: a context manager factory, given the policy's version (optimizer steps done), that readies the
+            generator's weights for a batch: the sampler copy synced, sharded weights gathered, autocast
+            (`generation_weights`); or the weights pushed to a generator that holds its own (`PushedWeights`).
         warn: prints a warning line.
     """
 
     def __init__(self, cfg, data, sampler, generator, tokenizer, env, world: World,
-                 weights: Callable[[], contextlib.AbstractContextManager], warn: Callable[[str], None]):
+                 weights: Callable[[int], contextlib.AbstractContextManager], warn: Callable[[str], None]):
         self.cfg, self.data, self.sampler, self.generator, self.tokenizer = cfg, data, sampler, generator, tokenizer
         self.env, self.world, self.weights, self.warn = env, world, weights, warn
         self.global_step = 0  # optimizer steps done: what reward functions read as trainer_state.global_step
@@ -114,6 +116,9 @@ class Collector:
             first = torch.arange(G)
             parts, rows_kept = [(select_rollout(rollout, first), scores[first], {k: v[first] for k, v in per_fn.items()}, {})], rows[:1]
             parts[0][0].prompt_index = torch.zeros(G, dtype=torch.long)
+        sync = getattr(self.weights, "take_seconds", None)
+        if sync is not None:  # a generator that holds its own weights took the policy's
+            metrics["time/weight_sync"] = sync()
         if cfg.algorithm.dynamic_sampling:  # the same on every rank
             metrics.update({"dynamic_sampling/rounds": float(r + 1), "dynamic_sampling/filtered_groups": float(filtered),
                             "dynamic_sampling/kept_groups": float(min(kept, cfg.rollout.prompts_per_step))})
@@ -177,7 +182,7 @@ class Collector:
                                 temperature=cfg.rollout.temperature if temperature is None else temperature,
                                 stop=list(cfg.rollout.stop), seed=seed)
         episodes = None
-        with self.weights():
+        with self.weights(self.global_step):
             if self.env is None:
                 rollout = self.generator.generate(ids, n, params)
             else:  # multi-turn: every live episode's next turn in one batch, observations out of the loss
@@ -206,19 +211,50 @@ class Collector:
 
 
 def generation_weights(policy: torch.nn.Module, sampler: torch.nn.Module | None, units: list[torch.nn.Module],
-                       autocast: Callable[[], contextlib.AbstractContextManager]):
+                       autocast: Callable[[], contextlib.AbstractContextManager]
+                       ) -> Callable[[int], contextlib.AbstractContextManager]:
     """A context manager factory for `Collector(weights=...)` when the policy (or a copy of it) generates in this
     process: a copy in another dtype first takes the policy's current weights; sharded weights are gathered once
     for the whole batch; the policy itself generates under the run's autocast."""
 
     @contextlib.contextmanager
-    def ready():
+    def ready(version: int):
         if sampler is not None:  # a copy in another dtype samples: give it the current weights
             copy_weights(policy, sampler)
         with autocast() if sampler is None else contextlib.nullcontext(), full_weights(units):
             yield
 
     return ready
+
+
+class PushedWeights:
+    """The `Collector(weights=...)` factory for a generator that holds its own copy of the weights
+    (`lmrl.rollout.RemoteGenerator`: a vLLM engine, another process): before a batch, a generator whose version is
+    behind the policy's takes the policy's weights, streamed one tensor at a time (sharded weights gathered once
+    for the sync, LoRA adapters merged in: `lmrl.models.weights.export_weights`). The trainer waits for it. So a
+    generator always samples with the weights of the last optimizer step, and syncs once per step whatever the
+    number of optimizer steps in between; on a GPU it sleeps (frees its memory) outside generation."""
+
+    def __init__(self, policy: torch.nn.Module, generator, units: list[torch.nn.Module]):
+        self.policy, self.generator, self.units = policy, generator, units
+        self.seconds = 0.0  # spent syncing since `take_seconds` last read it
+
+    @contextlib.contextmanager
+    def __call__(self, version: int):
+        if self.generator.version != version:
+            start = time.perf_counter()
+            with full_weights(self.units):
+                self.generator.load_weights(export_weights(self.policy), version)
+            self.seconds += time.perf_counter() - start
+        try:
+            yield
+        finally:
+            getattr(self.generator, "sleep", lambda: None)()
+
+    def take_seconds(self) -> float:
+        """Seconds spent syncing since the last call (`time/weight_sync`)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def _sandbox_kills(rewards) -> dict[str, int]:

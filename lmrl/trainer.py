@@ -32,8 +32,8 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.algorithms import KLController
-from lmrl.build import build_run
-from lmrl.collect import Collected, Collector, generation_weights
+from lmrl.build import build_run, make_generator
+from lmrl.collect import Collected, Collector, PushedWeights, generation_weights
 from lmrl.config import Config, config_warnings
 from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import full_weights
@@ -45,7 +45,7 @@ from lmrl.logging import Console
 from lmrl.logging.metrics import experience_metrics, grpo_trainer_names, prompt_text
 from lmrl.logging.run_log import RunLog
 from lmrl.models.forward import Forwards
-from lmrl.rollout import HFGenerator
+from lmrl.rollout import HFGenerator, RemoteGenerator
 from lmrl.update import Updater, needs_old_logprobs
 
 __all__ = ["Collected", "TrainResult", "Trainer"]
@@ -74,9 +74,8 @@ class Trainer:
         self.optimizer, self.scheduler = run.optimizer, run.scheduler
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         sampler = None if self.data.train_stream else PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
-        self.generator = HFGenerator(self.models.sampler or self.policy, self.tokenizer, batch_size=cfg.rollout.batch_size,
-                                     cuda_graph=cfg.rollout.cuda_graph)
-        if run.device.type == "cuda":
+        self.generator = make_generator(cfg, self.models, self.env, run.device)
+        if run.device.type == "cuda" and isinstance(self.generator, HFGenerator):
             run.notes.append("generation: {} ({})".format(*self.generator.decode_path()))
         self.notes = run.notes
         self.minibatch_rng = torch.Generator().manual_seed(cfg.train.seed)
@@ -93,8 +92,7 @@ class Trainer:
                                  share_prompt=cfg.train.share_prompt, autocast_bf16=cfg.train.autocast_bf16,
                                  shared_critic=cfg.model.shared_critic)
         self.collector = Collector(cfg, self.data, sampler, self.generator, self.tokenizer, self.env, self.world,
-                                   generation_weights(self.policy, self.models.sampler, self.units.get("policy", []),
-                                                      self.forwards.autocast), self.log.warn)
+                                   self._generation_weights(), self.log.warn)
         self.updater = Updater(cfg, self.forwards, self.optimizer, self.scheduler, self.kl, self.world,
                                self.units.get("policy", []) + self.units.get("critic", []), self.minibatch_rng)
         trained = {"policy": self.policy} | ({"critic": self.models.critic} if self.models.critic is not None else {})
@@ -102,6 +100,14 @@ class Trainer:
                                       states={"scheduler": self.scheduler, "kl": self.kl, "guards": self.guards},
                                       generators={"minibatch": self.minibatch_rng, "sampler": self.generator._rng},
                                       tokenizer=self.tokenizer)
+
+    def _generation_weights(self):
+        """How the generator gets the policy's weights before a batch (`lmrl.collect`): it reads them in place, or
+        it holds its own copy and takes them (a vLLM engine)."""
+        units = self.units.get("policy", [])
+        if isinstance(self.generator, RemoteGenerator):
+            return PushedWeights(self.policy, self.generator, units)
+        return generation_weights(self.policy, self.models.sampler, units, self.forwards.autocast)
 
     @property
     def forward_counts(self) -> dict[str, int]:

@@ -198,6 +198,8 @@ class Updater:
             weights = tis if weights is None else weights * tis
             stats["val/tis_weight_mean"] = A.masked_mean(tis, micro.response_mask).item()
             stats["val/tis_masked_frac"] = A.masked_mean((tis == 0).float(), micro.response_mask).item()
+            # k1 estimate of KL(sampler || trainer) on the sampler's tokens: how far apart the two policies are
+            stats["val/sampler_kl"] = A.masked_mean(micro.rollout_logprobs - old.detach(), micro.response_mask).item()
         return weights, stats
 
     def _step(self, rows: int, finite: bool) -> dict[str, float]:

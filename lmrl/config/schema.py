@@ -116,6 +116,14 @@ class Config(Section):
         if self.train.parallel == "fsdp" and self.samples_with_copy:
             raise ValueError("train.parallel: fsdp does not keep a sampler copy in rollout.dtype; unset rollout.dtype "
                              "or use train.parallel=ddp")
+        if r.backend == "vllm":
+            if importlib.util.find_spec("vllm") is None:
+                raise ValueError("rollout.backend: vllm needs the vllm package, which is not installed: pip install "
+                                 "'lmrl[vllm]' (docs/generation.md says where it runs)")
+            if r.vllm.max_model_len is not None and r.vllm.max_model_len < self.longest_sequence:
+                raise ValueError(f"rollout.vllm.max_model_len: {r.vllm.max_model_len} cannot hold a prompt and its "
+                                 f"completion ({self.longest_sequence} tokens: rollout.max_prompt_length + "
+                                 f"{'env.max_tokens' if self.env.name else 'rollout.max_new_tokens'}); raise it or unset it")
         for key, module, extra in _EXTRAS:
             section, _, name = key.partition(".")
             if getattr(getattr(self, section), name) not in (None, False) and importlib.util.find_spec(module) is None:
@@ -124,8 +132,18 @@ class Config(Section):
 
     @property
     def samples_with_copy(self) -> bool:
-        """The sampler is a copy of the policy in another dtype (`rollout.dtype`)."""
-        return self.rollout.dtype is not None and self.rollout.dtype != self.model.dtype
+        """lmrl's decode samples with a copy of the policy in another dtype (`rollout.dtype`). (An engine backend
+        holds its own weights, in rollout.dtype when it is set.)"""
+        r = self.rollout
+        return r.backend == "lmrl" and r.dtype is not None and r.dtype != self.model.dtype
+
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens one rollout row can hold: the longest prompt and its completion (with an environment,
+        every turn and observation)."""
+        r, env = self.rollout, self.env
+        completion = (env.max_tokens or env.max_turns * r.max_new_tokens) if env.name else r.max_new_tokens
+        return r.max_prompt_length + completion
 
     @property
     def needs_reference(self) -> bool:
@@ -143,9 +161,10 @@ def derive(cfg: Config) -> None:
     validator:
 
         algorithm.tis_cap  DEFAULT_TIS_CAP when the sampler is a copy of the policy in another dtype
-                           (rollout.dtype): correct for it rather than pretend the run is on-policy
+                           (rollout.dtype) or an engine (rollout.backend): correct for it rather than
+                           pretend the run is on-policy
     """
-    if cfg.samples_with_copy and cfg.algorithm.tis_cap is None:
+    if (cfg.samples_with_copy or cfg.rollout.backend != "lmrl") and cfg.algorithm.tis_cap is None:
         cfg.algorithm.tis_cap = DEFAULT_TIS_CAP
 
 

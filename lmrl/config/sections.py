@@ -91,6 +91,22 @@ class DataConfig(Section):
         return self
 
 
+class VLLMConfig(Section):
+    max_model_len: PositiveInt | None = None
+    """Longest sequence the engine holds: prompt and completion (with an environment, every turn and
+    observation). None: rollout.max_prompt_length plus the completion budget (max_new_tokens, or env.max_tokens)."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.3
+    """On a GPU, the share of its memory the engine takes for weights and KV cache, in (0, 1]; training
+    needs the rest. Ignored on a CPU (cpu_kv_cache_gb)."""
+    cpu_kv_cache_gb: PositiveFloat = 1.0
+    """On a CPU, the GiB the engine sets aside for its KV cache."""
+    sleep: bool = True
+    """On a GPU, release the engine's memory (KV cache, weights) while the policy trains and take it back
+    before the next generation (vLLM's sleep mode). A CPU has no such mode: ignored there."""
+    enforce_eager: bool = False
+    """Run the engine's model eagerly, without CUDA graphs (faster start, slower decode). Always eager on a CPU."""
+
+
 class RolloutConfig(Section):
     prompts_per_step: PositiveInt = 16
     """Prompts sampled per training step."""
@@ -115,6 +131,13 @@ class RolloutConfig(Section):
     dtype, refreshed from the policy before every generation; truncated importance sampling
     (algorithm.tis_cap, 2.0 unless set) corrects for the difference between its probabilities and
     the trainer's."""
+    backend: Literal["lmrl", "vllm"] = "lmrl"
+    """What generates: "lmrl", lmrl's own decode loop (the default; on a CPU as fast as an engine), or "vllm",
+    a vLLM engine in the trainer's process (pip install 'lmrl[vllm]'), which takes the policy's weights before
+    each step's generation; truncated importance sampling (algorithm.tis_cap, 2.0 unless set) then corrects
+    for the difference between the engine's probabilities and the trainer's (docs/generation.md)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """The vLLM engine's settings (rollout.backend=vllm)."""
     cuda_graph: bool = True
     """On a GPU, decode with fixed shapes (a KV cache of the whole rollout) and replay each step as one
     CUDA graph, where the model allows it (full attention, sdpa or eager kernel); the run says which

@@ -39,6 +39,7 @@ def _option_metrics(exp: Any) -> dict[str, float]:
     if "tis_weight" in exp.info:  # how far the sampler's probabilities are from the trainer's
         out["val/tis_weight_mean"] = exp.info["tis_weight"].mean().item()
         out["val/tis_masked_frac"] = exp.info["tis_masked"].sum().item() / real
+        out["val/sampler_kl"] = exp.info["sampler_kl"].mean().item()
     if "entropy" in exp.info:
         out["objective/entropy"] = exp.info["entropy"].mean().item()
     return out

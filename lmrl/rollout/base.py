@@ -14,6 +14,7 @@ trainer needs downstream is in the returned `Rollout`, aligned to response token
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -142,5 +143,30 @@ class Generator(Protocol):
 
         Returns:
             A `Rollout` with `len(prompts) * n` rows.
+        """
+        ...
+
+
+@runtime_checkable
+class RemoteGenerator(Generator, Protocol):
+    """A generator that holds its own copy of the policy's weights: an inference engine (vLLM), another process,
+    another machine. It samples with the weights it last loaded; before it samples for a newer policy, the trainer
+    gives it that policy's weights (`lmrl.collect.PushedWeights`). Multi-turn episodes, evaluation and every
+    `Rollout` consumer cannot tell it from a generator that reads the live model.
+
+    Attributes:
+        version: the policy version of the weights it holds (optimizer steps done when they were taken); -1
+            before the first `load_weights`, whatever it was started with.
+    """
+
+    version: int
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Take new weights and record their version; return when generation uses them.
+
+        Args:
+            weights: (name, tensor) pairs of the whole model under its Hugging Face checkpoint names, one tensor
+                at a time (`lmrl.models.weights.export_weights`); read each before the next is asked for.
+            version: the policy version they are.
         """
         ...

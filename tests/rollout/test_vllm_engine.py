@@ -1,0 +1,207 @@
+"""The vLLM backend (rollout.backend=vllm) against lmrl's own decode, on vLLM's CPU build: the same greedy tokens,
+the same sampling distribution, the trainer's log-probs, weights that follow the policy after every step (full
+fine-tuning and LoRA), multi-turn episodes, and a resumed run."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+
+import pytest
+import torch
+
+from lmrl import Trainer
+from lmrl.build import load_models
+from lmrl.config import ConfigError, load_config
+from lmrl.models.prompt_encoding import encode_prompts
+from lmrl.models.tiny import bpe_chat_tokenizer, tiny_causal_lm
+from lmrl.models.weights import export_weights
+from lmrl.rollout import HFGenerator, SamplingParams
+from lmrl.rollout.hf import resolve_eos
+from lmrl.rollout.vllm_engine import VLLMGenerator
+
+if not (sys.platform == "linux" and platform.machine() == "x86_64"):  # where make test installs vLLM's CPU build
+    pytest.skip("vLLM's CPU build is made for x86-64 Linux only", allow_module_level=True)
+
+
+def engine_for(model, tokenizer, max_model_len: int = 64) -> VLLMGenerator:
+    engine = VLLMGenerator(model.config, tokenizer, dtype="float32", max_model_len=max_model_len, seed=0,
+                           eos_token_ids=resolve_eos(model, tokenizer, None))
+    engine.load_weights(export_weights(model), version=0)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def shipped_model():
+    models = load_models(load_config(None, []))
+    return models.policy, models.tokenizer
+
+
+@pytest.fixture
+def shipped(shipped_model):
+    policy, tok = shipped_model
+    engine = engine_for(policy, tok)  # vLLM runs one engine per process: a test's own
+    yield policy, tok, engine
+    engine.close()
+
+
+def prompts_of(tokenizer, texts):
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def assert_same_rollout(a, b, atol=1e-4):
+    assert a.texts == b.texts
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.finished, b.finished) and torch.equal(a.prompt_ids, b.prompt_ids)
+    assert torch.allclose(a.logprobs, b.logprobs, atol=atol), (a.logprobs - b.logprobs).abs().max()
+
+
+def test_greedy_tokens_equal_lmrls_decode_on_the_shipped_model(shipped):
+    policy, tok, engine = shipped
+    prompts = prompts_of(tok, ["57+68=", "3+4=", "12+99=", "0+0="])
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    assert_same_rollout(engine.generate(prompts, 2, params), HFGenerator(policy, tok).generate(prompts, 2, params))
+
+
+def test_greedy_tokens_equal_lmrls_decode_on_a_qwen2_chat_model():
+    texts = ["What is 2 + 3? The answer is 5.", "Name a colour: red, green or blue."] * 20
+    tok = bpe_chat_tokenizer(texts, vocab_size=320)
+    model = tiny_causal_lm(tok, arch="qwen2", hidden_size=64, num_layers=2, num_heads=2, seed=1)  # vLLM-CPU: head_dim >= 32
+    engine = engine_for(model, tok, max_model_len=96)
+    try:
+        chats = [[{"role": "user", "content": t}] for t in texts[:3]]
+        prompts = encode_prompts(tok, chats, 64, use_chat_template=True)
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=["is"])
+        a, b = engine.generate(prompts, 1, params), HFGenerator(model, tok).generate(prompts, 1, params)
+        assert_same_rollout(a, b)
+    finally:
+        engine.close()
+
+
+def test_a_seed_makes_the_engine_reproducible_and_rows_differ(shipped):
+    _, tok, engine = shipped
+    prompts = prompts_of(tok, ["57+68=", "3+4="])
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
+    a, b = engine.generate(prompts, 8, params), engine.generate(prompts, 8, params)
+    assert_same_rollout(a, b, atol=0)
+    assert len(set(a.texts[:8])) > 1  # the n completions of a prompt are different samples
+
+
+def chi_square_quantile(dof: int, z: float = 3.09) -> float:
+    """The chi-square distribution's quantile at the normal quantile z (3.09: p = 0.001), Wilson-Hilferty."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def test_sampled_first_tokens_of_both_backends_come_from_one_distribution(shipped):
+    policy, tok, engine = shipped
+    prompts = prompts_of(tok, ["5+"])  # an open next token: several digits are likely
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=3)
+    n = 4000
+    counts = [torch.bincount(g.generate(prompts, n, params).response_ids[:, 0], minlength=len(tok)).double()
+              for g in (engine, HFGenerator(policy, tok))]
+    table = torch.stack(counts)[:, (counts[0] + counts[1]) >= 10]  # categories with enough samples
+    assert table.shape[1] >= 3, "the test needs a first token with several likely values"
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    statistic = float(((table - expected) ** 2 / expected).sum())
+    assert statistic < chi_square_quantile(table.shape[1] - 1), (statistic, table)
+    # and the test can fail: a tempered distribution is told apart
+    hot = torch.bincount(engine.generate(prompts, n, SamplingParams(max_new_tokens=1, temperature=1.6, seed=3))
+                         .response_ids[:, 0], minlength=len(tok)).double()
+    table = torch.stack([counts[1], hot])[:, (counts[1] + hot) >= 10]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    assert float(((table - expected) ** 2 / expected).sum()) > chi_square_quantile(table.shape[1] - 1)
+
+
+def test_engine_logprobs_are_the_trainers_at_the_sampling_temperature(shipped):
+    policy, tok, engine = shipped
+    prompts = prompts_of(tok, ["57+68=", "3+4=", "12+99="])
+    rollout = engine.generate(prompts, 4, SamplingParams(max_new_tokens=6, temperature=0.7, seed=5))
+    with torch.no_grad():
+        logits = policy(rollout.sequences, attention_mask=rollout.attention_mask.long()).logits.float()
+    T = rollout.response_ids.shape[1]
+    trainer = torch.log_softmax(logits[:, -T - 1:-1] / 0.7, -1).gather(-1, rollout.response_ids[..., None])[..., 0]
+    mask = rollout.response_mask
+    assert mask.sum() > 12
+    assert torch.allclose(rollout.logprobs[mask], trainer[mask], atol=1e-4), (rollout.logprobs - trainer)[mask].abs().max()
+
+
+def engine_run(tmp_path, *overrides):
+    """A Trainer of the shipped model's task on the vLLM backend: 8 prompts x 8 completions, some groups with signal every step."""
+    cfg = load_config(None, ["rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=8",
+                             "rollout.group_size=8", f"train.output_dir={tmp_path}",
+                             "log.console=false", "train.eval_every=0", "train.max_minutes=null", *overrides])
+    return Trainer(cfg)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_engine_samples_with_the_weights_of_every_step(tmp_path, lora):
+    trainer = engine_run(tmp_path, *(["model.lora.r=4", "optim.lr=3e-3"] if lora else []))
+    try:
+        history = trainer.train().history
+        # every step sampled with the policy's current weights: the trainer's forward gives the engine's log-probs
+        assert [h["val/sampler_kl"] for h in history] == pytest.approx([0] * 3, abs=2e-5)
+        assert [h["val/tis_weight_mean"] for h in history] == pytest.approx([1] * 3, abs=1e-4)
+        assert all(h["time/weight_sync"] > 0 for h in history)
+        # the policy did move: an engine left with step 1's weights would not sample the trained policy
+        rows = trainer.data.eval_rows[:4]
+        rollout, _ = trainer.generate_and_score(rows, 2, seed=1)  # with the weights of step 3
+        assert trainer.generator.version == 3
+        trainer.generator.load_weights(export_weights(trainer.policy), 3)  # (a no-op sync changes nothing)
+        assert_same_rollout(rollout, trainer.generate_and_score(rows, 2, seed=1)[0], atol=0)
+    finally:
+        trainer.generator.close()
+    stale = engine_run(tmp_path / "stale", *(["model.lora.r=4", "optim.lr=3e-3"] if lora else []))
+    stale.generator.load_weights(export_weights(stale.policy), 3)  # the starting weights, said to be step 3's
+    assert stale.generate_and_score(rows, 2, seed=1)[0].texts != rollout.texts
+    stale.generator.close()
+
+
+def test_a_multi_turn_calculator_episode_through_the_engine(tmp_path):
+    over = ["model.name_or_path=tiny-calculator", "train.steps=1"]
+    engine = engine_run(tmp_path / "engine", *over)
+    own = engine_run(tmp_path / "own", *over, "rollout.backend=lmrl")
+    try:
+        rows = engine.data.eval_rows[:6]
+        a, scores_a = engine.generate_and_score(rows, 1, temperature=0.0)
+        b, scores_b = own.generate_and_score(rows, 1, temperature=0.0)
+        assert a.response_attention is not None and bool((a.response_attention & ~a.response_mask).any())  # observations
+        assert_same_rollout(a, b)
+        assert torch.equal(a.response_attention, b.response_attention) and torch.equal(scores_a.scores, scores_b.scores)
+        assert scores_a.metrics["env/tool_calls"] > 0
+    finally:
+        engine.generator.close()
+
+
+def test_a_resumed_engine_run_equals_an_uninterrupted_one(tmp_path):
+    def metrics(path):
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: {k: v for k, v in r.items() if not (k.startswith("time/") or k.endswith("seconds") or k == "eps")}
+                for r in rows if r["step"] > 0}
+
+    for name, steps in (("straight", 4), ("stopped", 2)):
+        trainer = engine_run(tmp_path / name, f"train.steps={steps}", "train.save_every=2")
+        trainer.train()
+        trainer.generator.close()
+    resumed = engine_run(tmp_path / "stopped", "train.steps=4", "train.save_every=2", "train.resume=auto")
+    resumed.train()
+    resumed.generator.close()
+    straight, stopped = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")
+    assert sorted(stopped) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert stopped[step] == pytest.approx(straight[step], rel=1e-6, abs=1e-7), step
+
+
+def test_an_engine_that_cannot_hold_a_row_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^rollout.vllm.max_model_len: 16 cannot hold a prompt and its completion"):
+        load_config(None, ["rollout.backend=vllm", "rollout.vllm.max_model_len=16"])
+
+
+def test_without_vllm_the_backend_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^rollout.backend: vllm needs the vllm package, which is not installed"):
+        load_config(None, ["rollout.backend=vllm"])
