@@ -1,14 +1,22 @@
-"""Rollout throughput: lmrl's HFGenerator vs transformers' `model.generate` (CPU).
+"""Rollout throughput: lmrl's HFGenerator vs transformers' `model.generate` vs a vLLM engine (tokens/s).
 
-    python benchmarks/generation.py                     # both presets below
+    python benchmarks/generation.py                     # the tiny and 100m presets, hf and lmrl
     python benchmarks/generation.py --preset tiny       # ~20 s
     python benchmarks/generation.py --preset 100m       # a couple of minutes
+    python benchmarks/generation.py --preset shipped 30m --backends hf lmrl vllm   # the vLLM table (docs/generation.md)
     python benchmarks/generation.py --preset tiny --prompts 50 --n 4 --max-new-tokens 32 --repeats 5
 
-Presets (random weights built from a config; nothing is downloaded):
-    tiny   Llama, hidden 64, 2 layers, char tokenizer (vocab ~97); 100 prompts x n=8, 64 new tokens
-    100m   Llama, hidden 768, 12 layers, 12 heads, vocab 32000 (~110M parameters); 8 prompts x n=4,
-           32 new tokens
+Presets (random weights built from a config, or the model lmrl ships; nothing is downloaded):
+    tiny     Llama, hidden 64, 2 layers, char tokenizer (vocab ~97); 100 prompts x n=8, 64 new tokens
+    shipped  the shipped tiny-addition model (~0.5M parameters); 32 prompts x n=8, 16 new tokens
+    30m      Llama, hidden 512, 8 layers, 8 heads, vocab 32000 (~41M parameters); 16 prompts x n=8,
+             64 new tokens: where an engine's batching starts to matter
+    100m     Llama, hidden 768, 12 layers, 12 heads, vocab 32000 (~110M parameters); 8 prompts x n=4,
+             32 new tokens
+
+Backends (--backends): hf (`model.generate`), lmrl (`HFGenerator`), vllm (`VLLMGenerator`, rollout.backend=vllm:
+vLLM's CPU build here, its CUDA build on a GPU; the weights pushed to it once before timing). Ratios are against
+the first backend listed.
 
 Both generators sample with the same settings (temperature 1, no top-k / top-p, all rows in one
 batch, `n` completions per prompt via `num_return_sequences`) on the same prompts (random token ids,
@@ -31,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm  # noqa: E402
@@ -39,8 +47,12 @@ from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
 
 PRESETS = {
     "tiny": dict(prompts=100, n=8, max_new_tokens=64),
+    "shipped": dict(prompts=32, n=8, max_new_tokens=16),
+    "30m": dict(prompts=16, n=8, max_new_tokens=64),
     "100m": dict(prompts=8, n=4, max_new_tokens=32),
 }
+SHAPES = {"30m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8),
+          "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12)}
 
 
 @dataclass
@@ -57,20 +69,17 @@ def build(preset: str) -> Setup:
     if preset == "tiny":
         model = tiny_causal_lm(tokenizer, arch="llama", hidden_size=64, num_layers=2)
         return Setup(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
-    # ~110M parameters: a Llama shape close to TinyLlama's layer, 12 layers. The char tokenizer is
-    # only used to decode texts; ids above its vocabulary decode to nothing, which is fine here.
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    if preset == "shipped":
+        from lmrl.models.shipped import SHIPPED_MODELS
+
+        path = SHIPPED_MODELS["tiny-addition"]
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+        return Setup(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
+    # a Llama shape of random weights (the 100m one close to TinyLlama's layer). The char tokenizer is only
+    # used to decode texts; ids above its vocabulary decode to nothing, which is fine here.
+    shape = SHAPES[preset]
+    config = LlamaConfig(vocab_size=32000, num_key_value_heads=shape["num_attention_heads"], max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.generation_config.pad_token_id = 0
@@ -134,11 +143,23 @@ def best_of_alternating(fns: list, repeats: int) -> list[tuple[float, int]]:
     return best
 
 
+def vllm_engine(s: Setup, eos: bool, max_len: int):
+    from lmrl.models.weights import export_weights
+    from lmrl.rollout.vllm_engine import VLLMGenerator
+
+    engine = VLLMGenerator(s.model.config, s.tokenizer, dtype="float32", max_model_len=max_len, seed=0,
+                           eos_token_ids=[s.eos_id] if eos else [])
+    engine.load_weights(export_weights(s.model), version=0)
+    return engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--preset", choices=["tiny", "100m", "both"], default="both")
+    parser.add_argument("--preset", nargs="+", choices=[*PRESETS, "both"], default=["both"],
+                        help="presets to run (both: tiny and 100m)")
+    parser.add_argument("--backends", nargs="+", choices=["hf", "lmrl", "vllm"], default=["hf", "lmrl"])
     parser.add_argument("--prompts", type=int, help="number of prompts (default: preset's)")
     parser.add_argument("--n", type=int, help="completions per prompt (default: preset's)")
     parser.add_argument("--max-new-tokens", type=int, help="default: preset's")
@@ -147,14 +168,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    presets = ["tiny", "100m"] if args.preset == ["both"] else [p for p in args.preset if p != "both"]
 
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    header = (
-        f"{'model':<6} {'mode':<7} {'rows':>5} {'new':>4} {'hf tok/s':>10} {'lmrl tok/s':>11} {'speedup':>8}"
-    )
+    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {device}")
+    first = args.backends[0]
+    header = f"{'model':<8} {'mode':<7} {'rows':>5} {'new':>4} " + " ".join(
+        f"{b + ' tok/s':>11} {'x ' + first:>8}" if b != first else f"{b + ' tok/s':>11}" for b in args.backends)
     print(header)
     print("-" * len(header))
-    for preset in ["tiny", "100m"] if args.preset == "both" else [args.preset]:
+    for preset in presets:
         cfg = dict(PRESETS[preset])
         for key in ("prompts", "n", "max_new_tokens"):
             if getattr(args, key) is not None:
@@ -165,23 +188,31 @@ def main() -> None:
         for mode in args.modes:
             eos = mode == "eos"
             gen = HFGenerator(s.model, s.tokenizer, eos_token_id=[s.eos_id] if eos else [], seed=0)
+            runs = {"hf": lambda eos=eos: _hf(s, prompts, n, max_new, eos),  # noqa: B023
+                    "lmrl": lambda gen=gen: run_lmrl(gen, prompts, n, max_new)}  # noqa: B023
+            backends = list(args.backends)
+            if "vllm" in backends:  # one at a time: vLLM runs one engine per process
+                try:
+                    engine = vllm_engine(s, eos, max(len(p) for p in prompts) + max_new)
+                    runs["vllm"] = lambda engine=engine: run_lmrl(engine, prompts, n, max_new)  # noqa: B023
+                except Exception as e:  # noqa: BLE001 - e.g. a head size the CPU build has no kernel for
+                    print(f"{preset}: no vllm ({e})")
+                    backends.remove("vllm")
             torch.manual_seed(0)
-            run_hf(s, prompts[:2], 2, 4, eos)  # warm-up
-            run_lmrl(gen, prompts[:2], 2, 4)
+            for b in backends:  # warm-up
+                {"hf": lambda: run_hf(s, prompts[:2], 2, 4, eos), "lmrl": lambda: run_lmrl(gen, prompts[:2], 2, 4),  # noqa: B023
+                 "vllm": lambda: runs["vllm"]()}[b]()  # noqa: B023
+            best = dict(zip(backends, best_of_alternating([runs[b] for b in backends], args.repeats)))
+            rates = [best[b][1] / best[b][0] if b in best else float("nan") for b in args.backends]
+            cells = [f"{rate:>11.0f}" + (f" {rate / rates[0]:>7.2f}x" if i else "") for i, rate in enumerate(rates)]
+            print(f"{preset:<8} {mode:<7} {len(prompts) * n:>5} {max_new:>4} " + " ".join(cells))
+            if "vllm" in backends:
+                engine.close()
 
-            def hf(eos=eos):
-                with torch.inference_mode():
-                    return run_hf(s, prompts, n, max_new, eos)  # noqa: B023
 
-            def lmrl(gen=gen):
-                return run_lmrl(gen, prompts, n, max_new)  # noqa: B023
-
-            (hf_time, hf_tokens), (lmrl_time, lmrl_tokens) = best_of_alternating([hf, lmrl], args.repeats)
-            hf_rate, lmrl_rate = hf_tokens / hf_time, lmrl_tokens / lmrl_time
-            print(
-                f"{preset:<6} {mode:<7} {len(prompts) * n:>5} {max_new:>4} {hf_rate:>10.0f} {lmrl_rate:>11.0f} "
-                f"{lmrl_rate / hf_rate:>7.2f}x"
-            )
+def _hf(s: Setup, prompts, n, max_new, eos) -> int:
+    with torch.inference_mode():
+        return run_hf(s, prompts, n, max_new, eos)
 
 
 if __name__ == "__main__":

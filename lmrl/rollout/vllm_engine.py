@@ -27,6 +27,7 @@ import importlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -39,7 +40,7 @@ from lmrl.rollout.ops import rollout_from_tokens
 # engine defaults that suit a trainer's process; a value the user exported wins
 _ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: weights are loaded in place
-    "VLLM_LOGGING_LEVEL": "WARNING",  # the run's console, not the engine's start-up log
+    "VLLM_LOGGING_LEVEL": "ERROR",  # the run's console, not the engine's start-up advice
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # the trainer's threads stay where they are
 }
 
@@ -52,6 +53,7 @@ def require_vllm() -> Any:
                          "'lmrl[vllm]' (docs/generation.md says where it runs)")
     for key, value in _ENVIRONMENT.items():
         os.environ.setdefault(key, value)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")  # its own deprecated torch calls
     try:
         return importlib.import_module("vllm")
     except Exception as e:  # noqa: BLE001 - a broken install is one line, not an import traceback
@@ -70,8 +72,8 @@ class VLLMGenerator:
         dtype: the engine's weights, "float32", "bfloat16" or "float16".
         max_model_len: longest prompt + completion a row holds.
         seed: seeds the per-call seeds drawn when `SamplingParams.seed` is None (`_rng`, saved in checkpoints).
-        eos_token_ids: ids that end a completion (besides the model's own EOS); None: the model's and the
-            tokenizer's, as `HFGenerator` resolves them.
+        eos_token_ids: ids that end a completion; None: the model's and the tokenizer's, as `HFGenerator` resolves
+            them. An empty list disables EOS (completions run to `max_new_tokens`).
         device: "cpu" or "cuda".
         gpu_memory_utilization: the engine's share of the GPU's memory (ignored on a CPU).
         cpu_kv_cache_gb: the GiB of its KV cache on a CPU.
@@ -108,11 +110,12 @@ class VLLMGenerator:
                                     enforce_eager=enforce_eager or self.device.type != "cuda",
                                     gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleeps,
                                     enable_prefix_caching=False)
+                self._sampling_params = vllm.SamplingParams
+                self.generate([[0]], 1, SamplingParams(max_new_tokens=1, temperature=0.0))  # kernels fail here, not later
             except Exception as e:  # noqa: BLE001 - one line naming the model, not vLLM's start-up traceback
-                shutil.rmtree(self._dir, ignore_errors=True)
-                raise ModelError(f"rollout.backend: vllm cannot serve this model ({getattr(config, 'model_type', '?')}, "
+                self.close()
+                raise ModelError(f"rollout.backend: vllm cannot serve this model ({getattr(config, 'model_type', '?')}: "
                                  f"{type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
-        self._sampling_params = vllm.SamplingParams
         VLLMGenerator._live = self
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
@@ -131,6 +134,7 @@ class VLLMGenerator:
         requests = [self._sampling_params(n=per_request, max_tokens=params.max_new_tokens,
                                           temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
                                           stop=list(params.stop), stop_token_ids=self.eos_token_ids,
+                                          ignore_eos=not self.eos_token_ids,
                                           include_stop_str_in_output=True, logprobs=0, seed=seed + i,
                                           detokenize=bool(params.stop))
                     for i in range(len(prompts)) for _ in range(n // per_request)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import subprocess
 import sys
 
 import pytest
@@ -205,3 +206,29 @@ def test_without_vllm_the_backend_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"^rollout.backend: vllm needs the vllm package, which is not installed"):
         load_config(None, ["rollout.backend=vllm"])
+
+
+def test_a_model_the_engine_has_no_kernels_for_is_refused_in_one_line():
+    from lmrl.errors import ModelError
+    from lmrl.models.tiny import char_tokenizer
+
+    tok = char_tokenizer()
+    model = tiny_causal_lm(tok, hidden_size=32, num_layers=1, num_heads=2)  # head size 16: no CPU attention kernel
+    with pytest.raises(ModelError, match=r"^rollout.backend: vllm cannot serve this model \(llama: RuntimeError: "
+                                         r"Unsupported CPU attention configuration: head_dim=16") as e:
+        engine_for(model, tok)
+    assert "\n" not in str(e.value)
+
+
+def test_two_ddp_ranks_each_sample_with_the_weights_of_every_step(tmp_path):
+    # each rank's engine takes the (same) updated weights before every step; the metrics are the ranks' mean
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                          "lmrl.cli", "train", "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=8",
+                          "train.eval_every=0", "log.console=false", f"train.output_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["val/sampler_kl"] for r in steps] == pytest.approx([0] * 3, abs=2e-5)
+    assert all(r["time/weight_sync"] > 0 for r in steps)
