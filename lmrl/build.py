@@ -499,22 +499,64 @@ def _schedule(kind: str, warmup: int, total: int):
 
 
 def make_generator(cfg: Config, models: Models, env: Any, device: torch.device) -> Generator:
-    """The generation backend `rollout.backend` names: lmrl's decode over the live policy (or its sampler copy),
-    or a vLLM engine in this process that holds its own weights (`lmrl.rollout.vllm_engine`); the engine is sized
-    for the longest row a rollout can hold, within the model's positions."""
+    """The generation backend `rollout.backend` names: lmrl's decode over the live policy (or its sampler copy);
+    a vLLM engine in this process; or a generation server, at rollout.vllm.server_url or started here
+    (`lmrl.rollout.remote`). The last two hold their own weights (`RemoteGenerator`) and are sized for the
+    longest row a rollout can hold, within the model's positions."""
     r = cfg.rollout
     if r.backend == "lmrl":
         return HFGenerator(models.sampler or models.policy, models.tokenizer, batch_size=r.batch_size,
                            cuda_graph=r.cuda_graph)
-    from lmrl.rollout.vllm_engine import VLLMGenerator
-
     base = getattr(models.policy, "module", models.policy)
     base = base.get_base_model() if hasattr(base, "peft_config") else base
     completion = (cfg.env.max_tokens or cfg.env.max_turns * r.max_new_tokens) if env is not None else r.max_new_tokens
     longest = r.max_prompt_length + completion
     positions = getattr(base.config.get_text_config(), "max_position_embeddings", None) or longest
-    return VLLMGenerator(base.config, models.tokenizer, dtype=r.dtype or cfg.model.dtype,
-                         max_model_len=r.vllm.max_model_len or min(longest, positions), seed=cfg.train.seed,
-                         eos_token_ids=resolve_eos(base, models.tokenizer, None), device=device.type,
-                         gpu_memory_utilization=r.vllm.gpu_memory_utilization, cpu_kv_cache_gb=r.vllm.cpu_kv_cache_gb,
-                         sleep=r.vllm.sleep, enforce_eager=r.vllm.enforce_eager)
+    max_model_len = r.vllm.max_model_len or min(longest, positions)
+    if r.backend == "vllm":
+        return _engine(cfg, base, models.tokenizer, max_model_len, device)
+    from lmrl.rollout.remote import ServerGenerator
+
+    if r.vllm.server_url is not None:
+        return ServerGenerator(r.vllm.server_url, models.tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
+    # a server on this machine, started and stopped with the run: the policy's model and the engine's settings
+    model = cfg.model.model_dump(mode="json", include={"dtype", "trust_remote_code"})
+    args = [f"model.name_or_path={policy_path(cfg)}", *(f"model.{k}={v}" for k, v in model.items()),
+            "rollout.backend=vllm", f"rollout.max_prompt_length={r.max_prompt_length}",
+            f"rollout.max_new_tokens={completion}", f"train.seed={cfg.train.seed}",
+            *([f"rollout.vllm.max_model_len={r.vllm.max_model_len}"] if r.vllm.max_model_len else []),
+            *(f"rollout.vllm.{k}={v}" for k, v in r.vllm.model_dump(mode="json", exclude={"max_model_len", "server_url"}).items()),
+            *([f"rollout.dtype={r.dtype}"] if r.dtype else [])]
+    return ServerGenerator.start(args, models.tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
+
+
+def _engine(cfg: Config, model: nn.Module, tokenizer: Any, max_model_len: int, device: torch.device):
+    from lmrl.rollout.vllm_engine import VLLMGenerator
+
+    v = cfg.rollout.vllm
+    return VLLMGenerator(model.config, tokenizer, dtype=cfg.rollout.dtype or cfg.model.dtype, max_model_len=max_model_len,
+                         seed=cfg.train.seed, eos_token_ids=resolve_eos(model, tokenizer, None), device=device.type,
+                         gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
+                         sleep=v.sleep, enforce_eager=v.enforce_eager)
+
+
+def serving_generator(cfg: Config) -> tuple[Any, Any]:
+    """What `lmrl serve` runs: the config's model and a generator that holds it and takes new weights
+    (`RemoteGenerator`): a vLLM engine given the model's weights (rollout.backend vllm or vllm-server), or lmrl's
+    decode over the model (rollout.backend=lmrl). Returns (generator, tokenizer)."""
+    from lmrl.models.weights import export_weights
+
+    m, r = cfg.model, cfg.rollout
+    path = policy_path(cfg)
+    device = resolve_device(m.device)
+    tokenizer = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+    model = load_causal_lm(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code)
+    if r.backend == "lmrl":
+        from lmrl.rollout.server import ModelGenerator
+
+        return ModelGenerator(model, tokenizer, seed=cfg.train.seed), tokenizer
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or cfg.longest_sequence
+    engine = _engine(cfg, model, tokenizer, r.vllm.max_model_len or min(cfg.longest_sequence, positions), device)
+    engine.load_weights(export_weights(model), version=-1)  # its starting weights: no policy version yet
+    del model
+    return engine, tokenizer

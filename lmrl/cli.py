@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -107,7 +109,13 @@ def _main(argv: list[str] | None) -> int:
     rp.add_argument("--out", default=None,
                     help="the HTML file to write (default: RUN_DIR/report.html for one run, ./report.html for several)")
 
-    for p in (tr, ev, rp):
+    sv = sub.add_parser("serve", help="serve a model for generation: OpenAI completions and lmrl's weight sync",
+                        epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sv.add_argument("args", nargs="*", help="an optional CONFIG.yaml, then key=value overrides (model.*, rollout.*)")
+    sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="the port (0: any free one; the ready line says which)")
+
+    for p in (tr, ev, rp, sv):
         p.add_argument("--traceback", action="store_true",
                        help="on an error, print the full Python traceback (or set LMRL_TRACEBACK=1)")
 
@@ -120,6 +128,8 @@ def _main(argv: list[str] | None) -> int:
             return _train(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "serve":
+            return _serve(args)
         return _eval(args)
     except (LmrlError, ValueError, OSError, ImportError) as e:
         # what a user can act on is one line, not a traceback (--traceback shows it)
@@ -147,6 +157,43 @@ def _leave_process_group() -> None:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+SERVE_EXAMPLES = """examples:
+  lmrl serve                                           the shipped model, a vLLM engine, on 127.0.0.1:8000
+  lmrl serve model.name_or_path=./my-model --host 0.0.0.0 --port 8000
+  lmrl serve model.name_or_path=./my-model rollout.backend=lmrl    lmrl's decode instead of vLLM
+  lmrl train rollout.backend=vllm-server rollout.vllm.server_url=http://gpu-node:8000
+"""
+
+
+def _serve(args) -> int:
+    """A generation server (`lmrl.rollout.server`) until SIGINT / SIGTERM; prints the ready line first."""
+    from lmrl.config import load_config
+    from lmrl.rollout.remote import READY, die_with_parent
+
+    die_with_parent()
+    path = None
+    overrides = list(args.args)
+    if overrides and "=" not in overrides[0]:
+        path = overrides.pop(0)
+    cfg = load_config(path, overrides)
+    from lmrl.build import serving_generator
+    from lmrl.rollout.server import GenerationServer
+
+    generator, tokenizer = serving_generator(cfg)
+    server = GenerationServer(generator, tokenizer, cfg.model.name_or_path, host=args.host, port=args.port,
+                              max_prompt_length=cfg.rollout.max_prompt_length)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    print(READY + server.url, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        getattr(generator, "close", lambda: None)()
+    return 0
 
 
 def _train(args) -> int:

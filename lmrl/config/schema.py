@@ -116,7 +116,7 @@ class Config(Section):
         if self.train.parallel == "fsdp" and self.samples_with_copy:
             raise ValueError("train.parallel: fsdp does not keep a sampler copy in rollout.dtype; unset rollout.dtype "
                              "or use train.parallel=ddp")
-        if r.backend == "vllm":
+        if r.backend == "vllm" or (r.backend == "vllm-server" and r.vllm.server_url is None):
             if importlib.util.find_spec("vllm") is None:
                 raise ValueError("rollout.backend: vllm needs the vllm package, which is not installed: pip install "
                                  "'lmrl[vllm]' (docs/generation.md says where it runs)")

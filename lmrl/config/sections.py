@@ -105,6 +105,11 @@ class VLLMConfig(Section):
     before the next generation (vLLM's sleep mode). A CPU has no such mode: ignored there."""
     enforce_eager: bool = False
     """Run the engine's model eagerly, without CUDA graphs (faster start, slower decode). Always eager on a CPU."""
+    server_url: NonEmptyStr | None = None
+    """rollout.backend=vllm-server: the generation server (`lmrl serve`, e.g. "http://gpu-node:8000") that samples
+    and takes the policy's weights after each step. None: lmrl starts one on this machine and stops it with the run."""
+    timeout: PositiveFloat = 600.0
+    """Seconds one request to the generation server may take (a step's generation, a weight push)."""
 
 
 class RolloutConfig(Section):
@@ -131,11 +136,12 @@ class RolloutConfig(Section):
     dtype, refreshed from the policy before every generation; truncated importance sampling
     (algorithm.tis_cap, 2.0 unless set) corrects for the difference between its probabilities and
     the trainer's."""
-    backend: Literal["lmrl", "vllm"] = "lmrl"
-    """What generates: "lmrl", lmrl's own decode loop (the default; on a CPU as fast as an engine), or "vllm",
-    a vLLM engine in the trainer's process (pip install 'lmrl[vllm]'), which takes the policy's weights before
-    each step's generation; truncated importance sampling (algorithm.tis_cap, 2.0 unless set) then corrects
-    for the difference between the engine's probabilities and the trainer's (docs/generation.md)."""
+    backend: Literal["lmrl", "vllm", "vllm-server"] = "lmrl"
+    """What generates: "lmrl", lmrl's own decode loop (the default; on a CPU as fast as an engine); "vllm", a vLLM
+    engine in the trainer's process (pip install 'lmrl[vllm]'); or "vllm-server", a generation server in another
+    process or on another machine (`lmrl serve`; rollout.vllm.server_url). An engine takes the policy's weights
+    before each step's generation, and truncated importance sampling (algorithm.tis_cap, 2.0 unless set) corrects
+    for the difference between its probabilities and the trainer's (docs/generation.md)."""
     vllm: VLLMConfig = VLLMConfig()
     """The vLLM engine's settings (rollout.backend=vllm)."""
     cuda_graph: bool = True
