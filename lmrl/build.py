@@ -518,7 +518,9 @@ def make_generator(cfg: Config, models: Models, env: Any, device: torch.device) 
     from lmrl.rollout.remote import ServerGenerator
 
     if r.vllm.server_url is not None:
-        return ServerGenerator(r.vllm.server_url, models.tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
+        server = ServerGenerator(r.vllm.server_url, models.tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
+        server.health()  # a server that is not there fails now, in one line, before the first step
+        return server
     # a server on this machine, started and stopped with the run: the policy's model and the engine's settings
     model = cfg.model.model_dump(mode="json", include={"dtype", "trust_remote_code"})
     args = [f"model.name_or_path={policy_path(cfg)}", *(f"model.{k}={v}" for k, v in model.items()),
