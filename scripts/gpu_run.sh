@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (no package index there): install the wheels scripts/gpu_wheels.py put in .whl/,
-# then run the whole suite on CUDA and the GPU benchmark against TRL. Output goes to $OUT when it is set
+# then run the whole suite on CUDA, the GPU benchmark against TRL and the generation backends. Output goes to $OUT when it is set
 # (the device tool brings that folder back), else to gpu-out/.
 #   here:  python scripts/gpu_wheels.py
 #   there: bash scripts/gpu_run.sh            (the device tool's run, with carry=[".whl"])
@@ -16,5 +16,10 @@ python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/suite.txt"
 suite=${PIPESTATUS[0]}
 python3 benchmarks/gpu_vs_trl.py 2>&1 | tee "$out/gpu_vs_trl.txt"
 bench=${PIPESTATUS[0]}
-echo "suite exit $suite, benchmark exit $bench"
-exit $(( suite || bench ))
+# generation tokens/s of the backends (vLLM's column only where its CUDA build is installed)
+backends="lmrl hf"
+python3 -c "import vllm" 2>/dev/null && backends="lmrl vllm hf"
+python3 benchmarks/generation.py --preset shipped 30m 100m --backends $backends --repeats 3 2>&1 | tee "$out/generation.txt"
+gen=${PIPESTATUS[0]}
+echo "suite exit $suite, benchmark exit $bench, generation exit $gen"
+exit $(( suite || bench || gen ))

@@ -4,6 +4,7 @@ fine-tuning and LoRA), multi-turn episodes, and a resumed run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import platform
@@ -25,6 +26,8 @@ from lmrl.rollout.vllm_engine import VLLMGenerator
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):  # where make test installs vLLM's CPU build
     pytest.skip("vLLM's CPU build is made for x86-64 Linux only", allow_module_level=True)
+if torch.cuda.is_available() and importlib.util.find_spec("vllm") is None:  # a GPU machine given lmrl's wheels only
+    pytest.skip("vLLM's CUDA build is not installed on this GPU machine", allow_module_level=True)
 
 
 def engine_for(model, tokenizer, max_model_len: int = 64) -> VLLMGenerator:
