@@ -22,7 +22,7 @@ demo: setup
 test: setup
 	bash scripts/install_chromium.sh
 	$(PY) -m ruff check lmrl tests benchmarks scripts
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 lint: setup
 	$(PY) -m ruff check lmrl tests benchmarks scripts

@@ -116,8 +116,9 @@ class VLLMGenerator:
                 self.generate([[0]], 1, SamplingParams(max_new_tokens=1, temperature=0.0))  # kernels fail here, not later
             except Exception as e:  # noqa: BLE001 - one line naming the model, not vLLM's start-up traceback
                 self.close()
+                cause = e.__cause__ if isinstance(e, RunError) and e.__cause__ is not None else e  # the warm-up's
                 raise ModelError(f"rollout.backend: vllm cannot serve this model ({getattr(config, 'model_type', '?')}: "
-                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
+                                 f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]})") from e
         VLLMGenerator._live = self
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
