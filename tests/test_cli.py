@@ -85,3 +85,15 @@ def test_the_full_traceback_is_one_flag_or_variable_away(how, capsys, monkeypatc
     monkeypatch.setenv("LMRL_TRACEBACK", "0")  # 0 and unset both mean off
     assert main(["train", "train.steps=-3"]) == 2
     assert capsys.readouterr().err == "lmrl: error: train.steps: must be >= 1 (got -3)\n"
+
+
+def test_python_dash_m_lmrl_is_the_lmrl_command(tmp_path):
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "lmrl", "train", "--dry-run", "train.steps=3"], capture_output=True,
+                        text=True, timeout=120, cwd=tmp_path)
+    assert ok.returncode == 0 and "train: steps=3" in ok.stdout, ok.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "lmrl", "train", "train.steps=-3"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip() == "lmrl: error: train.steps: must be >= 1 (got -3)"

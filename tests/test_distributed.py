@@ -95,7 +95,7 @@ def test_lmrl_train_under_torchrun_is_one_job(tmp_path):
     (tmp_path / "rec.py").write_text(RECORD)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmrl.cli", "train",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmrl", "train",
          "train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=10",
          "train.output_dir=out", "log.console=false", "reward.functions=[rec.py:record]", "train.threads=1"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
