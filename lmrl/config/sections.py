@@ -267,8 +267,9 @@ class TrainConfig(Section):
     """Keep only the newest this many checkpoints (None = keep all)."""
     resume: str | None = None
     """Continue a run: "auto" from the newest complete checkpoint in output_dir (starts afresh when there
-    is none), or a checkpoint directory's path. Only steps, cadences, max_minutes, threads, output_dir,
-    reward.timeout and log.* may differ from the checkpoint's config."""
+    is none), or a checkpoint directory's path. Only steps, cadences, max_minutes, threads, parallel,
+    output_dir, rollout.cuda_graph, rollout.vllm.*, reward.timeout and log.* may differ from the checkpoint's
+    config."""
     overwrite: bool = False
     """Start afresh in an output_dir that holds an earlier run, deleting that run's files."""
     max_minutes: PositiveFloat | None = None
