@@ -72,9 +72,10 @@ class DataConfig(Section):
     dataset larger than memory). The first step's rows are checked before the model loads, the others as
     they are read (docs/python.md, streamed datasets)."""
     eval_path: NonEmptyStr | None = None
-    """Held-out prompts for evaluation (defaults to the task's held-out split)."""
+    """Held-out prompts for evaluation (defaults to the task's held-out split). With `path` and no
+    `eval_path` a run has no held-out evaluation: give `eval_path` (the same dataset with `eval_split` works)."""
     eval_split: str = "test"
-    """Split of `eval_path` (or of `path` when `eval_path` is unset) to evaluate on."""
+    """Split of `eval_path` to evaluate on, when it has splits (a DatasetDict, a hub dataset)."""
     prompt_column: NonEmptyStr = "prompt"
     """Column holding the prompt: a string or a list of chat messages."""
     num_eval_prompts: NonNegativeInt = 200
