@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -122,7 +124,8 @@ def test_adversarial_answer_does_not_freeze_the_trainer():
 def test_worker_is_killed_and_restarted_past_its_deadline():
     worker = MathVerifyWorker(timeout_seconds=1)
     assert worker("72", "\\boxed{72}") == 1.0  # starts the worker
-    worker.deadline = 0.0  # every answer now overruns
+    worker.deadline = 0.5
+    os.kill(worker._proc.pid, signal.SIGSTOP)  # a stuck worker: it cannot answer (a deadline of 0 raced a fast one)
     assert worker("72", "\\boxed{72}") == 0.0
     assert worker.restarts == 1
     worker.deadline = 30.0
