@@ -509,12 +509,9 @@ def make_generator(cfg: Config, models: Models, env: Any, device: torch.device) 
                            cuda_graph=r.cuda_graph)
     base = getattr(models.policy, "module", models.policy)
     base = base.get_base_model() if hasattr(base, "peft_config") else base
-    completion = (cfg.env.max_tokens or cfg.env.max_turns * r.max_new_tokens) if env is not None else r.max_new_tokens
-    longest = r.max_prompt_length + completion
-    positions = getattr(base.config.get_text_config(), "max_position_embeddings", None) or longest
-    max_model_len = r.vllm.max_model_len or min(longest, positions)
+    completion = cfg.completion_budget(multi_turn=env is not None)  # an env object counts, not only env.name
     if r.backend == "vllm":
-        return _engine(cfg, base, models.tokenizer, max_model_len, device)
+        return _engine(cfg, base, models.tokenizer, r.max_prompt_length + completion, device)
     from lmrl.rollout.remote import ServerGenerator
 
     if r.vllm.server_url is not None:
@@ -532,10 +529,14 @@ def make_generator(cfg: Config, models: Models, env: Any, device: torch.device) 
     return ServerGenerator.start(args, models.tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
 
 
-def _engine(cfg: Config, model: nn.Module, tokenizer: Any, max_model_len: int, device: torch.device):
+def _engine(cfg: Config, model: nn.Module, tokenizer: Any, longest: int, device: torch.device):
+    """A vLLM engine for `model`, holding rows of `longest` tokens (rollout.vllm.max_model_len when set), within
+    the model's positions."""
     from lmrl.rollout.vllm_engine import VLLMGenerator
 
     v = cfg.rollout.vllm
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or longest
+    max_model_len = v.max_model_len or min(longest, positions)
     return VLLMGenerator(model.config, tokenizer, dtype=cfg.rollout.dtype or cfg.model.dtype, max_model_len=max_model_len,
                          seed=cfg.train.seed, eos_token_ids=resolve_eos(model, tokenizer, None), device=device.type,
                          gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
@@ -557,8 +558,7 @@ def serving_generator(cfg: Config) -> tuple[Any, Any]:
         from lmrl.rollout.server import ModelGenerator
 
         return ModelGenerator(model, tokenizer, seed=cfg.train.seed), tokenizer
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or cfg.longest_sequence
-    engine = _engine(cfg, model, tokenizer, r.vllm.max_model_len or min(cfg.longest_sequence, positions), device)
+    engine = _engine(cfg, model, tokenizer, cfg.longest_sequence, device)
     engine.load_weights(export_weights(model), version=-1)  # its starting weights: no policy version yet
     del model
     return engine, tokenizer

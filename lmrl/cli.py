@@ -173,11 +173,7 @@ def _serve(args) -> int:
     from lmrl.rollout.remote import READY, die_with_parent
 
     die_with_parent()
-    path = None
-    overrides = list(args.args)
-    if overrides and "=" not in overrides[0]:
-        path = overrides.pop(0)
-    cfg = load_config(path, overrides)
+    cfg = load_config(*_config_source(args))
     from lmrl.build import serving_generator
     from lmrl.rollout.server import GenerationServer
 
@@ -196,17 +192,20 @@ def _serve(args) -> int:
     return 0
 
 
+def _config_source(args) -> tuple[str | None, list[str]]:
+    """`train` / `serve`'s positional arguments: an optional CONFIG.yaml first, then key=value overrides."""
+    overrides = list(args.args)
+    path = overrides.pop(0) if overrides and "=" not in overrides[0] else None
+    return path, overrides
+
+
 def _train(args) -> int:
     from lmrl.config import config_summary, describe_fields, load_config
 
     if args.help_config:
         print(describe_fields())
         return 0
-    path = None
-    overrides = list(args.args)
-    if overrides and "=" not in overrides[0]:
-        path = overrides.pop(0)
-    cfg = load_config(path, overrides)  # fails here, before any model loads
+    cfg = load_config(*_config_source(args))  # fails here, before any model loads
     if args.nproc and args.nproc > 1 and not args.dry_run and "WORLD_SIZE" not in os.environ:
         _exec_torchrun(args)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and checks the directory

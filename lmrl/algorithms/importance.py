@@ -49,16 +49,11 @@ def truncated_is_weights(
         `[B, T]` weights, detached (constants), float32 at least; padding positions are 0 so the
         weights double as a mask.
     """
-    _check_choice("level", level, _IS_LEVELS)
     if cap is not None and not cap > 0:
         raise ValueError(f"cap: must be > 0 or None, got {cap!r}")
-    mask = _as_bool_mask(mask, old_logp, "old_logp")
-    _check_same_shape("rollout_logp", rollout_logp, "old_logp", old_logp)
+    mask, log_ratio = _log_ratio(old_logp, rollout_logp, mask, level)
     with torch.no_grad():
-        dtype = _compute_dtype(old_logp.dtype)
-        log_ratio = _clean(old_logp, mask, dtype) - _clean(rollout_logp, mask, dtype)  # [B, T]
-        if level == "sequence":
-            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+        dtype = log_ratio.dtype
         if cap is not None:
             # Truncate in log space: exp of a long sequence's summed log-ratio would overflow.
             log_ratio = log_ratio.clamp(max=math.log(cap))
@@ -98,17 +93,27 @@ def masked_is_weights(
     Returns:
         `[B, T]` weights, detached, float32 at least; padding and masked-out tokens are 0.
     """
-    _check_choice("level", level, _IS_LEVELS)
     if not 0 <= low < 1 < high:
         raise ValueError(f"low, high: must satisfy 0 <= low < 1 < high, got {low!r}, {high!r}")
-    mask = _as_bool_mask(mask, old_logp, "old_logp")
-    _check_same_shape("rollout_logp", rollout_logp, "old_logp", old_logp)
+    mask, log_ratio = _log_ratio(old_logp, rollout_logp, mask, level)
     with torch.no_grad():
-        dtype = _compute_dtype(old_logp.dtype)
-        log_ratio = _clean(old_logp, mask, dtype) - _clean(rollout_logp, mask, dtype)  # [B, T]
-        if level == "sequence":
-            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+        dtype = log_ratio.dtype
         log_low = math.log(low) if low > 0 else -math.inf
         inside = (log_ratio >= log_low) & (log_ratio <= math.log(high))
         weights = torch.exp(log_ratio.clamp(max=math.log(high)))  # no overflow where the band masks anyway
         return torch.where(mask & inside, weights, torch.zeros((), dtype=dtype, device=weights.device))
+
+
+def _log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+               level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bool mask and the detached `[B, T]` log ρ = old_logp - rollout_logp on real tokens (0 on padding),
+    each token's own (level "token") or its sequence's sum on every token (level "sequence")."""
+    _check_choice("level", level, _IS_LEVELS)
+    mask = _as_bool_mask(mask, old_logp, "old_logp")
+    _check_same_shape("rollout_logp", rollout_logp, "old_logp", old_logp)
+    with torch.no_grad():
+        dtype = _compute_dtype(old_logp.dtype)
+        log_ratio = _clean(old_logp, mask, dtype) - _clean(rollout_logp, mask, dtype)
+        if level == "sequence":
+            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    return mask, log_ratio

@@ -141,9 +141,12 @@ class Config(Section):
     def longest_sequence(self) -> int:
         """The most tokens one rollout row can hold: the longest prompt and its completion (with an environment,
         every turn and observation)."""
+        return self.rollout.max_prompt_length + self.completion_budget(bool(self.env.name))
+
+    def completion_budget(self, multi_turn: bool) -> int:
+        """The most response tokens of one row: max_new_tokens, or an episode's (env.max_tokens, else every turn's)."""
         r, env = self.rollout, self.env
-        completion = (env.max_tokens or env.max_turns * r.max_new_tokens) if env.name else r.max_new_tokens
-        return r.max_prompt_length + completion
+        return (env.max_tokens or env.max_turns * r.max_new_tokens) if multi_turn else r.max_new_tokens
 
     @property
     def needs_reference(self) -> bool:

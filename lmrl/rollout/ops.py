@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lmrl.rollout.base import Rollout
+from lmrl.rollout.base import Rollout, SamplingParams
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -64,6 +64,14 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
         prompt_index=r.prompt_index[index],
         response_attention=None if attention is None else attention[:, :T],
     )
+
+
+def call_seed(params: SamplingParams, rng: torch.Generator, prompts: int) -> int:
+    """The seed of a generate call whose prompt i samples with seed + i: `params.seed`, else one drawn from the
+    backend's own generator (saved in checkpoints), so unseeded calls repeat across a resumed run too."""
+    if params.seed is not None:
+        return params.seed
+    return int(torch.randint(0, 2**31 - prompts, (), generator=rng))
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:

@@ -33,7 +33,7 @@ import torch
 
 from lmrl.errors import RunError
 from lmrl.rollout.base import Rollout, SamplingParams
-from lmrl.rollout.ops import rollout_from_tokens
+from lmrl.rollout.ops import call_seed, rollout_from_tokens
 from lmrl.rollout.server import frames
 
 READY = "lmrl serve: listening on "  # the line `lmrl serve` prints once it answers
@@ -85,8 +85,7 @@ class ServerGenerator:
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
         """`Generator.generate` on the server, with the weights it was last given."""
         params.validate()
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - len(prompts), (),
-                                                                           generator=self._rng))
+        seed = call_seed(params, self._rng, len(prompts))
         body = {"prompts": [list(map(int, p)) for p in prompts], "n": n,
                 "params": {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                            "top_p": params.top_p, "top_k": params.top_k, "stop": list(params.stop), "seed": seed}}

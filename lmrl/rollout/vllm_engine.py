@@ -35,7 +35,7 @@ import torch
 
 from lmrl.errors import ModelError, RunError
 from lmrl.rollout.base import Rollout, SamplingParams
-from lmrl.rollout.ops import rollout_from_tokens
+from lmrl.rollout.ops import call_seed, rollout_from_tokens
 
 # engine defaults that suit a trainer's process; a value the user exported wins
 _ENVIRONMENT = {
@@ -130,8 +130,7 @@ class VLLMGenerator:
         self._check_open()
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n: completions per prompt must be an integer >= 1, got {n!r}")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - len(prompts), (),
-                                                                           generator=self._rng))
+        seed = call_seed(params, self._rng, len(prompts))
         greedy = params.temperature == 0  # vLLM samples a greedy request once: ask n times
         per_request = 1 if greedy else n
         requests = [self._sampling_params(n=per_request, max_tokens=params.max_new_tokens,
