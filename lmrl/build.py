@@ -130,6 +130,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     notes: list[str] = field(default_factory=list)  # lines about how the run runs, printed under its header
+    inputs: Inputs | None = None  # what the config was built with, for a generator process to build from
 
 
 def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = None, reward_funcs: Any = None,
@@ -145,8 +146,8 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
     cfg = cfg.checked()  # fields assigned after the config was built, checked together
     world = init_world()  # one rank unless started by torchrun
     world.shard(cfg.rollout.prompts_per_step)  # a share of whole groups per rank, or one line now
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.threads or cfg.train.async_steps:
+        torch.set_num_threads(async_threads(cfg)[0] if cfg.train.async_steps else cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     if (note := slow_bf16_warning(cfg)) is not None:
         warnings.warn(note, SlowBf16Warning, stacklevel=3)
@@ -154,11 +155,8 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
     if model is not None and tokenizer is None:
         raise ValueError("tokenizer: pass the tokenizer together with a policy model")
     tokenizer = tokenizer or load_policy_tokenizer(cfg)
-    environment = make_environment(cfg, env, use_task=train_dataset is None)  # a built-in task may bring its own
-    if (env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions
-            and not cfg.reward.recipes):
-        reward_funcs = ["env"]
-    data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset)
+    inputs = Inputs(cfg, reward_funcs, train_dataset, env)
+    environment, data, reward_funcs = load_inputs(inputs, tokenizer, eval_dataset)
     cfg = recorded_config(cfg, reward_funcs, train_dataset, eval_dataset, data)  # what lmrl_config.yaml records
     models = load_models(cfg, model, tokenizer)
     if not all_finite([models.policy]):
@@ -168,7 +166,37 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
     notes: list[str] = []
     world, units = _shard_models(cfg, world, models, notes)
     optimizer, scheduler = make_optimizer(cfg, models.policy, models.critic)
-    return Run(cfg, world, device, environment, data, models, units, optimizer, scheduler, notes)
+    return Run(cfg, world, device, environment, data, models, units, optimizer, scheduler, notes, inputs)
+
+
+def async_threads(cfg: Config) -> tuple[int, int]:
+    """(trainer, generator process) torch threads of an asynchronous run: train.threads and
+    train.generator_threads, else the cores this process may use, shared between the two, the trainer first."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    trainer = cfg.train.threads or max(1, cores // 2)
+    return trainer, cfg.train.generator_threads or max(1, cores - trainer)
+
+
+@dataclass
+class Inputs:
+    """What the user passed instead of parts of the config, and the config they were checked against: a generator
+    process (`lmrl.async_rollouts`) loads its own prompts, reward functions and environment from them."""
+
+    cfg: Config
+    reward_funcs: Any = None
+    train_dataset: Any = None
+    env: Any = None
+
+
+def load_inputs(inputs: Inputs, tokenizer: Any, eval_dataset: Any = None) -> tuple[Any, Data, Any]:
+    """The environment and the data (prompts, reward functions) of `inputs`; returns them with the reward
+    functions used (an environment passed alone scores with its own rewards: "env")."""
+    cfg, env, reward_funcs, train_dataset = inputs.cfg, inputs.env, inputs.reward_funcs, inputs.train_dataset
+    environment = make_environment(cfg, env, use_task=train_dataset is None)  # a built-in task may bring its own
+    if (env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions
+            and not cfg.reward.recipes):
+        reward_funcs = ["env"]
+    return environment, load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset), reward_funcs
 
 
 def _shard_models(cfg: Config, world: Any, models: Models, notes: list[str]) -> tuple[Any, dict[str, list[nn.Module]]]:
@@ -498,24 +526,50 @@ def _schedule(kind: str, warmup: int, total: int):
     return f
 
 
-def make_generator(cfg: Config, models: Models, env: Any, device: torch.device) -> Generator:
+def make_generator(cfg: Config, models: Models, env: Any, device: torch.device, local: bool = False) -> Generator:
     """The generation backend `rollout.backend` names: lmrl's decode over the live policy (or its sampler copy);
     a vLLM engine in this process; or a generation server, at rollout.vllm.server_url or started here
     (`lmrl.rollout.remote`). The last two hold their own weights (`RemoteGenerator`) and are sized for the
-    longest row a rollout can hold, within the model's positions."""
+    longest row a rollout can hold, within the model's positions. `local`: lmrl's decode whatever the backend (an
+    asynchronous run's evaluation, while its generator process samples with rollout.backend's)."""
     r = cfg.rollout
-    if r.backend == "lmrl":
+    if r.backend == "lmrl" or local:
         return HFGenerator(models.sampler or models.policy, models.tokenizer, batch_size=r.batch_size,
                            cuda_graph=r.cuda_graph)
     base = getattr(models.policy, "module", models.policy)
     base = base.get_base_model() if hasattr(base, "peft_config") else base
+    return _holding_generator(cfg, base, models.tokenizer, env, device)
+
+
+def process_generator(cfg: Config, skeleton: Any, tokenizer: Any, env: Any, device: torch.device):
+    """The generator of an asynchronous run's generator process (`lmrl.async_rollouts`), as rollout.backend names
+    it, holding its own weights (a `RemoteGenerator`) and given them before its first batch: lmrl's decode over a
+    model built from the policy's config, a vLLM engine in that process, or a generation server. `skeleton`: the
+    policy's `config`, `generation_config` (its EOS) and `dtype`, without weights."""
+    if cfg.rollout.backend != "lmrl":
+        return _holding_generator(cfg, skeleton, tokenizer, env, device)
+    from transformers import AutoModelForCausalLM
+
+    from lmrl.rollout.server import ModelGenerator
+
+    dtype = DTYPES[cfg.rollout.dtype] if cfg.rollout.dtype else skeleton.dtype
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(skeleton.config, dtype=dtype)
+    model.generation_config = skeleton.generation_config
+    return ModelGenerator(model.eval(), tokenizer, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size)
+
+
+def _holding_generator(cfg: Config, base: Any, tokenizer: Any, env: Any, device: torch.device):
+    """A vLLM engine in this process, or a generation server (at rollout.vllm.server_url, or started here), for the
+    model `base` (its `config` and `generation_config` are read)."""
+    r = cfg.rollout
     completion = cfg.completion_budget(multi_turn=env is not None)  # an env object counts, not only env.name
     if r.backend == "vllm":
-        return _engine(cfg, base, models.tokenizer, r.max_prompt_length + completion, device)
+        return _engine(cfg, base, tokenizer, r.max_prompt_length + completion, device)
     from lmrl.rollout.remote import ServerGenerator
 
     if r.vllm.server_url is not None:
-        server = ServerGenerator(r.vllm.server_url, models.tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
+        server = ServerGenerator(r.vllm.server_url, tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
         server.health()  # a server that is not there fails now, in one line, before the first step
         return server
     # a server on this machine, started and stopped with the run: the policy's model and the engine's settings
@@ -526,7 +580,7 @@ def make_generator(cfg: Config, models: Models, env: Any, device: torch.device) 
             *([f"rollout.vllm.max_model_len={r.vllm.max_model_len}"] if r.vllm.max_model_len else []),
             *(f"rollout.vllm.{k}={v}" for k, v in r.vllm.model_dump(mode="json", exclude={"max_model_len", "server_url"}).items()),
             *([f"rollout.dtype={r.dtype}"] if r.dtype else [])]
-    return ServerGenerator.start(args, models.tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
+    return ServerGenerator.start(args, tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
 
 
 def _engine(cfg: Config, model: nn.Module, tokenizer: Any, longest: int, device: torch.device):

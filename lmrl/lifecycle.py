@@ -68,14 +68,17 @@ class RunLifecycle:
         modules: the trained models by name ("policy", and "critic" when there is one).
         optimizer: their optimizer.
         states: what else trainer_state.json holds, by name: objects with `state_dict` / `load_state_dict`.
+        files: what each rank saves in a file of its own (`NAME_RANK.pt`, read with `weights_only=True`), by name:
+            objects with `state_dict(step)` / `load_state_dict` (an asynchronous run's batches in flight).
         generators: the random generators a resumed run continues, by name.
         tokenizer: saved beside every model.
     """
 
     def __init__(self, cfg, world: World, log: RunLog, result, *, modules: dict[str, nn.Module],
                  optimizer: torch.optim.Optimizer, states: dict[str, Any], generators: dict[str, torch.Generator],
-                 tokenizer: Any):
+                 tokenizer: Any, files: dict[str, Any] | None = None):
         self.cfg, self.world, self.log, self.result = cfg, world, log, result
+        self.files = files or {}
         self.out = Path(cfg.train.output_dir)
         self.modules, self.optimizer, self.states, self.generators = modules, optimizer, states, generators
         self.tokenizer = tokenizer
@@ -143,6 +146,8 @@ class RunLifecycle:
         with atomic_directory(path, self.world) as tmp:  # every rank writes its part (a shared filesystem)
             save_model_state(tmp / "state", self.modules, self.optimizer)  # collective
             torch.save(rng or rng_state(self.generators), tmp / f"rng_state_{self.world.rank}.pt")
+            for name, f in self.files.items():
+                torch.save(f.state_dict(step), tmp / f"{name}_{self.world.rank}.pt")
             if self.world.main:
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
                 (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.log.rows))
@@ -161,6 +166,9 @@ class RunLifecycle:
         # this rank's RNGs; a rank the saving run did not have (another world size) continues from rank 0's
         rng = path / f"rng_state_{self.world.rank}.pt"
         set_rng_state(torch.load(rng if rng.is_file() else path / "rng_state_0.pt", weights_only=True), self.generators)
+        for name, f in self.files.items():
+            if (saved := path / f"{name}_{self.world.rank}.pt").is_file():
+                f.load_state_dict(torch.load(saved, weights_only=True))
         self.elapsed, self.saved_step = float(state["elapsed"]), int(state["step"])
         self.log.rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
         self.result.evals = list(state["evals"])

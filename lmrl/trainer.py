@@ -22,6 +22,7 @@ How lmrl departs from a textbook PPO loop, and why: no reference model is loaded
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,12 +33,13 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.algorithms import KLController
+from lmrl.async_rollouts import AsyncRollouts
 from lmrl.build import build_run, make_generator
 from lmrl.collect import Collected, Collector, PushedWeights, generation_weights
 from lmrl.config import Config, config_warnings
 from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import full_weights
-from lmrl.errors import DataError
+from lmrl.errors import ConfigError, DataError
 from lmrl.experience import Experience, make_experience
 from lmrl.guards import Guards
 from lmrl.lifecycle import RunLifecycle
@@ -74,7 +76,10 @@ class Trainer:
         self.optimizer, self.scheduler = run.optimizer, run.scheduler
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         sampler = None if self.data.train_stream else PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
-        self.generator = make_generator(cfg, self.models, self.env, run.device)
+        if cfg.train.async_steps and self.world.size > 1:
+            raise ConfigError("train.async_steps: one trainer process only for now (under torchrun, set it to 0)")
+        # asynchronous rollouts: a generator process samples the batches, this process's generator evaluates
+        self.generator = make_generator(cfg, self.models, self.env, run.device, local=cfg.train.async_steps > 0)
         if run.device.type == "cuda" and isinstance(self.generator, HFGenerator):
             run.notes.append("generation: {} ({})".format(*self.generator.decode_path()))
         self.notes = run.notes
@@ -87,6 +92,8 @@ class Trainer:
                              evaluates=bool(self.data.eval_rows))
         self.result = TrainResult(self.out)
         self.log = RunLog(self.out, self.console, self.world.main, cfg.log)
+        self.rollouts = (AsyncRollouts(cfg, run.inputs, self.policy, self.units.get("policy", []), self.tokenizer,
+                                       run.device, self.log.warn) if cfg.train.async_steps else None)
         self.forwards = Forwards(self.policy, self.models.reference, self.models.critic,
                                  temperature=cfg.rollout.temperature, chunk_size=cfg.train.logprob_chunk_size,
                                  share_prompt=cfg.train.share_prompt, autocast_bf16=cfg.train.autocast_bf16,
@@ -99,7 +106,7 @@ class Trainer:
         self.lifecycle = RunLifecycle(cfg, self.world, self.log, self.result, modules=trained, optimizer=self.optimizer,
                                       states={"scheduler": self.scheduler, "kl": self.kl, "guards": self.guards},
                                       generators={"minibatch": self.minibatch_rng, "sampler": self.generator._rng},
-                                      tokenizer=self.tokenizer)
+                                      tokenizer=self.tokenizer, files={"async_batches": self.rollouts} if self.rollouts else {})
 
     def _generation_weights(self):
         """How the generator gets the policy's weights before a batch (`lmrl.collect`): it reads them in place, or
@@ -120,13 +127,25 @@ class Trainer:
         life = self.lifecycle
         with life.held():
             start_step = life.begin()
-            with life.running(), self.log.open(start_step, self.cfg.model_dump(mode="json")):
+            with life.running(), self.log.open(start_step, self.cfg.model_dump(mode="json")), self._rollouts(start_step):
                 self._header(start_step)
                 with self.console:
                     last = self._loop(start_step)
                 if last > start_step or not self.world.first((self.out / "final").exists()):  # every rank: a collective
                     self.save(self.out / "final", final=True)
         return self.result
+
+    @contextlib.contextmanager
+    def _rollouts(self, start_step: int):
+        """An asynchronous run's generator process, for the loop's life."""
+        if self.rollouts is None:
+            yield
+            return
+        try:
+            self.rollouts.start(start_step)
+            yield
+        finally:
+            self.rollouts.close()
 
     def _header(self, start_step: int) -> None:
         """The run's first lines: what trains on what, where it writes, how it runs, what to look at."""
@@ -203,6 +222,8 @@ class Trainer:
         # 4. update
         updated = self.update(exp)  # reduced over ranks
         self.collector.global_step = step
+        if self.rollouts is not None:  # the generator process takes these weights for its next batch
+            self.rollouts.publish(step)
         t3 = time.time()
         # 5. metrics: this rank's share's, then averaged over ranks (every rank sees the same values)
         # the mean negative log-prob of the sampled tokens estimates the policy's entropy even when the
@@ -213,7 +234,8 @@ class Trainer:
         metrics = self.world.reduce_metrics(metrics) | updated
         if "objective/kl" in metrics and math.isfinite(kl := metrics["objective/kl"]):
             self.kl.update(kl, len(exp) * self.world.size)
-        metrics.update({"time/generate": t1 - t0, "time/experience": t2 - t1, "time/update": t3 - t2,
+        metrics.setdefault("time/generate", t1 - t0)  # an asynchronous run's: the generator process's time
+        metrics.update({"time/experience": t2 - t1, "time/update": t3 - t2,
                         "time/step": t3 - t0, "eps": len(exp) / (t3 - t0), "lr": self.scheduler.get_last_lr()[0],
                         "episode": step * cfg.rollout.prompts_per_step * cfg.rollout.group_size,
                         "objective/kl_coef": self.kl.value})
@@ -233,8 +255,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the step's stages
     def collect(self, step: int) -> Collected:
-        """1-2. Prompts -> scored rollout (`lmrl.collect.Collector.collect`)."""
-        return self.collector.collect(step)
+        """1-2. Prompts -> scored rollout (`lmrl.collect.Collector.collect`), or the batch an asynchronous run's
+        generator process sampled (`lmrl.async_rollouts`)."""
+        return self.collector.collect(step) if self.rollouts is None else self.rollouts.batch(step)
 
     def generate_and_score(self, rows: list[dict[str, Any]], n: int, seed: int | None = None,
                            temperature: float | None = None) -> tuple[Any, Any]:

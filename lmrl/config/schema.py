@@ -164,10 +164,11 @@ def derive(cfg: Config) -> None:
     validator:
 
         algorithm.tis_cap  DEFAULT_TIS_CAP when the sampler is a copy of the policy in another dtype
-                           (rollout.dtype) or an engine (rollout.backend): correct for it rather than
-                           pretend the run is on-policy
+                           (rollout.dtype), an engine (rollout.backend) or an older policy (train.async_steps):
+                           correct for it rather than pretend the run is on-policy
     """
-    if (cfg.samples_with_copy or cfg.rollout.backend != "lmrl") and cfg.algorithm.tis_cap is None:
+    off_policy = cfg.samples_with_copy or cfg.rollout.backend != "lmrl" or cfg.train.async_steps > 0
+    if off_policy and cfg.algorithm.tis_cap is None:
         cfg.algorithm.tis_cap = DEFAULT_TIS_CAP
 
 

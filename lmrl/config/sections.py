@@ -269,8 +269,8 @@ class TrainConfig(Section):
     resume: str | None = None
     """Continue a run: "auto" from the newest complete checkpoint in output_dir (starts afresh when there
     is none), or a checkpoint directory's path. Only steps, cadences, max_minutes, threads, parallel,
-    output_dir, rollout.cuda_graph, rollout.vllm.*, reward.timeout and log.* may differ from the checkpoint's
-    config."""
+    output_dir, generator_threads, generator_device, rollout.cuda_graph, rollout.vllm.*, reward.timeout and log.*
+    may differ from the checkpoint's config."""
     overwrite: bool = False
     """Start afresh in an output_dir that holds an earlier run, deleting that run's files."""
     max_minutes: PositiveFloat | None = None
@@ -278,7 +278,17 @@ class TrainConfig(Section):
     autocast_bf16: bool = False
     """Run forwards under bfloat16 autocast (weights stay in their dtype)."""
     threads: PositiveInt | None = None
-    """torch CPU threads (None = torch's default)."""
+    """torch CPU threads (None = torch's default; with async_steps, half the cores this process may use)."""
+    async_steps: NonNegativeInt = 0
+    """Asynchronous rollouts: a generator process samples and scores the batches of the next this many steps
+    while the trainer trains on this one; the batch of step s is sampled by the policy after step s - 1 - k,
+    corrected by the decoupled objective (algorithm.tis_cap is 2.0 unless set). 0 = the synchronous loop.
+    docs/async.md."""
+    generator_threads: PositiveInt | None = None
+    """With async_steps: torch CPU threads of the generator process (None = the cores left beside the trainer's
+    threads, at least 1)."""
+    generator_device: str | None = None
+    """With async_steps: the generator process's device, e.g. cuda:1 (None = model.device)."""
     logprob_chunk_size: PositiveInt | None = 128
     """Rows of the [B*T, V] logits turned into float32 log-probs at once (None = all): bounds memory at large V."""
     share_prompt: bool = True

@@ -167,10 +167,11 @@ def _message(answer: dict[str, Any]) -> str:
     return str((answer.get("error") or {}).get("message", answer))[:500]
 
 
-def die_with_parent() -> None:
-    """In a server `ServerGenerator.start` launched: ask Linux for SIGTERM when the parent dies (a trainer killed
-    with SIGKILL leaves no server behind); elsewhere, a thread watches the parent's pid."""
-    parent = os.environ.get("LMRL_DIE_WITH_PARENT")
+def die_with_parent(parent: int | None = None) -> None:
+    """In a process a trainer started (a server `ServerGenerator.start` launched, `parent` read from its
+    environment; a generator process, `lmrl.async_rollouts`): ask Linux for SIGTERM when the parent dies (a trainer
+    killed with SIGKILL leaves nothing behind); elsewhere, a thread watches the parent's pid."""
+    parent = parent or os.environ.get("LMRL_DIE_WITH_PARENT")
     if not parent:
         return
     try:

@@ -96,9 +96,9 @@ class ModelGenerator:
     """lmrl's decode over a model this process owns, taking new weights by name (`RemoteGenerator`): what
     `lmrl serve` runs with rollout.backend=lmrl."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, seed: int = 0):
+    def __init__(self, model: nn.Module, tokenizer: Any, seed: int = 0, **options: Any):
         self.model, self.version = model, -1
-        self.decoder = HFGenerator(model, tokenizer, seed=seed)
+        self.decoder = HFGenerator(model, tokenizer, seed=seed, **options)  # options: HFGenerator's (batch_size)
         self.tokenizer, self.pad_token_id = tokenizer, self.decoder.pad_token_id
         self._rng = self.decoder._rng
 

@@ -1,0 +1,315 @@
+"""Asynchronous rollouts (train.async_steps = k > 0): a generator process samples and scores the batches of the
+next k steps while the trainer trains on this one.
+
+    trainer process                                    generator process (spawned: its own threads or device)
+    step t:  wait for batch t  <------- a pipe -------  collect(s): prompts -> completions -> rewards -> shaping
+             experience, update                         (`lmrl.collect.Collector`, built from the run's inputs)
+             publish weights t  --- shared memory --->  before batch t + k + 1: take weights t (between batches)
+
+The batch of step s is sampled by exactly the policy after step max(s - 1 - k, start) (`start`: the step the run
+began or resumed at), never by "the newest weights there are". So once the pipeline is full every batch is k
+steps old and none is older, and the run is a function of its seed, not of timing: the same seed gives the same
+run, and a resumed run equals an uninterrupted one, because a checkpoint after step t holds the batches t+1..t+k
+that older weights sampled (`state_dict`); later batches are sampled again from the checkpoint's weights.
+
+The trainer corrects for the lag with the decoupled PPO objective (`lmrl.algorithms.decoupled_policy_loss`): the
+ratio and its clip are taken against the policy at the start of the update (the proximal policy), and every token
+is weighted by pi_proximal / pi_behaviour, the sampler's probabilities recorded with the batch, truncated or masked
+as algorithm.tis_mode says (tis_cap is 2.0 unless set).
+
+How lmrl departs from AReaL's and verl's fully asynchronous modes: the lag is fixed rather than bounded (a little
+throughput lost when generation and training times drift, in exchange for runs that repeat exactly); one process
+samples a whole batch with one version of the weights (no update in the middle of a sequence); the weights reach
+the generator process through shared memory on one machine (a generation server elsewhere takes them over HTTP:
+rollout.backend=vllm-server).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.multiprocessing
+
+from lmrl import errors
+from lmrl.build import Inputs, async_threads, load_inputs, process_generator
+from lmrl.collect import Collected, Collector
+from lmrl.distributed import ONE_PROCESS, full_weights
+from lmrl.errors import ConfigError, LmrlError, RunError
+from lmrl.models.weights import export_weights
+from lmrl.rollout import Rollout
+from lmrl.rollout.remote import die_with_parent
+
+
+def sampling_version(step: int, k: int, start: int) -> int:
+    """The policy version (steps done) that samples the batch of `step` in a run that started after step `start`."""
+    return max(step - 1 - k, start)
+
+
+@dataclass
+class _Spec:
+    """What the generator process is built from (pickled into it)."""
+
+    cfg: Any  # the run's Config
+    inputs: Inputs  # the config and objects the prompts, rewards and environment are loaded from
+    tokenizer: Any
+    skeleton: SimpleNamespace  # the policy's config, generation_config and dtype: a model without weights
+    device: str
+    threads: int
+    start: int  # the step the run began or resumed at: the version its first batches are sampled by
+    first: int  # the first step whose batch it samples (later than start + 1 when a checkpoint held some)
+    parent: int  # the trainer's pid: the generator process ends with it
+
+
+class AsyncRollouts:
+    """The trainer's side of asynchronous rollouts: starts the generator process, hands out its batches, publishes
+    the weights after each step, and checkpoints the batches in flight. See the module docstring.
+
+    Args:
+        cfg: the run's config (`train.async_steps`, `train.steps`, the placement fields).
+        inputs: what the run was built from (`lmrl.build.Inputs`): the generator process loads its own prompts,
+            reward functions and environment from them.
+        policy: the trained model; `units`: its FSDP units (gathered to read the weights).
+        tokenizer: the policy's tokenizer.
+        device: the trainer's device (the generator's unless train.generator_device says otherwise).
+        warn: prints a warning line (the generator process's warnings come through it).
+    """
+
+    def __init__(self, cfg, inputs: Inputs, policy: torch.nn.Module, units: list[torch.nn.Module], tokenizer: Any,
+                 device: torch.device, warn):
+        self.cfg, self.k, self.steps = cfg, cfg.train.async_steps, cfg.train.steps
+        self.inputs, self.policy, self.units, self.tokenizer, self.warn = inputs, policy, units, tokenizer, warn
+        self.device = cfg.train.generator_device or str(device)
+        self.threads = async_threads(cfg)[1]
+        self.ready: dict[int, dict[str, Any]] = {}  # batches received or restored, by step, until their step ends
+        self.process, self.channel, self.snapshot = None, None, None
+        self.start_step, self.published, self.taken = 0, 0, -1
+
+    # ------------------------------------------------------------------------------ start, stop
+    def start(self, step: int) -> None:
+        """Start the generator process for the batches after `step` (where the run begins or resumes), with the
+        policy's current weights as version `step`."""
+        self.start_step = self.published = step
+        first = step + 1
+        while first in self.ready:  # restored from the checkpoint
+            first += 1
+        if first > self.steps:
+            return
+        base = getattr(self.policy, "module", self.policy)
+        base = base.get_base_model() if hasattr(base, "peft_config") else base
+        with full_weights(self.units):
+            self.snapshot = {name: t.detach().to("cpu", copy=True).share_memory_() for name, t in export_weights(self.policy)}
+        skeleton = SimpleNamespace(config=base.config, generation_config=base.generation_config,
+                                   dtype=next(base.parameters()).dtype)
+        spec = _Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads, step, first, os.getpid())
+        try:
+            pickle.dumps(spec)
+        except Exception as e:  # noqa: BLE001 - any pickling failure is the same problem
+            raise ConfigError(f"train.async_steps: the generator process cannot be given the run's inputs ({_line(e)}); "
+                              "define reward functions and environments at module level, or set train.async_steps=0") from e
+        context = torch.multiprocessing.get_context("spawn")
+        self.channel, theirs = context.Pipe()
+        self.process = context.Process(target=_generator_main, args=(spec, self.snapshot, theirs), name="lmrl-generator")
+        self.process.start()
+        theirs.close()
+        self.channel.send(("weights", step))
+
+    def close(self) -> None:
+        """Stop the generator process (it also ends when the trainer dies: Linux's parent-death signal)."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        with contextlib.suppress(OSError):
+            self.channel.send(("stop",))
+        process.join(10)
+        if process.is_alive():
+            process.terminate()
+            process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        self.channel.close()
+
+    # ------------------------------------------------------------------------------ the step
+    def batch(self, step: int) -> Collected:
+        """The scored batch of `step`, waiting for the generator process if it has not sent it yet; its metrics
+        carry how long the trainer waited and how old the batch is."""
+        start = time.perf_counter()
+        while step not in self.ready:
+            self._receive(step)
+        waited = time.perf_counter() - start
+        c, version = _collected(self.ready[step])
+        lag = float((step - 1) - version)  # one version per batch: every row is as old
+        c.metrics |= {"async/trainer_wait": waited, "async/version_lag": lag, "async/staleness_mean": lag,
+                      "async/policy_version": float(version)}
+        return c
+
+    def publish(self, step: int) -> None:
+        """After step `step`'s update: its batch is done with, and its weights go to the generator process if a
+        batch still to be sampled needs them (every one it publishes is taken, in order)."""
+        for s in [s for s in self.ready if s <= step]:
+            del self.ready[s]
+        if self.process is None or step + 1 + self.k > self.steps:
+            return
+        while self.taken < self.published:  # the weights in shared memory are still to be read
+            self._receive(None)
+        with full_weights(self.units), torch.no_grad():
+            for name, tensor in export_weights(self.policy):
+                self.snapshot[name].copy_(tensor)
+        self.published = step
+        self.channel.send(("weights", step))
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self, step: int) -> list[dict[str, Any]]:
+        """The batches a run resumed after `step` needs and could not sample again: those after `step` sampled by
+        older weights than the checkpoint's. Waits for them; a dead generator process leaves out what it did not send
+        (those are sampled again from the checkpoint's weights, and the resumed run differs from here on)."""
+        wanted = [s for s in range(step + 1, min(step + self.k, self.steps) + 1)
+                  if sampling_version(s, self.k, self.start_step) < step]
+        try:
+            for s in wanted:
+                while s not in self.ready:
+                    self._receive(s)
+        except RunError as e:
+            self.warn(f"checkpoint of step {step}: {len(wanted) - sum(s in self.ready for s in wanted)} batch(es) in "
+                      f"flight are lost ({e}); a resumed run samples them again from this checkpoint's weights")
+        return [self.ready[s] for s in wanted if s in self.ready]
+
+    def load_state_dict(self, batches: list[dict[str, Any]]) -> None:
+        self.ready = {int(b["step"]): b for b in batches}
+
+    # ------------------------------------------------------------------------------ messages
+    def _receive(self, step: int | None) -> None:
+        """Read one message of the generator process; one line if it died or failed."""
+        while not self.channel.poll(0.25):
+            if not self.process.is_alive():
+                raise RunError(f"the generator process died ({_how(self.process.exitcode)})"
+                               + (f" before it sent the batch of step {step}" if step is not None else ""))
+        try:
+            message = pickle.loads(self.channel.recv_bytes())
+        except (EOFError, OSError) as e:
+            self.process.join(5)
+            raise RunError(f"the generator process died ({_how(self.process.exitcode)})") from e
+        kind = message[0]
+        if kind == "batch":
+            self.ready[message[1]["step"]] = message[1]
+        elif kind == "taken":
+            self.taken = message[1]
+        elif kind == "warn":
+            self.warn(message[1])
+        elif kind == "error":
+            error = getattr(errors, message[1], None)
+            raise (error if isinstance(error, type) and issubclass(error, LmrlError) else RunError)(message[2])
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def _line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+
+
+# ------------------------------------------------------------------------------ batches on the wire and on disk
+def _state(c: Collected, step: int, version: int) -> dict[str, Any]:
+    """A batch as plain values and tensors: what `torch.load(weights_only=True)` reads back from a checkpoint."""
+    out = {f.name: getattr(c, f.name) for f in fields(Collected)}
+    out["rollout"] = {f.name: getattr(c.rollout, f.name) for f in fields(Rollout)}
+    return out | {"step": step, "version": version}
+
+
+def _collected(state: dict[str, Any]) -> tuple[Collected, int]:
+    values = {f.name: state[f.name] for f in fields(Collected)}
+    values["rollout"] = Rollout(**state["rollout"])
+    values["metrics"] = dict(values["metrics"])
+    return Collected(**values), int(state["version"])
+
+
+# ------------------------------------------------------------------------------ the generator process
+class _SharedWeights:
+    """The generator process's `Collector(weights=...)`: before a batch sampled by a newer version than the one it
+    holds, wait for the trainer to publish that version, load it from shared memory, and say so."""
+
+    def __init__(self, generator, snapshot: dict[str, torch.Tensor], channel):
+        self.generator, self.snapshot, self.channel = generator, snapshot, channel
+        self.seconds = self.waited = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self, version: int):
+        if self.generator.version != version:
+            start = time.perf_counter()
+            while (message := self.channel.recv())[0] != "weights" or message[1] < version:
+                if message[0] == "stop":
+                    raise _Stopped
+            loaded = time.perf_counter()
+            self.generator.load_weights(self.snapshot.items(), version)
+            self.seconds += time.perf_counter() - loaded
+            self.waited += loaded - start
+            _send(self.channel, ("taken", version))
+        yield
+
+    def take_seconds(self) -> float:
+        """Seconds spent loading weights since the last call (`time/weight_sync`)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+class _Stopped(Exception):
+    """The trainer asked the generator process to stop."""
+
+
+def _send(channel, message: tuple) -> None:
+    channel.send_bytes(pickle.dumps(message))
+
+
+def _generator_main(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> None:
+    """The generator process: sample and score the batch of every step from `spec.first` on, in order, each with
+    the weights its `sampling_version` names, and send it to the trainer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it checkpoints, then stops this process
+    die_with_parent(spec.parent)
+    try:
+        torch.set_num_threads(spec.threads)
+        collector, weights = _collector(spec, snapshot, channel)
+        for step in range(spec.first, spec.cfg.train.steps + 1):
+            version = sampling_version(step, spec.cfg.train.async_steps, spec.start)
+            collector.global_step = version  # what reward functions read: the steps done by the sampling policy
+            start, weights.waited = time.perf_counter(), 0.0
+            c = collector.collect(step)
+            c.metrics |= {"time/generate": time.perf_counter() - start - weights.waited,
+                          "async/generator_wait": weights.waited}
+            _send(channel, ("batch", _state(c, step, version)))
+        while channel.recv()[0] != "stop":
+            pass
+    except (_Stopped, EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    except LmrlError as e:
+        with contextlib.suppress(OSError):
+            _send(channel, ("error", type(e).__name__, str(e)))
+    except BaseException as e:  # noqa: BLE001 - reported to the trainer as one line, the traceback here
+        traceback.print_exc(file=sys.stderr)
+        with contextlib.suppress(OSError):
+            _send(channel, ("error", "RunError", f"the generator process failed: {_line(e)}"))
+
+
+def _collector(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> tuple[Collector, _SharedWeights]:
+    """The generator process's Collector: its own prompts, reward functions, environment and generator."""
+    from lmrl.data.prompts import PromptSampler
+
+    cfg = spec.cfg
+    env, data, _ = load_inputs(spec.inputs, spec.tokenizer)
+    sampler = None if data.train_stream else PromptSampler(len(data.train_rows), seed=cfg.train.seed)
+    generator = process_generator(cfg, spec.skeleton, spec.tokenizer, env, torch.device(spec.device))
+    weights = _SharedWeights(generator, snapshot, channel)
+    warn = lambda line: _send(channel, ("warn", line))  # noqa: E731
+    return Collector(cfg, data, sampler, generator, spec.tokenizer, env, ONE_PROCESS, weights, warn), weights
