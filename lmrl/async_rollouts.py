@@ -93,6 +93,7 @@ class AsyncRollouts:
         self.ready: dict[int, dict[str, Any]] = {}  # batches received or restored, by step, until their step ends
         self.process, self.channel, self.snapshot = None, None, None
         self.start_step, self.published, self.taken = 0, 0, -1
+        self.failed: RunError | None = None  # the generator process's failure, seen while publishing
 
     # ------------------------------------------------------------------------------ start, stop
     def start(self, step: int) -> None:
@@ -145,11 +146,13 @@ class AsyncRollouts:
         carry how long the trainer waited and how old the batch is."""
         start = time.perf_counter()
         while step not in self.ready:
+            if self.failed is not None:
+                raise self.failed
             self._receive(step)
         waited = time.perf_counter() - start
         c, version = _collected(self.ready[step])
         lag = float((step - 1) - version)  # one version per batch: every row is as old
-        c.metrics |= {"async/trainer_wait": waited, "async/version_lag": lag, "async/staleness_mean": lag,
+        c.metrics |= {"time/wait_for_batch": waited, "async/version_lag": lag, "async/staleness_mean": lag,
                       "async/policy_version": float(version)}
         return c
 
@@ -158,15 +161,18 @@ class AsyncRollouts:
         batch still to be sampled needs them (every one it publishes is taken, in order)."""
         for s in [s for s in self.ready if s <= step]:
             del self.ready[s]
-        if self.process is None or step + 1 + self.k > self.steps:
+        if self.process is None or self.failed is not None or step + 1 + self.k > self.steps:
             return
-        while self.taken < self.published:  # the weights in shared memory are still to be read
-            self._receive(None)
-        with full_weights(self.units), torch.no_grad():
-            for name, tensor in export_weights(self.policy):
-                self.snapshot[name].copy_(tensor)
-        self.published = step
-        self.channel.send(("weights", step))
+        try:
+            while self.taken < self.published:  # the weights in shared memory are still to be read
+                self._receive(None)
+            with full_weights(self.units), torch.no_grad():
+                for name, tensor in export_weights(self.policy):
+                    self.snapshot[name].copy_(tensor)
+            self.published = step
+            self.channel.send(("weights", step))
+        except (RunError, OSError) as e:  # raised by the next step's `batch`, which checkpoints this one first
+            self.failed = e if isinstance(e, RunError) else RunError(f"the generator process died ({e})")
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self, step: int) -> list[dict[str, Any]]:
@@ -287,7 +293,7 @@ def _generator_main(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> 
             start, weights.waited = time.perf_counter(), 0.0
             c = collector.collect(step)
             c.metrics |= {"time/generate": time.perf_counter() - start - weights.waited,
-                          "async/generator_wait": weights.waited}
+                          "time/wait_for_weights": weights.waited}
             _send(channel, ("batch", _state(c, step, version)))
         while channel.recv()[0] != "stop":
             pass

@@ -1,0 +1,197 @@
+"""Asynchronous rollouts (train.async_steps, `lmrl.async_rollouts`) as a user runs them: real CLI processes, a real
+generator process, real signals. What must hold: async_steps=0 is the synchronous loop; every batch is sampled by
+exactly the policy k steps older (none older); the loss reweights the generator's own log-probs by the decoupled
+objective; runs repeat given their seed and resume exactly; a dead generator is one line after a checkpoint; a
+signal leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmrl import Config, Trainer
+from lmrl import algorithms as A
+from lmrl.checkpoint import checkpoints
+from tests.test_long_runs import ROOT, lmrl_train, metric_rows
+
+# the shipped model and task, small: 8 prompts x 4 per step, a short evaluation
+SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=8", "train.eval_every=0",
+         "log.console=false", "log.samples_every=0", "train.max_minutes=null"]
+TIMING = ("time/", "eps", "/seconds")
+
+
+def same_metrics(a: list[dict], b: list[dict]) -> None:
+    """The same steps with the same metrics to 1e-6, wall-clock timings aside."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        keys = {k for k in x if k not in ("step", "time") and not any(t in k for t in TIMING)}
+        assert keys == {k for k in y if k not in ("step", "time") and not any(t in k for t in TIMING)}
+        for k in keys:
+            assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-6, nan_ok=True), (x["step"], k)
+
+
+def generator_pids(parent: int) -> list[int]:
+    """The trainer's generator process (multiprocessing's spawned child that is not its resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
+    metrics, deadline = out / "metrics.jsonl", time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:  # polling for progress, not a tuned delay
+        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {step}")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted async_steps=1 run of 6 steps, a checkpoint every 2."""
+    out = tmp_path_factory.mktemp("straight")
+    done = lmrl_train(out, *SMALL, "train.steps=6", "train.save_every=2", "train.async_steps=1")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+# ------------------------------------------------------------------------------ the schedule
+def test_every_batch_is_exactly_k_steps_old(straight):
+    rows = [r for r in metric_rows(straight) if r["step"] > 0]
+    assert [r["async/policy_version"] for r in rows] == [0, 0, 1, 2, 3, 4]  # the batch of step s: version s - 2
+    assert [r["async/version_lag"] for r in rows] == [0, 1, 1, 1, 1, 1]
+    # a stale batch is reweighted: the sampler's log-probs are not the trainer's any more
+    assert all(r["val/sampler_kl"] != 0 and r["val/tis_weight_mean"] != 1 for r in rows[1:])
+    # that a run repeats given its seed, whatever the timing: the resumed run below equals this one
+
+
+def test_two_steps_ahead_lag_two_versions(tmp_path):
+    done = lmrl_train(tmp_path, *SMALL, "train.steps=4", "train.async_steps=2")
+    assert done.returncode == 0, done.stderr
+    rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    assert [r["async/policy_version"] for r in rows] == [0, 0, 0, 1]
+    assert max(r["async/version_lag"] for r in rows) == 2
+
+
+def test_async_steps_zero_is_the_synchronous_loop(tmp_path):
+    cfg = dict(rollout={"prompts_per_step": 4, "group_size": 4}, data={"num_eval_prompts": 4},
+               train={"steps": 2, "eval_every": 0}, log={"console": False, "samples_every": 0})
+    runs = []
+    for name, extra in (("default", {}), ("zero", {"async_steps": 0})):
+        c = Config(**{**cfg, "train": {**cfg["train"], **extra, "output_dir": str(tmp_path / name)}})
+        trainer = Trainer(c)
+        assert trainer.rollouts is None
+        runs.append(trainer.train().history)
+    same_metrics([{"step": i, **h} for i, h in enumerate(runs[0])], [{"step": i, **h} for i, h in enumerate(runs[1])])
+    assert not any(k.startswith("async/") for k in runs[0][0])
+
+
+# ------------------------------------------------------------------------------ the correction
+def test_the_loss_is_the_decoupled_objective_on_the_generators_log_probs(tmp_path):
+    """Step 2 trains on a batch the starting policy sampled, one update later: the loss must weigh each token by
+    min(pi_prox / pi_behaviour, 2), with pi_behaviour the log-probs the generator process sent and pi_prox the
+    policy at the start of the update, the ratio against pi_prox (exactly 1 at the one update of a batch)."""
+    cfg = Config(rollout={"prompts_per_step": 8, "group_size": 4}, data={"num_eval_prompts": 4},
+                 train={"steps": 3, "eval_every": 0, "async_steps": 1, "output_dir": str(tmp_path)},
+                 log={"console": False, "samples_every": 0})
+    trainer = Trainer(cfg)
+    sent, seen = {}, []
+    batch, update = trainer.rollouts.batch, trainer.update
+
+    def batch_spy(step):
+        c = batch(step)
+        sent[step] = c.rollout.logprobs.clone()
+        return c
+
+    def update_spy(exp):
+        with torch.no_grad():
+            prox, _ = trainer.forwards.policy_logprobs(exp.sequences, exp.attention_mask, exp.num_response_tokens)
+        stats = update(exp)
+        seen.append((exp, prox, stats))
+        return stats
+
+    trainer.rollouts.batch, trainer.update = batch_spy, update_spy
+    trainer.train()
+    exp, prox, stats = seen[1]  # step 2: sampled by version 0, trained by version 1
+    behaviour = exp.rollout_logprobs
+    mask = exp.response_mask
+    assert torch.equal(behaviour, sent[2].float()[:, : behaviour.shape[1]])
+    weights = torch.clamp(torch.exp(prox - behaviour), max=2.0) * mask  # pi_prox / pi_behaviour, truncated at 2
+    assert not torch.allclose(weights[mask], torch.ones_like(weights[mask]))  # the batch is stale
+    per_token = -weights * exp.advantages  # ratio 1: -w * min(A, clip(1) A)
+    by_hand = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()  # seq-mean-token-mean
+    assert stats["loss/policy_avg"] == pytest.approx(by_hand.item(), rel=1e-5, abs=1e-7)
+    loss, _ = A.decoupled_policy_loss(prox, prox, behaviour, exp.advantages, mask, behav_cap=2.0,
+                                      aggregation="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-5, abs=1e-7)
+
+
+# ------------------------------------------------------------------------------ failures and signals
+def test_a_killed_generator_is_one_line_after_a_checkpoint(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *SMALL,
+                             "train.steps=500", "train.async_steps=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    wait_for_step(proc, tmp_path, 2)
+    (pid,) = generator_pids(proc.pid)
+    os.kill(pid, signal.SIGKILL)
+    start = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - start < 60
+    assert proc.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lmrl: error: step ") and "the generator process died (killed by SIGKILL)" in last, err
+    assert "Traceback" not in err
+    (step, path), = checkpoints(tmp_path)
+    assert f"{path} written: add train.resume=auto to continue" in last
+    assert step >= 2
+
+
+def test_sigterm_stops_both_processes_and_the_resumed_run_is_the_straight_one(tmp_path, straight):
+    args = [*SMALL, "train.steps=6", "train.save_every=2", "train.async_steps=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    wait_for_step(proc, tmp_path, 3)
+    generators = generator_pids(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal landed")  # a very fast machine: nothing to test
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert generators and not any(alive(pid) for pid in generators)
+    assert "Traceback" not in err
+    resumed = lmrl_train(tmp_path, *args, "train.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr
+    same_metrics(metric_rows(straight), metric_rows(tmp_path))
+
+
+def test_a_reward_function_the_generator_cannot_be_given_is_one_line(tmp_path):
+    cfg = Config(train={"steps": 1, "async_steps": 1, "output_dir": str(tmp_path)}, log={"console": False})
+    trainer = Trainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)])
+    with pytest.raises(Exception, match=r"^train.async_steps: the generator process cannot be given the run's inputs"):
+        trainer.train()
