@@ -43,6 +43,7 @@ from lmrl.algorithms.losses import (
     value_loss,
 )
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var, masked_whiten
+from lmrl.algorithms.offpolicy import BEHAV_MODES, DecoupledLossMetrics, decoupled_policy_loss
 from lmrl.algorithms.surrogates import clip_cov_loss, gmpo_loss, kl_cov_loss, sapo_loss, token_covariance
 
 __all__ = [
@@ -82,6 +83,9 @@ __all__ = [
     "policy_loss",
     "truncated_is_weights",
     "value_loss",
+    "BEHAV_MODES",
+    "DecoupledLossMetrics",
+    "decoupled_policy_loss",
     "clip_cov_loss",
     "gmpo_loss",
     "kl_cov_loss",
