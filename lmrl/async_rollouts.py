@@ -27,6 +27,7 @@ rollout.backend=vllm-server).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import pickle
 import signal
@@ -43,7 +44,7 @@ import torch.multiprocessing
 from lmrl import errors
 from lmrl.build import Inputs, async_threads, load_inputs, process_generator
 from lmrl.collect import Collected, Collector
-from lmrl.distributed import ONE_PROCESS, full_weights
+from lmrl.distributed import ONE_PROCESS, World, full_weights
 from lmrl.errors import ConfigError, LmrlError, RunError
 from lmrl.models.weights import export_weights
 from lmrl.rollout import Rollout
@@ -65,6 +66,8 @@ class _Spec:
     skeleton: SimpleNamespace  # the policy's config, generation_config and dtype: a model without weights
     device: str
     threads: int
+    world: tuple[int, int, int]  # (rank, size, local rank) of the trainer: the generator processes' world
+    rendezvous: str | None  # tcp://host:port where several ranks' generator processes form their own group
     start: int  # the step the run began or resumed at: the version its first batches are sampled by
     first: int  # the first step whose batch it samples (later than start + 1 when a checkpoint held some)
     parent: int  # the trainer's pid: the generator process ends with it
@@ -81,12 +84,15 @@ class AsyncRollouts:
         policy: the trained model; `units`: its FSDP units (gathered to read the weights).
         tokenizer: the policy's tokenizer.
         device: the trainer's device (the generator's unless train.generator_device says otherwise).
+        world: the trainer's ranks. Under torchrun every rank has its own generator process, sampling the rank's
+            share of each batch; the generator processes form a process group of their own (gloo), for what spans
+            every rank's share (dynamic sampling's choice of groups, reward.normalize).
         warn: prints a warning line (the generator process's warnings come through it).
     """
 
     def __init__(self, cfg, inputs: Inputs, policy: torch.nn.Module, units: list[torch.nn.Module], tokenizer: Any,
-                 device: torch.device, warn):
-        self.cfg, self.k, self.steps = cfg, cfg.train.async_steps, cfg.train.steps
+                 device: torch.device, world: World, warn):
+        self.cfg, self.k, self.steps, self.world = cfg, cfg.train.async_steps, cfg.train.steps, world
         self.inputs, self.policy, self.units, self.tokenizer, self.warn = inputs, policy, units, tokenizer, warn
         self.device = cfg.train.generator_device or str(device)
         self.threads = async_threads(cfg)[1]
@@ -103,6 +109,7 @@ class AsyncRollouts:
         first = step + 1
         while first in self.ready:  # restored from the checkpoint
             first += 1
+        rendezvous = self.world.first(_rendezvous()) if self.world.distributed else None  # every rank: a collective
         if first > self.steps:
             return
         base = getattr(self.policy, "module", self.policy)
@@ -111,7 +118,9 @@ class AsyncRollouts:
             self.snapshot = {name: t.detach().to("cpu", copy=True).share_memory_() for name, t in export_weights(self.policy)}
         skeleton = SimpleNamespace(config=base.config, generation_config=base.generation_config,
                                    dtype=next(base.parameters()).dtype)
-        spec = _Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads, step, first, os.getpid())
+        w = self.world
+        spec = _Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads,
+                     (w.rank, w.size, w.local_rank), rendezvous, step, first, os.getpid())
         try:
             pickle.dumps(spec)
         except Exception as e:  # noqa: BLE001 - any pickling failure is the same problem
@@ -312,10 +321,26 @@ def _collector(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> tuple
     """The generator process's Collector: its own prompts, reward functions, environment and generator."""
     from lmrl.data.prompts import PromptSampler
 
-    cfg = spec.cfg
+    cfg, world = spec.cfg, ONE_PROCESS
+    if spec.rendezvous is not None:  # one generator process per rank: their own group, for what spans the ranks
+        rank, size, local_rank = spec.world
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's store is the trainers'; rank 0 hosts this one
+        torch.distributed.init_process_group("gloo", init_method=spec.rendezvous, rank=rank, world_size=size,
+                                             timeout=datetime.timedelta(minutes=5))
+        world = World(rank, size, local_rank, "cpu")
     env, data, _ = load_inputs(spec.inputs, spec.tokenizer)
     sampler = None if data.train_stream else PromptSampler(len(data.train_rows), seed=cfg.train.seed)
     generator = process_generator(cfg, spec.skeleton, spec.tokenizer, env, torch.device(spec.device))
     weights = _SharedWeights(generator, snapshot, channel)
     warn = lambda line: _send(channel, ("warn", line))  # noqa: E731
-    return Collector(cfg, data, sampler, generator, spec.tokenizer, env, ONE_PROCESS, weights, warn), weights
+    return Collector(cfg, data, sampler, generator, spec.tokenizer, env, world, weights, warn), weights
+
+
+def _rendezvous() -> str:
+    """Where rank 0's generator process waits for the others': a free port on torchrun's MASTER_ADDR."""
+    import socket
+
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"

@@ -171,8 +171,10 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
 
 def async_threads(cfg: Config) -> tuple[int, int]:
     """(trainer, generator process) torch threads of an asynchronous run: train.threads and
-    train.generator_threads, else the cores this process may use, shared between the two, the trainer first."""
+    train.generator_threads, else the cores this process may use (under torchrun, its rank's share of them),
+    shared between the two, the trainer first."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun: this rank's share
     trainer = cfg.train.threads or max(1, cores // 2)
     return trainer, cfg.train.generator_threads or max(1, cores - trainer)
 

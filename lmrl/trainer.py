@@ -39,7 +39,7 @@ from lmrl.collect import Collected, Collector, PushedWeights, generation_weights
 from lmrl.config import Config, config_warnings
 from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import full_weights
-from lmrl.errors import ConfigError, DataError
+from lmrl.errors import DataError
 from lmrl.experience import Experience, make_experience
 from lmrl.guards import Guards
 from lmrl.lifecycle import RunLifecycle
@@ -76,8 +76,6 @@ class Trainer:
         self.optimizer, self.scheduler = run.optimizer, run.scheduler
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         sampler = None if self.data.train_stream else PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
-        if cfg.train.async_steps and self.world.size > 1:
-            raise ConfigError("train.async_steps: one trainer process only for now (under torchrun, set it to 0)")
         # asynchronous rollouts: a generator process samples the batches, this process's generator evaluates
         self.generator = make_generator(cfg, self.models, self.env, run.device, local=cfg.train.async_steps > 0)
         if run.device.type == "cuda" and isinstance(self.generator, HFGenerator):
@@ -93,7 +91,7 @@ class Trainer:
         self.result = TrainResult(self.out)
         self.log = RunLog(self.out, self.console, self.world.main, cfg.log)
         self.rollouts = (AsyncRollouts(cfg, run.inputs, self.policy, self.units.get("policy", []), self.tokenizer,
-                                       run.device, self.log.warn) if cfg.train.async_steps else None)
+                                       run.device, self.world, self.log.warn) if cfg.train.async_steps else None)
         self.forwards = Forwards(self.policy, self.models.reference, self.models.critic,
                                  temperature=cfg.rollout.temperature, chunk_size=cfg.train.logprob_chunk_size,
                                  share_prompt=cfg.train.share_prompt, autocast_bf16=cfg.train.autocast_bf16,

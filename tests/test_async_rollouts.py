@@ -195,3 +195,16 @@ def test_a_reward_function_the_generator_cannot_be_given_is_one_line(tmp_path):
     trainer = Trainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)])
     with pytest.raises(Exception, match=r"^train.async_steps: the generator process cannot be given the run's inputs"):
         trainer.train()
+
+
+# ------------------------------------------------------------------------------ ranks
+def test_two_ranks_each_with_a_generator_keep_dapos_groups_together(tmp_path):
+    """Under torchrun every rank has its own generator process; the generator processes form their own group,
+    so DAPO's choice of informative groups spans every rank's share, as in a synchronous run."""
+    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", f"train.output_dir={tmp_path}",
+                           *SMALL, "train.steps=3", "train.async_steps=1", "algorithm=dapo"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    assert [r["async/policy_version"] for r in rows] == [0, 0, 1]
+    assert all(r["dynamic_sampling/kept_groups"] == 8 for r in rows)  # both ranks' groups: 8 prompts in all
