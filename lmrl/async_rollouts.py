@@ -26,6 +26,7 @@ rollout.backend=vllm-server).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -67,9 +68,6 @@ class _Spec:
     device: str
     threads: int
     world: tuple[int, int, int]  # (rank, size, local rank) of the trainer: the generator processes' world
-    rendezvous: str | None  # tcp://host:port where several ranks' generator processes form their own group
-    start: int  # the step the run began or resumed at: the version its first batches are sampled by
-    first: int  # the first step whose batch it samples (later than start + 1 when a checkpoint held some)
     parent: int  # the trainer's pid: the generator process ends with it
 
 
@@ -102,16 +100,9 @@ class AsyncRollouts:
         self.failed: RunError | None = None  # the generator process's failure, seen while publishing
 
     # ------------------------------------------------------------------------------ start, stop
-    def start(self, step: int) -> None:
-        """Start the generator process for the batches after `step` (where the run begins or resumes), with the
-        policy's current weights as version `step`."""
-        self.start_step = self.published = step
-        first = step + 1
-        while first in self.ready:  # restored from the checkpoint
-            first += 1
-        rendezvous = self.world.first(_rendezvous()) if self.world.distributed else None  # every rank: a collective
-        if first > self.steps:
-            return
+    def spawn(self) -> None:
+        """Start the generator process, with the policy's weights as they are: it imports, loads its prompts,
+        reward functions and model while this process builds and resumes the run (`start` sets it going)."""
         base = getattr(self.policy, "module", self.policy)
         base = base.get_base_model() if hasattr(base, "peft_config") else base
         with full_weights(self.units):
@@ -120,7 +111,7 @@ class AsyncRollouts:
                                    dtype=next(base.parameters()).dtype)
         w = self.world
         spec = _Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads,
-                     (w.rank, w.size, w.local_rank), rendezvous, step, first, os.getpid())
+                     (w.rank, w.size, w.local_rank), os.getpid())
         try:
             pickle.dumps(spec)
         except Exception as e:  # noqa: BLE001 - any pickling failure is the same problem
@@ -131,6 +122,23 @@ class AsyncRollouts:
         self.process = context.Process(target=_generator_main, args=(spec, self.snapshot, theirs), name="lmrl-generator")
         self.process.start()
         theirs.close()
+        atexit.register(self.close)  # a Trainer built and never trained: before multiprocessing waits for its children
+
+    def start(self, step: int) -> None:
+        """Set the generator process going on the batches after `step` (where the run begins or resumes, the
+        batches a checkpoint held aside), from the policy's current weights as version `step`."""
+        self.start_step = self.published = step
+        first = step + 1
+        while first in self.ready:  # restored from the checkpoint
+            first += 1
+        rendezvous = self.world.first(_rendezvous()) if self.world.distributed else None  # every rank: a collective
+        if first > self.steps:
+            self.close()
+            return
+        with full_weights(self.units), torch.no_grad():  # a resumed run's weights
+            for name, tensor in export_weights(self.policy):
+                self.snapshot[name].copy_(tensor)
+        self.channel.send(("start", step, first, rendezvous))
         self.channel.send(("weights", step))
 
     def close(self) -> None:
@@ -138,6 +146,7 @@ class AsyncRollouts:
         process, self.process = self.process, None
         if process is None:
             return
+        atexit.unregister(self.close)
         with contextlib.suppress(OSError):
             self.channel.send(("stop",))
         process.join(10)
@@ -296,8 +305,19 @@ def _generator_main(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> 
     try:
         torch.set_num_threads(spec.threads)
         collector, weights = _collector(spec, snapshot, channel)
-        for step in range(spec.first, spec.cfg.train.steps + 1):
-            version = sampling_version(step, spec.cfg.train.async_steps, spec.start)
+        # where the run begins or resumes (`start`), the first batch to sample, where the ranks' processes meet
+        while (message := channel.recv())[0] != "start":
+            if message[0] == "stop":
+                return
+        _, begun, first, rendezvous = message
+        if rendezvous is not None:  # one generator process per rank: their own group, for what spans the ranks
+            rank, size, local_rank = spec.world
+            os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's store is the trainers'; rank 0 hosts this
+            torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size,
+                                                 timeout=datetime.timedelta(minutes=5))
+            collector.world = World(rank, size, local_rank, "cpu")
+        for step in range(first, spec.cfg.train.steps + 1):
+            version = sampling_version(step, spec.cfg.train.async_steps, begun)
             collector.global_step = version  # what reward functions read: the steps done by the sampling policy
             start, weights.waited = time.perf_counter(), 0.0
             c = collector.collect(step)
@@ -321,19 +341,13 @@ def _collector(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> tuple
     """The generator process's Collector: its own prompts, reward functions, environment and generator."""
     from lmrl.data.prompts import PromptSampler
 
-    cfg, world = spec.cfg, ONE_PROCESS
-    if spec.rendezvous is not None:  # one generator process per rank: their own group, for what spans the ranks
-        rank, size, local_rank = spec.world
-        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's store is the trainers'; rank 0 hosts this one
-        torch.distributed.init_process_group("gloo", init_method=spec.rendezvous, rank=rank, world_size=size,
-                                             timeout=datetime.timedelta(minutes=5))
-        world = World(rank, size, local_rank, "cpu")
+    cfg = spec.cfg
     env, data, _ = load_inputs(spec.inputs, spec.tokenizer)
     sampler = None if data.train_stream else PromptSampler(len(data.train_rows), seed=cfg.train.seed)
     generator = process_generator(cfg, spec.skeleton, spec.tokenizer, env, torch.device(spec.device))
     weights = _SharedWeights(generator, snapshot, channel)
     warn = lambda line: _send(channel, ("warn", line))  # noqa: E731
-    return Collector(cfg, data, sampler, generator, spec.tokenizer, env, world, weights, warn), weights
+    return Collector(cfg, data, sampler, generator, spec.tokenizer, env, ONE_PROCESS, weights, warn), weights
 
 
 def _rendezvous() -> str:

@@ -92,6 +92,8 @@ class Trainer:
         self.log = RunLog(self.out, self.console, self.world.main, cfg.log)
         self.rollouts = (AsyncRollouts(cfg, run.inputs, self.policy, self.units.get("policy", []), self.tokenizer,
                                        run.device, self.world, self.log.warn) if cfg.train.async_steps else None)
+        if self.rollouts is not None:  # it starts up while this process builds and resumes the run
+            self.rollouts.spawn()
         self.forwards = Forwards(self.policy, self.models.reference, self.models.critic,
                                  temperature=cfg.rollout.temperature, chunk_size=cfg.train.logprob_chunk_size,
                                  share_prompt=cfg.train.share_prompt, autocast_bf16=cfg.train.autocast_bf16,

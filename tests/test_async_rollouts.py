@@ -20,6 +20,7 @@ import torch
 from lmrl import Config, Trainer
 from lmrl import algorithms as A
 from lmrl.checkpoint import checkpoints
+from lmrl.errors import ConfigError
 from tests.test_long_runs import ROOT, lmrl_train, metric_rows
 
 # the shipped model and task, small: 8 prompts x 4 per step, a short evaluation
@@ -192,9 +193,8 @@ def test_sigterm_stops_both_processes_and_the_resumed_run_is_the_straight_one(tm
 
 def test_a_reward_function_the_generator_cannot_be_given_is_one_line(tmp_path):
     cfg = Config(train={"steps": 1, "async_steps": 1, "output_dir": str(tmp_path)}, log={"console": False})
-    trainer = Trainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)])
-    with pytest.raises(Exception, match=r"^train.async_steps: the generator process cannot be given the run's inputs"):
-        trainer.train()
+    with pytest.raises(ConfigError, match=r"^train.async_steps: the generator process cannot be given the run's inputs"):
+        Trainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)])
 
 
 # ------------------------------------------------------------------------------ ranks
