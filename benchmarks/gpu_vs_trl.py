@@ -80,18 +80,26 @@ def corpus(n: int, seed: int) -> list[str]:
             for _ in range(n)]
 
 
-def build_model(shape: str, vocab: int, out_dir: str, seed: int) -> int:
-    """A byte-level BPE tokenizer trained on generated text and a Qwen2 with random weights; returns parameters."""
-    import torch
+def bpe_tokenizer(vocab: int, seed: int):
+    """A byte-level BPE tokenizer trained here on generated text (`corpus`), `<pad>` its id 0, no EOS yet."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(corpus(5000, seed), trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>")
+        vocab_size=vocab, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>")
+
+
+def build_model(shape: str, vocab: int, out_dir: str, seed: int) -> int:
+    """A byte-level BPE tokenizer trained on generated text and a Qwen2 with random weights; returns parameters."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = bpe_tokenizer(vocab, seed)
     hidden, layers, heads, kv_heads, inter = SHAPES[shape]
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,

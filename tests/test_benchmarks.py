@@ -71,3 +71,47 @@ def test_preset_gains_benchmark_runs_lmrl_train_and_tabulates():
     for seed in (0, 1):
         assert re.search(rf"\| grpo \| {seed} \| [\d.]+% -> [\d.]+% \| [+-][\d.]+ \| 2 \| [\d.]+ \|", out), out
     assert re.search(r"\| grpo \| mean of 2 \| \| [+-][\d.]+ \(min [+-][\d.]+\) \| 2 \| \|", out), out
+
+
+def _async_benchmark():
+    """benchmarks/async.py (`async` is a keyword: loaded from its path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("async_benchmark", ROOT / "benchmarks" / "async.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_async_benchmark_timeline_places_the_generator_as_late_as_the_trainer_allows():
+    import pytest
+
+    bench = _async_benchmark()
+    rows = [{"step": 1, "time/step": 5.0, "time/elapsed": 9.0},  # warm-up: not drawn
+            {"step": 2, "time/elapsed": 10.0, "time/step": 1.0, "async/trainer_wait": 0.2, "time/experience": 0.1,
+             "time/update": 0.7, "async/generator_wait": 0.3, "time/generate": 0.5, "eval/accuracy": 0.5},
+            {"step": 3, "time/elapsed": 11.5, "time/step": 1.0, "async/trainer_wait": 0.0, "time/experience": 0.1,
+             "time/update": 0.9, "async/generator_wait": 0.4, "time/generate": 0.6}]
+    trainer, generator = bench.timeline_bars(rows)
+    # the trainer's bars end at time/elapsed; the 0.5 s after step 2 is its evaluation
+    assert [(kind, step) for _, _, kind, step in trainer] == [
+        ("waiting", 2), ("experience", 2), ("update", 2), ("evaluation", 2), ("waiting", 3), ("experience", 3),
+        ("update", 3)]
+    assert [x for x, *_ in trainer] == pytest.approx([9.0, 9.2, 9.3, 10.0, 10.5, 10.5, 10.6])
+    assert [w for _, w, *_ in trainer] == pytest.approx([0.2, 0.1, 0.7, 0.5, 0.0, 0.1, 0.9])
+    # back to back, batch 2 (the one the trainer waited for) ending when the trainer received it, at 9.2
+    assert [(kind, step) for _, _, kind, step in generator] == [
+        ("waiting", 2), ("generating", 2), ("waiting", 3), ("generating", 3)]
+    assert [x for x, *_ in generator] == pytest.approx([8.4, 8.7, 9.2, 9.6])
+    assert [w for _, w, *_ in generator] == pytest.approx([0.3, 0.5, 0.4, 0.6])
+
+
+def test_async_benchmark_compares_accuracy_curves_at_common_times():
+    import pytest
+
+    bench = _async_benchmark()
+    points = [(0.0, 0.2), (2.0, 0.4), (4.0, 0.4)]
+    assert bench.interpolate(points, 1.0) == pytest.approx(0.3)
+    assert bench.interpolate(points, 3.0) == pytest.approx(0.4)
+    assert bench.curve_mean(points, 2.0) == pytest.approx(0.3)
+    assert bench.curve_mean(points, 4.0) == pytest.approx(0.35)
