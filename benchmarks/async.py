@@ -47,9 +47,9 @@ temperature 1, float32. Four runs:
 
 --plot PATH.png draws the async run's two processes on one wall-clock axis, steps 2..12 (part A's run, or part
 B's when only B runs), with Pillow, reconstructed from the logged per-step durations. The trainer's bars (waiting
-for the batch `async/trainer_wait`, `time/experience`, `time/update`) end at each step's `time/elapsed`; the gap
+for the batch `time/wait_for_batch`, `time/experience`, `time/update`) end at each step's `time/elapsed`; the gap
 after a step with an evaluation is drawn as the evaluation. The generator's bars (waiting for weights
-`async/generator_wait`, generating `time/generate`, which includes loading the weights) are its logged durations
+`time/wait_for_weights`, generating `time/generate`, which includes loading the weights) are its logged durations
 placed back to back, shifted as late as they can go with no batch ending after the trainer received it (the
 tightest batch, usually one the trainer waited for, ends exactly then). Sending a batch is not logged, so the
 generator's bars may run a little early.
@@ -82,6 +82,7 @@ from benchmarks.vs_trl import END_TOKEN, SIZES  # noqa: E402
 B_RUNS = {  # name: (label, train.threads, train.async_steps); "trl" is TRL's GRPOTrainer with 2 threads
     "sync2": ("lmrl sync, 2 threads", 2, 0),
     "async": ("lmrl async_steps=1, 1+1", None, 1),
+    "async21": ("lmrl async_steps=1, 2+1", 2, 1),
     "trl": ("TRL GRPOTrainer, 2 threads", 2, 0),
     "sync1": ("lmrl sync, 1 thread", 1, 0),
 }
@@ -162,7 +163,7 @@ def part_a(args, tmp: Path) -> dict[str, list[dict]]:
         steps = [r for r in rows if r.get("time/step") is not None]
         rate[name] = 1 / steady(rows, "time/step")
         wall[name] = steps[-1]["step"] / steps[-1]["time/elapsed"]
-        extra = (f"{steady(rows, 'async/trainer_wait'):>14.4f}{steady(rows, 'async/generator_wait'):>10.4f}"
+        extra = (f"{steady(rows, 'time/wait_for_batch'):>14.4f}{steady(rows, 'time/wait_for_weights'):>10.4f}"
                  f"{steady(rows, 'async/version_lag'):>5.0f}" if name == "async" else "")
         print(f"{name:<7}{steady(rows, 'time/step'):>8.4f}{rate[name]:>9.2f}{wall[name]:>11.2f}"
               f"{steps[0]['time/step']:>8.2f}{steady(rows, 'time/generate'):>10.4f}"
@@ -298,7 +299,7 @@ def part_b(args, tmp: Path) -> dict[str, list[dict]]:
     floor = (gen1 + update1) / 2
     print(f"\n2-core compute floor = (generation {gen1:.3f} + update {update1:.3f}) / 2 = {floor:.3f} s/step "
           f"(the 1-thread run's phases, steps 2..{s.steps})")
-    print(f"seconds, steps 2..{s.steps}; update = time/step - time/generate (async: - async/trainer_wait, its "
+    print(f"seconds, steps 2..{s.steps}; update = time/step - time/generate (async: - time/wait_for_batch, its "
           f"generate being the generator process's)")
     print(f"{'run':<28}{'s/step':>8}{'x floor':>9}{'x sync':>8}{'step 1':>8}{'generate':>10}{'update':>8}"
           f"{'trainer wait':>14}{'gen wait':>10}")
@@ -309,9 +310,9 @@ def part_b(args, tmp: Path) -> dict[str, list[dict]]:
         else:
             rows = r["rows"]
             _, gen, update = phases(rows)
-            wait = steady(rows, "async/trainer_wait")
+            wait = steady(rows, "time/wait_for_batch")
             cells = f"{rows[0]['time/step']:>8.2f}{gen:>10.3f}"
-            cells += (f"{seconds[name] - wait:>8.3f}{wait:>14.3f}{steady(rows, 'async/generator_wait'):>10.3f}"
+            cells += (f"{seconds[name] - wait:>8.3f}{wait:>14.3f}{steady(rows, 'time/wait_for_weights'):>10.3f}"
                       if name == "async" else f"{update:>8.3f}")
         print(f"{B_RUNS[name][0]:<28}{seconds[name]:>8.3f}{seconds[name] / floor:>9.2f}"
               f"{seconds[name] / seconds['sync2']:>8.2f}{cells}")
@@ -334,7 +335,7 @@ def timeline_bars(rows: list[dict], last: int = 12) -> tuple[list[tuple], list[t
     steps = [r for r in rows if r.get("time/step") is not None and 2 <= r["step"] <= last]
     trainer, generator, received, done, t = [], [], [], [], 0.0
     for i, r in enumerate(steps):
-        end, wait, step = r["time/elapsed"], r.get("async/trainer_wait") or 0.0, r["step"]
+        end, wait, step = r["time/elapsed"], r.get("time/wait_for_batch") or 0.0, r["step"]
         start = end - r["time/step"]
         if i and steps[i - 1].get("eval/accuracy") is not None:  # the held-out evaluation after the previous step
             trainer.append((steps[i - 1]["time/elapsed"], start - steps[i - 1]["time/elapsed"], "evaluation", step - 1))
@@ -342,7 +343,7 @@ def timeline_bars(rows: list[dict], last: int = 12) -> tuple[list[tuple], list[t
                     (end - r["time/update"] - r["time/experience"], r["time/experience"], "experience", step),
                     (end - r["time/update"], r["time/update"], "update", step)]
         received.append(start + wait)
-        gw = r.get("async/generator_wait") or 0.0
+        gw = r.get("time/wait_for_weights") or 0.0
         generator += [(t, gw, WAIT, step), (t + gw, r["time/generate"], "generating", step)]
         t += gw + r["time/generate"]
         done.append(t)

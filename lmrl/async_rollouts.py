@@ -112,12 +112,14 @@ class AsyncRollouts:
         w = self.world
         spec = _Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads,
                      (w.rank, w.size, w.local_rank), os.getpid())
+        method = start_method()
         try:
-            pickle.dumps(spec)
+            if method == "spawn":
+                pickle.dumps(spec)
         except Exception as e:  # noqa: BLE001 - any pickling failure is the same problem
             raise ConfigError(f"train.async_steps: the generator process cannot be given the run's inputs ({_line(e)}); "
                               "define reward functions and environments at module level, or set train.async_steps=0") from e
-        context = torch.multiprocessing.get_context("spawn")
+        context = torch.multiprocessing.get_context(method)
         self.channel, theirs = context.Pipe()
         self.process = context.Process(target=_generator_main, args=(spec, self.snapshot, theirs), name="lmrl-generator")
         self.process.start()
@@ -190,7 +192,7 @@ class AsyncRollouts:
             self.published = step
             self.channel.send(("weights", step))
         except (RunError, OSError) as e:  # raised by the next step's `batch`, which checkpoints this one first
-            self.failed = e if isinstance(e, RunError) else RunError(f"the generator process died ({e})")
+            self.failed = e if isinstance(e, RunError) else self._died(None)
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self, step: int) -> list[dict[str, Any]]:
@@ -216,13 +218,11 @@ class AsyncRollouts:
         """Read one message of the generator process; one line if it died or failed."""
         while not self.channel.poll(0.25):
             if not self.process.is_alive():
-                raise RunError(f"the generator process died ({_how(self.process.exitcode)})"
-                               + (f" before it sent the batch of step {step}" if step is not None else ""))
+                raise self._died(step)
         try:
             message = pickle.loads(self.channel.recv_bytes())
         except (EOFError, OSError) as e:
-            self.process.join(5)
-            raise RunError(f"the generator process died ({_how(self.process.exitcode)})") from e
+            raise self._died(step) from e
         kind = message[0]
         if kind == "batch":
             self.ready[message[1]["step"]] = message[1]
@@ -235,6 +235,13 @@ class AsyncRollouts:
             raise (error if isinstance(error, type) and issubclass(error, LmrlError) else RunError)(message[2])
 
 
+    def _died(self, step: int | None) -> RunError:
+        """The one line for a generator process that is gone: how it ended (signal or exit code)."""
+        self.process.join(5)
+        return RunError(f"the generator process died ({_how(self.process.exitcode)})"
+                        + (f" before it sent the batch of step {step}" if step is not None else ""))
+
+
 def _how(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
         return f"killed by {signal.Signals(-exitcode).name}"
@@ -243,6 +250,18 @@ def _how(exitcode: int | None) -> str:
 
 def _line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+
+
+def start_method() -> str:
+    """How the generator process starts: forked on Linux while this process uses neither CUDA nor a process group
+    (in a fraction of a second, with everything this process imported and built, lambdas included), else spawned
+    (a fresh interpreter: about 5 s of imports here, and the run's inputs must pickle). LMRL_START_METHOD=spawn|fork
+    chooses."""
+    chosen = os.environ.get("LMRL_START_METHOD")
+    if chosen is not None:
+        return chosen
+    shared = torch.cuda.is_initialized() or torch.distributed.is_initialized()  # a forked copy would share them
+    return "fork" if sys.platform == "linux" and not shared else "spawn"
 
 
 # ------------------------------------------------------------------------------ batches on the wire and on disk
@@ -302,6 +321,10 @@ def _generator_main(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> 
     the weights its `sampling_version` names, and send it to the trainer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it checkpoints, then stops this process
     die_with_parent(spec.parent)
+    with contextlib.suppress(OSError, AttributeError):  # `ps` and `top` name it
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, b"lmrl-generator")  # PR_SET_NAME
     try:
         torch.set_num_threads(spec.threads)
         collector, weights = _collector(spec, snapshot, channel)

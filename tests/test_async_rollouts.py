@@ -40,18 +40,15 @@ def same_metrics(a: list[dict], b: list[dict]) -> None:
 
 
 def generator_pids(parent: int) -> list[int]:
-    """The trainer's generator process (multiprocessing's spawned child that is not its resource tracker)."""
+    """The trainer's generator process: its child named lmrl-generator."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            name = (entry / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
+        if ppid == parent and name == "lmrl-generator":
             found.append(int(entry.name))
     return found
 
@@ -191,10 +188,19 @@ def test_sigterm_stops_both_processes_and_the_resumed_run_is_the_straight_one(tm
     same_metrics(metric_rows(straight), metric_rows(tmp_path))
 
 
-def test_a_reward_function_the_generator_cannot_be_given_is_one_line(tmp_path):
-    cfg = Config(train={"steps": 1, "async_steps": 1, "output_dir": str(tmp_path)}, log={"console": False})
+def test_a_forked_generator_takes_any_reward_function_a_spawned_one_says_what_it_cannot_take(tmp_path, monkeypatch):
+    """Forked (Linux, CUDA unused), the generator process inherits a lambda; spawned (CUDA, other systems) it would
+    have to unpickle it, and a run that cannot be given its inputs is refused in one line when the Trainer is built."""
+    cfg = Config(rollout={"prompts_per_step": 4, "group_size": 2}, data={"num_eval_prompts": 4},
+                 train={"steps": 2, "async_steps": 1, "eval_every": 0, "output_dir": str(tmp_path / "fork")},
+                 log={"console": False, "samples_every": 0})
+    length = lambda prompts, completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    history = Trainer(cfg, reward_funcs=[length]).train().history
+    assert [h["async/policy_version"] for h in history] == [0, 0] and history[1]["reward/mean"] > 0
+    monkeypatch.setenv("LMRL_START_METHOD", "spawn")
+    cfg.train.output_dir = str(tmp_path / "spawn")
     with pytest.raises(ConfigError, match=r"^train.async_steps: the generator process cannot be given the run's inputs"):
-        Trainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)])
+        Trainer(cfg, reward_funcs=[length])
 
 
 # ------------------------------------------------------------------------------ ranks

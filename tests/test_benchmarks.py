@@ -88,10 +88,10 @@ def test_async_benchmark_timeline_places_the_generator_as_late_as_the_trainer_al
 
     bench = _async_benchmark()
     rows = [{"step": 1, "time/step": 5.0, "time/elapsed": 9.0},  # warm-up: not drawn
-            {"step": 2, "time/elapsed": 10.0, "time/step": 1.0, "async/trainer_wait": 0.2, "time/experience": 0.1,
-             "time/update": 0.7, "async/generator_wait": 0.3, "time/generate": 0.5, "eval/accuracy": 0.5},
-            {"step": 3, "time/elapsed": 11.5, "time/step": 1.0, "async/trainer_wait": 0.0, "time/experience": 0.1,
-             "time/update": 0.9, "async/generator_wait": 0.4, "time/generate": 0.6}]
+            {"step": 2, "time/elapsed": 10.0, "time/step": 1.0, "time/wait_for_batch": 0.2, "time/experience": 0.1,
+             "time/update": 0.7, "time/wait_for_weights": 0.3, "time/generate": 0.5, "eval/accuracy": 0.5},
+            {"step": 3, "time/elapsed": 11.5, "time/step": 1.0, "time/wait_for_batch": 0.0, "time/experience": 0.1,
+             "time/update": 0.9, "time/wait_for_weights": 0.4, "time/generate": 0.6}]
     trainer, generator = bench.timeline_bars(rows)
     # the trainer's bars end at time/elapsed; the 0.5 s after step 2 is its evaluation
     assert [(kind, step) for _, _, kind, step in trainer] == [
