@@ -278,15 +278,15 @@ class TrainConfig(Section):
     autocast_bf16: bool = False
     """Run forwards under bfloat16 autocast (weights stay in their dtype)."""
     threads: PositiveInt | None = None
-    """torch CPU threads (None = torch's default; with async_steps, half the cores this process may use)."""
+    """torch CPU threads (None = torch's default: the cores this process may use)."""
     async_steps: NonNegativeInt = 0
     """Asynchronous rollouts: a generator process samples and scores the batches of the next this many steps
     while the trainer trains on this one; the batch of step s is sampled by the policy after step s - 1 - k,
     corrected by the decoupled objective (algorithm.tis_cap is 2.0 unless set). 0 = the synchronous loop.
     docs/async.md."""
     generator_threads: PositiveInt | None = None
-    """With async_steps: torch CPU threads of the generator process (None = the cores left beside the trainer's
-    threads, at least 1)."""
+    """With async_steps: torch CPU threads of the generator process (None = half the cores this process may use,
+    at least 1, beside the trainer's; docs/async.md has the measurements behind it)."""
     generator_device: str | None = None
     """With async_steps: the generator process's device, e.g. cuda:1 (None = model.device)."""
     logprob_chunk_size: PositiveInt | None = 128
