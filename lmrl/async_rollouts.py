@@ -151,7 +151,8 @@ class AsyncRollouts:
         atexit.unregister(self.close)
         with contextlib.suppress(OSError):
             self.channel.send(("stop",))
-        process.join(10)
+        # it reads "stop" between batches; one it is sampling now, nothing needs (a resumed run samples it again)
+        process.join(2)
         if process.is_alive():
             process.terminate()
             process.join(10)
@@ -168,6 +169,8 @@ class AsyncRollouts:
         while step not in self.ready:
             if self.failed is not None:
                 raise self.failed
+            if self.process is None:
+                raise RunError(f"the generator process was stopped before it sent the batch of step {step}")
             self._receive(step)
         waited = time.perf_counter() - start
         c, version = _collected(self.ready[step])
@@ -203,7 +206,7 @@ class AsyncRollouts:
                   if sampling_version(s, self.k, self.start_step) < step]
         try:
             for s in wanted:
-                while s not in self.ready:
+                while s not in self.ready and self.process is not None:
                     self._receive(s)
         except RunError as e:
             self.warn(f"checkpoint of step {step}: {len(wanted) - sum(s in self.ready for s in wanted)} batch(es) in "

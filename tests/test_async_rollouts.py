@@ -188,6 +188,33 @@ def test_sigterm_stops_both_processes_and_the_resumed_run_is_the_straight_one(tm
     same_metrics(metric_rows(straight), metric_rows(tmp_path))
 
 
+def test_ctrl_c_in_a_terminal_stops_both_processes_after_a_checkpoint(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group: the generator process ignores it, the trainer checkpoints
+    and stops it; nothing is left running."""
+    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *SMALL,
+                             "train.steps=500", "train.async_steps=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    wait_for_step(proc, tmp_path, 2)
+    generators = generator_pids(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "SIGINT: stopped after step " in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert generators and not any(alive(pid) for pid in generators)
+    assert checkpoints(tmp_path)
+
+
+def test_a_multi_turn_lora_run_samples_with_the_merged_adapters(tmp_path):
+    """The calculator task (episodes with a tool) on a LoRA policy: the generator process gets the base weights with
+    the adapters merged, so its first batch is on-policy, and episodes run there as in a synchronous step."""
+    done = lmrl_train(tmp_path, *SMALL, "model.name_or_path=tiny-calculator", "train.steps=2", "train.async_steps=1",
+                      "rollout.prompts_per_step=4", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}")
+    assert done.returncode == 0, done.stderr
+    rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    assert abs(rows[0]["val/sampler_kl"]) < 1e-5
+    assert all(r["env/turns"] >= 1 for r in rows)
+
+
 def test_a_forked_generator_takes_any_reward_function_a_spawned_one_says_what_it_cannot_take(tmp_path, monkeypatch):
     """Forked (Linux, CUDA unused), the generator process inherits a lambda; spawned (CUDA, other systems) it would
     have to unpickle it, and a run that cannot be given its inputs is refused in one line when the Trainer is built."""
