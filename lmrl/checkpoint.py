@@ -8,7 +8,7 @@ how a run finds the newest one to resume from.
       samples.jsonl            the sample tables (appended to; a resumed run's rewritten steps follow the old ones)
       report.html              `lmrl report`: written at the end and when the run stops
       checkpoint-40/
-        COMPLETE               written last: {"step": 40, "time": ..., "world_size": 1}
+        COMPLETE               written last: {"name", "time", "files": {path: {"size", "crc32"}}}
         state/                 torch.distributed.checkpoint: trainable policy weights, critic, optimizer
         trainer_state.json     step, LR scheduler, KL controller, guard counters, elapsed time, evaluations
         rng_state_<r>.pt       rank r's RNGs: Python, NumPy, torch (CPU, CUDA), minibatch shuffler, sampler
@@ -20,7 +20,8 @@ how a run finds the newest one to resume from.
       .tmp-checkpoint-48-1234/ a checkpoint a killed process was writing: removed at the next start
 
 Writing: everything goes into `.tmp-<name>-<pid>/`; files and directories are fsynced, COMPLETE is
-written, then one `rename` makes `<name>/` appear. A reader trusts only directories with COMPLETE.
+written, listing every file with its size and CRC-32, then one `rename` makes `<name>/` appear. A reader trusts
+only directories with COMPLETE, and a resume only one whose files are what COMPLETE lists (`verify_checkpoint`).
 
 The state goes through `torch.distributed.checkpoint` (one process here; the same calls save and
 load sharded state under torchrun). Frozen weights (a LoRA run's base model) are not saved: a resumed
@@ -38,8 +39,10 @@ import shutil
 import sys
 import time
 import warnings
+import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,8 +87,9 @@ def atomic_directory(target: Path, world: World = ONE_PROCESS) -> Iterator[Path]
     try:
         yield tmp
         world.barrier()
-        _fsync_tree(tmp)
-        _write_synced(tmp / COMPLETE, json.dumps({"name": target.name, "time": round(time.time(), 3)}) + "\n")
+        files = _seal(tmp)
+        _write_synced(tmp / COMPLETE, json.dumps({"name": target.name, "time": round(time.time(), 3), "files": files},
+                                                 indent=1) + "\n")
         _fsync_dir(tmp)
         if target.exists():  # an older copy: move it aside first, so that the rename below is one step
             old = target.parent / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}"
@@ -121,12 +125,75 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
+def _seal(root: Path) -> dict[str, dict[str, Any]]:
+    """fsync every file and directory under `root`; return each file's size and CRC-32 by its path under `root`:
+    what COMPLETE lists and `verify_checkpoint` checks (the files are read back once, from the page cache)."""
+    paths = []
     for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
+        paths += [Path(dirpath) / name for name in sorted(filenames)]
         _fsync_dir(Path(dirpath))
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # as `_verify`: the disk's speed
+        sums = list(pool.map(_checksum_synced, paths))
+    return {path.relative_to(root).as_posix(): found for path, found in zip(paths, sums)}
+
+
+def _checksum_synced(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        found = _checksum(f)
+        os.fsync(f.fileno())
+    return found
+
+
+def _checksum(f) -> dict[str, Any]:
+    """{"size", "crc32"} of an open binary file, read in 16 MiB pieces."""
+    crc, size = 0, 0
+    while chunk := f.read(16 << 20):
+        crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def verify_checkpoint(directory: Path) -> str | None:
+    """None when every file COMPLETE lists is there with its size and CRC-32; else what is wrong, in a few words
+    naming the first file that differs. A COMPLETE that lists no files (written before lmrl listed them) verifies as is.
+    Checked once per directory and COMPLETE in a process (`plan_run` runs twice before a resume)."""
+    directory = Path(directory)
+    try:
+        stat = (directory / COMPLETE).stat()
+        key = (str(directory.resolve()), stat.st_mtime_ns, stat.st_size)
+        if key not in _VERIFIED:
+            _VERIFIED[key] = _verify(directory, json.loads((directory / COMPLETE).read_text()))
+        return _VERIFIED[key]
+    except (OSError, ValueError) as e:
+        return f"{COMPLETE} cannot be read ({getattr(e, 'strerror', None) or e})"
+
+
+_VERIFIED: dict[tuple[str, int, int], str | None] = {}
+
+
+def _verify(directory: Path, marker: dict[str, Any]) -> str | None:
+    """The first problem of the files `marker` lists, in its order; files are read on several threads (zlib lets
+    go of the GIL), so a checkpoint of several files verifies at the disk's speed rather than one core's."""
+    listed = marker.get("files") or {}
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for problem in pool.map(lambda item: _problem(directory, *item), listed.items()):
+            if problem is not None:
+                return problem
+    return None
+
+
+def _problem(directory: Path, name: str, saved: dict[str, Any]) -> str | None:
+    try:
+        with open(directory / name, "rb") as f:
+            found = _checksum(f)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror or e})"
+    if found["size"] != saved["size"]:
+        return f"{name} is {found['size']} bytes, {COMPLETE} says {saved['size']} (cut short or overwritten)"
+    if found["crc32"] != saved["crc32"]:
+        return f"{name} has CRC-32 {found['crc32']}, {COMPLETE} says {saved['crc32']} (its bytes changed)"
+    return None
 
 
 # ------------------------------------------------------------------------------ finding checkpoints
@@ -143,6 +210,21 @@ def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 def newest_checkpoint(output_dir: Path) -> Path | None:
     found = checkpoints(output_dir)
     return found[-1][1] if found else None
+
+
+def newest_verified(output_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and a warning line for each newer one that does not (left in place);
+    a RunError when there are checkpoints and none verifies."""
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(checkpoints(output_dir)):
+        if (problem := verify_checkpoint(path)) is None:
+            return path, [f"{bad.name} does not verify: {why}; left in place, resuming from {path.name}"
+                          for bad, why in skipped]
+        skipped.append((path, problem))
+    if skipped:
+        raise RunError(f"train.resume=auto: no checkpoint in {output_dir} verifies ("
+                       + "; ".join(f"{bad.name}: {why}" for bad, why in skipped) + "); every one is left in place")
+    return None, []
 
 
 def remove_partial(output_dir: Path) -> list[Path]:
@@ -192,6 +274,7 @@ def clear_run(output_dir: Path) -> None:
 class RunPlan:
     checkpoint: Path | None  # the checkpoint to resume from
     clear: bool  # delete the earlier run's files first
+    warnings: list[str] = field(default_factory=list)  # newer checkpoints that did not verify, one line each
 
 
 def _check_writable(out: Path) -> None:
@@ -210,16 +293,18 @@ def plan_run(cfg) -> RunPlan:
     line) when it must not start. No side effects: the CLI calls it before any model loads, the trainer again
     under the run's lock."""
     t = cfg.train
-    out, resume, checkpoint = Path(t.output_dir), t.resume, None
+    out, resume, checkpoint, warned = Path(t.output_dir), t.resume, None, []
     _check_writable(out)
     if resume == "auto":
-        checkpoint = newest_checkpoint(out)
+        checkpoint, warned = newest_verified(out)
     elif resume is not None:
         checkpoint = Path(resume)
         if not checkpoint.is_dir():
             raise RunError(f"train.resume: {checkpoint} does not exist; give a checkpoint directory, or auto")
         if not is_complete(checkpoint):
             raise RunError(f"train.resume: {checkpoint} is not a complete checkpoint (no {COMPLETE} file in it)")
+        if (problem := verify_checkpoint(checkpoint)) is not None:
+            raise RunError(f"train.resume: {checkpoint} does not verify: {problem}; nothing was loaded")
     own = checkpoint is not None and checkpoint.resolve().parent == out.resolve()
     if t.overwrite and own:
         raise RunError(f"train.overwrite=true would delete {checkpoint}, which train.resume={resume} resumes from; "
@@ -239,7 +324,7 @@ def plan_run(cfg) -> RunPlan:
             raise RunError(f"train.resume: the config differs from {checkpoint}'s in {', '.join(diffs)}; "
                            f"only {allowed} may change on resume")
     # a run killed before its first checkpoint (resume=auto finds none) has nothing to keep: start afresh
-    return RunPlan(checkpoint, clear=bool(earlier) and not own)
+    return RunPlan(checkpoint, clear=bool(earlier) and not own, warnings=warned)
 
 
 # fields a resumed run may change: none of them can make the saved state mean something else

@@ -39,6 +39,7 @@ from lmrl.checkpoint import (
     rng_state,
     save_model_state,
     set_rng_state,
+    verify_checkpoint,
 )
 from lmrl.config import config_to_yaml
 from lmrl.distributed import World, whole_state
@@ -103,6 +104,8 @@ class RunLifecycle:
         for path in remove_partial(self.out) if main else []:
             self.log.warn(f"removed {path.name}: a checkpoint that a killed run left half-written")
         plan = plan_run(self.cfg)
+        for line in plan.warnings if main else []:
+            self.log.warn(line)
         self.world.barrier()  # every rank planned before rank 0 writes anything
         if plan.clear and main:
             clear_run(self.out)
@@ -139,6 +142,11 @@ class RunLifecycle:
         if not self.finite():
             raise RunError(f"step {step}: the weights are not finite after the update (optim.lr={self.cfg.optim.lr:g} too "
                            f"high?); no checkpoint written ({self.last_good()})")
+        if self.world.main and path.is_dir() and (problem := verify_checkpoint(path)) is not None:
+            aside = next(p for i in range(1, 1000) if not (p := path.with_name(f"{path.name}.unverified"
+                                                                                + (f"-{i}" if i > 1 else ""))).exists())
+            path.rename(aside)  # a resume skipped it: kept for whoever wants to look, never deleted
+            self.log.warn(f"{path.name} did not verify ({problem}): kept as {aside.name}; writing a new {path.name}")
         state = {"step": step, "elapsed": self.elapsed, **{k: s.state_dict() for k, s in self.states.items()},
                  "evals": self.result.evals,
                  "episode": step * self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size,

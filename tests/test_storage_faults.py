@@ -1,0 +1,114 @@
+"""Storage faults (issue 29): a checkpoint whose files are not the bytes that were written (cut short by a failed
+copy or a quota, a flipped bit) is found before anything loads. train.resume=auto skips it with a warning naming
+the file, leaves it in place and resumes from the newest one that verifies, exactly; an explicit path that does not
+verify, or a run whose checkpoints all fail, is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lmrl import Config, Trainer
+from lmrl.checkpoint import COMPLETE, checkpoints, verify_checkpoint
+from lmrl.errors import RunError
+from tests.test_async_rollouts import same_metrics
+from tests.test_long_runs import metric_rows
+
+RUN = dict(rollout={"prompts_per_step": 4, "group_size": 4}, data={"num_eval_prompts": 4},
+           train={"eval_every": 0, "save_every": 1, "max_minutes": None}, log={"console": False, "samples_every": 0})
+
+
+def train(out: Path, steps: int, **train_fields) -> Trainer:
+    cfg = Config(**{**RUN, "train": {**RUN["train"], **train_fields, "steps": steps, "output_dir": str(out)}})
+    trainer = Trainer(cfg)
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A run stopped after step 3 (checkpoints 1-3), and the same run straight to step 4."""
+    stopped, straight = tmp_path_factory.mktemp("stopped"), tmp_path_factory.mktemp("straight")
+    train(stopped, 3)
+    train(straight, 4)
+    return stopped, straight
+
+
+def flip_byte(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+# every kind of file a checkpoint holds: the weights `lmrl eval` loads, the sharded state (at 10% of the file the
+# policy's weights, at 95% AdamW's moments: read from its .metadata), the RNGs, the trainer's state
+FAULTS = {
+    "model weights": ("model.safetensors", flip_byte),
+    "sharded state: policy weights": ("state/__0_0.distcp", lambda p: flip_byte(p, 0.1)),
+    "sharded state: optimizer moments": ("state/__0_0.distcp", lambda p: flip_byte(p, 0.95)),
+    "sharded state, cut short": ("state/__0_0.distcp", truncate),
+    "RNG": ("rng_state_0.pt", flip_byte),
+    "trainer state": ("trainer_state.json", lambda p: p.write_text(p.read_text().replace('"step": 3', '"step": 2'))),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_resume_auto_skips_a_damaged_checkpoint_and_resumes_exactly(tmp_path, runs, fault, capsys):
+    stopped, straight = runs
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    name, damage = FAULTS[fault]
+    damage(out / "checkpoint-3" / name)
+    assert verify_checkpoint(out / "checkpoint-3").startswith(name)
+    capsys.readouterr()
+    train(out, 4, resume="auto")
+    err = capsys.readouterr().err
+    assert f"lmrl: warning: checkpoint-3 does not verify: {name} " in err
+    assert "left in place, resuming from checkpoint-2" in err
+    assert (out / "checkpoint-3.unverified").is_dir()  # kept aside when the resumed run wrote a new checkpoint-3
+    assert [s for s, _ in checkpoints(out)] == [1, 2, 3, 4]
+    same_metrics(metric_rows(straight), metric_rows(out))
+
+
+def test_an_explicit_checkpoint_that_does_not_verify_is_refused_in_one_line(tmp_path, runs):
+    stopped, _ = runs
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    truncate(out / "checkpoint-2" / "model.safetensors")
+    with pytest.raises(RunError, match=rf"^train.resume: {out / 'checkpoint-2'} does not verify: model.safetensors is "
+                                       r"\d+ bytes, COMPLETE says \d+ \(cut short or overwritten\); nothing was loaded$"):
+        train(out, 4, resume=str(out / "checkpoint-2"))
+
+
+def test_when_no_checkpoint_verifies_one_line_says_so_and_keeps_them(tmp_path, runs):
+    stopped, _ = runs
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    for step in (1, 2, 3):
+        flip_byte(out / f"checkpoint-{step}" / "rng_state_0.pt")
+    with pytest.raises(RunError, match=r"^train.resume=auto: no checkpoint in .* verifies \(checkpoint-3: "
+                                       r"rng_state_0.pt has CRC-32 .*; every one is left in place$"):
+        train(out, 4, resume="auto")
+    assert [s for s, _ in checkpoints(out)] == [1, 2, 3]
+
+
+def test_complete_lists_every_file_and_an_older_marker_without_a_list_still_verifies(tmp_path, runs):
+    stopped, _ = runs
+    marker = json.loads((stopped / "checkpoint-3" / COMPLETE).read_text())
+    on_disk = {p.relative_to(stopped / "checkpoint-3").as_posix() for p in (stopped / "checkpoint-3").rglob("*")
+               if p.is_file() and p.name != COMPLETE}
+    assert set(marker["files"]) == on_disk
+    assert all(f["size"] == (stopped / "checkpoint-3" / n).stat().st_size for n, f in marker["files"].items())
+    old = tmp_path / "checkpoint-3"
+    shutil.copytree(stopped / "checkpoint-3", old)
+    (old / COMPLETE).write_text(json.dumps({"name": "checkpoint-3", "time": marker["time"]}))
+    assert verify_checkpoint(old) is None
+    (old / COMPLETE).write_text("{not json")
+    assert verify_checkpoint(old).startswith("COMPLETE cannot be read")
