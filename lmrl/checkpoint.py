@@ -31,6 +31,7 @@ run loads them from `model.name_or_path` as the first run did.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -210,6 +211,39 @@ def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 def newest_checkpoint(output_dir: Path) -> Path | None:
     found = checkpoints(output_dir)
     return found[-1][1] if found else None
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """The bytes of the files a checkpoint's COMPLETE lists (0 when it lists none)."""
+    try:
+        marker = json.loads((Path(directory) / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return 0
+    return sum(int(f.get("size", 0)) for f in (marker.get("files") or {}).values())
+
+
+def storage_cause(error: BaseException, directory: Path, needed: int) -> str | None:
+    """Why writing under `directory` failed, when the storage is the reason: the system's words for the first
+    OSError in `error`'s chain (no space, quota, read-only, permission, a vanished mount, a file-size limit), or,
+    for a writer that lost the errno (torch's "unexpected pos"), too little free space for `needed` bytes.
+    None when the storage is not to blame."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException: per rank
+        todo += [e.__cause__, e.__context__, *(f[0] for f in (failures.values() if isinstance(failures, dict) else []))]
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError as e:
+        return f"{e.strerror} ({errno.errorcode.get(e.errno, e.errno)})"
+    if free < needed:
+        return f"no space left on device ({free / 1e6:.1f} MB free, the write needs about {needed / 1e6:.1f} MB)"
+    return None
 
 
 def newest_verified(output_dir: Path) -> tuple[Path | None, list[str]]:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from lmrl.checkpoint import (
     RunLock,
     all_finite,
     atomic_directory,
+    checkpoint_bytes,
     clear_run,
     load_model_state,
     newest_checkpoint,
@@ -39,6 +41,7 @@ from lmrl.checkpoint import (
     rng_state,
     save_model_state,
     set_rng_state,
+    storage_cause,
     verify_checkpoint,
 )
 from lmrl.config import config_to_yaml
@@ -88,6 +91,7 @@ class RunLifecycle:
         self.stop_signal: int | None = None  # the signal that asked the run to stop
         self.abandon_at: int | None = None  # the step a signal may abandon now (steps 1-3 of it)
         self.started = False  # inside `running`: steps may checkpoint and be abandoned
+        self.warned_space = False  # the output directory's free space was said to be short
 
     # ------------------------------------------------------------------------------ start, end
     @contextlib.contextmanager
@@ -151,7 +155,7 @@ class RunLifecycle:
                  "evals": self.result.evals,
                  "episode": step * self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size,
                  "world_size": self.world.size}
-        with atomic_directory(path, self.world) as tmp:  # every rank writes its part (a shared filesystem)
+        with self._storage(path.name), atomic_directory(path, self.world) as tmp:  # every rank writes its part
             save_model_state(tmp / "state", self.modules, self.optimizer)  # collective
             torch.save(rng or rng_state(self.generators), tmp / f"rng_state_{self.world.rank}.pt")
             for name, f in self.files.items():
@@ -189,8 +193,32 @@ class RunLifecycle:
         atomically. A LoRA run saves adapters in checkpoints and merges them into the final model."""
         if not self.finite():
             raise RunError(f"{directory}: the weights are not finite; refusing to save them ({self.last_good()})")
-        with atomic_directory(Path(directory), self.world) as tmp:  # several ranks: every one calls save
-            self._save_model_files(tmp, final)
+        with self._storage(Path(directory).name, final=final), atomic_directory(Path(directory), self.world) as tmp:
+            self._save_model_files(tmp, final)  # several ranks: every one calls save
+
+    @contextlib.contextmanager
+    def _storage(self, name: str, final: bool = False) -> Iterator[None]:
+        """Writing `name` in the output directory: warn first when the free space cannot hold a checkpoint the size
+        of the last one; a failure the storage caused (`storage_cause`) is one line naming the directory and the
+        cause, exit 1 (the partial directory is already gone: `atomic_directory`)."""
+        last = newest_checkpoint(self.out)
+        needed = checkpoint_bytes(last) if last is not None else 0
+        with contextlib.suppress(OSError):
+            if self.world.main and needed and shutil.disk_usage(self.out).free < needed and not self.warned_space:
+                self.warned_space = True
+                self.log.warn(f"train.output_dir: {self.out} has {shutil.disk_usage(self.out).free / 1e6:.1f} MB free and "
+                              f"{last.name} took {needed / 1e6:.1f} MB: the next checkpoint may not fit")
+        try:
+            yield
+        except (LmrlError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+            if (cause := storage_cause(e, self.out, needed)) is None:
+                raise
+            result = f"the run's result is its last checkpoint, {last}" if final and last else self.last_good()
+            error = RunError(f"cannot write {name} in {self.out}: {cause}; the partial {name} was removed ({result})")
+            error.exit_code = 1
+            raise error from None
 
     def _save_model_files(self, directory: Path, final: bool = False) -> None:
         """Rank 0 writes; every rank calls it (sharded weights are gathered from all of them first)."""

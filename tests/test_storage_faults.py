@@ -5,17 +5,23 @@ verify, or a run whose checkpoints all fail, is one line."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import resource
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from lmrl import Config, Trainer
-from lmrl.checkpoint import COMPLETE, checkpoints, verify_checkpoint
+from lmrl.checkpoint import COMPLETE, checkpoints, storage_cause, verify_checkpoint
 from lmrl.errors import RunError
 from tests.test_async_rollouts import same_metrics
-from tests.test_long_runs import metric_rows
+from tests.test_long_runs import ROOT, metric_rows
 
 RUN = dict(rollout={"prompts_per_step": 4, "group_size": 4}, data={"num_eval_prompts": 4},
            train={"eval_every": 0, "save_every": 1, "max_minutes": None}, log={"console": False, "samples_every": 0})
@@ -112,3 +118,71 @@ def test_complete_lists_every_file_and_an_older_marker_without_a_list_still_veri
     assert verify_checkpoint(old) is None
     (old / COMPLETE).write_text("{not json")
     assert verify_checkpoint(old).startswith("COMPLETE cannot be read")
+
+
+# ------------------------------------------------------------------------------ storage errors while saving
+@contextlib.contextmanager
+def small_disk(path: Path, mb: int):
+    """A real filesystem of `mb` MB at `path` (tmpfs; needs root), or None where this machine does not allow it."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield path if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_full_disk_at_the_second_checkpoint_is_one_line_and_the_first_resumes_elsewhere(tmp_path, runs):
+    with small_disk(tmp_path / "disk", 14) as disk:  # the first checkpoint (about 9 MB) fits, the second does not
+        if disk is None:
+            pytest.skip("no tmpfs here (not root): test_a_file_size_limit_... makes the same fault with a limit")
+        out = disk / "run"
+        with pytest.raises(RunError) as raised:
+            train(out, 3)
+        line = str(raised.value)
+        assert raised.value.exit_code == 1 and "\n" not in line
+        assert line == (f"cannot write checkpoint-2 in {out}: No space left on device (ENOSPC); the partial checkpoint-2 "
+                        f"was removed (last good checkpoint: {out / 'checkpoint-1'})")
+        assert [s for s, _ in checkpoints(out)] == [1] and verify_checkpoint(out / "checkpoint-1") is None
+        assert not list(out.glob(".tmp-*"))
+        elsewhere = tmp_path / "elsewhere"
+        shutil.copytree(out, elsewhere)
+    train(elsewhere, 4, resume="auto")
+    _, straight = runs
+    same_metrics(metric_rows(straight), metric_rows(elsewhere))
+
+
+def test_a_file_size_limit_is_one_line_naming_the_directory_and_the_cause(tmp_path):
+    """The same fault without root: a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes the first checkpoint's
+    write fail with EFBIG, as a quota does."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={out}", "train.steps=1",
+                           "train.save_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                           "data.num_eval_prompts=4", "train.eval_every=0", "log.console=false"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (f"lmrl: error: cannot write checkpoint-1 in {out}: File too large (EFBIG); the partial checkpoint-1 "
+                    "was removed (there is no earlier checkpoint)"), done.stderr
+    assert "Traceback" not in done.stderr and not checkpoints(out) and not list(out.glob(".tmp-*"))
+
+
+def test_the_storage_cause_is_found_inside_torch_distributed_checkpoints_wrapper(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        try:
+            raise OSError(errno.EROFS, "Read-only file system")
+        except OSError as inner:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from inner
+    except RuntimeError as e:
+        wrapped = CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (e, None)})
+    assert storage_cause(wrapped, tmp_path, 0) == "Read-only file system (EROFS)"
+    assert storage_cause(RuntimeError("unexpected pos 704 vs 598"), tmp_path, 1 << 60).startswith("no space left on device")
+    assert storage_cause(ValueError("a bug"), tmp_path, 0) is None  # not the storage's doing: the traceback stays
