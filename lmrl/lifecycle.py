@@ -150,7 +150,7 @@ class RunLifecycle:
             aside = next(p for i in range(1, 1000) if not (p := path.with_name(f"{path.name}.unverified"
                                                                                 + (f"-{i}" if i > 1 else ""))).exists())
             path.rename(aside)  # a resume skipped it: kept for whoever wants to look, never deleted
-            self.log.warn(f"{path.name} did not verify ({problem}): kept as {aside.name}; writing a new {path.name}")
+            self.log.warn(f"{path.name} did not verify: {problem}; kept as {aside.name}, and a new {path.name} is written")
         state = {"step": step, "elapsed": self.elapsed, **{k: s.state_dict() for k, s in self.states.items()},
                  "evals": self.result.evals,
                  "episode": step * self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size,
