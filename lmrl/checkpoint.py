@@ -225,7 +225,7 @@ def checkpoint_bytes(directory: Path) -> int:
 def storage_cause(error: BaseException, directory: Path, needed: int) -> str | None:
     """Why writing under `directory` failed, when the storage is the reason: the system's words for the first
     OSError in `error`'s chain (no space, quota, read-only, permission, a vanished mount, a file-size limit), or,
-    for a writer that lost the errno (torch's "unexpected pos"), too little free space for `needed` bytes.
+    for a writer that lost the errno (torch's "unexpected pos"), what a probe write of `needed` bytes meets.
     None when the storage is not to blame."""
     seen, todo = set(), [error]
     while todo:
@@ -233,14 +233,36 @@ def storage_cause(error: BaseException, directory: Path, needed: int) -> str | N
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+        code = e.errno if isinstance(e, OSError) else None
+        if code is None and (found := _OS_ERROR.search(str(e))):  # safetensors: "IoError(Os { code: 28, ... })"
+            code = int(found.group(1))
+        if code is not None and code in errno.errorcode:
+            return f"{os.strerror(code)} ({errno.errorcode[code]})"
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException: per rank
         todo += [e.__cause__, e.__context__, *(f[0] for f in (failures.values() if isinstance(failures, dict) else []))]
+    return _probe(Path(directory), needed)
+
+
+_OS_ERROR = re.compile(r"(?:os error|code:)\s*(\d+)")
+
+
+def _probe(directory: Path, needed: int) -> str | None:
+    """Ask the storage itself: write a file of `needed` bytes (at most 256 MB) beside the failed write, and say why
+    that fails too (a full disk, a file-size limit, a read-only or vanished filesystem); or the free space, when
+    it is less than `needed`."""
+    probe = directory / f".lmrl-probe-{os.getpid()}"
     try:
+        with open(probe, "wb") as f:
+            for start in range(0, max(1, min(needed, 256 << 20)), 1 << 20):
+                f.write(bytes(min(1 << 20, max(needed - start, 1))))
+            f.flush()
+            os.fsync(f.fileno())
         free = shutil.disk_usage(directory).free
     except OSError as e:
-        return f"{e.strerror} ({errno.errorcode.get(e.errno, e.errno)})"
+        return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
     if free < needed:
         return f"no space left on device ({free / 1e6:.1f} MB free, the write needs about {needed / 1e6:.1f} MB)"
     return None

@@ -202,7 +202,7 @@ class RunLifecycle:
         of the last one; a failure the storage caused (`storage_cause`) is one line naming the directory and the
         cause, exit 1 (the partial directory is already gone: `atomic_directory`)."""
         last = newest_checkpoint(self.out)
-        needed = checkpoint_bytes(last) if last is not None else 0
+        needed = checkpoint_bytes(last) if last is not None else self._state_bytes()
         with contextlib.suppress(OSError):
             if self.world.main and needed and shutil.disk_usage(self.out).free < needed and not self.warned_space:
                 self.warned_space = True
@@ -219,6 +219,12 @@ class RunLifecycle:
             error = RunError(f"cannot write {name} in {self.out}: {cause}; the partial {name} was removed ({result})")
             error.exit_code = 1
             raise error from None
+
+    def _state_bytes(self) -> int:
+        """About what a first checkpoint takes: the trained weights, their copy for `from_pretrained`, AdamW's two
+        moments."""
+        weights = sum(p.numel() * p.element_size() for m in self.modules.values() for p in m.parameters() if p.requires_grad)
+        return 4 * weights
 
     def _save_model_files(self, directory: Path, final: bool = False) -> None:
         """Rank 0 writes; every rank calls it (sharded weights are gathered from all of them first)."""

@@ -154,6 +154,19 @@ def test_a_full_disk_at_the_second_checkpoint_is_one_line_and_the_first_resumes_
     same_metrics(metric_rows(straight), metric_rows(elsewhere))
 
 
+def test_a_final_save_the_disk_cannot_take_leaves_the_last_checkpoint_as_the_result(tmp_path):
+    with small_disk(tmp_path / "disk", 10) as disk:  # checkpoint-1 (about 9 MB) fits, final/ beside it does not
+        if disk is None:
+            pytest.skip("no tmpfs here (not root)")
+        out = disk / "run"
+        with pytest.raises(RunError) as raised:
+            train(out, 1)
+        assert str(raised.value) == (f"cannot write final in {out}: No space left on device (ENOSPC); the partial final "
+                                     f"was removed (the run's result is its last checkpoint, {out / 'checkpoint-1'})")
+        assert raised.value.exit_code == 1 and not (out / "final").exists()
+        assert verify_checkpoint(out / "checkpoint-1") is None
+
+
 def test_a_file_size_limit_is_one_line_naming_the_directory_and_the_cause(tmp_path):
     """The same fault without root: a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes the first checkpoint's
     write fail with EFBIG, as a quota does."""
@@ -186,3 +199,20 @@ def test_the_storage_cause_is_found_inside_torch_distributed_checkpoints_wrapper
     assert storage_cause(wrapped, tmp_path, 0) == "Read-only file system (EROFS)"
     assert storage_cause(RuntimeError("unexpected pos 704 vs 598"), tmp_path, 1 << 60).startswith("no space left on device")
     assert storage_cause(ValueError("a bug"), tmp_path, 0) is None  # not the storage's doing: the traceback stays
+
+
+def test_under_torchrun_every_rank_stops_with_the_storage_line(tmp_path):
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", f"train.output_dir={out}",
+                           "train.steps=1", "train.save_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                           "data.num_eval_prompts=4", "train.eval_every=0", "log.console=false"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("lmrl: error: ")]
+    assert sorted(lines) == [f"lmrl: error: rank {r}: cannot write checkpoint-1 in {out}: File too large (EFBIG); the "
+                             "partial checkpoint-1 was removed (there is no earlier checkpoint)" for r in (0, 1)], done.stderr
+    assert not checkpoints(out) and not list(out.glob(".tmp-*"))
