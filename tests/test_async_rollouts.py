@@ -90,9 +90,10 @@ def test_every_batch_is_exactly_k_steps_old(straight):
 
 
 def test_two_steps_ahead_lag_two_versions(tmp_path):
-    done = lmrl_train(tmp_path, *SMALL, "train.steps=4", "train.async_steps=2")
-    assert done.returncode == 0, done.stderr
-    rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    cfg = Config(rollout={"prompts_per_step": 8, "group_size": 4}, data={"num_eval_prompts": 8},
+                 train={"steps": 4, "eval_every": 0, "async_steps": 2, "output_dir": str(tmp_path)},
+                 log={"console": False, "samples_every": 0})
+    rows = Trainer(cfg).train().history  # in this process: the CLI's runs are tested above
     assert [r["async/policy_version"] for r in rows] == [0, 0, 0, 1]
     assert max(r["async/version_lag"] for r in rows) == 2
 
@@ -207,10 +208,11 @@ def test_ctrl_c_in_a_terminal_stops_both_processes_after_a_checkpoint(tmp_path):
 def test_a_multi_turn_lora_run_samples_with_the_merged_adapters(tmp_path):
     """The calculator task (episodes with a tool) on a LoRA policy: the generator process gets the base weights with
     the adapters merged, so its first batch is on-policy, and episodes run there as in a synchronous step."""
-    done = lmrl_train(tmp_path, *SMALL, "model.name_or_path=tiny-calculator", "train.steps=2", "train.async_steps=1",
-                      "rollout.prompts_per_step=4", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}")
-    assert done.returncode == 0, done.stderr
-    rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    cfg = Config(model={"name_or_path": "tiny-calculator", "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+                 rollout={"prompts_per_step": 4, "group_size": 4}, data={"num_eval_prompts": 8},
+                 train={"steps": 2, "eval_every": 0, "async_steps": 1, "output_dir": str(tmp_path)},
+                 log={"console": False, "samples_every": 0})
+    rows = Trainer(cfg).train().history
     assert abs(rows[0]["val/sampler_kl"]) < 1e-5
     assert all(r["env/turns"] >= 1 for r in rows)
 
