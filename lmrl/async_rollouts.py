@@ -137,9 +137,7 @@ class AsyncRollouts:
         if first > self.steps:
             self.close()
             return
-        with full_weights(self.units), torch.no_grad():  # a resumed run's weights
-            for name, tensor in export_weights(self.policy):
-                self.snapshot[name].copy_(tensor)
+        self._write_snapshot()  # a resumed run's weights
         self.channel.send(("start", step, first, rendezvous))
         self.channel.send(("weights", step))
 
@@ -189,13 +187,17 @@ class AsyncRollouts:
         try:
             while self.taken < self.published:  # the weights in shared memory are still to be read
                 self._receive(None)
-            with full_weights(self.units), torch.no_grad():
-                for name, tensor in export_weights(self.policy):
-                    self.snapshot[name].copy_(tensor)
+            self._write_snapshot()
             self.published = step
             self.channel.send(("weights", step))
         except (RunError, OSError) as e:  # raised by the next step's `batch`, which checkpoints this one first
             self.failed = e if isinstance(e, RunError) else self._died(None)
+
+    def _write_snapshot(self) -> None:
+        """The policy's current weights into the shared memory the generator process loads from."""
+        with full_weights(self.units), torch.no_grad():
+            for name, tensor in export_weights(self.policy):
+                self.snapshot[name].copy_(tensor)
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self, step: int) -> list[dict[str, Any]]:

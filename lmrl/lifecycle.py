@@ -204,9 +204,10 @@ class RunLifecycle:
         last = newest_checkpoint(self.out)
         needed = checkpoint_bytes(last) if last is not None else self._state_bytes()
         with contextlib.suppress(OSError):
-            if self.world.main and needed and shutil.disk_usage(self.out).free < needed and not self.warned_space:
+            free = shutil.disk_usage(self.out).free
+            if self.world.main and last is not None and free < needed and not self.warned_space:
                 self.warned_space = True
-                self.log.warn(f"train.output_dir: {self.out} has {shutil.disk_usage(self.out).free / 1e6:.1f} MB free and "
+                self.log.warn(f"train.output_dir: {self.out} has {free / 1e6:.1f} MB free and "
                               f"{last.name} took {needed / 1e6:.1f} MB: the next checkpoint may not fit")
         try:
             yield
