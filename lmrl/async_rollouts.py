@@ -92,7 +92,8 @@ class AsyncRollouts:
                  device: torch.device, world: World, warn):
         self.cfg, self.k, self.steps, self.world = cfg, cfg.train.async_steps, cfg.train.steps, world
         self.inputs, self.policy, self.units, self.tokenizer, self.warn = inputs, policy, units, tokenizer, warn
-        self.device = cfg.train.generator_device or str(device)
+        self.device = cfg.train.generator_device or str(device)  # the generator process's
+        self.trainer_device = device
         self.threads = async_threads(cfg)[1]
         self.ready: dict[int, dict[str, Any]] = {}  # batches received or restored, by step, until their step ends
         self.process, self.channel, self.snapshot = None, None, None
@@ -171,7 +172,7 @@ class AsyncRollouts:
                 raise RunError(f"the generator process was stopped before it sent the batch of step {step}")
             self._receive(step)
         waited = time.perf_counter() - start
-        c, version = _collected(self.ready[step])
+        c, version = _collected(self.ready[step], self.trainer_device)
         lag = float((step - 1) - version)  # one version per batch: every row is as old
         c.metrics |= {"time/wait_for_batch": waited, "async/version_lag": lag, "async/staleness_mean": lag,
                       "async/policy_version": float(version)}
@@ -277,9 +278,14 @@ def _state(c: Collected, step: int, version: int) -> dict[str, Any]:
     return out | {"step": step, "version": version}
 
 
-def _collected(state: dict[str, Any]) -> tuple[Collected, int]:
-    values = {f.name: state[f.name] for f in fields(Collected)}
-    values["rollout"] = Rollout(**state["rollout"])
+def _collected(state: dict[str, Any], device: torch.device) -> tuple[Collected, int]:
+    """A batch from `_state`, with its tensors on the trainer's `device` (the generator process's may differ)."""
+    def here(x):
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    values = {f.name: here(state[f.name]) for f in fields(Collected)}
+    values["rollout"] = Rollout(**{name: here(x) for name, x in state["rollout"].items()})
+    values["per_function"] = {name: here(x) for name, x in values["per_function"].items()}
     values["metrics"] = dict(values["metrics"])
     return Collected(**values), int(state["version"])
 

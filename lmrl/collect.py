@@ -207,6 +207,10 @@ class Collector:
             out.metrics[f"reward/{name}/sandbox_kills"] = float(count - kills[name])
         if episodes is not None:
             out.metrics.update(episodes.metrics)
+        # rewards are computed on the CPU; the step's arithmetic with them happens where the rollout is
+        device = rollout.lengths.device
+        out.scores = out.scores.to(device)
+        out.per_function = {name: v.to(device) for name, v in out.per_function.items()}
         return out
 
 

@@ -427,7 +427,7 @@ def _sequence_advantages(advantage: str, scores: torch.Tensor, group_size: int, 
 def _informative_fraction(scores: torch.Tensor, group_size: int, world: World) -> torch.Tensor:
     """The share of groups whose rewards are not all equal, over every rank's groups."""
     ok = A.informative_groups(scores, group_size, tol=0.0).double()
-    counts = world.sum(torch.stack([ok.sum(), torch.tensor(float(len(ok)), dtype=torch.float64)]))
+    counts = world.sum(torch.stack([ok.sum(), torch.tensor(float(len(ok)), dtype=torch.float64, device=ok.device)]))
     return counts[0] / counts[1].clamp(min=1)
 
 

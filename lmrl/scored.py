@@ -88,6 +88,7 @@ def experience_from_records(
     max_prompt_length: int = 4096,
     policy_logprobs: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     micro_batch_size: int = 64,
+    device: torch.device | str = "cpu",
 ) -> Experience:
     """Turn scored completions into an Experience (left-padded prompts, right-padded responses).
 
@@ -97,6 +98,7 @@ def experience_from_records(
         cfg: the algorithm section; its `advantage` picks the estimator (by group id).
         policy_logprobs: `fn(sequences, attention_mask, T) -> (logprobs, entropy)`, needed when a
             record has no `old_logprobs`.
+        device: where the Experience's tensors go (the policy's device).
     """
     if not records:
         raise ValueError("records: no scored completions")
@@ -141,22 +143,23 @@ def experience_from_records(
         mask[i, : len(c)] = torch.tensor(trainable[i], dtype=torch.bool)
         if records[i].get("old_logprobs") is not None:
             old[i, mask[i]] = torch.tensor(records[i]["old_logprobs"], dtype=torch.float32)
-    sequences = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, attention], dim=1)
+    sequences = torch.cat([prompt_ids, response_ids], dim=1).to(device)
+    attention_mask = torch.cat([prompt_mask, attention], dim=1).to(device)
+    mask, old = mask.to(device), old.to(device)
 
     if any(r.get("old_logprobs") is None for r in records):
         if policy_logprobs is None:
             raise ValueError("records: some rows have no old_logprobs; pass policy_logprobs to compute them")
         computed = torch.cat([o[0] for o in batched_forward(policy_logprobs, sequences, attention_mask, T,
                                                             micro_batch_size)]).float()
-        given = torch.tensor([r.get("old_logprobs") is not None for r in records])
+        given = torch.tensor([r.get("old_logprobs") is not None for r in records], device=device)
         old = torch.where(given[:, None], old, computed)
     old = torch.where(mask, old, torch.zeros(()))
 
     # dense group ids in order of first appearance
     index: dict[Any, int] = {}
-    groups = torch.tensor([index.setdefault(_hashable(r["group_id"]), len(index)) for r in records])
-    scores = torch.tensor([float(r["reward"]) for r in records])
+    groups = torch.tensor([index.setdefault(_hashable(r["group_id"]), len(index)) for r in records], device=device)
+    scores = torch.tensor([float(r["reward"]) for r in records], device=device)
     seq_adv = BY_GROUP_ID[cfg.advantage](scores, groups) if cfg.use_advantages else scores  # TapeAgents' knob
     advantages = torch.where(mask, seq_adv[:, None].expand(B, T), torch.zeros(()))
     if cfg.whiten_advantages:
@@ -166,7 +169,8 @@ def experience_from_records(
     return Experience(
         sequences=sequences, attention_mask=attention_mask, response_mask=mask, old_logprobs=old,
         advantages=advantages, scores=scores, group_index=groups,
-        info={"length": mask.sum(1), "finished": torch.tensor([bool(r.get("finished", True)) for r in records])},
+        info={"length": mask.sum(1),
+              "finished": torch.tensor([bool(r.get("finished", True)) for r in records], device=device)},
     )
 
 

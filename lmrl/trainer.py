@@ -72,7 +72,7 @@ class Trainer:
                         eval_dataset=eval_dataset, env=env)
         self.cfg = cfg = run.cfg
         self.world, self.env, self.data, self.models, self.units = run.world, run.env, run.data, run.models, run.units
-        self.policy, self.tokenizer = run.models.policy, run.models.tokenizer
+        self.policy, self.tokenizer, self.device = run.models.policy, run.models.tokenizer, run.device
         self.optimizer, self.scheduler = run.optimizer, run.scheduler
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         sampler = None if self.data.train_stream else PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
@@ -288,7 +288,7 @@ class Trainer:
         records = load_scored_rollouts(records) if isinstance(records, (str, Path)) else records
         exp = experience_from_records(records, self.tokenizer, self.cfg.algorithm, policy_logprobs=self.forwards.policy_logprobs,
                                       max_prompt_length=self.cfg.rollout.max_prompt_length,
-                                      micro_batch_size=self.cfg.optim.micro_batch_size)
+                                      micro_batch_size=self.cfg.optim.micro_batch_size, device=self.device)
         return self.update(exp)
 
     # ------------------------------------------------------------------------------ evaluate, save
@@ -303,8 +303,9 @@ class Trainer:
                 pass
         else:
             rollout, out = self.generate_and_score(rows, 1, temperature=0.0)
-            sums = torch.stack([out.scores.double().sum(), (out.scores > 0).double().sum(),
-                                rollout.lengths.double().sum(), torch.tensor(float(len(rows)), dtype=torch.float64)])
+            scores = out.scores.double().cpu()
+            sums = torch.tensor([scores.sum(), (scores > 0).sum(), rollout.lengths.double().sum().item(), len(rows)],
+                                dtype=torch.float64)
         reward, correct, length, n = self.world.sum(sums).tolist()
         if n == 0:
             raise DataError("evaluate: no held-out prompts (give eval_dataset, data.eval_path or a task, and "

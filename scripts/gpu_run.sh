@@ -4,22 +4,38 @@
 # (the device tool brings that folder back), else to gpu-out/.
 #   here:  python scripts/gpu_wheels.py
 #   there: bash scripts/gpu_run.sh            (the device tool's run, with carry=[".whl"])
+# Each part has a time limit (seconds; a device lease is short): GPU_SUITE_S, GPU_BENCH_S, GPU_GEN_S. The suite runs on
+# GPU_WORKERS pytest workers (default 8), each test at most 180 s; GPU_TESTS narrows it (default: tests), GPU_PARTS
+# chooses the parts (default: suite bench gen).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+# the wheels for every python3 the tests start, also those given a PYTHONPATH of their own
+echo /tmp/site > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/lmrl-gpu-wheels.pth" \
+    || echo "warning: the wheels are on PYTHONPATH only"
 nvidia-smi -L | tee "$out/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/suite.txt"
-suite=${PIPESTATUS[0]}
-python3 benchmarks/gpu_vs_trl.py 2>&1 | tee "$out/gpu_vs_trl.txt"
-bench=${PIPESTATUS[0]}
-# generation tokens/s of the backends (vLLM's column only where its CUDA build is installed)
-backends="lmrl hf"
-python3 -c "import vllm" 2>/dev/null && backends="lmrl vllm hf"
-python3 benchmarks/generation.py --preset shipped 30m 100m --backends $backends --repeats 3 2>&1 | tee "$out/generation.txt"
-gen=${PIPESTATUS[0]}
+limit() { timeout -s INT -k 20 "$@"; }  # SIGINT first: pytest and the benchmarks print what they have
+parts=" ${GPU_PARTS:-suite bench gen} "
+suite=0 bench=0 gen=0
+if [[ $parts == *" suite "* ]]; then
+    limit "${GPU_SUITE_S:-1800}" python3 -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-8}" --dist loadfile \
+        --timeout 180 -rfE ${GPU_TESTS:-tests} 2>&1 | tee "$out/suite.txt"
+    suite=${PIPESTATUS[0]}
+fi
+if [[ $parts == *" bench "* ]]; then
+    limit "${GPU_BENCH_S:-1200}" python3 benchmarks/gpu_vs_trl.py 2>&1 | tee "$out/gpu_vs_trl.txt"
+    bench=${PIPESTATUS[0]}
+fi
+if [[ $parts == *" gen "* ]]; then  # generation tokens/s of the backends (vLLM's column where its CUDA build is installed)
+    backends="lmrl hf"
+    python3 -c "import vllm" 2>/dev/null && backends="lmrl vllm hf"
+    limit "${GPU_GEN_S:-900}" python3 benchmarks/generation.py --preset shipped 30m 100m --backends $backends \
+        --repeats 3 2>&1 | tee "$out/generation.txt"
+    gen=${PIPESTATUS[0]}
+fi
 echo "suite exit $suite, benchmark exit $bench, generation exit $gen"
 exit $(( suite || bench || gen ))

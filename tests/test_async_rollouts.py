@@ -220,7 +220,8 @@ def test_a_multi_turn_lora_run_samples_with_the_merged_adapters(tmp_path):
 def test_a_forked_generator_takes_any_reward_function_a_spawned_one_says_what_it_cannot_take(tmp_path, monkeypatch):
     """Forked (Linux, CUDA unused), the generator process inherits a lambda; spawned (CUDA, other systems) it would
     have to unpickle it, and a run that cannot be given its inputs is refused in one line when the Trainer is built."""
-    cfg = Config(rollout={"prompts_per_step": 4, "group_size": 2}, data={"num_eval_prompts": 4},
+    monkeypatch.setenv("LMRL_START_METHOD", "fork")  # what a CPU run chooses on Linux, also on a GPU machine
+    cfg = Config(rollout={"prompts_per_step": 4, "group_size": 2}, data={"num_eval_prompts": 4}, model={"device": "cpu"},
                  train={"steps": 2, "async_steps": 1, "eval_every": 0, "output_dir": str(tmp_path / "fork")},
                  log={"console": False, "samples_every": 0})
     length = lambda prompts, completions, **kw: [float(len(c)) for c in completions]  # noqa: E731

@@ -82,7 +82,8 @@ def sapo_loss(
     batch = _prepare(logp, old_logp, advantages, mask, ref_logp, weights)
     adv = batch.advantages
     ratio = torch.exp(batch.log_ratio)
-    tau = torch.where(adv > 0, torch.tensor(tau_pos, dtype=ratio.dtype), torch.tensor(tau_neg, dtype=ratio.dtype))
+    tau = torch.where(adv > 0, torch.tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+                      torch.tensor(tau_neg, dtype=ratio.dtype, device=ratio.device))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -(4.0 / tau) * gate * adv
     loss, kl = _finish(per_token, batch, kl_coef, kl_estimator, kl_clamp, aggregation, norm_length, normalizer)

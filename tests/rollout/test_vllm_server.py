@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 
-import openai
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -30,6 +29,8 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):  # where ma
     pytest.skip("vLLM's CPU build is made for x86-64 Linux only", allow_module_level=True)
 if torch.cuda.is_available() and importlib.util.find_spec("vllm") is None:  # a GPU machine given lmrl's wheels only
     pytest.skip("vLLM's CUDA build is not installed on this GPU machine", allow_module_level=True)
+
+import openai  # noqa: E402 - vLLM brings it: after the skips above
 
 QUESTIONS = [f"What is {a} + {b}?" for a in range(6) for b in range(6)]
 

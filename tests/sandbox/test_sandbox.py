@@ -32,15 +32,25 @@ def sandbox() -> Sandbox:
         pytest.skip(f"no namespaces here: {e}")
 
 
+def _parent(pid: str) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+
+
 def _sandbox_processes() -> list[str]:
-    """Processes still running the sandbox's child script (none should outlive a run)."""
-    found = []
+    """Processes still running the sandbox's child script (none should outlive a run): this test process's, or
+    orphans (what escaped its run). Sandboxes of other pytest workers running beside this one are theirs."""
+    found, me = [], str(os.getpid())
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if b"_child.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"_child.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            ancestor = parent = _parent(pid)
+            while ancestor not in (me, "0", "1"):
+                ancestor = _parent(ancestor)
+            if ancestor == me or parent in ("0", "1"):
                 found.append(pid)
-        except OSError:
-            pass
+        except (OSError, IndexError):
+            pass  # gone meanwhile
     return found
 
 
