@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CPU_RANKS = {"CUDA_VISIBLE_DEVICES": ""}  # two ranks on the CPU with gloo, also on a machine with one GPU
 
 
 def run(launcher: list[str], out: Path, steps: int, threads: int, seed: int) -> float:
@@ -72,7 +73,7 @@ print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 
 def peak_rss_gb(command: list[str]) -> float:
     """The largest resident set (GB) of any process `command` starts, measured in a process of its own."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     out = subprocess.run([sys.executable, "-c", PEAK, *command], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1800)
     code, kb = out.stdout.split() if out.returncode == 0 else ("?", "0")

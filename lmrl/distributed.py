@@ -203,6 +203,10 @@ def init_world() -> World:
         return World()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     nccl = torch.cuda.is_available()
+    if nccl and local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"torchrun started {os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)} processes on this node, "
+                          f"which has {torch.cuda.device_count()} GPU(s): start one process per GPU (--nproc-per-node), "
+                          "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
     if not dist.is_initialized():
         if nccl:
             torch.cuda.set_device(local_rank)

@@ -64,9 +64,9 @@ class Experience:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                out[f.name] = v[index]
+                out[f.name] = v[index.to(v.device)]
             elif isinstance(v, dict):
-                out[f.name] = {k: t[index] for k, t in v.items()}
+                out[f.name] = {k: t[index.to(t.device)] for k, t in v.items()}
             else:
                 out[f.name] = v
         return Experience(**out)

@@ -103,7 +103,7 @@ class Updater:
                 rows = order[m * size:(m + 1) * size]
                 # the same minibatch with a prompt's rows adjacent, so micro-batches share prompts (the
                 # shared-prompt forward) as much as they can; the order inside a minibatch changes nothing else
-                rows = rows[torch.argsort(exp.group_index[rows], stable=True)]
+                rows = rows[torch.argsort(exp.group_index[rows], stable=True).cpu()]
                 for k, v in self.optimizer_step(exp.select(rows)).items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1

@@ -239,7 +239,8 @@ def test_two_ranks_each_with_a_generator_keep_dapos_groups_together(tmp_path):
     so DAPO's choice of informative groups spans every rank's share, as in a synchronous run."""
     done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", f"train.output_dir={tmp_path}",
                            *SMALL, "train.steps=3", "train.async_steps=1", "algorithm=dapo"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
     assert done.returncode == 0, done.stderr
     rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
     assert [r["async/policy_version"] for r in rows] == [0, 0, 1]

@@ -17,6 +17,7 @@ from lmrl.distributed import World, whiten_across_ranks
 from lmrl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+CPU_RANKS = {"CUDA_VISIBLE_DEVICES": ""}  # two ranks on the CPU with gloo, also on a machine with one GPU
 DRIVER = ROOT / "tests" / "dist_driver.py"
 # grpo: group statistics (local to a rank); rloo: KL in the reward against a reference model; ppo: a critic,
 # GAE and batch whitening; reinforce_pp: whitening across the batch of both ranks; GRPO with LoRA adapters and
@@ -30,7 +31,7 @@ ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpoi
 
 
 def _run(cmd: list[str], out: Path, batches: Path | None = None) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BATCHES": str(batches or "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS, "BATCHES": str(batches or "")}
     proc = subprocess.run([*cmd, str(DRIVER), str(out), *ALGORITHMS], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,7 +94,7 @@ def test_lmrl_train_under_torchrun_is_one_job(tmp_path):
     """Two ranks share each step's prompts and the evaluation's (no prompt on both), and one rank prints
     and writes: one output directory, one metrics row per step, one final model."""
     (tmp_path / "rec.py").write_text(RECORD)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmrl", "train",
          "train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=10",
@@ -120,7 +121,7 @@ SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_pr
 
 def _train(cwd: Path, launcher: list[str], *args: str) -> str:
     """stdout of an `lmrl train` that succeeded."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     proc = subprocess.run([*launcher, "-m", "lmrl.cli", "train", *SMALL, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,7 +172,7 @@ def fail_on_1(prompts, completions, **kw):
 
 def test_a_failure_on_one_rank_ends_every_rank_with_one_line_each(tmp_path):
     (tmp_path / "r.py").write_text(FAILING)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     proc = subprocess.run([*TORCHRUN, "-m", "lmrl.cli", "train", *SMALL, "train.steps=2", "train.save_every=0",
                            "data.num_eval_prompts=0", "reward.functions=[r.py:fail_on_1]"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # no hang
@@ -183,7 +184,7 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_line_each(tmp_path):
 
 
 def test_lmrl_train_nproc_starts_torchrun(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     proc = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", *SMALL, "train.steps=1",
                            "train.save_every=0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -285,7 +286,7 @@ def test_a_signal_to_torchrun_stops_every_rank_after_one_checkpoint(tmp_path):
     """torchrun passes SIGTERM to every rank; the ranks finish the step, agree to stop, checkpoint it together
     and exit 143 with rank 0's one line. Resumed, the run ends as the run that was never stopped."""
     (tmp_path / "r.py").write_text(STOP_ONCE)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     args = ["train.steps=3", "train.save_every=0", "data.num_eval_prompts=0", "reward.functions=[r.py:stop_once]"]
     stopped = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", *SMALL, *args], cwd=tmp_path,
                              env=env, capture_output=True, text=True, timeout=300)

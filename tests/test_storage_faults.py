@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import resource
 import shutil
 import signal
@@ -178,7 +179,8 @@ def test_a_file_size_limit_is_one_line_naming_the_directory_and_the_cause(tmp_pa
     done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={out}", "train.steps=1",
                            "train.save_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
                            "data.num_eval_prompts=4", "train.eval_every=0", "log.console=false"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last == (f"lmrl: error: cannot write checkpoint-1 in {out}: File too large (EFBIG); the partial checkpoint-1 "

@@ -163,7 +163,7 @@ def test_experience_info_carries_per_reward_scores(tmp_path):
     c = trainer.collect(1)
     per = c.per_function["reward/digit_share"]
     assert per.shape == c.scores.shape
-    torch.testing.assert_close(per, torch.tensor(digit_share(None, c.rollout.texts, ["digits"] * len(c.rollout.texts)), dtype=torch.float64))
+    torch.testing.assert_close(per.cpu(), torch.tensor(digit_share(None, c.rollout.texts, ["digits"] * len(c.rollout.texts)), dtype=torch.float64))
 
 
 def test_same_seed_same_run(tmp_path):
@@ -225,7 +225,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_once_naming_the_fields(tmp_path
     import lmrl.build
 
     monkeypatch.setattr(lmrl.build, "cpu_has_fast_bf16", lambda: fast)
-    cfg = load_config(None, ["train.autocast_bf16=true", "rollout.dtype=bfloat16"])
+    cfg = load_config(None, ["train.autocast_bf16=true", "rollout.dtype=bfloat16", "model.device=cpu"])
     note = lmrl.build.slow_bf16_warning(cfg)
     assert (note is None) == fast
     if not fast:
