@@ -5,12 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lmrl-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint docs docs-serve bench clean
 
 $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_vllm.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	bash scripts/install_torch.sh $(PY)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,docs]'
 	bash scripts/install_vllm.sh $(PY)
 	touch $(STAMP)
 
@@ -24,8 +24,14 @@ test: setup
 	$(PY) -m ruff check lmrl tests benchmarks scripts
 	$(PY) -m pytest -q -n auto --dist loadfile
 
+docs: setup  # the site into site/, offline; strict: a warning (a broken link, a bad docstring) fails the build
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: setup  # the site at http://127.0.0.1:8000, rebuilt on every change
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
 lint: setup
 	$(PY) -m ruff check lmrl tests benchmarks scripts
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -93,16 +93,6 @@ def test_the_top_level_names_import_without_torch_until_trainer():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_the_readme_python_example_runs_as_written_from_any_directory(tmp_path):
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = readme.split("## From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=300, capture_output=True)
-    assert (tmp_path / "runs" / "python" / "final" / "model.safetensors").is_file()
-    assert (tmp_path / "runs" / "python" / "metrics.jsonl").read_text().count("\n") == 20
-
-
 @pytest.mark.parametrize("values, says", [
     ({"log": {"tensorboard": True}}, "log.tensorboard: needs the tensorboard package, which is not installed: "
                                      "pip install 'lmrl[tensorboard]'"),

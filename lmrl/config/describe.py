@@ -42,34 +42,50 @@ def config_summary(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def describe_fields() -> str:
-    """Every field (nested ones too: `model.lora.r`) with its default, its allowed values and its docstring,
-    then what each preset changes: for `lmrl train --help-config`."""
-    lines: list[str] = []
+def field_rows() -> list[tuple[str, Any, list[Any], str]]:
+    """(key, default, allowed values, docstring) of every field, nested ones after their parent (`model.lora.r`),
+    in the schema's order: what `--help-config` and the documentation's config reference both print."""
+    rows: list[tuple[str, Any, list[Any], str]] = []
 
     def section(model: type[BaseModel], prefix: str) -> None:
         for name, f in model.model_fields.items():
             key = f"{prefix}.{name}"
+            rows.append((key, f.default, _choices(f.annotation), f.description or ""))
             nested = section_type(f.annotation)
-            choices = _choices(f.annotation)
-            lines.append(f"  {key} = {f.default!r}" + (f"   (one of: {', '.join(map(str, choices))})" if choices else ""))
-            if f.description:
-                lines.extend(f"      {line.strip()}" for line in f.description.splitlines())
             if nested is not None:
                 section(nested, key)
 
     for name, f in Config.model_fields.items():
-        lines.append(f"{name}:")
         section(f.annotation, name)
-    lines.append("presets (algorithm.name=NAME fills these fields unless you set them):")
+    return rows
+
+
+def preset_lines() -> list[str]:
+    """What each preset sets: `NAME: field=value, ...` for the algorithms, then the shipped models'."""
+    lines = []
     for name, preset in ALGORITHM_PRESETS.items():
         changed = {k: v for k, v in preset.items() if AlgorithmConfig.model_fields[k].default != v}
         extra = [f"reward.{k}={f:g} x rollout.max_new_tokens" for k, f in REWARD_PRESETS.get(name, {}).items()]
-        lines.append(f"  {name}: " + (", ".join([*(f"{k}={v}" for k, v in changed.items()), *extra]) or "the defaults"))
+        lines.append(f"{name}: " + (", ".join([*(f"{k}={v}" for k, v in changed.items()), *extra]) or "the defaults"))
     for model, sections in MODEL_PRESETS.items():
         fields = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, values in sections.items()
                   for k, v in values.items()]
-        lines.append(f"  model.name_or_path={model}: {', '.join(fields)}")
+        lines.append(f"model.name_or_path={model}: {', '.join(fields)}")
+    return lines
+
+
+def describe_fields() -> str:
+    """Every field (nested ones too: `model.lora.r`) with its default, its allowed values and its docstring,
+    then what each preset changes: for `lmrl train --help-config`."""
+    lines: list[str] = []
+    for key, default, choices, doc in field_rows():
+        section = key.split(".")[0]
+        if f"{section}:" not in lines:
+            lines.append(f"{section}:")
+        lines.append(f"  {key} = {default!r}" + (f"   (one of: {', '.join(map(str, choices))})" if choices else ""))
+        lines.extend(f"      {line.strip()}" for line in doc.splitlines())
+    lines.append("presets (algorithm.name=NAME fills these fields unless you set them):")
+    lines.extend(f"  {line}" for line in preset_lines())
     return "\n".join(lines)
 
 

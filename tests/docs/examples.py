@@ -40,6 +40,7 @@ SKIP_REASONS = {"gpu": "needs a GPU", "network": "needs the network", "minutes":
 # a documented run, made small: BUDGET's keys at most these values, SHAPE's where the run does not set them
 BUDGET = {"train.steps": 2, "data.num_eval_prompts": 4}
 SHAPE = {"rollout.prompts_per_step": 4, "rollout.group_size": 2, "train.eval_every": 0}
+EVAL_PROMPTS = 8
 # commands of bash blocks that are not run here, and why (each names what runs it instead)
 NOT_RUN = [
     (r"^make (demo|test|setup)\b", "sets up .venv and runs the demo or the suite: CI runs `make test` on a clean clone"),
@@ -129,7 +130,8 @@ _DIRECTIVE = re.compile(r"<!--\s*docs:\s*(\w+)\s*(.*?)\s*-->")
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """README.md and docs/*.md (not the hidden pages a test writes there for a while)."""
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if not p.name.startswith("."))]
 
 
 def parse(path: Path) -> Page:
@@ -209,13 +211,25 @@ def not_run(command: str) -> str | None:
     return None
 
 
+def _subcommand(words: list[str]) -> str | None:
+    for i, word in enumerate(words[:-1]):
+        if word == "lmrl" or (word == "-m" and words[i + 1] == "lmrl"):
+            rest = words[i + 1:] if word == "lmrl" else words[i + 2:]
+            return rest[0] if rest else None
+    return None
+
+
 def tiny(command: str) -> str:
     """`lmrl train ...` (or `python -m lmrl train ...`) made small: BUDGET's keys at most their values, SHAPE's
-    where the command does not set them (appended overrides win over the command's own and its YAML's)."""
+    where the command does not set them (appended overrides win over the command's own and its YAML's);
+    `lmrl eval` on EVAL_PROMPTS prompts unless it says how many."""
     words = shlex.split(command)
-    at = next((i for i in range(len(words) - 1) if words[i:i + 2] == ["lmrl", "train"]
-               or words[i:i + 3] == ["-m", "lmrl", "train"]), None)
-    if at is None or any(w in ("--help-config", "--help", "-h", "--dry-run") for w in words):
+    sub = _subcommand(words)
+    if any(w in ("--help-config", "--help", "-h", "--dry-run") for w in words):
+        return command
+    if sub == "eval":
+        return command if "--num-prompts" in words else f"{command} --num-prompts {EVAL_PROMPTS}"
+    if sub != "train":
         return command
     given = dict(w.split("=", 1) for w in words if "=" in w)
     small = {k: min(v, int(given[k])) if given.get(k, "").isdigit() else v for k, v in BUDGET.items()}
