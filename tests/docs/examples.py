@@ -27,9 +27,12 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +41,7 @@ LANGUAGES = {"bash", "console", "python", "pycon", "yaml", "json", "text"}
 SKIP_REASONS = {"gpu": "needs a GPU", "network": "needs the network", "minutes": "takes minutes",
                 "server": "a server that runs until stopped", "nodes": "needs several machines"}
 # a documented run, made small: BUDGET's keys at most these values, SHAPE's where the run does not set them
-BUDGET = {"train.steps": 2, "data.num_eval_prompts": 4}
+BUDGET = {"train.steps": 2, "data.num_eval_prompts": 4, "rollout.max_new_tokens": 32}
 SHAPE = {"rollout.prompts_per_step": 4, "rollout.group_size": 2, "train.eval_every": 0}
 EVAL_PROMPTS = 8
 # commands of bash blocks that are not run here, and why (each names what runs it instead)
@@ -247,9 +250,62 @@ def environment() -> dict[str, str]:
 
 def shell(command: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     """`command` as bash runs it in `cwd`: `lmrl` and `python` resolve through PATH (the checkout's .venv first,
-    else this interpreter's folder)."""
+    else this interpreter's folder). A plain `lmrl ...` (no shell syntax) runs in a process forked from this one,
+    which has imported lmrl already: the same `lmrl.cli.main`, its own process, cwd, environment, output and exit
+    code, without the interpreter's 3 s of start-up (a page runs dozens)."""
+    words = shlex.split(command) if not re.search(r"[|&;<>$`(){}*?~]", command) else []
+    if words[:1] == ["lmrl"]:
+        from lmrl.cli import main
+
+        return forked(lambda: main(words[1:]), cwd, timeout, command)
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=environment(), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def forked(run, cwd: Path, timeout: float, what: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """`run()` in a child process forked from this one (in `cwd`, with `environment()`, stdin `stdin`, stdout and
+    stderr captured); its return value is the exit code. Like subprocess.run, but the child starts with this
+    process's imports."""
+    import lmrl.build  # noqa: F401 - torch and transformers, imported once here rather than in every child
+    import lmrl.cli  # noqa: F401
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
+        inp.write(stdin.encode())
+        inp.seek(0)
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.chdir(cwd)
+                os.environ.clear()
+                os.environ.update(environment())
+                for fd, f in ((0, inp), (1, out), (2, err)):
+                    os.dup2(f.fileno(), fd)
+                sys.stdin = open(0, closefd=False)  # noqa: SIM115
+                sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
+                sys.argv = ["lmrl"]
+                code = run() or 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:  # noqa: BLE001 - reported like an uncaught exception
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(what, timeout)
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(what, os.waitstatus_to_exitcode(done[1]), out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
 
 
 def make_given(names: list[str], cwd: Path, where: str) -> None:
@@ -300,10 +356,21 @@ def run_page(path: Path, cwd: Path) -> dict[str, int]:
     return counts
 
 
+def _as_main(source: str, name: str) -> int:
+    """Run `source` as the program's `__main__` module (in a forked child: `forked`)."""
+    import types
+
+    module = types.ModuleType("__main__")
+    module.__file__ = name
+    sys.modules["__main__"] = module
+    sys.path.insert(0, "")
+    exec(compile(source, name, "exec"), module.__dict__)
+    return 0
+
+
 def _python(block: Block, script: str, cwd: Path) -> None:
     source = PYTHON_PRELUDE.format(budget=BUDGET, shape=SHAPE) + script
-    done = subprocess.run([sys.executable, "-c", source], cwd=cwd, env=environment(), capture_output=True, text=True,
-                          timeout=240)
+    done = forked(lambda: _as_main(source, block.where), cwd, 240, block.where)
     if done.returncode != 0:
         raise DocError(f"{block.where}: the python block failed:\n{done.stderr[-2000:]}")
 
@@ -318,8 +385,9 @@ sys.exit(1 if runner.failures else 0)
 
 
 def _doctest(block: Block, cwd: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", DOCTEST, block.where], input=block.text, cwd=cwd, env=environment(),
-                          capture_output=True, text=True, timeout=240)
+    sys_argv = ["doctest", block.where]
+    done = forked(lambda: (setattr(sys, "argv", sys_argv), _as_main(DOCTEST, "<doctest>"))[1], cwd, 240, block.where,
+                  stdin=block.text)
     if done.returncode != 0:
         raise DocError(f"{block.where}: the session does not print what the page shows:\n{done.stdout[-2500:]}"
                        f"{done.stderr[-1000:]}")
