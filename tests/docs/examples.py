@@ -47,6 +47,7 @@ EVAL_PROMPTS = 8
 # commands of bash blocks that are not run here, and why (each names what runs it instead)
 NOT_RUN = [
     (r"^make (demo|test|setup)\b", "sets up .venv and runs the demo or the suite: CI runs `make test` on a clean clone"),
+    (r"^make docs", "builds the site: tests/docs/test_site.py builds it (strict) and opens it in Chromium"),
     (r"^(python3? -m )?pip (install|download)\b", "needs the package index"),
     (r"^lmrl serve\b", "a server that runs until stopped: tests/rollout/test_vllm_server.py starts one"),
     (r"rollout\.backend=vllm", "starts a vLLM engine, minutes on a CPU: tests/rollout/test_vllm_engine.py"),
