@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.forked import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 LANGUAGES = {"bash", "console", "python", "pycon", "yaml", "json", "text"}
@@ -196,14 +196,16 @@ def commands(text: str) -> list[tuple[int, str]]:
 
 
 def _strip_comment(command: str) -> str:
-    """The command without a trailing `# comment` (quotes respected)."""
-    lexer = shlex.shlex(command, posix=True, punctuation_chars=False)
-    lexer.whitespace_split, lexer.commenters = True, "#"
-    try:
-        words = list(lexer)
-    except ValueError:
-        return command
-    return shlex.join(words) if words else ""
+    """The command without a trailing `# comment` (a `#` after a space, outside quotes)."""
+    quote = None
+    for i, ch in enumerate(command):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or command[i - 1].isspace()):
+            return command[:i].rstrip()
+    return command.rstrip()
 
 
 def not_run(command: str) -> str | None:
@@ -255,97 +257,9 @@ def shell(command: str, cwd: Path, timeout: float = 240) -> subprocess.Completed
     code, without the interpreter's 3 s of start-up (a page runs dozens)."""
     words = shlex.split(command) if not re.search(r"[|&;<>$`(){}*?~]", command) else []
     if words[:1] == ["lmrl"]:
-        return forked("cli", words[1:], cwd, timeout, command)
+        return forked("cli", words[1:], cwd, timeout, command, environment())
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=environment(), capture_output=True, text=True,
                           timeout=timeout)
-
-
-# A process that has imported lmrl and run nothing: each command of a page is a child forked from it. (Not from
-# the test's own process: after other tests ran torch there, a forked child can crash in torch's thread pool.)
-ZYGOTE = r"""
-import os, pickle, signal, sys, time, types
-import lmrl.build, lmrl.cli  # torch and transformers: imported once, shared by every child
-
-def as_main(source, name):
-    module = types.ModuleType("__main__")
-    module.__file__ = name
-    sys.modules["__main__"] = module
-    sys.path.insert(0, "")
-    exec(compile(source, name, "exec"), module.__dict__)
-    return 0
-
-def child(kind, payload, cwd, env, files):
-    code = 1
-    try:
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        for fd, path in enumerate(files):
-            f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY)
-            os.dup2(f, fd)
-            os.close(f)
-        sys.stdin, sys.stdout, sys.stderr = (open(0, closefd=False), open(1, "w", closefd=False),
-                                             open(2, "w", closefd=False))
-        if kind == "cli":
-            sys.argv = ["lmrl", *payload]
-            code = lmrl.cli.main(payload) or 0
-        else:
-            sys.argv = [payload[1], *payload[2:]]
-            code = as_main(payload[0], payload[1])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-requests, replies = os.fdopen(0, "rb"), os.fdopen(1, "wb")
-while True:
-    try:
-        kind, payload, cwd, env, files, timeout = pickle.load(requests)
-    except EOFError:
-        break
-    pid = os.fork()
-    if pid == 0:
-        child(kind, payload, cwd, env, files)
-    deadline = time.monotonic() + timeout
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if done[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        code = None
-    else:
-        code = os.waitstatus_to_exitcode(done[1])
-    pickle.dump(code, replies)
-    replies.flush()
-"""
-_zygote: subprocess.Popen | None = None
-
-
-def forked(kind: str, payload, cwd: Path, timeout: float, what: str, stdin: str = "") -> subprocess.CompletedProcess:
-    """A child forked from the zygote (ZYGOTE): `kind` "cli" runs `lmrl.cli.main(payload)`, "main" runs the
-    source `payload[0]` as `__main__` (named `payload[1]`, argv `payload[1:]`); in `cwd`, with `environment()`,
-    stdin `stdin`, stdout and stderr captured. Like subprocess.run, without the interpreter's start-up."""
-    global _zygote
-    if _zygote is None or _zygote.poll() is not None:
-        _zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   env=environment())
-    with tempfile.TemporaryDirectory() as io_dir:
-        files = [Path(io_dir) / name for name in ("in", "out", "err")]
-        files[0].write_text(stdin)
-        files[1].touch()
-        files[2].touch()
-        pickle.dump((kind, payload, str(cwd), environment(), [str(f) for f in files], timeout), _zygote.stdin)
-        _zygote.stdin.flush()
-        code = pickle.load(_zygote.stdout)
-        if code is None:
-            raise subprocess.TimeoutExpired(what, timeout)
-        return subprocess.CompletedProcess(what, code, files[1].read_text(errors="replace"),
-                                           files[2].read_text(errors="replace"))
 
 
 def make_given(names: list[str], cwd: Path, where: str) -> None:
@@ -398,7 +312,7 @@ def run_page(path: Path, cwd: Path) -> dict[str, int]:
 
 def _python(block: Block, script: str, cwd: Path) -> None:
     source = PYTHON_PRELUDE.format(budget=BUDGET, shape=SHAPE) + script
-    done = forked("main", [source, block.where], cwd, 240, block.where)
+    done = forked("main", [source, block.where], cwd, 240, block.where, environment())
     if done.returncode != 0:
         raise DocError(f"{block.where}: the python block failed:\n{done.stderr[-2000:]}")
 
@@ -413,7 +327,7 @@ sys.exit(1 if runner.failures else 0)
 
 
 def _doctest(block: Block, cwd: Path) -> None:
-    done = forked("main", [DOCTEST, "<doctest>", block.where], cwd, 240, block.where, stdin=block.text)
+    done = forked("main", [DOCTEST, "<doctest>", block.where], cwd, 240, block.where, environment(), stdin=block.text)
     if done.returncode != 0:
         raise DocError(f"{block.where}: the session does not print what the page shows:\n{done.stdout[-2500:]}"
                        f"{done.stderr[-1000:]}")

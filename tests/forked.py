@@ -1,0 +1,103 @@
+"""Commands run as children forked from a zygote: a process that has imported lmrl (torch, transformers) and run
+nothing else. Each child is a real process (its own cwd, environment, output, exit code, signals) running the
+same code as `lmrl ...` or `python script.py`, without the interpreter's 3 s of start-up: the documentation's
+pages and the bad-inputs table run hundreds of commands."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A process that has imported lmrl and run nothing: each command of a page is a child forked from it. (Not from
+# the test's own process: after other tests ran torch there, a forked child can crash in torch's thread pool.)
+ZYGOTE = r"""
+import os, pickle, signal, sys, time, types
+import lmrl.build, lmrl.cli  # torch and transformers: imported once, shared by every child
+
+def as_main(source, name):
+    module = types.ModuleType("__main__")
+    module.__file__ = name
+    sys.modules["__main__"] = module
+    sys.path.insert(0, "")
+    exec(compile(source, name, "exec"), module.__dict__)
+    return 0
+
+def child(kind, payload, cwd, env, files):
+    code = 1
+    try:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        for fd, path in enumerate(files):
+            f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.stdin, sys.stdout, sys.stderr = (open(0, closefd=False), open(1, "w", closefd=False),
+                                             open(2, "w", closefd=False))
+        if kind == "cli":
+            sys.argv = ["lmrl", *payload]
+            code = lmrl.cli.main(payload) or 0
+        else:
+            sys.argv = [payload[1], *payload[2:]]
+            code = as_main(payload[0], payload[1])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+requests, replies = os.fdopen(0, "rb"), os.fdopen(1, "wb")
+while True:
+    try:
+        kind, payload, cwd, env, files, timeout = pickle.load(requests)
+    except EOFError:
+        break
+    pid = os.fork()
+    if pid == 0:
+        child(kind, payload, cwd, env, files)
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        code = None
+    else:
+        code = os.waitstatus_to_exitcode(done[1])
+    pickle.dump(code, replies)
+    replies.flush()
+"""
+_local = threading.local()  # a zygote per thread: threads of a test run children side by side
+
+
+def forked(kind: str, payload, cwd: Path, timeout: float, what: str, env: dict[str, str],
+           stdin: str = "") -> subprocess.CompletedProcess:
+    """A child forked from the zygote (ZYGOTE): `kind` "cli" runs `lmrl.cli.main(payload)`, "main" runs the
+    source `payload[0]` as `__main__` (named `payload[1]`, argv `payload[1:]`); in `cwd`, with the environment
+    `env`, stdin `stdin`, stdout and stderr captured. Like subprocess.run, without the interpreter's start-up."""
+    zygote = getattr(_local, "zygote", None)
+    if zygote is None or zygote.poll() is not None:
+        zygote = _local.zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
+    with tempfile.TemporaryDirectory() as io_dir:
+        files = [Path(io_dir) / name for name in ("in", "out", "err")]
+        files[0].write_text(stdin)
+        files[1].touch()
+        files[2].touch()
+        pickle.dump((kind, payload, str(cwd), env, [str(f) for f in files], timeout), zygote.stdin)
+        zygote.stdin.flush()
+        code = pickle.load(zygote.stdout)
+        if code is None:
+            raise subprocess.TimeoutExpired(what, timeout)
+        return subprocess.CompletedProcess(what, code, files[1].read_text(errors="replace"),
+                                           files[2].read_text(errors="replace"))
