@@ -329,7 +329,7 @@ class LogConfig(Section):
     console: bool = True
     """Live console: progress with ETA and a metrics line per step."""
     jsonl: bool = True
-    """Write metrics.jsonl in the output directory."""
+    """Write metrics.jsonl, samples.jsonl and, at the end, report.html in the output directory (false: none of them)."""
     tensorboard: bool = False
     """Write TensorBoard events (needs `pip install lmrl[tensorboard]`)."""
     wandb: bool = False
