@@ -60,13 +60,19 @@ class Experience:
 
     def select(self, index: torch.Tensor) -> Experience:
         """The rows `index` of every tensor (minibatches, micro-batches)."""
-        out = {}
+        out, on = {}, {}  # on: the index on each device that holds a tensor, moved there once
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            if t.device not in on:
+                on[t.device] = index.to(t.device)
+            return t[on[t.device]]
+
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                out[f.name] = v[index.to(v.device)]
+                out[f.name] = rows(v)
             elif isinstance(v, dict):
-                out[f.name] = {k: t[index.to(t.device)] for k, t in v.items()}
+                out[f.name] = {k: rows(t) for k, t in v.items()}
             else:
                 out[f.name] = v
         return Experience(**out)

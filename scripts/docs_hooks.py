@@ -41,7 +41,7 @@ def readme_page() -> str:
         label, target = m.group(1), m.group(2)
         if re.match(r"https?://|#|[\w.-]+\.(md|png)(#|$)", target):
             return m.group(0)
-        return label if label.startswith("`") else f"`{label}`" if label == target else label
+        return f"`{label}`" if label == target else label  # [examples/x.yaml](examples/x.yaml) -> `examples/x.yaml`
 
     return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", link, text)
 

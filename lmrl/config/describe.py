@@ -78,9 +78,10 @@ def describe_fields() -> str:
     """Every field (nested ones too: `model.lora.r`) with its default, its allowed values and its docstring,
     then what each preset changes: for `lmrl train --help-config`."""
     lines: list[str] = []
+    section = None
     for key, default, choices, doc in field_rows():
-        section = key.split(".")[0]
-        if f"{section}:" not in lines:
+        if key.split(".")[0] != section:
+            section = key.split(".")[0]
             lines.append(f"{section}:")
         lines.append(f"  {key} = {default!r}" + (f"   (one of: {', '.join(map(str, choices))})" if choices else ""))
         lines.extend(f"      {line.strip()}" for line in doc.splitlines())
