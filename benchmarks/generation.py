@@ -5,6 +5,7 @@
     python benchmarks/generation.py --preset 100m       # a couple of minutes
     python benchmarks/generation.py --preset shipped 30m --backends hf lmrl vllm   # the vLLM table (docs/generation.md)
     python benchmarks/generation.py --preset tiny --prompts 50 --n 4 --max-new-tokens 32 --repeats 5
+    python benchmarks/generation.py --threads 1 2 --record   # the table in docs/performance.md
 
 Presets (random weights built from a config, or the model lmrl ships; nothing is downloaded):
     tiny     Llama, hidden 64, 2 layers, char tokenizer (vocab ~97); 100 prompts x n=8, 64 new tokens
@@ -153,6 +154,11 @@ def vllm_engine(s: Setup, eos: bool, max_len: int):
     return engine
 
 
+LABELS = {"tiny": "tiny Llama (hidden 64, 2 layers)", "shipped": "the shipped model (~0.5M parameters)",
+          "30m": "~41M Llama (hidden 512, 8 layers, V 32k)", "100m": "~110M Llama (hidden 768, 12 layers, V 32k)"}
+HEADERS = {"hf": "`model.generate` tok/s", "lmrl": "lmrl tok/s", "vllm": "vLLM tok/s"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -165,18 +171,20 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="default: preset's")
     parser.add_argument("--modes", nargs="+", choices=["eos", "no-eos"], default=["eos", "no-eos"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch threads; several: one run each")
+    parser.add_argument("--record", nargs="?", const="generation", metavar="NAME",
+                        help="write the table to benchmarks/results/NAME.MACHINE.json (default NAME: generation)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     presets = ["tiny", "100m"] if args.preset == ["both"] else [p for p in args.preset if p != "both"]
 
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {device}")
+    print(f"torch {torch.__version__}, threads {args.threads}, {device}")
     first = args.backends[0]
-    header = f"{'model':<8} {'mode':<7} {'rows':>5} {'new':>4} " + " ".join(
+    header = f"{'model':<8} {'thr':>3} {'mode':<7} {'rows':>5} {'new':>4} " + " ".join(
         f"{b + ' tok/s':>11} {'x ' + first:>8}" if b != first else f"{b + ' tok/s':>11}" for b in args.backends)
     print(header)
     print("-" * len(header))
+    rows = []
     for preset in presets:
         cfg = dict(PRESETS[preset])
         for key in ("prompts", "n", "max_new_tokens"):
@@ -184,30 +192,52 @@ def main() -> None:
                 cfg[key] = getattr(args, key)
         s = build(preset)
         prompts = make_prompts(cfg["prompts"], s.vocab)
-        n, max_new = cfg["n"], cfg["max_new_tokens"]
-        for mode in args.modes:
-            eos = mode == "eos"
-            gen = HFGenerator(s.model, s.tokenizer, eos_token_id=[s.eos_id] if eos else [], seed=0)
-            runs = {"hf": lambda eos=eos: _hf(s, prompts, n, max_new, eos),  # noqa: B023
-                    "lmrl": lambda gen=gen: run_lmrl(gen, prompts, n, max_new)}  # noqa: B023
-            backends = list(args.backends)
-            if "vllm" in backends:  # one at a time: vLLM runs one engine per process
-                try:
-                    engine = vllm_engine(s, eos, max(len(p) for p in prompts) + max_new)
-                    runs["vllm"] = lambda engine=engine: run_lmrl(engine, prompts, n, max_new)  # noqa: B023
-                except Exception as e:  # noqa: BLE001 - e.g. a head size the CPU build has no kernel for
-                    print(f"{preset}: no vllm ({e})")
-                    backends.remove("vllm")
-            torch.manual_seed(0)
-            for b in backends:  # warm-up
-                {"hf": lambda: run_hf(s, prompts[:2], 2, 4, eos), "lmrl": lambda: run_lmrl(gen, prompts[:2], 2, 4),  # noqa: B023
-                 "vllm": lambda: runs["vllm"]()}[b]()  # noqa: B023
-            best = dict(zip(backends, best_of_alternating([runs[b] for b in backends], args.repeats)))
-            rates = [best[b][1] / best[b][0] if b in best else float("nan") for b in args.backends]
-            cells = [f"{rate:>11.0f}" + (f" {rate / rates[0]:>7.2f}x" if i else "") for i, rate in enumerate(rates)]
-            print(f"{preset:<8} {mode:<7} {len(prompts) * n:>5} {max_new:>4} " + " ".join(cells))
-            if "vllm" in backends:
-                engine.close()
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for mode in args.modes:
+                rates = time_backends(s, prompts, cfg["n"], cfg["max_new_tokens"], mode, args.backends, args.repeats)
+                cells = [f"{rate:>11.0f}" + (f" {rate / rates[first]:>7.2f}x" if b != first else "")
+                         for b, rate in rates.items()]
+                print(f"{preset:<8} {threads:>3} {mode:<7} {len(prompts) * cfg['n']:>5} {cfg['max_new_tokens']:>4} "
+                      + " ".join(cells), flush=True)
+                rows.append({"model": f"{LABELS[preset]}, {len(prompts)} prompts x {cfg['n']}, "
+                                      f"{cfg['max_new_tokens']} new tokens", "threads": threads, "mode": mode,
+                             **{b: round(rate) for b, rate in rates.items()},
+                             **{f"x_{b}": round(rate / rates[first], 2) for b, rate in rates.items() if b != first}})
+    if args.record:
+        from recording import Column, record
+
+        columns = [Column("model", merge=True), Column("threads", merge=True), Column("mode")]
+        for b in args.backends:
+            columns.append(Column(b, HEADERS[b], "{:.0f}"))
+            if b != first:
+                columns.append(Column(f"x_{b}", f"{b} / {first}", "{:.2f}x"))
+        record(args.record, columns, rows, note=f"Tokens/s of real generated tokens, best of {args.repeats} "
+               "interleaved runs; `eos`: completions may end early, `no-eos`: all run to the limit.")
+
+
+def time_backends(s: Setup, prompts, n: int, max_new: int, mode: str, backends: list[str],
+                  repeats: int) -> dict[str, float]:
+    """Tokens/s of each backend on the same prompts, best of `repeats` interleaved runs (nan: no engine)."""
+    eos = mode == "eos"
+    gen = HFGenerator(s.model, s.tokenizer, eos_token_id=[s.eos_id] if eos else [], seed=0)
+    runs = {"hf": lambda: _hf(s, prompts, n, max_new, eos), "lmrl": lambda: run_lmrl(gen, prompts, n, max_new)}
+    warm = {"hf": lambda: run_hf(s, prompts[:2], 2, 4, eos), "lmrl": lambda: run_lmrl(gen, prompts[:2], 2, 4)}
+    engine = None
+    if "vllm" in backends:  # one at a time: vLLM runs one engine per process
+        try:
+            engine = vllm_engine(s, eos, max(len(p) for p in prompts) + max_new)
+            runs["vllm"] = warm["vllm"] = lambda: run_lmrl(engine, prompts, n, max_new)
+        except Exception as e:  # noqa: BLE001 - e.g. a head size the CPU build has no kernel for
+            print(f"no vllm ({e})")
+    timed = [b for b in backends if b in runs]
+    torch.manual_seed(0)
+    for b in timed:
+        warm[b]()
+    best = dict(zip(timed, best_of_alternating([runs[b] for b in timed], repeats)))
+    if engine is not None:
+        engine.close()
+    return {b: best[b][1] / best[b][0] if b in best else float("nan") for b in backends}
 
 
 def _hf(s: Setup, prompts, n, max_new, eos) -> int:

@@ -6,7 +6,11 @@ machine that is in it."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TABLE_PAGE = ROOT / "docs" / "performance.md"
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 VAGUE = ("current machine", "this project's machine", "this project's 2-core", "this 2-core")
+COMMENT = re.compile(r"<!--.*?-->", re.S)
 LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]*#machines)\)")
 
 
@@ -64,7 +69,7 @@ def figure_problems(text: str, machines: list[str], page: str = "page") -> list[
     named = [re.compile(rf"(?<![\w-]){re.escape(name)}(?![\w-])") for name in machines]
     problems = []
     for line, para in paragraphs(text):
-        flat = " ".join(para.split()).replace("\u2019", "'")
+        flat = " ".join(COMMENT.sub("", para).split()).replace("\u2019", "'")  # markers name machines too
         used = [name for name, pattern in zip(machines, named) if pattern.search(flat)]
         if used and not DATE.search(flat):
             problems.append(f"{page}:{line}: names {', '.join(used)} without a date (YYYY-MM-DD)")
@@ -113,3 +118,79 @@ def test_checker_catches_a_machine_without_a_date():
         "page:1: 'this 2-core': name the machine (docs/performance.md#machines)"]
     assert figure_problems("On [epyc](performance.md#machines), 2026-11-25: 1.3x.", machines) == [
         "page:1: link 'epyc' to the machine table names no machine in it"]
+
+
+# Figures come from one place: benchmarks/results/*.json, written by the benchmarks' --record and rendered into
+# the pages' `<!-- figure: ... -->` regions by scripts/figures.py.
+
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "benchmarks")]
+import figures  # noqa: E402
+import recording  # noqa: E402
+
+RESULT_KEYS = {"name", "command", "machine", "date", "commit", "versions", "note", "columns", "rows", "values"}
+
+
+@pytest.mark.parametrize("page", figures.pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_figures_on_the_page_are_their_result_files(page: Path):
+    assert figures.stale(page.read_text(), page) == []
+
+
+def test_every_result_file_names_its_machine_date_and_command_and_is_shown():
+    machines = machine_names(TABLE_PAGE.read_text())
+    shown = "\n".join(page.read_text() for page in figures.pages())
+    files = sorted(figures.RESULTS.glob("*.json"))
+    assert files
+    for path in files:
+        result = json.loads(path.read_text())
+        assert set(result) >= RESULT_KEYS, (path.name, RESULT_KEYS - set(result))
+        assert path.name == f"{result['name']}.{result['machine']}.json", path.name
+        assert result["machine"] in machines, (path.name, result["machine"])
+        assert DATE.fullmatch(result["date"]), (path.name, result["date"])
+        commands = [result["command"]] if isinstance(result["command"], str) else result["command"]
+        assert all(c.startswith("python benchmarks/") for c in commands), (path.name, commands)
+        assert result["rows"] or result["values"], path.name
+        assert re.search(rf"<!-- (figure|value): {re.escape(path.stem)}[ -]", shown), f"{path.name} is on no page"
+
+
+def test_a_figure_edited_on_the_page_fails_naming_its_line(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["benchmarks/generation.py", "--threads", "2"])
+    monkeypatch.setenv("LMRL_MACHINE", "epyc-avx2")
+    columns = [recording.Column("model", merge=True), recording.Column("mode"),
+               recording.Column("ratio", "lmrl / hf", "{:.2f}x")]
+    rows = [{"model": "tiny", "mode": "eos", "ratio": 2.0}, {"model": "tiny", "mode": "no-eos", "ratio": 2.314}]
+    recording.record("gen", columns, rows, values={"best": "2.31x"}, out_dir=tmp_path)
+    page = ROOT / "docs" / "example.md"
+    text = ("# Generation\n\nlmrl is <!-- value: gen.epyc-avx2 range:ratio --><!-- /value --> faster "
+            "(best <!-- value: gen.epyc-avx2 best --><!-- /value -->):\n\n<!-- figure: gen.epyc-avx2 -->\n<!-- /figure -->\n")
+    fresh, problems = figures.render(text, page, tmp_path)
+    assert problems == []
+    assert "lmrl is <!-- value: gen.epyc-avx2 range:ratio -->2.00-2.31x<!-- /value --> faster" in fresh
+    assert "(best <!-- value: gen.epyc-avx2 best -->2.31x<!-- /value -->)" in fresh
+    assert "`python benchmarks/generation.py --threads 2` on [epyc-avx2](performance.md#machines), 20" in fresh
+    assert "| model | mode | lmrl / hf |\n|---|---|---|\n| tiny | eos | 2.00x |\n|  | no-eos | 2.31x |" in fresh
+    assert figure_problems(fresh, ["epyc-avx2"]) == []
+    assert figures.stale(fresh, page, tmp_path) == []
+
+    edited = fresh.replace("| 2.31x |", "| 2.41x |")
+    line = edited.splitlines().index("|  | no-eos | 2.41x |") + 1
+    assert figures.stale(edited, page, tmp_path) == [
+        f"docs/example.md:{line}: gen.epyc-avx2 differs from its result file (run python scripts/figures.py)"]
+    assert figures.stale(edited.replace("->2.31x<", "->2.3x<"), page, tmp_path)[0].startswith("docs/example.md:3: ")
+    missing = text.replace("gen.epyc-avx2 -->\n", "gen.xeon-amx -->\n")
+    assert figures.stale(missing, page, tmp_path)[0] == (
+        f"docs/example.md:5: no result file {tmp_path / 'gen.xeon-amx.json'}")
+
+
+def test_a_benchmark_records_its_table(tmp_path: Path):
+    """generation.py --record, on a few tokens: the file names the command, and renders."""
+    env = {**os.environ, "LMRL_RESULTS_DIR": str(tmp_path), "LMRL_MACHINE": "epyc-avx2"}
+    args = ["--preset", "tiny", "--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--repeats", "1",
+            "--modes", "no-eos", "--threads", "1", "--record", "gen-smoke"]
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), *args], env=env, check=True,
+                   capture_output=True, timeout=300)
+    result = json.loads((tmp_path / "gen-smoke.epyc-avx2.json").read_text())
+    assert result["command"] == "python benchmarks/generation.py " + " ".join(args)
+    assert [row["mode"] for row in result["rows"]] == ["no-eos"]
+    assert result["rows"][0]["lmrl"] > 0 and result["rows"][0]["x_lmrl"] > 0
+    assert "torch" in result["versions"]
+    assert "| `model.generate` tok/s |" in figures.table(result)

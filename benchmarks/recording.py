@@ -1,0 +1,132 @@
+"""Benchmark results as files: the one place the figures in README.md and docs/ come from.
+
+A benchmark run with `--record` writes `benchmarks/results/NAME.MACHINE.json`: what it measured (a table of
+rows, with each column's header and format), the command that measured it, the machine (by its name in the
+table of docs/performance.md#machines), the date, the commit and the versions. `python scripts/figures.py`
+renders every `<!-- figure: NAME.MACHINE -->` region of the pages from these files, and the test suite fails
+when a page's copy differs from its file. Rerunning a benchmark with `--record` on the same machine replaces
+its file; `make figures` then refreshes every page that shows it.
+
+    from recording import Column, record
+    record("generation-tiny", [Column("model"), Column("ratio", "x hf", "{:.2f}x")], rows)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a result table: the row key, its header on the page and how a value is written
+    (a `str.format` pattern, which may name other keys of the row; `merge`: a cell equal to the one above is left blank, as in a grouped table)."""
+
+    key: str
+    header: str | None = None
+    format: str = "{}"
+    merge: bool = False
+
+
+def cpu_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and its flags, from /proc/cpuinfo ("", {} where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor(), set()
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("model name", ""), set(fields.get("flags", "").split())
+
+
+def machine_name() -> str:
+    """This machine's name in docs/performance.md#machines, told by its GPU or its CPU's features.
+    LMRL_MACHINE names it where these rules do not (a new machine also needs its row in that table)."""
+    if os.environ.get("LMRL_MACHINE"):
+        return os.environ["LMRL_MACHINE"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name().lower().replace("nvidia ", "").split()[0]
+    except ImportError:
+        pass
+    model, flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "xeon-amx"
+    if "avx512_bf16" in flags:
+        return "avx512bf16"
+    if "AMD EPYC" in model and "avx2" in flags and "avx512f" not in flags:
+        return "epyc-avx2"
+    return "unknown"
+
+
+def commit() -> str:
+    """The checkout's short commit, with "+changes" when files differ from it ("" outside a git checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "lmrl", "benchmarks")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+changes" if head and dirty else "")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "trl", "vllm"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "__version__"):
+            out[name] = str(module.__version__)
+    return out
+
+
+def command_line() -> str:
+    """How this process was started, as a command to paste: `python benchmarks/NAME.py ARGS`."""
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(ROOT):
+        script = script.relative_to(ROOT)
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+def record(name: str, columns: list[Column], rows: list[dict], *, values: dict[str, str] | None = None,
+           note: str = "", out_dir: Path | None = None) -> Path:
+    """Write one result file and return its path. `rows` are dicts keyed by the columns' keys; `values`
+    are named figures quoted in prose (already written, e.g. "2.20x"); `note` is a sentence the page shows
+    under the command (what the rows are, the settings the command does not show)."""
+    missing = {c.key for c in columns} - set().union(*rows) if rows else set()
+    if missing:
+        raise ValueError(f"record {name}: no row has the column(s) {sorted(missing)}")
+    machine = machine_name()
+    result = {
+        "name": name,
+        "command": command_line(),
+        "machine": machine,
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "commit": commit(),
+        "versions": versions(),
+        "note": note,
+        "columns": [asdict(c) for c in columns],
+        "rows": rows,
+        "values": values or {},
+    }
+    out_dir = out_dir or Path(os.environ.get("LMRL_RESULTS_DIR") or RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.{machine}.json"
+    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    print(f"recorded {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
+          + (" (unknown machine: set LMRL_MACHINE to its name in docs/performance.md#machines)"
+             if machine == "unknown" else ""))
+    return path

@@ -1,0 +1,180 @@
+"""Render the pages' figures from the benchmark result files (benchmarks/results/*.json).
+
+    python scripts/figures.py            # rewrite every figure region and value of README.md and docs/
+    python scripts/figures.py --check    # list the regions that differ from their result files; exit 1 if any
+
+A page shows a recorded table between two markers (blank lines around the content, so that Markdown sees
+a table):
+
+    <!-- figure: generation-tiny.epyc-avx2 -->
+
+    (generated: the command, machine, date and versions, then the table)
+
+    <!-- /figure -->
+
+and a figure quoted in prose as `<!-- value: NAME.MACHINE KEY -->2.20x<!-- /value -->`, where KEY is one
+of the file's `values` or `range:COLUMN` (the smallest to the largest value of that column, as the column
+writes it). Everything between the markers is generated: edit the result file (or rerun its benchmark with
+`--record`) and run this script, never the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MACHINES = ROOT / "docs" / "performance.md"
+FIGURE = re.compile(r"<!-- figure: (\S+)( table)? -->\n.*?<!-- /figure -->", re.S)
+VALUE = re.compile(r"<!-- value: (\S+) (\S+) -->(.*?)<!-- /value -->", re.S)
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "benchmarks" / "README.md"]
+
+
+def load(name: str, results: Path = RESULTS) -> dict:
+    path = results / f"{name}.json"
+    if not path.is_file():
+        raise KeyError(f"no result file {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return json.loads(path.read_text())
+
+
+def cell(column: dict, value, row: dict | None = None) -> str:
+    """A value as its column writes it; the format may also name other keys of the row ("{:.2f} s of {total}")."""
+    if value is None or value == "":
+        return ""
+    try:
+        return column["format"].format(value, **(row or {}))
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def caption(result: dict, page: Path) -> str:
+    link = os.path.relpath(MACHINES, page.parent).replace(os.sep, "/") + "#machines"
+    made = [f"commit {result['commit']}"] if result.get("commit") and not result.get("source") else []
+    made += [f"{k} {v}" for k, v in result.get("versions", {}).items() if k != "python"]
+    commands = [result["command"]] if isinstance(result["command"], str) else result["command"]
+    quoted = [f"`{c}`" for c in commands]
+    text = (", ".join(quoted[:-1]) + " and " * (len(quoted) > 1) + quoted[-1] + f" on [{result['machine']}]({link}), {result['date']}"
+            + (f" ({', '.join(made)})" if made else "") + ".")
+    if result.get("source"):
+        text = text[:-1] + f"; {result['source']}."
+    if result.get("note"):
+        text += f" {result['note']}"
+    return text
+
+
+def table(result: dict) -> str:
+    columns = result["columns"]
+    lines = ["| " + " | ".join(c["key"] if c["header"] is None else c["header"] for c in columns) + " |",
+             "|" + "---|" * len(columns)]
+    above: dict[str, str] = {}
+    for row in result["rows"]:
+        cells = []
+        for c in columns:
+            text = cell(c, row.get(c["key"]), row)
+            cells.append("" if c.get("merge") and above.get(c["key"]) == text else text)
+            above[c["key"]] = text
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_of(result: dict) -> tuple:
+    return str(result["command"]), result["machine"], result["date"]
+
+
+def figure(name: str, page: Path, results: Path = RESULTS, table_only: bool = False) -> str:
+    """A region: the caption (command, machine, date, versions, note) and the table; `table_only` where a
+    region above on the same page has already given the caption of the same run (one run, several tables)."""
+    result = load(name, results)
+    if table_only:
+        return f"<!-- figure: {name} table -->\n\n{table(result)}\n\n<!-- /figure -->"
+    return f"<!-- figure: {name} -->\n\n{caption(result, page)}\n\n{table(result)}\n\n<!-- /figure -->"
+
+
+def value(name: str, key: str, results: Path = RESULTS) -> str:
+    result = load(name, results)
+    if key.startswith("range:"):
+        column = next((c for c in result["columns"] if c["key"] == key[6:]), None)
+        if column is None:
+            raise KeyError(f"{name} has no column {key[6:]}")
+        numbers = [row[column["key"]] for row in result["rows"] if isinstance(row.get(column["key"]), (int, float))]
+        low, high = cell(column, min(numbers)), cell(column, max(numbers))
+        unit = re.search(r"[^\d.]*$", low).group(0)
+        return low if low == high else f"{low.removesuffix(unit) if high.endswith(unit) else low}-{high}"
+    if key not in result["values"]:
+        raise KeyError(f"{name} has no value {key} (it has: {', '.join(result['values']) or 'none'})")
+    return result["values"][key]
+
+
+def render(text: str, page: Path, results: Path = RESULTS) -> tuple[str, list[str]]:
+    """The page with every region regenerated, and what could not be (a missing file, column or value)."""
+    problems: list[str] = []
+
+    def line_of(match: re.Match) -> str:
+        return f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}:{text.count(chr(10), 0, match.start()) + 1}"
+
+    captioned: set[tuple] = set()
+
+    def one_figure(match: re.Match) -> str:
+        try:
+            run = run_of(load(match.group(1), results))
+            if match.group(2) and run not in captioned:
+                raise KeyError(f"{match.group(1)}: a table-only figure needs a full figure of the same run above it")
+            captioned.add(run)
+            return figure(match.group(1), page, results, table_only=bool(match.group(2)))
+        except KeyError as e:
+            problems.append(f"{line_of(match)}: {e.args[0]}")
+            return match.group(0)
+
+    def one_value(match: re.Match) -> str:
+        try:
+            return f"<!-- value: {match.group(1)} {match.group(2)} -->{value(match.group(1), match.group(2), results)}<!-- /value -->"
+        except KeyError as e:
+            problems.append(f"{line_of(match)}: {e.args[0]}")
+            return match.group(0)
+
+    return VALUE.sub(one_value, FIGURE.sub(one_figure, text)), problems
+
+
+def stale(text: str, page: Path, results: Path = RESULTS) -> list[str]:
+    """Where the page's copy differs from its result file: `page:line: NAME differs from its result file`."""
+    fresh, problems = render(text, page, results)
+    if fresh == text:
+        return problems
+    old, new = text.splitlines(), fresh.splitlines()
+    first = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    name = re.findall(r"<!-- (?:figure|value): (\S+)", "\n".join(old[: first + 1]))
+    where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    return [*problems, f"{where}:{first + 1}: {name[-1] if name else 'a figure'} differs from its result file "
+                       "(run python scripts/figures.py)"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; list stale figures, exit 1 if any")
+    args = parser.parse_args(argv)
+    problems: list[str] = []
+    for page in pages():
+        text = page.read_text()
+        if args.check:
+            problems += stale(text, page)
+            continue
+        fresh, found = render(text, page)
+        problems += found
+        if fresh != text:
+            page.write_text(fresh)
+            print(f"updated {page.relative_to(ROOT)}")
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
