@@ -13,8 +13,8 @@ a table):
     <!-- /figure -->
 
 and a figure quoted in prose as `<!-- value: NAME.MACHINE KEY -->2.20x<!-- /value -->`, where KEY is one
-of the file's `values` or `range:COLUMN` (the smallest to the largest value of that column, as the column
-writes it). Everything between the markers is generated: edit the result file (or rerun its benchmark with
+of the file's `values`, `date`, `machine`, or `range:COLUMN[:TEXT]` (the smallest to the largest value of
+that column, as the column writes it; with TEXT, over the rows that have a cell containing it). Everything between the markers is generated: edit the result file (or rerun its benchmark with
 `--record`) and run this script, never the page.
 """
 
@@ -100,11 +100,17 @@ def figure(name: str, page: Path, results: Path = RESULTS, table_only: bool = Fa
 
 def value(name: str, key: str, results: Path = RESULTS) -> str:
     result = load(name, results)
+    if key in ("date", "machine"):
+        return result[key]
     if key.startswith("range:"):
-        column = next((c for c in result["columns"] if c["key"] == key[6:]), None)
+        _, column_key, *among = key.split(":", 2)
+        column = next((c for c in result["columns"] if c["key"] == column_key), None)
         if column is None:
-            raise KeyError(f"{name} has no column {key[6:]}")
-        numbers = [row[column["key"]] for row in result["rows"] if isinstance(row.get(column["key"]), (int, float))]
+            raise KeyError(f"{name} has no column {column_key}")
+        rows = [row for row in result["rows"] if not among or any(among[0] in str(v) for v in row.values())]
+        numbers = [row[column_key] for row in rows if isinstance(row.get(column_key), (int, float))]
+        if not numbers:
+            raise KeyError(f"{name} has no numbers in column {column_key}" + (f" of rows with {among[0]}" if among else ""))
         low, high = cell(column, min(numbers)), cell(column, max(numbers))
         unit = re.search(r"[^\d.]*$", low).group(0)
         return low if low == high else f"{low.removesuffix(unit) if high.endswith(unit) else low}-{high}"

@@ -42,7 +42,7 @@ def export_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     Tensors are detached views of the live parameters (merged ones are new): read them before the next update.
     """
     model = getattr(policy, "module", policy)  # DDP
-    if hasattr(model, "peft_config"):
+    if hasattr(model, "get_base_model"):  # a PeftModel (the model inside holds the adapters' layers too)
         model = model.get_base_model()
     adapted = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
     with torch.no_grad():

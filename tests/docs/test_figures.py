@@ -157,17 +157,21 @@ def test_a_figure_edited_on_the_page_fails_naming_its_line(tmp_path: Path, monke
     monkeypatch.setenv("LMRL_MACHINE", "epyc-avx2")
     columns = [recording.Column("model", merge=True), recording.Column("mode"),
                recording.Column("ratio", "lmrl / hf", "{:.2f}x")]
-    rows = [{"model": "tiny", "mode": "eos", "ratio": 2.0}, {"model": "tiny", "mode": "no-eos", "ratio": 2.314}]
+    rows = [{"model": "tiny", "mode": "eos", "ratio": 2.0}, {"model": "tiny", "mode": "no-eos", "ratio": 2.314},
+            {"model": "110M", "mode": "eos", "ratio": 1.3}]
     recording.record("gen", columns, rows, values={"best": "2.31x"}, out_dir=tmp_path)
     page = ROOT / "docs" / "example.md"
-    text = ("# Generation\n\nlmrl is <!-- value: gen.epyc-avx2 range:ratio --><!-- /value --> faster "
+    text = ("# Generation\n\nlmrl is <!-- value: gen.epyc-avx2 range:ratio:tiny --><!-- /value --> faster "
             "(best <!-- value: gen.epyc-avx2 best --><!-- /value -->):\n\n<!-- figure: gen.epyc-avx2 -->\n<!-- /figure -->\n")
     fresh, problems = figures.render(text, page, tmp_path)
     assert problems == []
-    assert "lmrl is <!-- value: gen.epyc-avx2 range:ratio -->2.00-2.31x<!-- /value --> faster" in fresh
+    assert "lmrl is <!-- value: gen.epyc-avx2 range:ratio:tiny -->2.00-2.31x<!-- /value --> faster" in fresh
+    assert figures.value("gen.epyc-avx2", "range:ratio", tmp_path) == "1.30-2.31x"
+    assert figures.value("gen.epyc-avx2", "range:ratio:110M", tmp_path) == "1.30x"
+    assert figures.value("gen.epyc-avx2", "date", tmp_path) == json.loads((tmp_path / "gen.epyc-avx2.json").read_text())["date"]
     assert "(best <!-- value: gen.epyc-avx2 best -->2.31x<!-- /value -->)" in fresh
     assert "`python benchmarks/generation.py --threads 2` on [epyc-avx2](performance.md#machines), 20" in fresh
-    assert "| model | mode | lmrl / hf |\n|---|---|---|\n| tiny | eos | 2.00x |\n|  | no-eos | 2.31x |" in fresh
+    assert "| model | mode | lmrl / hf |\n|---|---|---|\n| tiny | eos | 2.00x |\n|  | no-eos | 2.31x |\n| 110M | eos | 1.30x |" in fresh
     assert figure_problems(fresh, ["epyc-avx2"]) == []
     assert figures.stale(fresh, page, tmp_path) == []
 
