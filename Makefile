@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lmrl-installed
 
-.PHONY: setup demo test lint docs docs-serve bench clean
+.PHONY: setup demo test lint docs docs-serve figures bench clean
 
 $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_vllm.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ docs: setup  # the site into site/, offline; strict: a warning (a broken link, a
 
 docs-serve: setup  # the site at http://127.0.0.1:8000, rebuilt on every change
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+figures: setup  # the pages' figure tables, rendered again from benchmarks/results/*.json (a benchmark's --record)
+	$(PY) scripts/figures.py
 
 lint: setup
 	$(PY) -m ruff check lmrl tests benchmarks scripts

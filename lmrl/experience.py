@@ -273,7 +273,7 @@ def make_experience(
         kl_estimator: the KL estimator of a KL in the reward (`kl_in="reward"`); a KL in the loss is
             reported here as k1. `kl_clamp` ("none", "verl", "openrlhf") clamps it as that framework does.
         tis_cap: cap of the importance weights against the sampling log-probs (None: none); `tis_mode`
-            "truncate" caps them, "icepop" / "sequence" mask tokens / sequences outside [tis_low, tis_cap].
+            "truncate" caps them, "icepop" / "sequence-mask" mask tokens / sequences outside [tis_low, tis_cap].
         reward_minus_kl_coef: subtract this times the sequence's k3 KL from its reward before the
             advantages (TapeAgents).
         clip_filter_like_weight: weigh each group's rows by LightRFT's clip-filter-like weight, capped here.

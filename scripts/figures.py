@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MACHINES = ROOT / "docs" / "performance.md"
-FIGURE = re.compile(r"<!-- figure: (\S+)( table)? -->\n.*?<!-- /figure -->", re.S)
+FIGURE = re.compile(r"^([ \t]*)<!-- figure: (\S+)( table)? -->\n.*?<!-- /figure -->", re.S | re.M)
 VALUE = re.compile(r"<!-- value: (\S+) (\S+) -->(.*?)<!-- /value -->", re.S)
 
 
@@ -129,12 +129,14 @@ def render(text: str, page: Path, results: Path = RESULTS) -> tuple[str, list[st
     captioned: set[tuple] = set()
 
     def one_figure(match: re.Match) -> str:
+        indent, name, table_only = match.groups()
         try:
-            run = run_of(load(match.group(1), results))
-            if match.group(2) and run not in captioned:
-                raise KeyError(f"{match.group(1)}: a table-only figure needs a full figure of the same run above it")
+            run = run_of(load(name, results))
+            if table_only and run not in captioned:
+                raise KeyError(f"{name}: a table-only figure needs a full figure of the same run above it")
             captioned.add(run)
-            return figure(match.group(1), page, results, table_only=bool(match.group(2)))
+            region = figure(name, page, results, table_only=bool(table_only))
+            return "\n".join(indent + line if line else line for line in region.splitlines())  # e.g. in a list item
         except KeyError as e:
             problems.append(f"{line_of(match)}: {e.args[0]}")
             return match.group(0)

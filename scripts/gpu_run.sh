@@ -6,7 +6,8 @@
 #   there: bash scripts/gpu_run.sh            (the device tool's run, with carry=[".whl"])
 # Each part has a time limit (seconds; a device lease is short): GPU_SUITE_S, GPU_BENCH_S, GPU_GEN_S. The suite runs on
 # GPU_WORKERS pytest workers (default 8), each test at most 180 s; GPU_TESTS narrows it (default: tests), GPU_PARTS
-# chooses the parts (default: suite bench gen).
+# chooses the parts (default: suite bench gen). The generation table is recorded into $OUT/results/ (copy it to
+# benchmarks/results/ and run `make figures` to show it in the docs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -33,8 +34,8 @@ fi
 if [[ $parts == *" gen "* ]]; then  # generation tokens/s of the backends (vLLM's column where its CUDA build is installed)
     backends="lmrl hf"
     python3 -c "import vllm" 2>/dev/null && backends="lmrl vllm hf"
-    limit "${GPU_GEN_S:-900}" python3 benchmarks/generation.py --preset shipped 30m 100m --backends $backends \
-        --repeats 3 2>&1 | tee "$out/generation.txt"
+    LMRL_RESULTS_DIR="$out/results" limit "${GPU_GEN_S:-900}" python3 benchmarks/generation.py \
+        --preset shipped 30m 100m --backends $backends --repeats 3 --record generation-gpu 2>&1 | tee "$out/generation.txt"
     gen=${PIPESTATUS[0]}
 fi
 echo "suite exit $suite, benchmark exit $bench, generation exit $gen"

@@ -141,19 +141,30 @@ def _too_long(
     prompt_length: PromptLength,
     max_prompt_length: int,
 ) -> list[tuple[int, str]]:
-    """(index, problem) of the rows among `indices` whose prompt has more than `max_prompt_length` tokens."""
+    """(index, problem) of the rows among `indices` whose prompt has more than `max_prompt_length` tokens, or
+    that `prompt_length` refuses (a ValueError: e.g. a list of messages and a tokenizer without a chat template)."""
     out = []
     for start in range(0, len(indices), _LENGTH_BATCH):
         chunk = indices[start : start + _LENGTH_BATCH]
-        lengths = list(prompt_length([rows[i][prompt_column] for i in chunk]))
+        try:
+            lengths: list[int | str] = list(prompt_length([rows[i][prompt_column] for i in chunk]))
+        except ValueError:  # measure each row alone: the rows it refuses are bad rows, named by their location
+            lengths = [_length_or_problem(prompt_length, rows[i][prompt_column]) for i in chunk]
         if len(lengths) != len(chunk):
             raise ValueError(f"prompt_length: returned {len(lengths)} lengths for {len(chunk)} prompts")
         out += [
-            (i, f"prompt is {n} tokens, longer than rollout.max_prompt_length={max_prompt_length}")
+            (i, n if isinstance(n, str) else f"prompt is {n} tokens, longer than rollout.max_prompt_length={max_prompt_length}")
             for i, n in zip(chunk, lengths)
-            if n > max_prompt_length
+            if isinstance(n, str) or n > max_prompt_length
         ]
     return out
+
+
+def _length_or_problem(prompt_length: PromptLength, prompt: Any) -> int | str:
+    try:
+        return next(iter(prompt_length([prompt])))
+    except ValueError as e:
+        return str(e).replace("prompt 0 ", "prompt ", 1)
 
 
 def _located(field: str | None, where: str) -> str:

@@ -77,6 +77,7 @@ def encode_prompts(
     add_bos = _adds_bos(tokenizer)
     encoded = []
     for i, prompt in enumerate(prompts):
+        wrapped = isinstance(prompt, str) and bool(use_chat_template)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
@@ -90,7 +91,7 @@ def encode_prompts(
         elif len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty")
         elif use_chat_template is False:
-            raise ValueError(f"prompt {i} is a list of messages but use_chat_template=False")
+            raise ValueError(f"prompt {i} is a list of messages but use_chat_template=False (model.chat_template)")
 
         if isinstance(prompt, str):
             ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -99,8 +100,9 @@ def encode_prompts(
         else:
             if tokenizer.chat_template is None:
                 raise ValueError(
-                    f"prompt {i} is a list of messages but the tokenizer has no chat template; "
-                    "use a chat model's tokenizer or plain-text prompts"
+                    f"prompt {i} is {'a string to wrap in a chat template (model.chat_template=true)' if wrapped else 'a list of messages'}"
+                    " but the tokenizer has no chat template; use a chat model's tokenizer (model.name_or_path) or "
+                    "plain-text prompts"
                 )
             # return_dict=False: a plain list of ids in transformers 4.x and 5.x alike.
             ids = list(

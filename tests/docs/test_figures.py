@@ -173,6 +173,8 @@ def test_a_figure_edited_on_the_page_fails_naming_its_line(tmp_path: Path, monke
     assert "`python benchmarks/generation.py --threads 2` on [epyc-avx2](performance.md#machines), 20" in fresh
     assert "| model | mode | lmrl / hf |\n|---|---|---|\n| tiny | eos | 2.00x |\n|  | no-eos | 2.31x |\n| 110M | eos | 1.30x |" in fresh
     assert figure_problems(fresh, ["epyc-avx2"]) == []
+    listed, _ = figures.render("- an item\n\n  <!-- figure: gen.epyc-avx2 -->\n  <!-- /figure -->\n", page, tmp_path)
+    assert "\n  | model | mode | lmrl / hf |\n" in listed and "\n\n  <!-- /figure -->\n" in listed  # inside the item
     assert figures.stale(fresh, page, tmp_path) == []
 
     edited = fresh.replace("| 2.31x |", "| 2.41x |")
