@@ -11,6 +11,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from lmrl import __version__
 from lmrl.errors import Interrupted, LmrlError, print_line
 
 EXAMPLES = """\
@@ -79,6 +80,7 @@ def _main(argv: list[str] | None) -> int:
         prog="lmrl", description="Reinforcement-learning post-training of language models.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"lmrl {__version__}")
     sub = parser.add_subparsers(dest="command")
 
     tr = sub.add_parser("train", help="train a policy", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -97,3 +97,12 @@ def test_python_dash_m_lmrl_is_the_lmrl_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "lmrl", "train", "train.steps=-3"], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip() == "lmrl: error: train.steps: must be >= 1 (got -3)"
+
+
+def test_version(capsys):
+    import lmrl
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"lmrl {lmrl.__version__}\n"
