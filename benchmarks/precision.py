@@ -137,7 +137,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             build_start_model(hidden, layers, heads, 0, 0, d)
             model, tokenizer = _load(d)
-            runs = {n: train_run(model, tokenizer, args.steps, n, args.threads, args.lr, d, True) for n in names}
+            runs = {n: train_run(model, tokenizer, args.steps, n, args.threads, args.lr, f"{d}/run-{n}", True) for n in names}
         base = runs["fp32"]["step"]
         print(f"{size:<7}" + "".join(f"{runs[n]['step']:>16.2f}" for n in names)
               + "".join(f"{base / runs[n]['step']:>11.2f}x" for n in names[1:]) + "   "
@@ -149,7 +149,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             start_acc = build_start_model(hidden, layers, heads, args.sft_steps, 0, d)
             model, tokenizer = _load(d)
-            runs = {n: train_run(model, tokenizer, args.reward_steps, n, args.threads, args.lr, d, False) for n in names}
+            runs = {n: train_run(model, tokenizer, args.reward_steps, n, args.threads, args.lr, f"{d}/run-{n}", False) for n in names}
         print(f"\nreward check, {size}, {args.sft_steps} warm-start steps (held-out greedy accuracy {start_acc:.3f}), "
               f"{args.reward_steps} GRPO steps, lr {args.lr:g}")
         for n, r in runs.items():
