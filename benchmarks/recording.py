@@ -13,10 +13,11 @@ its file; `make figures` then refreshes every page that shows it.
 A table that several runs fill (one row per run, or some columns from one kind of run and the rest from
 another) is recorded with `merge_on=KEY`: where the file already exists, a row of this run replaces the cells
 it has in the file's row with the same KEY (or is added at the end); every other row and cell stays. The file
-then lists every command that wrote to it (this one last), its note gains this run's note unless the note is
-already in it, its date, commit and versions are this run's, and a typed-in file's `source` becomes "partly
-...". A column no row has a value for is left out. Commands are never dropped: when a rerun with other
-settings replaces all of an older run's cells, edit its command out of the file (or delete the file first).
+then lists every command that wrote to it, this one last (an earlier command that differs from it only by
+`--record [NAME]` counts as this one); its note gains this run's note unless the note is already in it; its
+date, commit and versions are this run's; a typed-in file's `source` becomes "partly ...". A column no row
+has a value for is left out. Commands are not dropped otherwise: when a rerun with other settings replaces
+all of an older run's cells, edit the older command out of the file (or delete the file first).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def merged(old: dict, new: dict, key: str) -> dict:
     columns += [c for c in old["columns"] if c["key"] not in {n["key"] for n in new["columns"]}]
     columns = [c for c in columns if any(_has(row, c["key"]) for row in rows)]
     commands = [old["command"]] if isinstance(old["command"], str) else list(old["command"])
-    commands = [c for c in commands if c != new["command"]] + [new["command"]]
+    commands = [c for c in commands if _without_record(c) != _without_record(new["command"])] + [new["command"]]
     note = old.get("note", "")
     if new["note"] and new["note"] not in note:
         note = f"{note} {new['note']}".strip()
@@ -177,3 +178,12 @@ def merged(old: dict, new: dict, key: str) -> dict:
 
 def _has(row: dict, key: str) -> bool:
     return row.get(key) not in (None, "")
+
+
+def _without_record(command: str) -> list[str]:
+    """A command's words less `--record [NAME]`: a rerun of a listed command with --record is the same run."""
+    words = shlex.split(command)
+    if "--record" in words:
+        at = words.index("--record")
+        del words[at : at + (2 if at + 1 < len(words) and not words[at + 1].startswith("-") else 1)]
+    return words

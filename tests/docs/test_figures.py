@@ -207,12 +207,12 @@ def test_runs_that_fill_one_table_merge_on_a_key(tmp_path: Path, monkeypatch):
                      out_dir=tmp_path, merge_on="preset")
     first = json.loads((tmp_path / "gains.epyc-avx2.json").read_text())
     assert [c["key"] for c in first["columns"]] == ["preset", "gain", "s_step"]  # no steps_gain yet
-    monkeypatch.setattr(sys, "argv", ["benchmarks/preset_gains.py", "--steps", "150"])
-    for _ in range(2):  # the same run twice: its command and note once
+    for extra in ([], ["--record"], ["--record", "gains"]):  # the same run thrice: its command and note once
+        monkeypatch.setattr(sys, "argv", ["benchmarks/preset_gains.py", "--steps", "150", *extra])
         recording.record("gains", columns, [{"preset": "grpo", "steps_gain": 22.8}, {"preset": "ppo", "steps_gain": 23.6}],
                          note="150-step column: no time limit.", out_dir=tmp_path, merge_on="preset")
     result = json.loads((tmp_path / "gains.epyc-avx2.json").read_text())
-    assert result["command"] == ["python benchmarks/preset_gains.py", "python benchmarks/preset_gains.py --steps 150"]
+    assert result["command"] == ["python benchmarks/preset_gains.py", "python benchmarks/preset_gains.py --steps 150 --record gains"]
     assert result["note"] == "75 s runs. 150-step column: no time limit."
     assert figures.table(result) == ("| preset | 75 s: gain | 150 steps: gain | s/step |\n|---|---|---|---|\n"
                                      "| grpo | +29.2 | +22.8 | 0.09 |\n| ppo |  | +23.6 |  |")
