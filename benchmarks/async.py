@@ -5,6 +5,11 @@ held-out accuracy against wall-clock time, and how close each comes to the 2-cor
     python benchmarks/async.py --quick                  # A: 20 steps, eval every 10; B: 4 steps: a smoke run
     python benchmarks/async.py --part A --steps 300 --eval-every 50 --seed 1
     python benchmarks/async.py --part B --plot timeline.png   # B only, and the async run's timeline
+    python benchmarks/async.py --plot docs/async-timeline.png --record   # the tables of docs/async.md
+
+--record [NAME] writes the run's tables to benchmarks/results/ (default NAME: async): NAME-shipped (part A's
+phases), NAME-accuracy (part A's accuracy at common times) and NAME-informative (part B), each NAME-PART.MACHINE.json;
+docs/async.md shows all three from one run (--part both).
 
 Every configuration runs in its own subprocess, one after the other (never two at once), with the same seed.
 
@@ -88,6 +93,8 @@ B_RUNS = {  # name: (label, train.threads, train.async_steps); "trl" is TRL's GR
     "sync1": ("lmrl sync, 1 thread", 1, 0),
 }
 BPE_VOCAB = 400
+PAGE_LABELS = {"sync2": "lmrl sync, 2 threads", "async": "lmrl `async_steps=1`, automatic 2 + 1 threads",
+               "async11": "lmrl `async_steps=1`, 1 + 1", "trl": "TRL GRPOTrainer, 2 threads", "sync1": "lmrl sync, 1 thread"}
 
 
 # ------------------------------------------------------------------------------------------------ shared
@@ -147,6 +154,39 @@ def curve_mean(points: list[tuple[float, float]], end: float, n: int = 200) -> f
     """The curve's mean over [0, end] (trapezoids on n intervals)."""
     ys = [interpolate(points, end * i / n) for i in range(n + 1)]
     return (sum(ys) - (ys[0] + ys[-1]) / 2) / n
+
+
+def shipped_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    """Part A's table in the result file: each run's phases (steps 2..N) and async / sync steps per second."""
+    rate = {n: 1 / steady(rows, "time/step") for n, rows in runs.items()}
+    last = {n: [r for r in rows if r.get("time/step") is not None][-1] for n, rows in runs.items()}
+    wall = {n: last[n]["step"] / last[n]["time/elapsed"] for n in runs}
+    out = []
+    for k, name in enumerate(("sync", "async")):
+        rows = runs[name]
+        out.append({"run": f"`train.async_steps={k}`", "s_step": round(steady(rows, "time/step"), 5),
+                    "generation": round(steady(rows, "time/generate"), 5), "beside": " (beside)" if k else "",
+                    "experience_update": round(steady(rows, "time/experience") + steady(rows, "time/update"), 5),
+                    "trainer_waited": round(steady(rows, "time/wait_for_batch"), 5) if k else None,
+                    "generator_waited": round(steady(rows, "time/wait_for_weights"), 5) if k else None,
+                    "steps_s_vs_sync": round(rate[name] / rate["sync"], 4),
+                    "wall_ratio": round(wall[name] / wall["sync"], 4)})
+    return out
+
+
+def accuracy_table(runs: dict[str, list[dict]]) -> tuple[list, list[dict]]:
+    """Part A's held-out accuracy at a quarter, half, three quarters and all of the shorter run's span (its last
+    evaluation), interpolated: the result file's (columns, rows)."""
+    from recording import Column
+
+    curves = {name: [(r["time/elapsed"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
+              for name, rows in runs.items()}
+    end = min(points[-1][0] for points in curves.values())
+    times = [end * frac for frac in (0.25, 0.5, 0.75, 1.0)]
+    keys = [f"{t:.1f}".replace(".", "_") for t in times]
+    columns = [Column("seconds", "seconds"), *(Column(k, f"{t:.1f}", "{:.1%}") for k, t in zip(keys, times))]
+    return columns, [{"seconds": name, **{k: round(interpolate(curves[name], t), 4) for k, t in zip(keys, times)}}
+                     for name in ("sync", "async")]
 
 
 def part_a(args, tmp: Path) -> dict[str, list[dict]]:
@@ -273,7 +313,9 @@ def run_child(name: str, s: Settings) -> dict:
         return json.loads(path.read_text())
 
 
-def part_b(args, tmp: Path) -> dict[str, list[dict]]:
+def part_b(args, tmp: Path) -> dict[str, dict]:
+    """Part B's runs, printed; returns each run's result (lmrl: {"rows": its metrics rows}; TRL: its step and generate
+    times)."""
     model_dir = tmp / "B-model"
     params = build_llama(str(model_dir), args.seed)
     s = Settings(str(model_dir), args.steps_b, 8, 8, 64, 1e-4, "float32", "cpu", args.seed)
@@ -290,10 +332,6 @@ def part_b(args, tmp: Path) -> dict[str, list[dict]]:
     results = {name: run_child(name, s) for name in names}
     if "trl" in results and results["trl"]["threads"] != 2:
         print(f"[B] note: TRL ended with {results['trl']['threads']} torch threads, not 2 (something in it reset them)")
-
-    def phases(rows: list[dict]) -> tuple[float, float, float]:  # (s/step, generate, the rest)
-        step, gen = steady(rows, "time/step"), steady(rows, "time/generate")
-        return step, gen, step - gen
 
     seconds = {n: (statistics.fmean(r["step"]) if n == "trl" else phases(r["rows"])[0]) for n, r in results.items()}
     _, gen1, update1 = phases(results["sync1"]["rows"])
@@ -323,7 +361,57 @@ def part_b(args, tmp: Path) -> dict[str, list[dict]]:
               f"never slower than sync (2 threads): {'yes' if ok_sync else 'no'} ({seconds[name] / seconds['sync2']:.2f}x)")
     print(f"  (one thread each, async can do no better than max(generation, update) of the 1-thread run = "
           f"{max(gen1, update1):.3f} s/step, {max(gen1, update1) / floor:.2f}x the floor)")
-    return {n: r["rows"] for n, r in results.items() if "rows" in r}
+    return results
+
+
+def phases(rows: list[dict]) -> tuple[float, float, float]:
+    """(s/step, generate, the rest) of an lmrl run's metrics rows, steps 2..N."""
+    step, gen = steady(rows, "time/step"), steady(rows, "time/generate")
+    return step, gen, step - gen
+
+
+def informative_rows(results: dict[str, dict]) -> list[dict]:
+    """Part B's table in the result file, from its runs' results (as `part_b` prints it): s/step against the 2-core
+    floor and against sync with 2 threads, and each run's generation and update."""
+    _, gen1, update1 = phases(results["sync1"]["rows"])
+    floor = (gen1 + update1) / 2
+    out = []
+    for name, r in results.items():
+        if name == "trl":
+            step, gen = statistics.fmean(r["step"]), statistics.fmean(r["generate"])
+            update = step - gen
+        else:
+            step, gen, update = phases(r["rows"])
+            if B_RUNS[name][2]:  # async: the trainer's step less its wait for the batch
+                update = step - steady(r["rows"], "time/wait_for_batch")
+        out.append({"run": PAGE_LABELS[name], "s_step": round(step, 5), "x_the_2_core_floor": round(step / floor, 4),
+                    "x_sync": round(step / phases(results["sync2"]["rows"])[0], 4), "generation": round(gen, 5),
+                    "beside": " (beside)" if B_RUNS[name][2] else "", "update": round(update, 5)})
+    return out
+
+
+def record_tables(prefix: str, runs_a: dict[str, list[dict]] | None, results_b: dict[str, dict] | None, args) -> None:
+    """--record: the tables of the parts that ran, as NAME-shipped, NAME-accuracy and NAME-informative."""
+    from recording import Column, record
+
+    if runs_a is not None:
+        record(f"{prefix}-shipped", [
+            Column("run", "run"), Column("s_step", "s/step", "{:.3f}"), Column("generation", "generation", "{:.3f}{beside}"),
+            Column("experience_update", "experience + update", "{:.3f}"), Column("trainer_waited", "trainer waited", "{:.3f}"),
+            Column("generator_waited", "generator waited", "{:.3f}"),
+            Column("steps_s_vs_sync", "steps/s vs sync", "**{:.2f}x** ({wall_ratio:.2f}x of wall-clock, evaluations and start included)"),
+        ], shipped_rows(runs_a), note=f"{args.steps_a} steps, held-out evaluation every {args.eval_every}, seed {args.seed}; "
+                                      f"seconds: means over steps 2-{args.steps_a}.")
+        columns, rows = accuracy_table(runs_a)
+        record(f"{prefix}-accuracy", columns, rows,
+               note="Held-out accuracy at common wall-clock times (s), interpolated between evaluations.")
+    if results_b is not None:
+        record(f"{prefix}-informative", [
+            Column("run", "run"), Column("s_step", "s/step", "{:.3f}"), Column("x_the_2_core_floor", "x the 2-core floor", "{:.2f}"),
+            Column("x_sync", "x sync", "{:.2f}"), Column("generation", "generation", "{:.3f}{beside}"), Column("update", "update", "{:.3f}"),
+        ], informative_rows(results_b), note=f"{args.steps_b} steps, seed {args.seed}; seconds: means over steps 2-{args.steps_b}.")
+    if args.part != "both":
+        print("note: docs/async.md shows the three tables of one run: record them with --part both")
 
 
 # ------------------------------------------------------------------------------------------------ the plot
@@ -407,6 +495,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="A: 20 steps, evaluation every 10; B: 4 steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", metavar="PATH.png", help="the async run's timeline (part A's, else part B's)")
+    parser.add_argument("--record", nargs="?", const="async", metavar="NAME",
+                        help="write the tables to benchmarks/results/NAME-{shipped,accuracy,informative}.MACHINE.json")
     parser.add_argument("--child", choices=list(B_RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -427,16 +517,20 @@ def main() -> None:
     print(f"command: {shlex.join(['python', 'benchmarks/async.py', *sys.argv[1:]])}")
     print(f"machine: {machine()}; torch {torch.__version__}")
     start = time.perf_counter()
-    timelines = {}
+    timelines, runs_a, results_b = {}, None, None
     with tempfile.TemporaryDirectory(prefix="lmrl-async-") as tmp:
         if args.part in ("A", "both"):
-            timelines["A"] = part_a(args, Path(tmp))["async"]
+            runs_a = part_a(args, Path(tmp))
+            timelines["A"] = runs_a["async"]
         if args.part in ("B", "both"):
-            timelines.setdefault("B", part_b(args, Path(tmp))["async"])
+            results_b = part_b(args, Path(tmp))
+            timelines["B"] = results_b["async"]["rows"]
     if args.plot:
         part = "A" if "A" in timelines else "B"
         name = "part A (the shipped task)" if part == "A" else "part B (the 4.3M BPE Llama)"
         plot_timeline(timelines[part], args.plot, f"train.async_steps=1, {name}, seed {args.seed}")
+    if args.record:
+        record_tables(args.record, runs_a, results_b, args)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

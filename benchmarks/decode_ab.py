@@ -5,6 +5,10 @@
     python benchmarks/decode_ab.py --toggle pack --all-sizes        # pack every weight, not only 2**17+
     python benchmarks/decode_ab.py --hidden 64 --layers 2 --threads 1
     python benchmarks/decode_ab.py --dtype bfloat16                 # a bfloat16 sampler (rollout.dtype=bfloat16)
+    python benchmarks/decode_ab.py --hidden 64 --layers 2 --record  # a row of the table in docs/generation.md
+
+--record [NAME] writes this run's row to benchmarks/results/NAME.MACHINE.json (default NAME: decode-kernels, or
+decode-pack with --toggle pack), merged with the rows of the other runs recorded there (one per model setting).
 
 --toggle kernels: the C decode kernels (`lmrl.kernels`: rotary, KV write and shared-prompt attention in
 one call per layer, RMSNorm) vs the PyTorch ops (`lmrl.rollout.hf.USE_KERNELS`).
@@ -35,6 +39,21 @@ from lmrl.kernels import load as load_kernels  # noqa: E402
 from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
 
 SWITCHES = {"kernels": "USE_KERNELS", "pack": "PACK_WEIGHTS"}
+HEADERS = {"kernels": "with the kernels / without (quartiles)", "pack": "with packed weights / without (quartiles)"}
+MODEL_FLAGS = ("hidden", "layers", "heads", "threads", "dtype", "all_sizes")  # what makes a row of the table
+
+
+def table_row(args: argparse.Namespace, defaults: dict, ratios: list[float]) -> dict:
+    """This run's row: the model ("hidden 64, 2 layers (`--hidden 64 --layers 2`)": the flags that differ from
+    the defaults), the median of the paired ratios and their quartiles (`ratios` sorted)."""
+    flags = []
+    for name in MODEL_FLAGS:
+        value = getattr(args, name)
+        if value != defaults[name]:
+            flags.append(f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}"))
+    label = f"hidden {args.hidden}, {args.layers} layers" + (", bfloat16 sampler" if args.dtype == "bfloat16" else "")
+    return {"model": label + (f" (`{' '.join(flags)}`)" if flags else ""), "speedup": round(statistics.median(ratios), 4),
+            "q1": round(ratios[len(ratios) // 4], 4), "q3": round(ratios[3 * len(ratios) // 4], 4)}
 
 
 def main() -> None:
@@ -44,6 +63,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--all-sizes", action="store_true", help="pack weights of any size (PACK_MIN_ELEMENTS=0)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's weights")
+    parser.add_argument("--record", nargs="?", const="", metavar="NAME",
+                        help="add this run's row to benchmarks/results/NAME.MACHINE.json (default NAME: decode-TOGGLE)")
     args = parser.parse_args()
     if args.all_sizes:
         hf.PACK_MIN_ELEMENTS = 0
@@ -73,6 +94,14 @@ def main() -> None:
     print(f"{args.toggle} on:  median {statistics.median(on for _, on in pairs):.3f} s per rollout")
     print(f"speedup (median of {len(ratios)} paired ratios): {statistics.median(ratios):.2f}x, "
           f"quartiles {ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f}")
+    if args.record is not None:
+        from recording import Column, record
+
+        defaults = {name: parser.get_default(name) for name in MODEL_FLAGS}
+        record(args.record or f"decode-{args.toggle}", [Column("model", "model"), Column("speedup", HEADERS[args.toggle], "{:.2f}x ({q1:.2f}-{q3:.2f})")],
+               [table_row(args, defaults, ratios)], merge_on="model",
+               note=f"64 rows x 64 tokens, {defaults['threads']} threads unless the row says otherwise; the median of "
+                    f"{args.repeats} paired rollouts' time without / time with, and the quartiles.")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     python benchmarks/logprobs.py                       # V = 32000 and 152064, float32 and bfloat16, B x T = 8 x 1024
     python benchmarks/logprobs.py --quick               # small sizes, a few seconds
     python benchmarks/logprobs.py --vocab 32000 --dtype bfloat16 --chunk-size 64 256 1024   # tune the chunk size
+    python benchmarks/logprobs.py --record              # the table in docs/performance.md (benchmarks/results/logprobs.MACHINE.json)
+    python benchmarks/logprobs.py --vocab 32000 --from-hidden 1024 --record   # its hidden-states table (logprobs-from-hidden)
 
 Methods:
     naive    torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens)   (plain autograd)
@@ -189,6 +191,45 @@ def _ratio(a: Result | str | None, b: Result | str | None, field: str) -> str:
     return f"{getattr(a, field) / getattr(b, field):.2f}"
 
 
+def table_rows(measured: list[tuple], from_hidden: bool) -> tuple[list[dict], list[str]]:
+    """The result file's rows from `(vocab, dtype, mode, chunk, naive, chunked)` cases (a Result each, or why
+    there is none), and the cases left out, where either method did not run."""
+    other = "fused" if from_hidden else "chunked"
+    rows, left_out = [], []
+    for vocab, dtype, mode, chunk, naive, chunked in measured:
+        if not (isinstance(naive, Result) and isinstance(chunked, Result)):
+            why = "; ".join(f"{name} {r}" for name, r in (("naive", naive), (other, chunked)) if isinstance(r, str))
+            left_out.append(f"V = {vocab} {dtype} {mode} ({why})")
+            continue
+        rows.append({"v": vocab, "dtype" if from_hidden else "logits": dtype, "mode": mode, "chunk": chunk,
+                     f"time_{other}_naive": round(chunked.seconds, 4), "naive_s": round(naive.seconds, 4),
+                     "time_ratio": round(chunked.seconds / naive.seconds, 4),
+                     "work_naive": round(naive.work_mb, 1), f"work_{other}": round(chunked.work_mb, 1),
+                     "ratio": round(chunked.work_mb / naive.work_mb, 4) if naive.work_mb > 0 else None})
+    return rows, left_out
+
+
+def record_table(name: str, measured: list[tuple], args, threads: int) -> None:
+    from recording import Column, record
+
+    other, dtype = ("fused", "dtype") if args.from_hidden else ("chunked", "logits")
+    rows, left_out = table_rows(measured, bool(args.from_hidden))
+    columns = [Column("v", "V"), Column(dtype, dtype), Column("mode", "mode"),
+               *([Column("chunk", "chunk")] if len(args.chunk_size) > 1 else []),
+               Column(f"time_{other}_naive", f"time {other} / naive", "{:.2f} s / {naive_s:.2f} s = {time_ratio:.2f}"),
+               Column("work_naive", "work naive", "{:.0f} MB"), Column(f"work_{other}", f"work {other}", "{:.0f} MB"),
+               Column("ratio", "ratio", "{:.2f}")]
+    shape = f"B x T = {args.batch} x {args.length}, {threads} threads, best of {args.repeats}, each case alone in a fresh process"
+    if args.from_hidden:
+        note = f"Naive: `F.linear` then the full log-softmax; H = {args.from_hidden}, {shape}."
+    else:
+        note = (f"{shape}; \"work\" is the memory a computation needs beyond its inputs, including the `[B, T, V]` "
+                "gradient of the logits in fwd+bwd, which every method must produce.")
+    if left_out:
+        note += f" Not in the table: {', '.join(left_out)}."
+    record(name, columns, rows, note=note)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 152064])
@@ -203,10 +244,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--from-hidden", type=int, default=0, metavar="H",
                    help="start from hidden states of width H and an LM head (hidden_logprobs) instead of logits")
     p.add_argument("--quick", action="store_true", help="B x T = 2 x 128, V = 4096: a smoke run")
+    p.add_argument("--record", nargs="?", const="", metavar="NAME",
+                   help="write the table to benchmarks/results/NAME.MACHINE.json (default NAME: logprobs, or "
+                        "logprobs-from-hidden with --from-hidden)")
     args = p.parse_args(argv)
 
     # Import (but do not run) torch and lmrl before forking the per-case children.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (recording)
     import torch  # noqa: F401
 
     from lmrl.algorithms.logprobs import DEFAULT_CHUNK_SIZE
@@ -225,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     header = "| V | dtype | mode | chunk | naive time | chunked time | time ratio | naive work | chunked work | work ratio | naive peak | chunked peak |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
+    measured = []
     for vocab in args.vocab:
         for dtype in args.dtype:
             for mode in args.mode:
@@ -242,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
                     for name, r in (("naive", naive), ("chunked", chunked)):
                         if isinstance(r, str):
                             print(f"|   {name}: {r}")
+                    measured.append((vocab, dtype, mode, chunk, naive, chunked))
+    if args.record is not None:
+        record_table(args.record or ("logprobs-from-hidden" if args.from_hidden else "logprobs"), measured, args, threads)
 
 
 if __name__ == "__main__":

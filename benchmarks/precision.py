@@ -3,6 +3,7 @@
     python benchmarks/precision.py                       # matmuls, then hidden 256 / 4 layers and 512 / 8 layers
     python benchmarks/precision.py --quick               # small matmuls, hidden 256 / 4 layers, 3 steps: ~1 min
     python benchmarks/precision.py --sizes 512x8 --steps 8 --reward-steps 0
+    python benchmarks/precision.py --quick --record      # the table in docs/performance.md (benchmarks/results/precision.MACHINE.json)
 
 Three measurements, each setting after the other in the same process:
     matmul     a [M, K] x [K, N] matmul: float32 tensors, bfloat16 tensors, and float32 tensors under
@@ -58,7 +59,9 @@ def time_best(fn, repeats: int) -> float:
     return best
 
 
-def matmul_table(shapes: list[tuple[int, int, int]], repeats: int) -> None:
+def matmul_table(shapes: list[tuple[int, int, int]], repeats: int) -> list[dict]:
+    """Prints the matmul times; returns the result file's rows (float32 against bfloat16 tensors)."""
+    rows = []
     print(f"\n{'M x K x N':<18}{'fp32 ms':>9}{'bf16 ms':>9}{'autocast ms':>12}{'fp32/bf16':>10}{'fp32/autocast':>14}")
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
@@ -73,6 +76,19 @@ def matmul_table(shapes: list[tuple[int, int, int]], repeats: int) -> None:
         auto = time_best(autocast_mm, repeats)
         print(f"{f'{m} x {k} x {n}':<18}{fp32 * 1e3:>9.2f}{bf16 * 1e3:>9.2f}{auto * 1e3:>12.2f}"
               f"{fp32 / bf16:>9.2f}x{fp32 / auto:>13.2f}x")
+        rows.append({"label": f"matmul {m} x {k} x {n}", "float32": round(fp32 * 1e3, 4),
+                     "bfloat16": round(bf16 * 1e3, 4), "ratio": round(fp32 / bf16, 4), "unit": "ms"})
+    return rows
+
+
+def step_rows(size: str, runs: dict[str, dict]) -> list[dict]:
+    """The result file's rows of one model size: float32 against autocast, then against the bfloat16 sampler."""
+    hidden, layers, _ = SIZES[size]
+    base = runs["fp32"]["step"]
+    labels = {"autocast": f"GRPO step, hidden {hidden} / {layers} layers, `train.autocast_bf16=true`",
+              "bf16": "same, plus `rollout.dtype=bfloat16` and eager attention"}
+    return [{"label": label, "float32": round(base, 4), "bfloat16": round(runs[n]["step"], 4),
+             "ratio": round(base / runs[n]["step"], 4), "unit": "s"} for n, label in labels.items()]
 
 
 def random_reward(prompts, completions, **kwargs) -> list[float]:
@@ -119,6 +135,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--record", nargs="?", const="precision", metavar="NAME",
+                        help="write the matmul and step table to benchmarks/results/NAME.MACHINE.json (default NAME: precision)")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.steps, args.reward_steps, args.repeats = ["256x4"], 3, 0, 3
@@ -127,7 +145,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, threads {args.threads}, native bf16: {cpu_has_fast_bf16()}")
 
-    matmul_table(MATMULS[:2] if args.quick else MATMULS, args.repeats)
+    table = matmul_table(MATMULS[:2] if args.quick else MATMULS, args.repeats)
 
     names = list(SETTINGS)
     print(f"\n{'model':<7}" + "".join(f"{n + ' s/step':>16}" for n in names) + "".join(f"{'x ' + n:>12}" for n in names[1:])
@@ -137,11 +155,19 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             build_start_model(hidden, layers, heads, 0, 0, d)
             model, tokenizer = _load(d)
-            runs = {n: train_run(model, tokenizer, args.steps, n, args.threads, args.lr, d, True) for n in names}
+            runs = {n: train_run(model, tokenizer, args.steps, n, args.threads, args.lr, f"{d}/run-{n}", True) for n in names}
         base = runs["fp32"]["step"]
         print(f"{size:<7}" + "".join(f"{runs[n]['step']:>16.2f}" for n in names)
               + "".join(f"{base / runs[n]['step']:>11.2f}x" for n in names[1:]) + "   "
               + ", ".join(f"{n} {runs[n]['generate']:.2f} / {runs[n]['update']:.2f}" for n in names), flush=True)
+        table += step_rows(size, runs)
+    if args.record:
+        from recording import Column, record
+
+        record(args.record, [Column("label", ""), Column("float32", "float32", "{:.2f} {unit}"),
+                             Column("bfloat16", "bfloat16", "{:.2f} {unit}"), Column("ratio", "ratio", "{:.2f}x")], table,
+               note=f"Matmuls: best of {args.repeats}. GRPO steps on random rewards, so every row is trained on; mean "
+                    f"of steps 2-{args.steps} (step 1 is warm-up); {args.threads} threads.")
 
     if args.reward_steps:
         size = args.reward_size
@@ -149,7 +175,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             start_acc = build_start_model(hidden, layers, heads, args.sft_steps, 0, d)
             model, tokenizer = _load(d)
-            runs = {n: train_run(model, tokenizer, args.reward_steps, n, args.threads, args.lr, d, False) for n in names}
+            runs = {n: train_run(model, tokenizer, args.reward_steps, n, args.threads, args.lr, f"{d}/run-{n}", False) for n in names}
         print(f"\nreward check, {size}, {args.sft_steps} warm-start steps (held-out greedy accuracy {start_acc:.3f}), "
               f"{args.reward_steps} GRPO steps, lr {args.lr:g}")
         for n, r in runs.items():

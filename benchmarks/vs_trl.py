@@ -3,6 +3,8 @@
     python benchmarks/vs_trl.py                          # hidden 64 / 2 layers and 256 / 4 layers, 20 steps
     python benchmarks/vs_trl.py --quick                  # hidden 64 / 2 layers, 4 steps: about a minute
     python benchmarks/vs_trl.py --sizes 256x4 --steps 40 --sft-steps 400
+    python benchmarks/vs_trl.py --seeds 3 --record       # the table in docs/performance.md (benchmarks/results/vs-trl.MACHINE.json)
+    python benchmarks/vs_trl.py --seeds 3 --sizes 256x4 --precision bf16 --attn eager --record   # adds its bfloat16 row
 
 Needs TRL (`pip install 'lmrl[bench]'`). Nothing is downloaded (HF_HUB_OFFLINE=1 in every process).
 
@@ -485,6 +487,66 @@ def summary(size: str, seeds: list[int], all_runs: list[dict[str, RunResult]]) -
               f"{spread([r.final_reward for r in runs])}  held-out {spread([r.held_out for r in runs])}")
 
 
+def size_label(size: str, precision: str = "fp32", attn: str = "sdpa", eos: bool = False) -> str:
+    """A row's model on the page: "hidden 256, 4 layers", then what differs from the float32 default."""
+    hidden, layers, _ = SIZES[size]
+    return (f"hidden {hidden}, {layers} layers" + (", bfloat16" if precision == "bf16" else "")
+            + (", eager attention" if attn == "eager" else "") + (", completions end at EOS" if eos else ""))
+
+
+def table_row(label: str, all_runs: list[dict[str, RunResult]]) -> dict:
+    """One size's row of the result file: means over seeds of both trainers' runs (`all_runs`: one
+    {"lmrl": ..., "trl": ...} per seed); update / rest = s/step - generation."""
+    def mean(xs) -> float:
+        return round(statistics.fmean(xs), 4)
+
+    def std(xs: list[float]) -> float | None:
+        return round(statistics.stdev(xs), 4) if len(xs) > 1 else None
+
+    row: dict = {"model": label}
+    for name in ("lmrl", "trl"):
+        runs = [r[name] for r in all_runs]
+        row[f"{name}_s_step"] = mean(r.steady_seconds for r in runs)
+        if all("time/generate" in r.extra for r in runs):
+            row[f"{name}_generate"] = mean(r.extra["time/generate"] for r in runs)
+            row[f"{name}_rest"] = round(row[f"{name}_s_step"] - row[f"{name}_generate"], 4)
+        row[f"{name}_reward"], row[f"{name}_reward_std"] = mean(r.final_reward for r in runs), std([r.final_reward for r in runs])
+        row[f"{name}_held_out"], row[f"{name}_held_out_std"] = mean(r.held_out for r in runs), std([r.held_out for r in runs])
+    ratios = [r["trl"].steady_seconds / r["lmrl"].steady_seconds for r in all_runs]
+    row["lmrl_s_step_generate_update"] = row.pop("lmrl_s_step")
+    row["trl_s_step_generate_rest"] = row.pop("trl_s_step")
+    row["samples_s_lmrl_trl_per_seed"] = mean(ratios)
+    row["per_seed"] = ", ".join(f"{x:.2f}" for x in ratios)
+    row["peak_rss_lmrl_trl"] = mean(r["lmrl"].peak_rss_mb / r["trl"].peak_rss_mb for r in all_runs)
+    row["training_reward_last_5_steps_lmrl_trl"] = row.pop("lmrl_reward")
+    row["held_out_after_lmrl_trl"] = row.pop("lmrl_held_out")
+    return row
+
+
+def table_columns(rows: list[dict], steps: int):
+    """The result file's columns (vs-trl): a column's format names the other keys of its rows."""
+    from recording import Column
+
+    split = all("lmrl_generate" in r and "trl_generate" in r for r in rows)
+    several = all(r["lmrl_reward_std"] is not None for r in rows)
+    spread = " +- {%s_std:.3f}" if several else ""
+
+    def pair(key: str) -> str:
+        return "{:.3f}" + spread.replace("%s", f"lmrl_{key}") + f"; {{trl_{key}:.3f}}" + spread.replace("%s", f"trl_{key}")
+
+    return [Column("model", "model"),
+            Column("lmrl_s_step_generate_update", "lmrl s/step (generate + update)",
+                   "{:.2f} ({lmrl_generate:.2f} + {lmrl_rest:.2f})" if split else "{:.2f}"),
+            Column("trl_s_step_generate_rest", "TRL s/step (generate + rest)",
+                   "{:.2f} ({trl_generate:.2f} + {trl_rest:.2f})" if split else "{:.2f}"),
+            Column("samples_s_lmrl_trl_per_seed", "samples/s lmrl / TRL" + (" (per seed)" if several else ""),
+                   "**{:.2f}x** ({per_seed})" if several else "**{:.2f}x**"),
+            Column("peak_rss_lmrl_trl", "peak RSS lmrl / TRL", "{:.2f}x"),
+            Column("training_reward_last_5_steps_lmrl_trl", f"training reward, last {min(5, steps)} steps (lmrl; TRL)",
+                   pair("reward")),
+            Column("held_out_after_lmrl_trl", "held-out after (lmrl; TRL)", pair("held_out"))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -509,6 +571,9 @@ def main() -> None:
     parser.add_argument("--eos", action="store_true",
                         help="let completions end at EOS (the warm start teaches it): unequal work by design, "
                              "lmrl drops finished rows from generation, TRL's model.generate keeps them")
+    parser.add_argument("--record", nargs="?", const="vs-trl", metavar="NAME",
+                        help="write the table to benchmarks/results/NAME.MACHINE.json (default NAME: vs-trl), a row "
+                             "per size, merged into the file's other rows (the float32 and bf16 runs fill one table)")
     parser.add_argument("--child", choices=[*RUNNERS, "check"], help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -518,6 +583,8 @@ def main() -> None:
         return
     if args.quick:
         args.sizes, args.steps, args.sft_steps = ["64x2"], 4, 100
+    if args.record and set(args.trainers) != set(RUNNERS):
+        parser.error("--record compares the two trainers: run both (leave out --trainers)")
 
     import torch
 
@@ -535,6 +602,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, "
           f"threads {args.threads}, {os.cpu_count()} CPUs, "
           f"{'completions end at EOS' if args.eos else f'every completion {args.max_new_tokens} tokens (no EOS)'}")
+    rows = []
     for size in args.sizes:
         hidden, layers, heads = SIZES[size]
         with tempfile.TemporaryDirectory() as init_dir:
@@ -561,6 +629,15 @@ def main() -> None:
                 all_runs.append(runs)
             if len(seeds) > 1:
                 summary(size, seeds, all_runs)
+            rows.append(table_row(size_label(size, args.precision, args.attn, args.eos), all_runs))
+    if args.record:
+        from recording import record
+
+        setup = (f"{args.prompts_per_step} prompts x {args.group_size}, {args.max_new_tokens} new tokens, {args.steps} steps, "
+                 f"{args.threads} threads")
+        seeds = f"seed {args.seed}" if args.seeds == 1 else f"means over seeds {args.seed}-{args.seed + args.seeds - 1}"
+        record(args.record, table_columns(rows, args.steps), rows, merge_on="model",
+               note=f"float32 unless the row says otherwise; {setup}; {seeds}; update / rest: s/step - generate.")
 
 
 if __name__ == "__main__":

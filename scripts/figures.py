@@ -51,7 +51,7 @@ def cell(column: dict, value, row: dict | None = None) -> str:
         return ""
     try:
         return column["format"].format(value, **(row or {}))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, KeyError, IndexError):  # e.g. a typed-in string kept by a merge (recording.py)
         return str(value)
 
 

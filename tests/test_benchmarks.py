@@ -1,13 +1,34 @@
-"""Benchmarks still run: the one that reaches into the decoder's internals (a tiny model, one turn) and the scaling one."""
+"""Benchmarks still run: the one that reaches into the decoder's internals (a tiny model, one turn) and the scaling one;
+and the tables their --record writes (benchmarks/results/) render as the pages show them."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _figures():
+    """scripts/figures.py, with benchmarks/ importable as the benchmarks import recording.py."""
+    for path in (ROOT / "scripts", ROOT / "benchmarks", ROOT):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    import figures
+
+    return figures
+
+
+def _rendered(columns, rows) -> list[str]:
+    """The table lines of a result file with these columns (recording.Column) and rows."""
+    from dataclasses import asdict
+
+    return _figures().table({"columns": [asdict(c) for c in columns], "rows": rows}).splitlines()
 
 
 def test_floor_benchmark_runs_and_reports_both_ratios():
@@ -62,15 +83,42 @@ def test_sandbox_benchmark_runs_and_reports_latency_and_rates():
     assert len(re.findall(r"\d at once: [\d.]+ programs/s", out)) == 2, out
 
 
-def test_preset_gains_benchmark_runs_lmrl_train_and_tabulates():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "preset_gains.py"), "--names", "grpo", "--steps", "2",
-         "--seeds", "0", "1", "--parallel", "2", "--set", "data.num_eval_prompts=8"],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout
+def test_preset_gains_benchmark_runs_lmrl_train_and_tabulates(tmp_path, monkeypatch):
+    env = {**os.environ, "LMRL_RESULTS_DIR": str(tmp_path), "LMRL_MACHINE": "epyc-avx2"}
+    args = ["--names", "grpo", "--steps", "2", "--seeds", "0", "1", "--parallel", "2", "--set", "data.num_eval_prompts=8",
+            "--record", "gains"]
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "preset_gains.py"), *args],
+                         capture_output=True, text=True, timeout=300, check=True, env=env).stdout
     for seed in (0, 1):
         assert re.search(rf"\| grpo \| {seed} \| [\d.]+% -> [\d.]+% \| [+-][\d.]+ \| 2 \| [\d.]+ \|", out), out
     assert re.search(r"\| grpo \| mean of 2 \| \| [+-][\d.]+ \(min [+-][\d.]+\) \| 2 \| \|", out), out
+
+    # --record: the step-matched column; a time-budget run (its table from made-up runs here) fills the others
+    result = json.loads((tmp_path / "gains.epyc-avx2.json").read_text())
+    assert result["command"] == "python benchmarks/preset_gains.py " + " ".join(args)
+    assert [c["key"] for c in result["columns"]] == ["preset", "150_steps_gain"]
+    lines = _figures().table(result).splitlines()
+    assert lines[0] == "| preset | 2 steps: gain |" and re.fullmatch(r"\| `grpo` \| [+-]\d+\.\d \|", lines[2]), lines
+
+    from recording import record
+
+    from benchmarks.preset_gains import table
+
+    runs = [{"name": "grpo", "seed": s, "start": 0.306, "end": e, "steps": n, "s_per_step": 75 / n}
+            for s, e, n in ((0, 0.55, 806), (1, 0.632, 797))]
+    runs += [{"name": "ppo", "seed": 0, "error": ["boom"]}]
+    budget = argparse.Namespace(names=["grpo", "ppo"], minutes=1.25, steps=None, seeds=[0, 1], parallel=2, set=[])
+    columns, rows, note = table(runs, budget)
+    assert note == ("Each 75 s run is `lmrl train algorithm=NAME train.max_minutes=1.25 train.seed=S` in its own process, "
+                    "2 at a time.")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/preset_gains.py", "--seeds", "0", "1"])
+    record("gains", columns, rows, note=note, out_dir=tmp_path, merge_on="preset")
+    merged = json.loads((tmp_path / "gains.epyc-avx2.json").read_text())
+    assert merged["command"] == [result["command"], "python benchmarks/preset_gains.py --seeds 0 1"]
+    lines = _figures().table(merged).splitlines()
+    assert lines[0] == "| preset | 75 s: gain, seeds 0 / 1 (points) | mean | steps in 75 s | 2 steps: gain | s/step |"
+    assert re.fullmatch(r"\| `grpo` \| \+24\.4 / \+32\.6 \| \+28\.5 \| 806 / 797 \| [+-]\d+\.\d \| 0\.09 \|", lines[2]), lines
+    assert len(lines) == 3  # ppo failed: no row
 
 
 def _async_benchmark():
@@ -115,3 +163,116 @@ def test_async_benchmark_compares_accuracy_curves_at_common_times():
     assert bench.interpolate(points, 3.0) == pytest.approx(0.4)
     assert bench.curve_mean(points, 2.0) == pytest.approx(0.3)
     assert bench.curve_mean(points, 4.0) == pytest.approx(0.35)
+
+
+def test_async_benchmark_records_its_three_tables_from_the_metrics():
+    _figures()
+    bench = _async_benchmark()
+
+    def metrics(step_s: float, gen: float, wait: float | None = None) -> list[dict]:
+        rows = [{"step": 0, "time/elapsed": 0.0, "eval/accuracy": 0.3}]
+        for step in range(1, 5):
+            rows.append({"step": step, "time/step": step_s, "time/generate": gen, "time/experience": 0.01,
+                         "time/update": step_s - gen - 0.01 if wait is None else step_s - 0.01 - wait,
+                         "time/elapsed": 1.0 + step * step_s, **({"time/wait_for_batch": wait, "time/wait_for_weights": 0.05}
+                                                                   if wait is not None else {}),
+                         **({"eval/accuracy": 0.3 + 0.05 * step} if step % 2 == 0 else {})})
+        return rows
+
+    runs = {"sync": metrics(0.1, 0.03), "async": metrics(0.08, 0.03, wait=0.001)}
+    shipped = bench.shipped_rows(runs)
+    assert [r["run"] for r in shipped] == ["`train.async_steps=0`", "`train.async_steps=1`"]
+    assert shipped[1]["steps_s_vs_sync"] == 1.25 and shipped[0]["trainer_waited"] is None
+    from recording import Column as C
+
+    columns = [C("run", "run"), C("generation", "generation", "{:.3f}{beside}"),
+               C("steps_s_vs_sync", "steps/s vs sync", "**{:.2f}x** ({wall_ratio:.2f}x of wall-clock, evaluations and start included)")]
+    assert _rendered(columns, shipped)[2:] == [
+        "| `train.async_steps=0` | 0.030 | **1.00x** (1.00x of wall-clock, evaluations and start included) |",
+        "| `train.async_steps=1` | 0.030 (beside) | **1.25x** (1.06x of wall-clock, evaluations and start included) |"]
+
+    columns, rows = bench.accuracy_table(runs)
+    assert _rendered(columns, rows) == ["| seconds | 0.3 | 0.7 | 1.0 | 1.3 |", "|---|---|---|---|---|",
+                                        "| sync | 32.8% | 35.5% | 38.2% | 46.0% |", "| async | 32.8% | 35.7% | 38.5% | 50.0% |"]
+
+    results = {"sync2": {"rows": metrics(1.5, 0.5)}, "async": {"rows": metrics(1.7, 1.3, wait=0.002)},
+               "trl": {"step": [2.8, 2.8], "generate": [1.1, 1.1]}, "sync1": {"rows": metrics(2.6, 0.9)}}
+    rows = bench.informative_rows(results)
+    columns = [C("run", "run"), C("x_the_2_core_floor", "x the 2-core floor", "{:.2f}"), C("x_sync", "x sync", "{:.2f}"),
+               C("generation", "generation", "{:.3f}{beside}"), C("update", "update", "{:.3f}")]
+    assert _rendered(columns, rows)[2:] == [
+        "| lmrl sync, 2 threads | 1.15 | 1.00 | 0.500 | 1.000 |",
+        "| lmrl `async_steps=1`, automatic 2 + 1 threads | 1.31 | 1.13 | 1.300 (beside) | 1.698 |",
+        "| TRL GRPOTrainer, 2 threads | 2.15 | 1.87 | 1.100 | 1.700 |",
+        "| lmrl sync, 1 thread | 2.00 | 1.73 | 0.900 | 1.700 |"]
+
+
+def test_logprobs_benchmark_tabulates_the_cases_both_methods_ran():
+    _figures()
+    from recording import Column as C
+
+    from benchmarks.logprobs import Result, table_rows
+
+    def result(seconds: float, work: float) -> Result:
+        return Result(seconds=seconds, work_mb=work, peak_mb=0.0, base_mb=0.0)
+
+    measured = [(32000, "float32", "fwd", 1024, result(0.73, 1003.0), result(0.23, 37.0)),
+                (152064, "float32", "fwd+bwd", 1024, "skipped: needs ~26 GB, 23 GB available", result(2.0, 80.0))]
+    rows, left_out = table_rows(measured, from_hidden=False)
+    assert left_out == ["V = 152064 float32 fwd+bwd (naive skipped: needs ~26 GB, 23 GB available)"]
+    columns = [C("v", "V"), C("logits", "logits"), C("time_chunked_naive", "time chunked / naive",
+                                                         "{:.2f} s / {naive_s:.2f} s = {time_ratio:.2f}"),
+               C("work_chunked", "work chunked", "{:.0f} MB"), C("ratio", "ratio", "{:.2f}")]
+    assert _rendered(columns, rows)[2:] == ["| 32000 | float32 | 0.23 s / 0.73 s = 0.32 | 37 MB | 0.04 |"]
+    assert set(table_rows(measured[:1], from_hidden=True)[0][0]) >= {"dtype", "time_fused_naive", "work_fused"}
+
+
+def test_vs_trl_benchmark_tabulates_means_over_seeds():
+    _figures()
+    from benchmarks.vs_trl import RunResult, size_label, table_columns, table_row
+
+    def run(trainer: str, step: float, gen: float, reward: float, held_out: float, rss: float) -> RunResult:
+        return RunResult(trainer, [1.0, step, step], [reward] * 3, [64.0] * 3, 3.0, 1.0, rss, 0.0, held_out,
+                         {"time/generate": gen})
+
+    seeds = [{"lmrl": run("lmrl", 0.5, 0.25, 0.08, 0.10, 760.0), "trl": run("trl", 1.2, 0.5, 0.07, 0.09, 1000.0)},
+             {"lmrl": run("lmrl", 0.6, 0.3, 0.06, 0.12, 760.0), "trl": run("trl", 1.2, 0.6, 0.09, 0.11, 1000.0)}]
+    assert size_label("256x4", "bf16", "eager") == "hidden 256, 4 layers, bfloat16, eager attention"
+    rows = [table_row(size_label("256x4"), seeds)]
+    lines = _rendered(table_columns(rows, 20), rows)
+    assert lines[0] == ("| model | lmrl s/step (generate + update) | TRL s/step (generate + rest) | samples/s lmrl / TRL (per seed) "
+                        "| peak RSS lmrl / TRL | training reward, last 5 steps (lmrl; TRL) | held-out after (lmrl; TRL) |")
+    assert lines[2] == ("| hidden 256, 4 layers | 0.55 (0.28 + 0.28) | 1.20 (0.55 + 0.65) | **2.20x** (2.40, 2.00) | 0.76x "
+                        "| 0.070 +- 0.014; 0.080 +- 0.014 | 0.110 +- 0.014; 0.100 +- 0.014 |")
+    rows = [table_row(size_label("64x2"), seeds[:1])]  # one seed: no spread, no per-seed list
+    assert _rendered(table_columns(rows, 4), rows)[2] == (
+        "| hidden 64, 2 layers | 0.50 (0.25 + 0.25) | 1.20 (0.50 + 0.70) | **2.40x** | 0.76x | 0.080; 0.070 | 0.100; 0.090 |")
+
+
+def test_decode_benchmark_labels_its_row_by_the_flags_that_differ():
+    _figures()
+    import benchmarks.decode_ab as decode
+
+    defaults = {"hidden": 256, "layers": 4, "heads": 4, "threads": 2, "dtype": "float32", "all_sizes": False}
+    ratios = [1.5, 1.6, 1.7, 1.8, 1.9]
+    args = argparse.Namespace(**{**defaults, "hidden": 64, "layers": 2})
+    assert decode.table_row(args, defaults, ratios) == {
+        "model": "hidden 64, 2 layers (`--hidden 64 --layers 2`)", "speedup": 1.7, "q1": 1.6, "q3": 1.8}
+    args = argparse.Namespace(**{**defaults, "dtype": "bfloat16", "all_sizes": True})
+    assert decode.table_row(args, defaults, ratios)["model"] == (
+        "hidden 256, 4 layers, bfloat16 sampler (`--dtype bfloat16 --all-sizes`)")
+    assert decode.table_row(argparse.Namespace(**defaults), defaults, ratios)["model"] == "hidden 256, 4 layers"
+
+
+def test_precision_benchmark_tabulates_the_steps_against_float32():
+    _figures()
+    from recording import Column as C
+
+    from benchmarks.precision import step_rows
+
+    rows = step_rows("256x4", {"fp32": {"step": 0.94}, "autocast": {"step": 0.97}, "bf16": {"step": 0.55}})
+    columns = [C("label", ""), C("float32", "float32", "{:.2f} {unit}"), C("bfloat16", "bfloat16", "{:.2f} {unit}"),
+               C("ratio", "ratio", "{:.2f}x")]
+    assert _rendered(columns, rows)[2:] == [
+        "| GRPO step, hidden 256 / 4 layers, `train.autocast_bf16=true` | 0.94 s | 0.97 s | 0.97x |",
+        "| same, plus `rollout.dtype=bfloat16` and eager attention | 0.94 s | 0.55 s | 1.71x |"]

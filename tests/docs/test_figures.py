@@ -200,3 +200,34 @@ def test_a_benchmark_records_its_table(tmp_path: Path):
     assert result["rows"][0]["lmrl"] > 0 and result["rows"][0]["x_lmrl"] > 0
     assert "torch" in result["versions"]
     assert "| `model.generate` tok/s |" in figures.table(result)
+
+
+def test_runs_that_fill_one_table_merge_on_a_key(tmp_path: Path, monkeypatch):
+    """record(merge_on=...): a second run fills its own columns of the rows with the same key, adds its new rows,
+    and the file lists both commands; the columns keep the caller's order, a column nobody wrote is left out."""
+    monkeypatch.setenv("LMRL_MACHINE", "epyc-avx2")
+    columns = [recording.Column("preset"), recording.Column("gain", "75 s: gain", "+{:.1f}"),
+               recording.Column("steps_gain", "150 steps: gain", "+{:.1f}"), recording.Column("s_step", "s/step", "{:.2f}")]
+    monkeypatch.setattr(sys, "argv", ["benchmarks/preset_gains.py"])
+    recording.record("gains", columns, [{"preset": "grpo", "gain": 29.25, "s_step": 0.093}], note="75 s runs.",
+                     out_dir=tmp_path, merge_on="preset")
+    first = json.loads((tmp_path / "gains.epyc-avx2.json").read_text())
+    assert [c["key"] for c in first["columns"]] == ["preset", "gain", "s_step"]  # no steps_gain yet
+    for extra in ([], ["--record"], ["--record", "gains"]):  # the same run thrice: its command and note once
+        monkeypatch.setattr(sys, "argv", ["benchmarks/preset_gains.py", "--steps", "150", *extra])
+        recording.record("gains", columns, [{"preset": "grpo", "steps_gain": 22.8}, {"preset": "ppo", "steps_gain": 23.6}],
+                         note="150-step column: no time limit.", out_dir=tmp_path, merge_on="preset")
+    result = json.loads((tmp_path / "gains.epyc-avx2.json").read_text())
+    assert result["command"] == ["python benchmarks/preset_gains.py", "python benchmarks/preset_gains.py --steps 150 --record gains"]
+    assert result["note"] == "75 s runs. 150-step column: no time limit."
+    assert figures.table(result) == ("| preset | 75 s: gain | 150 steps: gain | s/step |\n|---|---|---|---|\n"
+                                     "| grpo | +29.2 | +22.8 | 0.09 |\n| ppo |  | +23.6 |  |")
+
+    # into a typed-in file: its string cells stay where this run wrote none, and its source becomes "partly ..."
+    typed = {**first, "source": "typed in", "columns": [{**c, "format": "{}"} for c in first["columns"]],
+             "rows": [{"preset": "grpo", "gain": "+29.3", "s_step": "0.09"}]}
+    (tmp_path / "gains.epyc-avx2.json").write_text(json.dumps(typed))
+    recording.record("gains", columns, [{"preset": "grpo", "steps_gain": 22.8}], out_dir=tmp_path, merge_on="preset")
+    result = json.loads((tmp_path / "gains.epyc-avx2.json").read_text())
+    assert result["source"] == "partly typed in"
+    assert figures.table(result).splitlines()[-1] == "| grpo | +29.3 | +22.8 | 0.09 |"
