@@ -38,7 +38,7 @@ from lmrl.errors import ConfigError, DataError, ModelError, RewardError
 from lmrl.experience import compute_advantages
 from lmrl.models.shipped import SHIPPED_MODEL
 from lmrl.rewards import score
-from tests.forked import forked, lmrl
+from tests.forked import lmrl
 
 ROOT = Path(__file__).resolve().parents[1]
 # a step of the shipped model that takes a second: 2 prompts x 2 completions, no evaluation
@@ -367,7 +367,7 @@ def ran(tmp_path_factory):
     def run(case: str):
         args = _args(case, BAD[case], url)
         try:
-            proc = forked("cli", args, cwd, 120, f"lmrl {shlex.join(args)}", env)  # a process, without start-up
+            proc = lmrl(*args, cwd=cwd, timeout=120, env=env)  # a process, without start-up
         except subprocess.TimeoutExpired as e:  # that row fails with what it printed; the others still run
             return case, (args, None, f"timed out after 120 s: {e.stderr}")
         return case, (args, proc.returncode, proc.stderr)
