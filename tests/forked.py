@@ -93,7 +93,9 @@ def forked(kind: str, payload, cwd: Path, timeout: float, what: str, env: dict[s
     source `payload[0]` as `__main__` (named `payload[1]`, argv `payload[1:]`, sys.path[0] the cwd), "script" the
     file `payload[0]` as `python payload[0] payload[1:]...` does; in `cwd`, with the environment `env`, stdin
     `stdin`, stdout and stderr captured. Like subprocess.run, without the interpreter's start-up. The environment
-    is the child's os.environ: what torch or lmrl read from it at import time is the zygote's (the first call's)."""
+    is the child's os.environ: what torch or lmrl read from it at import time is the zygote's (the first call's).
+    The child ends with os._exit: atexit handlers and the interpreter's shutdown do not run, so what only a
+    process's normal exit shows (a hang joining children, a message at shutdown) needs a fresh process."""
     zygote = getattr(_local, "zygote", None)
     if zygote is None or zygote.poll() is not None:
         zygote = _local.zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE,
