@@ -5,7 +5,9 @@ pages and the bad-inputs table run hundreds of commands."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -20,11 +22,11 @@ ZYGOTE = r"""
 import os, pickle, signal, sys, time, types
 import lmrl.build, lmrl.cli  # torch and transformers: imported once, shared by every child
 
-def as_main(source, name):
+def as_main(source, name, path0=""):
     module = types.ModuleType("__main__")
     module.__file__ = name
     sys.modules["__main__"] = module
-    sys.path.insert(0, "")
+    sys.path.insert(0, path0)
     exec(compile(source, name, "exec"), module.__dict__)
     return 0
 
@@ -43,6 +45,11 @@ def child(kind, payload, cwd, env, files):
         if kind == "cli":
             sys.argv = ["lmrl", *payload]
             code = lmrl.cli.main(payload) or 0
+        elif kind == "script":  # as `python PATH ARGS...`: sys.path[0] is the script's folder
+            sys.argv = list(payload)
+            with open(payload[0], "rb") as f:
+                source = f.read()
+            code = as_main(source, payload[0], os.path.dirname(os.path.realpath(payload[0])))
         else:
             sys.argv = [payload[1], *payload[2:]]
             code = as_main(payload[0], payload[1])
@@ -83,8 +90,12 @@ _local = threading.local()  # a zygote per thread: threads of a test run childre
 def forked(kind: str, payload, cwd: Path, timeout: float, what: str, env: dict[str, str],
            stdin: str = "") -> subprocess.CompletedProcess:
     """A child forked from the zygote (ZYGOTE): `kind` "cli" runs `lmrl.cli.main(payload)`, "main" runs the
-    source `payload[0]` as `__main__` (named `payload[1]`, argv `payload[1:]`); in `cwd`, with the environment
-    `env`, stdin `stdin`, stdout and stderr captured. Like subprocess.run, without the interpreter's start-up."""
+    source `payload[0]` as `__main__` (named `payload[1]`, argv `payload[1:]`, sys.path[0] the cwd), "script" the
+    file `payload[0]` as `python payload[0] payload[1:]...` does; in `cwd`, with the environment `env`, stdin
+    `stdin`, stdout and stderr captured. Like subprocess.run, without the interpreter's start-up. The environment
+    is the child's os.environ: what torch or lmrl read from it at import time is the zygote's (the first call's).
+    The child ends with os._exit: atexit handlers and the interpreter's shutdown do not run, so what only a
+    process's normal exit shows (a hang joining children, a message at shutdown) needs a fresh process."""
     zygote = getattr(_local, "zygote", None)
     if zygote is None or zygote.poll() is not None:
         zygote = _local.zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE,
@@ -101,3 +112,19 @@ def forked(kind: str, payload, cwd: Path, timeout: float, what: str, env: dict[s
             raise subprocess.TimeoutExpired(what, timeout)
         return subprocess.CompletedProcess(what, code, files[1].read_text(errors="replace"),
                                            files[2].read_text(errors="replace"))
+
+
+def lmrl(*args: str, cwd: Path | str, timeout: float = 240, env: dict[str, str] | None = None,
+         stdin: str = "") -> subprocess.CompletedProcess:
+    """`lmrl ARGS...` in `cwd` as a forked child: what `subprocess.run([sys.executable, "-m", "lmrl.cli", *args],
+    cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` gives (env None: this process's
+    environment), without the interpreter's start-up."""
+    return forked("cli", list(args), Path(cwd), timeout, shlex.join(["lmrl", *args]),
+                  dict(os.environ) if env is None else env, stdin)
+
+
+def script(path: Path | str, *args: str, cwd: Path | str, timeout: float = 240, env: dict[str, str] | None = None,
+           stdin: str = "") -> subprocess.CompletedProcess:
+    """`python PATH ARGS...` in `cwd` as a forked child (PATH relative to `cwd`, or absolute), like `lmrl` above."""
+    return forked("script", [str(path), *args], Path(cwd), timeout, shlex.join(["python", str(path), *args]),
+                  dict(os.environ) if env is None else env, stdin)

@@ -21,7 +21,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from lmrl.errors import ConfigError, DataError, ModelError, RewardError
 from lmrl.experience import compute_advantages
 from lmrl.models.shipped import SHIPPED_MODEL
 from lmrl.rewards import score
-from tests.forked import forked
+from tests.forked import lmrl
 
 ROOT = Path(__file__).resolve().parents[1]
 # a step of the shipped model that takes a second: 2 prompts x 2 completions, no evaluation
@@ -371,7 +370,7 @@ def ran(tmp_path_factory):
     def run(case: str):
         args = _args(case, BAD[case], url)
         try:
-            proc = forked("cli", args, cwd, 120, f"lmrl {shlex.join(args)}", env)  # a process, without start-up
+            proc = lmrl(*args, cwd=cwd, timeout=120, env=env)  # a process, without start-up
         except subprocess.TimeoutExpired as e:  # that row fails with what it printed; the others still run
             return case, (args, None, f"timed out after 120 s: {e.stderr}")
         return case, (args, proc.returncode, proc.stderr)
@@ -415,9 +414,8 @@ def test_bad_input_gets_one_line(case, ran):
 
 
 def _lmrl(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "lmrl.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=180)
+    """`lmrl ARGS` as its own process (forked from one that has imported lmrl: tests/forked.py)."""
+    return lmrl(*args, cwd=cwd, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_on_error_zero_counts_non_finite_rewards_and_saves_finite_weights(tmp_path):

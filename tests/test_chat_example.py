@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from lmrl import Trainer, load_config
 from lmrl.models.prompt_encoding import encode_prompts
+from tests.forked import lmrl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,8 +44,7 @@ def test_the_example_config_trains_a_few_steps(built, tmp_path):
             f"data.eval_path={built / 'test.jsonl'}", f"train.output_dir={tmp_path / 'run'}", "train.steps=2",
             "train.eval_every=2", "data.num_eval_prompts=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=8", "log.samples_every=1"]
-    out = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", str(ROOT / "examples" / "chat_qwen2.yaml"), *over],
-                         capture_output=True, text=True, timeout=300)
+    out = lmrl("train", str(ROOT / "examples" / "chat_qwen2.yaml"), *over, cwd=Path.cwd(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]

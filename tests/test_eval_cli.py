@@ -1,6 +1,7 @@
 """`lmrl eval` as a user runs it: a plain file with reward functions, a file with splits, a run directory; an empty
-selection is one line saying why. The first case runs in a subprocess, the rest through `lmrl.cli.main` in this
-process (the same code, without starting Python each time)."""
+selection is one line saying why. The first case runs in a process of its own (forked from one that has imported
+lmrl: tests/forked.py), the rest through `lmrl.cli.main` in this process (the same code, without starting Python
+each time)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict
+
+from tests.forked import lmrl as lmrl_process
 
 ROWS = [{"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)} for a in range(10, 22)]
 REWARDS = '''
@@ -31,8 +33,7 @@ def minus(completions, **kwargs):
 
 def lmrl(*args: str, cwd: Path, real: bool = False) -> subprocess.CompletedProcess:
     if real:
-        return subprocess.run([sys.executable, "-m", "lmrl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                              timeout=300)
+        return lmrl_process(*args, cwd=cwd, timeout=300)
     from lmrl.cli import main
 
     out, err, before = io.StringIO(), io.StringIO(), os.getcwd()

@@ -1,7 +1,8 @@
 """Long runs, as a user meets them: real `lmrl train` processes stopped by real signals and SIGKILLs at
 named points (tests/fault_driver.py), resumed with train.resume=auto, and compared with a run that was
 never interrupted: the same metrics and bit-identical weights. Plus the output-directory rules, the
-lock, and the guards that stop a run doing silent harm."""
+lock, and the guards that stop a run doing silent harm. Each run is its own process, forked from one
+that has imported lmrl (tests/forked.py); a signal from outside is sent to a process started afresh."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from lmrl.checkpoint import COMPLETE, RunLock, atomic_directory, checkpoints, pl
 from lmrl.config import load_config
 from lmrl.errors import ConfigError, RunError
 from lmrl.guards import Guards
+from tests.forked import lmrl, script
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "fault_driver.py"
@@ -38,9 +40,10 @@ TIMING = ("time/", "eps", "/seconds")  # wall-clock metrics: the only ones a res
 
 
 def lmrl_train(out: Path, *args: str, fault: tuple[str, int] | None = None, timeout: float = 240):
-    cmd = [sys.executable, "-m", "lmrl.cli", "train"] if fault is None else [sys.executable, str(DRIVER), fault[0], str(fault[1])]
-    return subprocess.run([*cmd, f"train.output_dir={out}", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    """`lmrl train` (or the fault driver) as its own process, forked from a zygote that has imported lmrl."""
+    if fault is None:
+        return lmrl("train", f"train.output_dir={out}", *args, cwd=ROOT, timeout=timeout)
+    return script(DRIVER, fault[0], str(fault[1]), f"train.output_dir={out}", *args, cwd=ROOT, timeout=timeout)
 
 
 def metric_rows(out: Path) -> list[dict]:

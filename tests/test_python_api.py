@@ -13,6 +13,7 @@ from lmrl import Config, Trainer, load_config
 from lmrl.config import ALGORITHM_PRESETS, AlgorithmConfig
 from lmrl.errors import ConfigError, DataError
 from lmrl.models.shipped import SHIPPED_MODEL, load_shipped
+from tests.forked import lmrl
 
 ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
 
@@ -149,12 +150,10 @@ def test_the_cli_trains_on_a_saved_dataset_and_dataset_dict(tmp_path):
     common = ["reward.functions=[exact_match]", "train.steps=1", "rollout.prompts_per_step=4", "log.console=false",
               "data.num_eval_prompts=4"]
     for saved in ("one", "two"):
-        run = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", f"data.path={saved}", f"train.output_dir=out-{saved}",
-                              *common], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        run = lmrl("train", f"data.path={saved}", f"train.output_dir=out-{saved}", *common, cwd=tmp_path, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         assert (tmp_path / f"out-{saved}" / "final" / "model.safetensors").is_file()
-    bad = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "data.path=two", "data.split=validation", *common],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    bad = lmrl("train", "data.path=two", "data.split=validation", *common, cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "lmrl: error: data.path: two: a saved DatasetDict without a 'validation' split; its splits: train, test"]
 
@@ -208,15 +207,14 @@ def test_the_cli_streams_a_file_with_data_streaming(tmp_path):
 
     rows = [*ROWS[:20], {"prompt": " ", "answer": "0"}, *ROWS[20:]]  # row 20 is blank
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = [sys.executable, "-m", "lmrl.cli", "train", "data.path=rows.jsonl", "data.streaming=true",
+    common = ["train", "data.path=rows.jsonl", "data.streaming=true",
               "reward.functions=[exact_match]", "train.steps=2", "rollout.prompts_per_step=16", "log.console=false",
               "data.num_eval_prompts=0"]
-    failed = subprocess.run([*common, "train.output_dir=a"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    failed = lmrl(*common, "train.output_dir=a", cwd=tmp_path, timeout=300)
     assert failed.returncode == 1 and failed.stderr.strip().splitlines() == [
         "lmrl: error: step 2: data.path: rows.jsonl row 20: prompt is only whitespace; fix it, or set "
         "data.on_bad_row=skip to leave it out; a/checkpoint-1 written: add train.resume=auto to continue"]
-    skipped = subprocess.run([*common, "train.output_dir=b", "data.on_bad_row=skip"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=300)
+    skipped = lmrl(*common, "train.output_dir=b", "data.on_bad_row=skip", cwd=tmp_path, timeout=300)
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     assert "left out a bad row" in skipped.stderr
     last = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[-1])

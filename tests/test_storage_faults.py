@@ -21,6 +21,7 @@ import pytest
 from lmrl import Config, Trainer
 from lmrl.checkpoint import COMPLETE, checkpoints, storage_cause, verify_checkpoint
 from lmrl.errors import RunError
+from tests.forked import forked
 from tests.test_async_rollouts import same_metrics
 from tests.test_long_runs import ROOT, metric_rows
 
@@ -168,19 +169,24 @@ def test_a_final_save_the_disk_cannot_take_leaves_the_last_checkpoint_as_the_res
         assert verify_checkpoint(out / "checkpoint-1") is None
 
 
+# `lmrl ARGS...` under a 2 MiB file-size limit, set in the process before lmrl runs (as preexec_fn would)
+LIMITED_LMRL = """
+import resource, signal, sys
+from lmrl.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_a_file_size_limit_is_one_line_naming_the_directory_and_the_cause(tmp_path):
     """The same fault without root: a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes the first checkpoint's
-    write fail with EFBIG, as a quota does."""
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-
+    write fail with EFBIG, as a quota does. The run is a process forked from one that has imported lmrl."""
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={out}", "train.steps=1",
-                           "train.save_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
-                           "data.num_eval_prompts=4", "train.eval_every=0", "log.console=false"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
+    args = ["train", f"train.output_dir={out}", "train.steps=1", "train.save_every=1", "rollout.prompts_per_step=4",
+            "rollout.group_size=4", "data.num_eval_prompts=4", "train.eval_every=0", "log.console=false"]
+    done = forked("main", [LIMITED_LMRL, "lmrl", *args], ROOT, 300, "lmrl " + " ".join(args),
+                  {**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last == (f"lmrl: error: cannot write checkpoint-1 in {out}: File too large (EFBIG); the partial checkpoint-1 "

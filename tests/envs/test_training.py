@@ -104,17 +104,14 @@ def test_a_misspelt_builtin_environment_or_tool_is_told_its_own_builtins(tmp_pat
 
 def test_the_documented_retry_environment_runs_from_the_command_line(tmp_path):
     """What docs/agents.md tells users to run: a custom environment named in the config, the shipped model."""
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from tests.forked import lmrl
+
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-m", "lmrl.cli", "train", "env.name=examples/retry_env.py:Retry", "env.max_turns=3",
-         "reward.functions=[env]", "train.steps=2", "train.eval_every=0", "rollout.prompts_per_step=4",
-         f"train.output_dir={tmp_path}", "log.console=false"],
-        cwd=root, capture_output=True, text=True, timeout=300,
-    )
+    out = lmrl("train", "env.name=examples/retry_env.py:Retry", "env.max_turns=3", "reward.functions=[env]",
+               "train.steps=2", "train.eval_every=0", "rollout.prompts_per_step=4", f"train.output_dir={tmp_path}",
+               "log.console=false", cwd=root, timeout=300)  # its own process, forked from one that imported lmrl
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]

@@ -227,16 +227,14 @@ def _mixed_rows(n: int = 16) -> list[dict]:
 
 def test_the_cli_trains_with_a_recipe_per_data_source(tmp_path):
     import json
-    import subprocess
-    import sys
+
+    from tests.forked import lmrl
 
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _mixed_rows()))
-    run = subprocess.run(
-        [sys.executable, "-m", "lmrl.cli", "train", "data.path=mixed.jsonl", "train.output_dir=out",
-         "reward.recipes={sum: [exact_match], style: [{fn: regex, pattern: '^[0-9]+', weight: 0.5}]}",
-         "reward.clip=[-1, 1]", "train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=2",
-         "data.num_eval_prompts=0", "log.console=false"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = lmrl("train", "data.path=mixed.jsonl", "train.output_dir=out",
+               "reward.recipes={sum: [exact_match], style: [{fn: regex, pattern: '^[0-9]+', weight: 0.5}]}",
+               "reward.clip=[-1, 1]", "train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=2",
+               "data.num_eval_prompts=0", "log.console=false", cwd=tmp_path, timeout=300)  # a process of its own
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "reward/recipe/sum/frac" in m]
