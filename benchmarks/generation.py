@@ -156,7 +156,8 @@ def vllm_engine(s: Setup, eos: bool, max_len: int):
 
 LABELS = {"tiny": "tiny Llama (hidden 64, 2 layers)", "shipped": "the shipped model (~0.5M parameters)",
           "30m": "~41M Llama (hidden 512, 8 layers, V 32k)", "100m": "~110M Llama (hidden 768, 12 layers, V 32k)"}
-HEADERS = {"hf": "`model.generate` tok/s", "lmrl": "lmrl tok/s", "vllm": "vLLM tok/s"}
+NAMES = {"hf": "`model.generate`", "lmrl": "lmrl", "vllm": "vLLM"}
+HEADERS = {b: f"{name} tok/s" for b, name in NAMES.items()}
 
 
 def main() -> None:
@@ -211,7 +212,7 @@ def main() -> None:
         for b in args.backends:
             columns.append(Column(b, HEADERS[b], "{:.0f}"))
             if b != first:
-                columns.append(Column(f"x_{b}", f"{b} / {first}", "{:.2f}x"))
+                columns.append(Column(f"x_{b}", f"{NAMES[b]} / {NAMES[first]}", "{:.2f}x"))
         record(args.record, columns, rows, note=f"Tokens/s of real generated tokens, best of {args.repeats} "
                "interleaved runs; `eos`: completions may end early, `no-eos`: all run to the limit.")
 

@@ -81,13 +81,14 @@ def machine_name() -> str:
 
 
 def commit() -> str:
-    """The checkout's short commit, with "+changes" when files differ from it ("" outside a git checkout)."""
+    """The checkout's short commit, with "+changes" when its code (lmrl/, the benchmarks) differs from it ("" outside
+    a git checkout)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "lmrl", "benchmarks")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "lmrl", "benchmarks/*.py")  # the code
     except (OSError, subprocess.SubprocessError):
         return ""
     return head + ("+changes" if head and dirty else "")

@@ -77,9 +77,11 @@ def table(result: dict) -> str:
     above: dict[str, str] = {}
     for row in result["rows"]:
         cells = []
+        grouped = True  # a merged cell is left blank only inside the group of the merged cells to its left
         for c in columns:
             text = cell(c, row.get(c["key"]), row)
-            cells.append("" if c.get("merge") and above.get(c["key"]) == text else text)
+            grouped = grouped and bool(c.get("merge")) and above.get(c["key"]) == text
+            cells.append("" if grouped else text)
             above[c["key"]] = text
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
