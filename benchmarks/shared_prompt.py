@@ -3,6 +3,7 @@ transformers forward, at several prompt / response lengths.
 
     python benchmarks/shared_prompt.py                      # hidden 256 / 4 layers, 2 threads
     python benchmarks/shared_prompt.py --shapes 6x64 512x256 --groups 2
+    python benchmarks/shared_prompt.py --record             # the table in docs/algorithms.md
 
 A seeded Llama built from a config (random weights), float32. Each shape PxT is a batch of --groups
 prompts of P tokens (some left-padded) x G = 8 completions of T tokens, the log-probs of the responses
@@ -43,7 +44,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["6x64", "64x64", "128x128", "256x256"],
                         help="prompt x response tokens")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--record", nargs="?", const="shared-prompt", metavar="NAME",
+                        help="write the table to benchmarks/results/NAME.MACHINE.json")
     args = parser.parse_args()
+    rows = []
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes]
     model, _ = seeded_llama(args, max_position_embeddings=max(p + t for p, t in shapes))
     model.train()
@@ -60,8 +64,20 @@ def main() -> None:
         update(model, seqs, mask, t, False), update(model, seqs, mask, t, True)  # warm-up
         pairs = [(update(model, seqs, mask, t, False), update(model, seqs, mask, t, True)) for _ in range(args.repeats)]
         ratios = sorted(a / b for a, b in pairs)
-        print(f"{f'{p} x {t}':>18}{statistics.median(a for a, _ in pairs):>9.3f}{statistics.median(b for _, b in pairs):>10.3f}"
-              f"{statistics.median(ratios):>8.2f}x{f'{ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f}':>12}")
+        row = {"shape": f"{p} x {t}", "plain": statistics.median(a for a, _ in pairs),
+               "shared": statistics.median(b for _, b in pairs), "speedup": statistics.median(ratios),
+               "low": ratios[len(ratios) // 4], "high": ratios[3 * len(ratios) // 4]}
+        rows.append(row)
+        print(f"{row['shape']:>18}{row['plain']:>9.3f}{row['shared']:>10.3f}{row['speedup']:>8.2f}x"
+              f"{'{:.2f}-{:.2f}'.format(row['low'], row['high']):>12}", flush=True)
+    if args.record:
+        from recording import Column, record
+
+        record(args.record, [Column("shape", "prompt x response tokens"), Column("plain", "transformers' forward", "{:.2f} s"),
+                             Column("shared", "each prompt once", "{:.2f} s"),
+                             Column("speedup", "speedup (quartiles)", "{:.2f}x ({low:.2f}-{high:.2f})")], rows,
+               note=f"Forward + backward of {args.groups} prompts x {GROUP} completions on a hidden {args.hidden} / "
+                    f"{args.layers} layers Llama, {args.threads} threads, median of {args.repeats} paired turns.")
 
 
 if __name__ == "__main__":

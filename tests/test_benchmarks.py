@@ -276,3 +276,13 @@ def test_precision_benchmark_tabulates_the_steps_against_float32():
     assert _rendered(columns, rows)[2:] == [
         "| GRPO step, hidden 256 / 4 layers, `train.autocast_bf16=true` | 0.94 s | 0.97 s | 0.97x |",
         "| same, plus `rollout.dtype=bfloat16` and eager attention | 0.94 s | 0.55 s | 1.71x |"]
+
+
+def test_calculator_benchmark_rows_read_as_the_agents_page_shows_them():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from calculator import table_row
+
+    results = [{"start": 0.336, "end": 1.0, "seconds": 182.2}, {"start": 0.336, "end": 0.998, "seconds": 206.0}]
+    assert table_row("calculator", [0, 1], results) == {
+        "task": "`calculator` (with the tool)", "seeds": "0, 1",
+        "accuracy": "33.6% -> 100.0%, 99.8% (mean +66.3 points)", "wall": "182, 206 s"}
