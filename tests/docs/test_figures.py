@@ -231,3 +231,30 @@ def test_runs_that_fill_one_table_merge_on_a_key(tmp_path: Path, monkeypatch):
     result = json.loads((tmp_path / "gains.epyc-avx2.json").read_text())
     assert result["source"] == "partly typed in"
     assert figures.table(result).splitlines()[-1] == "| grpo | +29.3 | +22.8 | 0.09 |"
+
+
+MEASURED = re.compile(r"\b\d+\.\d+x\b|tok/s")  # a speed-up ratio or a rate: what a benchmark measures
+
+
+def hand_typed_figure_rows(text: str) -> list[int]:
+    """Line numbers of table rows outside figure regions (and code) that hold a measured ratio or rate."""
+    rows, region, fence = [], False, False
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = not fence
+        region = (region or "<!-- figure: " in stripped) and "<!-- /figure -->" not in stripped
+        if not (region or fence) and stripped.startswith("|") and MEASURED.search(stripped):
+            rows.append(number)
+    return rows
+
+
+@pytest.mark.parametrize("page", figures.pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_tables_of_measurements_are_figure_regions(page: Path):
+    """A table of speed-ups or rates is a benchmark's: it comes from a result file, not typed into the page."""
+    assert hand_typed_figure_rows(page.read_text()) == []
+
+
+def test_a_hand_typed_table_of_measurements_is_caught():
+    text = "# P\n\n| model | ratio |\n|---|---|\n| tiny | 2.04x |\n\n<!-- figure: x -->\n\n| tiny | 2.04x |\n\n<!-- /figure -->\n"
+    assert hand_typed_figure_rows(text) == [5]
