@@ -127,6 +127,7 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "benchmarks")]
 import figures  # noqa: E402
 import recording  # noqa: E402
 
+COMMANDS = ("python benchmarks/", "lmrl ", "make ", "torchrun ")  # what a recorded figure's command may be
 RESULT_KEYS = {"name", "command", "machine", "date", "commit", "versions", "note", "columns", "rows", "values"}
 
 
@@ -147,7 +148,7 @@ def test_every_result_file_names_its_machine_date_and_command_and_is_shown():
         assert result["machine"] in machines, (path.name, result["machine"])
         assert DATE.fullmatch(result["date"]), (path.name, result["date"])
         commands = [result["command"]] if isinstance(result["command"], str) else result["command"]
-        assert all(c.startswith("python benchmarks/") for c in commands), (path.name, commands)
+        assert all(c.startswith(COMMANDS) for c in commands), (path.name, commands)
         assert result["rows"] or result["values"], path.name
         assert re.search(rf"<!-- (figure|value): {re.escape(path.stem)}[ -]", shown), f"{path.name} is on no page"
 
