@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MACHINES = ROOT / "docs" / "performance.md"
 FIGURE = re.compile(r"^([ \t]*)<!-- figure: (\S+)( table)? -->\n.*?<!-- /figure -->", re.S | re.M)
-VALUE = re.compile(r"<!-- value: (\S+) (\S+) -->(.*?)<!-- /value -->", re.S)
+VALUE = re.compile(r"<!-- value: (\S+) (.+?) -->(.*?)<!-- /value -->", re.S)
+MARKER = re.compile(r"<!-- (figure|value):")
 
 
 def pages(root: Path = ROOT) -> list[Path]:
@@ -113,7 +114,8 @@ def value(name: str, key: str, results: Path = RESULTS) -> str:
         numbers = [row[column_key] for row in rows if isinstance(row.get(column_key), (int, float))]
         if not numbers:
             raise KeyError(f"{name} has no numbers in column {column_key}" + (f" of rows with {among[0]}" if among else ""))
-        low, high = cell(column, min(numbers)), cell(column, max(numbers))
+        alone = {**column, "format": re.sub(r"\s*\(?\{[A-Za-z_][^}]*\}.*$", "", column["format"])}  # its own number
+        low, high = cell(alone, min(numbers)), cell(alone, max(numbers))
         unit = re.search(r"[^\d.]*$", low).group(0)
         return low if low == high else f"{low.removesuffix(unit) if high.endswith(unit) else low}-{high}"
     if key not in result["values"]:
@@ -150,7 +152,11 @@ def render(text: str, page: Path, results: Path = RESULTS) -> tuple[str, list[st
             problems.append(f"{line_of(match)}: {e.args[0]}")
             return match.group(0)
 
-    return VALUE.sub(one_value, FIGURE.sub(one_figure, text)), problems
+    fresh = VALUE.sub(one_value, FIGURE.sub(one_figure, text))
+    if len(MARKER.findall(text)) != len(FIGURE.findall(text)) + len(VALUE.findall(text)):
+        problems.append(f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}: a figure or value marker "
+                        "without its closing marker, or written another way than scripts/figures.py reads")
+    return fresh, problems
 
 
 def stale(text: str, page: Path, results: Path = RESULTS) -> list[str]:

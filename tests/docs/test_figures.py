@@ -183,6 +183,10 @@ def test_a_figure_edited_on_the_page_fails_naming_its_line(tmp_path: Path, monke
     assert figures.stale(edited, page, tmp_path) == [
         f"docs/example.md:{line}: gen.epyc-avx2 differs from its result file (run python scripts/figures.py)"]
     assert figures.stale(edited.replace("->2.31x<", "->2.3x<"), page, tmp_path)[0].startswith("docs/example.md:3: ")
+    unclosed = figures.render("Best: <!-- value: gen.epyc-avx2 best -->2.31x.\n", page, tmp_path)[1]
+    assert unclosed == ["docs/example.md: a figure or value marker without its closing marker, or written another way "
+                        "than scripts/figures.py reads"]
+    assert figures.value("gen.epyc-avx2", "range:ratio:110M", tmp_path) == "1.30x"
     missing = text.replace("gen.epyc-avx2 -->\n", "gen.xeon-amx -->\n")
     assert figures.stale(missing, page, tmp_path)[0] == (
         f"docs/example.md:5: no result file {tmp_path / 'gen.xeon-amx.json'}")
