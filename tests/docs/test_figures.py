@@ -249,9 +249,15 @@ def hand_typed_figure_rows(text: str) -> list[int]:
         if stripped.startswith("```"):
             fence = not fence
         region = (region or "<!-- figure: " in stripped) and "<!-- /figure -->" not in stripped
-        if not (region or fence) and stripped.startswith("|") and MEASURED.search(stripped):
+        if not (region or fence) and stripped.startswith("|") and (MEASURED.search(stripped) or numeric_row(stripped)):
             rows.append(number)
     return rows
+
+
+def numeric_row(row: str) -> bool:
+    """Three cells or more that are numbers, one with decimals: a row of results (accuracies, seconds)."""
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    return sum(bool(re.match(r"\**[+-]?\d+(\.\d+)?", cell)) for cell in cells) >= 3 and bool(re.search(r"\d\.\d", row))
 
 
 @pytest.mark.parametrize("page", figures.pages(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -263,3 +269,7 @@ def test_tables_of_measurements_are_figure_regions(page: Path):
 def test_a_hand_typed_table_of_measurements_is_caught():
     text = "# P\n\n| model | ratio |\n|---|---|\n| tiny | 2.04x |\n\n<!-- figure: x -->\n\n| tiny | 2.04x |\n\n<!-- /figure -->\n"
     assert hand_typed_figure_rows(text) == [5]
+    learning = "| backend | step 100 | step 150 | s/step |\n|---|---|---|---|\n| `lmrl` | 49.4 / 51.4 | 55.4 / 54.2 | 0.10-0.17 |\n"
+    assert hand_typed_figure_rows(learning) == [3]
+    settings = "| field | default | meaning |\n|---|---|---|\n| `algorithm.clip_low` | 0.2 | the clip, 0.2 to 0.28 |\n"
+    assert hand_typed_figure_rows(settings) == []
