@@ -209,6 +209,9 @@ def _train(args) -> int:
         return 0
     cfg = load_config(*_config_source(args))  # fails here, before any model loads
     if args.nproc and args.nproc > 1 and not args.dry_run and "WORLD_SIZE" not in os.environ:
+        from lmrl.distributed import World
+
+        World(rank=0, size=args.nproc).shard(cfg.rollout.prompts_per_step)  # one line here, not one per rank
         _exec_torchrun(args)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and checks the directory
     if main_rank:

@@ -193,8 +193,9 @@ def test_lmrl_train_nproc_starts_torchrun(tmp_path):
     assert [r["step"] for r in rows] == [0, 1]
     bad = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", "rollout.prompts_per_step=7"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0  # each rank refuses a share that is not whole groups, in one line
-    assert "lmrl: error: rank 0: rollout.prompts_per_step: 7 does not split evenly over 2 ranks" in bad.stderr
+    assert bad.returncode == 2  # refused before torchrun starts: one line, not one per rank
+    assert bad.stderr.strip() == ("lmrl: error: rollout.prompts_per_step: 7 does not split evenly over 2 ranks; "
+                                  "make it a multiple of 2")
 
 
 def test_reward_normalisation_on_one_rank_is_the_single_process_one():

@@ -7,9 +7,7 @@ machine that is in it."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -192,13 +190,22 @@ def test_a_figure_edited_on_the_page_fails_naming_its_line(tmp_path: Path, monke
         f"docs/example.md:5: no result file {tmp_path / 'gen.xeon-amx.json'}")
 
 
-def test_a_benchmark_records_its_table(tmp_path: Path):
-    """generation.py --record, on a few tokens: the file names the command, and renders."""
-    env = {**os.environ, "LMRL_RESULTS_DIR": str(tmp_path), "LMRL_MACHINE": "epyc-avx2"}
+def test_a_benchmark_records_its_table(tmp_path: Path, monkeypatch):
+    """generation.py --record, on a few tokens (in this process: its main, as the command line runs it): the
+    file names the command, and renders."""
+    import generation
+    import torch
+
     args = ["--preset", "tiny", "--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--repeats", "1",
             "--modes", "no-eos", "--threads", "1", "--record", "gen-smoke"]
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), *args], env=env, check=True,
-                   capture_output=True, timeout=300)
+    monkeypatch.setenv("LMRL_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setenv("LMRL_MACHINE", "epyc-avx2")
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "generation.py"), *args])
+    threads = torch.get_num_threads()
+    try:
+        generation.main()
+    finally:
+        torch.set_num_threads(threads)
     result = json.loads((tmp_path / "gen-smoke.epyc-avx2.json").read_text())
     assert result["command"] == "python benchmarks/generation.py " + " ".join(args)
     assert [row["mode"] for row in result["rows"]] == ["no-eos"]
