@@ -2,15 +2,15 @@
 
 A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]` (sync or async), called
 with keyword arguments only, as TRL calls it; see `lmrl.rewards.core` for the arguments lmrl passes
-(columns, completion_ids, trainer_state, log_metric, log_extra, finished) and how scores combine;
+(columns, completion_ids, trainer_state, log_metric, log_extra, finished) and `lmrl.rewards.runner` for how
+`score()` calls them and combines their values;
 `RewardRecipes` gives each kind of row (a label column such as `data_source`) its own functions.
 """
 
+from lmrl.errors import RewardError
 from lmrl.rewards.code import code_reward, extract_code
 from lmrl.rewards.core import (
-    RewardError,
     RewardFn,
-    RewardOutput,
     RewardRecipes,
     RewardSet,
     TrainerState,
@@ -19,7 +19,6 @@ from lmrl.rewards.core import (
     completion_text,
     required_columns,
     reward_name,
-    score,
 )
 from lmrl.rewards.math_verifier import MathVerifyWorker, extract_final_answer, verify_answer
 from lmrl.rewards.registry import (
@@ -31,6 +30,7 @@ from lmrl.rewards.registry import (
 )
 from lmrl.rewards.remote import RemoteRewardError, RemoteScorer
 from lmrl.rewards.reward_model import RewardModelScorer
+from lmrl.rewards.runner import RewardOutput, score
 from lmrl.rewards.shaping import (
     clip_rewards,
     missing_eos_penalty,
