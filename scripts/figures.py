@@ -39,10 +39,15 @@ def pages(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "benchmarks" / "README.md"]
 
 
+def shown(path: Path) -> Path:
+    """A path as a message names it: from the repository's root when it is inside it."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def load(name: str, results: Path = RESULTS) -> dict:
     path = results / f"{name}.json"
     if not path.is_file():
-        raise KeyError(f"no result file {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        raise KeyError(f"no result file {shown(path)}")
     return json.loads(path.read_text())
 
 
@@ -128,7 +133,7 @@ def render(text: str, page: Path, results: Path = RESULTS) -> tuple[str, list[st
     problems: list[str] = []
 
     def line_of(match: re.Match) -> str:
-        return f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}:{text.count(chr(10), 0, match.start()) + 1}"
+        return f"{shown(page)}:{text.count(chr(10), 0, match.start()) + 1}"
 
     captioned: set[tuple] = set()
 
@@ -154,7 +159,7 @@ def render(text: str, page: Path, results: Path = RESULTS) -> tuple[str, list[st
 
     fresh = VALUE.sub(one_value, FIGURE.sub(one_figure, text))
     if len(MARKER.findall(text)) != len(FIGURE.findall(text)) + len(VALUE.findall(text)):
-        problems.append(f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}: a figure or value marker "
+        problems.append(f"{shown(page)}: a figure or value marker "
                         "without its closing marker, or written another way than scripts/figures.py reads")
     return fresh, problems
 
@@ -167,7 +172,7 @@ def stale(text: str, page: Path, results: Path = RESULTS) -> list[str]:
     old, new = text.splitlines(), fresh.splitlines()
     first = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
     name = re.findall(r"<!-- (?:figure|value): (\S+)", "\n".join(old[: first + 1]))
-    where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    where = shown(page)
     return [*problems, f"{where}:{first + 1}: {name[-1] if name else 'a figure'} differs from its result file "
                        "(run python scripts/figures.py)"]
 
