@@ -97,10 +97,10 @@ def run_of(result: dict) -> tuple:
     return str(result["command"]), result["machine"], result["date"]
 
 
-def figure(name: str, page: Path, results: Path = RESULTS, table_only: bool = False) -> str:
-    """A region: the caption (command, machine, date, versions, note) and the table; `table_only` where a
-    region above on the same page has already given the caption of the same run (one run, several tables)."""
-    result = load(name, results)
+def figure(name: str, result: dict, page: Path, table_only: bool = False) -> str:
+    """A region: the caption (command, machine, date, versions, note) and the table of `result` (the file NAME);
+    `table_only` where a region above on the same page has already given the caption of the same run (one run,
+    several tables)."""
     if table_only:
         return f"<!-- figure: {name} table -->\n\n{table(result)}\n\n<!-- /figure -->"
     return f"<!-- figure: {name} -->\n\n{caption(result, page)}\n\n{table(result)}\n\n<!-- /figure -->"
@@ -140,11 +140,11 @@ def render(text: str, page: Path, results: Path = RESULTS) -> tuple[str, list[st
     def one_figure(match: re.Match) -> str:
         indent, name, table_only = match.groups()
         try:
-            run = run_of(load(name, results))
-            if table_only and run not in captioned:
+            result = load(name, results)
+            if table_only and run_of(result) not in captioned:
                 raise KeyError(f"{name}: a table-only figure needs a full figure of the same run above it")
-            captioned.add(run)
-            region = figure(name, page, results, table_only=bool(table_only))
+            captioned.add(run_of(result))
+            region = figure(name, result, page, table_only=bool(table_only))
             return "\n".join(indent + line if line else line for line in region.splitlines())  # e.g. in a list item
         except KeyError as e:
             problems.append(f"{line_of(match)}: {e.args[0]}")
