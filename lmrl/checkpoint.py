@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import random
@@ -506,7 +507,8 @@ def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
     `torch.load(weights_only=True)` reads it back."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(),
-                             "generators": {k: g.get_state() for k, g in generators.items()}}
+                             "generators": {k: g.get_state() for k, g in generators.items()},
+                             "generator_devices": {k: g.device.type for k, g in generators.items()}}
     if "numpy" in sys.modules:
         kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
         state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
@@ -515,13 +517,24 @@ def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
+def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator]) -> list[str]:
+    """Restore what `rng_state` saved. A generator saved on another kind of device (a run moved from the CPU to a
+    GPU, or back) cannot take that state: it is seeded from it instead, and the returned lines say which."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
+    moved = []
     for k, g in generators.items():
-        if k in state["generators"]:
-            g.set_state(state["generators"][k])
+        if k not in state["generators"]:
+            continue
+        saved, was = state["generators"][k], state.get("generator_devices", {}).get(k)
+        if was in (None, g.device.type) and saved.numel() == g.get_state().numel():
+            g.set_state(saved)
+        else:  # a CPU generator's state is 5,056 bytes, a CUDA one's 16: seed from what was saved
+            g.manual_seed(int.from_bytes(hashlib.sha256(saved.numpy().tobytes()).digest()[:8], "little"))
+            moved.append(f"the {k} random state was saved on {was or 'another device'} and this run draws on "
+                         f"{g.device.type}: it is seeded from the saved one, so the resumed run samples other numbers "
+                         "than the saving one would have")
     if "numpy" in state:
         import numpy as np
 
@@ -529,3 +542,4 @@ def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator])
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    return moved

@@ -177,7 +177,10 @@ class RunLifecycle:
             s.load_state_dict(state[name])
         # this rank's RNGs; a rank the saving run did not have (another world size) continues from rank 0's
         rng = path / f"rng_state_{self.world.rank}.pt"
-        set_rng_state(torch.load(rng if rng.is_file() else path / "rng_state_0.pt", weights_only=True), self.generators)
+        moved = set_rng_state(torch.load(rng if rng.is_file() else path / "rng_state_0.pt", weights_only=True),
+                              self.generators)
+        for line in moved if self.world.main else []:
+            self.log.warn(f"{path.name}: {line}")
         for name, f in self.files.items():
             if (saved := path / f"{name}_{self.world.rank}.pt").is_file():
                 f.load_state_dict(torch.load(saved, weights_only=True))
