@@ -35,7 +35,7 @@ CPU_RANKS = {"CUDA_VISIBLE_DEVICES": ""}  # two ranks on the CPU with gloo, also
 
 def run(launcher: list[str], out: Path, steps: int, threads: int, seed: int) -> float:
     """Completions per second of one `lmrl train` run over its training steps."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads), **CPU_RANKS}  # CPU scaling, as documented
     args = [f"train.steps={steps}", "rollout.prompts_per_step=32", "rollout.group_size=8", "data.num_eval_prompts=0",
             f"train.threads={threads}", f"train.seed={seed}", f"train.output_dir={out}", "log.console=false",
             "train.max_minutes=null"]

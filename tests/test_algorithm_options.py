@@ -123,7 +123,7 @@ def test_lora_reference_is_the_base_with_adapters_disabled(tmp_path):
     seqs, attn, T = rollout.sequences, rollout.attention_mask, rollout.response_ids.shape[1]
     ref = trainer.forwards.reference(seqs, attn, T)
     with torch.no_grad():
-        want = model_forward_logprobs(separate, seqs, attn, T, 1.0, share_prompt=False)
+        want = model_forward_logprobs(separate.to(seqs.device), seqs, attn, T, 1.0, share_prompt=False)
         policy = model_forward_logprobs(trainer.policy, seqs, attn, T, 1.0, share_prompt=False)
     mask = rollout.response_mask
     torch.testing.assert_close(ref[mask], want[mask], rtol=1e-5, atol=1e-5)

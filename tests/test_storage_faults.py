@@ -218,7 +218,8 @@ def test_under_torchrun_every_rank_stops_with_the_storage_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", f"train.output_dir={out}",
                            "train.steps=1", "train.save_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
                            "data.num_eval_prompts=4", "train.eval_every=0", "log.console=false"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
     assert done.returncode == 1
     lines = [line for line in done.stderr.splitlines() if line.startswith("lmrl: error: ")]
     assert sorted(lines) == [f"lmrl: error: rank {r}: cannot write checkpoint-1 in {out}: File too large (EFBIG); the "

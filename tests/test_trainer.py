@@ -51,7 +51,7 @@ def test_every_algorithm_trains_end_to_end(tmp_path, algorithm):
     # the final model is plain transformers
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     p0 = next(iter(trainer.policy.state_dict().values()))
-    assert torch.allclose(next(iter(reloaded.state_dict().values())), p0)
+    assert torch.allclose(next(iter(reloaded.state_dict().values())), p0.cpu())
 
 
 def test_no_reference_forward_without_kl_and_no_extra_policy_forward(tmp_path):
@@ -233,7 +233,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_once_naming_the_fields(tmp_path
     assert lmrl.build.slow_bf16_warning(load_config(None, [])) is None  # float32 asks nothing
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tmp_path, "train.autocast_bf16=true", "train.steps=1")
+        make_trainer(tmp_path, "train.autocast_bf16=true", "train.steps=1", device="cpu")  # a CPU warning: on a GPU machine too
     assert sum("no native bfloat16" in str(w.message) for w in caught) == (0 if fast else 1)
 
 
@@ -270,7 +270,7 @@ def test_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
         trainer = make_trainer(tmp_path / str(share), "train.steps=1", f"train.share_prompt={str(share).lower()}",
                                "algorithm.kl_coef=0.05")  # a reference forward too
         trainer.train_step(1)
-        params[share] = [p.detach().clone() for p in trainer.policy.parameters()]
+        params[share] = [p.detach().cpu() for p in trainer.policy.parameters()]
     # the update's forward and the reference forward took the shared path, and only when asked to
     assert len(calls) == 2 and all(hidden is not None for hidden in calls)
     start = tiny_causal_lm(char_tokenizer(), hidden_size=32, num_layers=1, seed=0)
@@ -287,7 +287,7 @@ def test_minibatches_keep_a_prompts_rows_adjacent(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, "algorithm.num_minibatches=2", "optim.micro_batch_size=2")
     seen = []
     real = trainer.updater.optimizer_step
-    monkeypatch.setattr(trainer.updater, "optimizer_step", lambda mb: seen.append(mb.group_index.clone()) or real(mb))
+    monkeypatch.setattr(trainer.updater, "optimizer_step", lambda mb: seen.append(mb.group_index.cpu()) or real(mb))
     trainer.train_step(1)
     order = torch.randperm(16, generator=torch.Generator().manual_seed(trainer.cfg.train.seed))
     groups = torch.arange(4).repeat_interleave(4)  # 4 prompts x 4 completions, in group order
