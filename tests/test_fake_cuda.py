@@ -150,10 +150,12 @@ def test_a_checkpoint_saved_on_cuda_resumes_on_cuda(tmp_path):
     assert steps == [0, 1, 2] and _finite(history[-1])
 
 
-def test_a_checkpoint_saved_on_the_cpu_resumes_on_cuda_with_one_line_about_the_sampler(tmp_path, capsys):
+def test_a_checkpoint_saved_on_the_cpu_resumes_on_cuda_with_one_line_about_the_sampler(tmp_path, capsys, monkeypatch):
     """A run moved from a CPU machine to a GPU: the sampler's CPU random state cannot be a CUDA generator's, so it
     seeds it, and the run says so. model.device=auto (the default) is cpu there and cuda here."""
-    make_trainer(tmp_path, "train.steps=1", "train.save_every=1", "log.console=true").train()
+    with monkeypatch.context() as cpu_machine:  # also where the suite runs on a GPU machine
+        cpu_machine.setattr(torch.cuda, "is_available", lambda: False)
+        make_trainer(tmp_path, "train.steps=1", "train.save_every=1", "log.console=true").train()
     with fake_cuda():
         resumed = make_trainer(tmp_path, "train.steps=2", "train.resume=true", "log.console=true")
         assert resumed.policy.device.type == "cuda"
