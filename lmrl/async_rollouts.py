@@ -43,10 +43,11 @@ import torch
 import torch.multiprocessing
 
 from lmrl import errors
-from lmrl.build import Inputs, async_threads, load_inputs, process_generator
+from lmrl.build import Inputs, async_threads, load_inputs
 from lmrl.collect import Collected, Collector
 from lmrl.distributed import ONE_PROCESS, World, full_weights
 from lmrl.errors import ConfigError, LmrlError, RunError
+from lmrl.generators import process_generator
 from lmrl.models.weights import export_weights
 from lmrl.rollout import Rollout
 from lmrl.rollout.remote import die_with_parent

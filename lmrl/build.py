@@ -5,8 +5,8 @@ sharding), the models (policy, tokenizer, reference, critic, LoRA adapters, the 
 and reward functions, the environment, the optimizer and its schedule; with the checks that need the
 config and the model together (memory, bfloat16 on a CPU). Nothing here runs during a step: the sampler
 copy's refresh before each generation is `lmrl.models.weights`, the KL coefficient
-`lmrl.algorithms.KLController`. The one helper used after setup, `portable_adapter_config`, writes the
-base-model record that `adapter_base` reads, when an adapter is saved.
+`lmrl.algorithms.KLController`. The generator that `rollout.backend` names is built from these models by
+`lmrl.generators`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from lmrl.models.lora import adapter_base, apply_lora, load_adapter
 from lmrl.models.prompt_encoding import prompt_lengths
 from lmrl.models.shipped import SHIPPED_MODELS
 from lmrl.models.weights import sampler_copy
-from lmrl.rollout import Generator, HFGenerator
-from lmrl.rollout.hf import resolve_eos
 
 
 @dataclass
@@ -526,95 +524,3 @@ def _schedule(kind: str, warmup: int, total: int):
         return 1.0
 
     return f
-
-
-def make_generator(cfg: Config, models: Models, env: Any, device: torch.device, local: bool = False) -> Generator:
-    """The generation backend `rollout.backend` names: lmrl's decode over the live policy (or its sampler copy);
-    a vLLM engine in this process; or a generation server, at rollout.vllm.server_url or started here
-    (`lmrl.rollout.remote`). The last two hold their own weights (`RemoteGenerator`) and are sized for the
-    longest row a rollout can hold, within the model's positions. `local`: lmrl's decode whatever the backend (an
-    asynchronous run's evaluation, while its generator process samples with rollout.backend's)."""
-    r = cfg.rollout
-    if r.backend == "lmrl" or local:
-        return HFGenerator(models.sampler or models.policy, models.tokenizer, batch_size=r.batch_size,
-                           cuda_graph=r.cuda_graph)
-    base = getattr(models.policy, "module", models.policy)
-    base = base.get_base_model() if hasattr(base, "peft_config") else base
-    return _holding_generator(cfg, base, models.tokenizer, env, device)
-
-
-def process_generator(cfg: Config, skeleton: Any, tokenizer: Any, env: Any, device: torch.device):
-    """The generator of an asynchronous run's generator process (`lmrl.async_rollouts`), as rollout.backend names
-    it, holding its own weights (a `RemoteGenerator`) and given them before its first batch: lmrl's decode over a
-    model built from the policy's config, a vLLM engine in that process, or a generation server. `skeleton`: the
-    policy's `config`, `generation_config` (its EOS) and `dtype`, without weights."""
-    if cfg.rollout.backend != "lmrl":
-        return _holding_generator(cfg, skeleton, tokenizer, env, device)
-    from transformers import AutoModelForCausalLM
-
-    from lmrl.rollout.server import ModelGenerator
-
-    dtype = DTYPES[cfg.rollout.dtype] if cfg.rollout.dtype else skeleton.dtype
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(skeleton.config, dtype=dtype)
-    model.generation_config = skeleton.generation_config
-    return ModelGenerator(model.eval(), tokenizer, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size)
-
-
-def _holding_generator(cfg: Config, base: Any, tokenizer: Any, env: Any, device: torch.device):
-    """A vLLM engine in this process, or a generation server (at rollout.vllm.server_url, or started here), for the
-    model `base` (its `config` and `generation_config` are read)."""
-    r = cfg.rollout
-    completion = cfg.completion_budget(multi_turn=env is not None)  # an env object counts, not only env.name
-    if r.backend == "vllm":
-        return _engine(cfg, base, tokenizer, r.max_prompt_length + completion, device)
-    from lmrl.rollout.remote import ServerGenerator
-
-    if r.vllm.server_url is not None:
-        server = ServerGenerator(r.vllm.server_url, tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
-        server.health()  # a server that is not there fails now, in one line, before the first step
-        return server
-    # a server on this machine, started and stopped with the run: the policy's model and the engine's settings
-    model = cfg.model.model_dump(mode="json", include={"dtype", "trust_remote_code"})
-    args = [f"model.name_or_path={policy_path(cfg)}", *(f"model.{k}={v}" for k, v in model.items()),
-            "rollout.backend=vllm", f"rollout.max_prompt_length={r.max_prompt_length}",
-            f"rollout.max_new_tokens={completion}", f"train.seed={cfg.train.seed}",
-            *([f"rollout.vllm.max_model_len={r.vllm.max_model_len}"] if r.vllm.max_model_len else []),
-            *(f"rollout.vllm.{k}={v}" for k, v in r.vllm.model_dump(mode="json", exclude={"max_model_len", "server_url"}).items()),
-            *([f"rollout.dtype={r.dtype}"] if r.dtype else [])]
-    return ServerGenerator.start(args, tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
-
-
-def _engine(cfg: Config, model: nn.Module, tokenizer: Any, longest: int, device: torch.device):
-    """A vLLM engine for `model`, holding rows of `longest` tokens (rollout.vllm.max_model_len when set), within
-    the model's positions."""
-    from lmrl.rollout.vllm_engine import VLLMGenerator
-
-    v = cfg.rollout.vllm
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or longest
-    max_model_len = v.max_model_len or min(longest, positions)
-    return VLLMGenerator(model.config, tokenizer, dtype=cfg.rollout.dtype or cfg.model.dtype, max_model_len=max_model_len,
-                         seed=cfg.train.seed, eos_token_ids=resolve_eos(model, tokenizer, None), device=device.type,
-                         gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
-                         sleep=v.sleep, enforce_eager=v.enforce_eager)
-
-
-def serving_generator(cfg: Config) -> tuple[Any, Any]:
-    """What `lmrl serve` runs: the config's model and a generator that holds it and takes new weights
-    (`RemoteGenerator`): a vLLM engine given the model's weights (rollout.backend vllm or vllm-server), or lmrl's
-    decode over the model (rollout.backend=lmrl). Returns (generator, tokenizer)."""
-    from lmrl.models.weights import export_weights
-
-    m, r = cfg.model, cfg.rollout
-    path = policy_path(cfg)
-    device = resolve_device(m.device)
-    tokenizer = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
-    model = load_causal_lm(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code)
-    if r.backend == "lmrl":
-        from lmrl.rollout.server import ModelGenerator
-
-        return ModelGenerator(model, tokenizer, seed=cfg.train.seed), tokenizer
-    engine = _engine(cfg, model, tokenizer, cfg.longest_sequence, device)
-    engine.load_weights(export_weights(model), version=-1)  # its starting weights: no policy version yet
-    del model
-    return engine, tokenizer

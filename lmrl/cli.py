@@ -176,7 +176,7 @@ def _serve(args) -> int:
 
     die_with_parent()
     cfg = load_config(*_config_source(args))
-    from lmrl.build import serving_generator
+    from lmrl.generators import serving_generator
     from lmrl.rollout.server import GenerationServer
 
     generator, tokenizer = serving_generator(cfg)

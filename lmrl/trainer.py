@@ -10,6 +10,7 @@
 Each stage lives in the module of its concern, and the trainer calls them in order:
 
     lmrl.build         everything built from the config before the first step (`build_run`)
+    lmrl.generators    the generator rollout.backend names, over the built models (`make_generator`)
     lmrl.collect       1-2: prompts -> completions -> rewards -> shaped scores
     lmrl.experience    3: log-probs, values, KL, advantages (the math: lmrl.algorithms)
     lmrl.update        4: the losses and the optimizer steps
@@ -34,13 +35,14 @@ import torch
 from lmrl import algorithms as A
 from lmrl.algorithms import KLController
 from lmrl.async_rollouts import AsyncRollouts
-from lmrl.build import build_run, make_generator
+from lmrl.build import build_run
 from lmrl.collect import Collected, Collector, PushedWeights, generation_weights
 from lmrl.config import Config, config_warnings
 from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import full_weights
 from lmrl.errors import DataError
 from lmrl.experience import Experience, make_experience
+from lmrl.generators import make_generator
 from lmrl.guards import Guards
 from lmrl.lifecycle import RunLifecycle
 from lmrl.logging import Console

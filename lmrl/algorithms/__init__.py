@@ -20,6 +20,7 @@ from lmrl.algorithms.advantages import (
     remax_advantages,
     rloo_advantages,
 )
+from lmrl.algorithms.aggregation import AGGREGATION_MODES, aggregate_loss, loss_normalizer
 from lmrl.algorithms.importance import masked_is_weights, truncated_is_weights
 from lmrl.algorithms.kl import (
     KL_CLAMPS,
@@ -31,14 +32,11 @@ from lmrl.algorithms.kl import (
 )
 from lmrl.algorithms.logprobs import DEFAULT_CHUNK_SIZE, hidden_logprobs, token_entropy, token_logprobs
 from lmrl.algorithms.losses import (
-    AGGREGATION_MODES,
     PolicyLossMetrics,
     ValueLossMetrics,
-    aggregate_loss,
     cispo_loss,
     cpgd_loss,
     explained_variance,
-    loss_normalizer,
     policy_loss,
     value_loss,
 )

@@ -3,7 +3,7 @@ engine, an older policy): the ratio exp(old_logp - rollout_logp) of each sampled
 (`truncated_is_weights`, TIS) or zeroed outside a band (`masked_is_weights`, IcePop / sequence masking).
 
 The weights multiply a policy loss's per-token terms (its `weights` argument); they carry no gradient.
-Inputs are sanitised as the losses' are (`lmrl.algorithms.losses`): padding zeroed, float32 at least.
+Inputs are sanitised as the losses' are (`lmrl.algorithms.checks`): padding zeroed, float32 at least.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from lmrl.algorithms.losses import _as_bool_mask, _check_choice, _check_same_shape, _clean, _compute_dtype
+from lmrl.algorithms.checks import _as_bool_mask, _check_choice, _check_same_shape, _clean, _compute_dtype
 
 __all__ = ["masked_is_weights", "truncated_is_weights"]
 

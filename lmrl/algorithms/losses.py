@@ -1,8 +1,9 @@
-"""Policy and value losses: PPO-clip (GRPO, Dr. GRPO, DAPO, REINFORCE), GSPO, CISPO, and loss aggregation.
+"""Policy and value losses: PPO-clip (GRPO, Dr. GRPO, DAPO, REINFORCE), GSPO, CISPO.
 
-Every loss is built the same way: a per-token loss `[B, T]` is computed from the sampled tokens'
-log-probs, then `aggregate_loss` reduces it to a scalar with one of five normalisations. Which
-normalisation an algorithm uses matters as much as its surrogate (Dr. GRPO, Liu et al. 2025).
+Every loss is built the same way: its inputs are checked and sanitised (`checks.py`), a per-token loss
+`[B, T]` is computed from the sampled tokens' log-probs, then `aggregate_loss` (`aggregation.py`) reduces
+it to a scalar with one of five normalisations. Which normalisation an algorithm uses matters as much as
+its surrogate (Dr. GRPO, Liu et al. 2025).
 
 How lmrl departs from the papers, on purpose:
 
@@ -28,30 +29,31 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lmrl.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS, kl_penalty
+from lmrl.algorithms.aggregation import _check_aggregation, aggregate_loss
+from lmrl.algorithms.checks import (
+    _as_bool_mask,
+    _check_choice,
+    _check_clip,
+    _check_kl,
+    _check_same_shape,
+    _clean,
+    _compute_dtype,
+    _prepare,
+    _TokenBatch,
+)
+from lmrl.algorithms.kl import kl_penalty
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var
 
 __all__ = [
-    "AGGREGATION_MODES",
     "PolicyLossMetrics",
     "ValueLossMetrics",
-    "aggregate_loss",
     "cispo_loss",
     "cpgd_loss",
     "explained_variance",
-    "loss_normalizer",
     "policy_loss",
     "value_loss",
 ]
 
-AGGREGATION_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
-_KL_ESTIMATORS = tuple(KL_ESTIMATORS)
 _RATIO_LEVELS = ("token", "sequence", "sequence-sum")
 
 
@@ -128,77 +130,7 @@ class ValueLossMetrics(_Metrics):
 
 
 # --------------------------------------------------------------------------------------------------
-# argument checks (one line per error, naming the argument)
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}: unknown value {value!r}; allowed: {', '.join(map(repr, allowed))}")
-
-
-def _check_aggregation(name: str, mode: str, norm_length: float | None, normalizer: object) -> None:
-    if mode not in AGGREGATION_MODES:
-        allowed = ", ".join(map(repr, AGGREGATION_MODES))
-        raise ValueError(f"{name}: unknown aggregation {mode!r}; allowed: {allowed}")
-    if mode == "seq-mean-token-sum-norm" and normalizer is None and norm_length is None:
-        raise ValueError(
-            "norm_length: required for aggregation 'seq-mean-token-sum-norm' "
-            "(Dr. GRPO divides by B * norm_length, e.g. the maximum response length)"
-        )
-    if norm_length is not None and not norm_length > 0:
-        raise ValueError(f"norm_length: must be > 0, got {norm_length!r}")
-    if isinstance(normalizer, (int, float)) and not normalizer > 0:
-        raise ValueError(f"normalizer: must be > 0, got {normalizer!r}")
-
-
-def _check_clip(name: str, value: float | None, upper: float | None = None) -> None:
-    if value is None:
-        return
-    if not value >= 0 or (upper is not None and value > upper):
-        bound = f"in [0, {upper}]" if upper is not None else ">= 0"
-        raise ValueError(f"{name}: must be {bound} or None, got {value!r}")
-
-
-def _check_2d(name: str, x: torch.Tensor) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"{name}: expected a [B, T] tensor, got shape {tuple(x.shape)}")
-
-
-def _check_same_shape(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if x.shape != ref.shape:
-        raise ValueError(f"{name}: shape {tuple(x.shape)} does not match {ref_name} {tuple(ref.shape)}")
-
-
-# --------------------------------------------------------------------------------------------------
 # helpers
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # bf16/fp16 -> float32; float64 stays float64.
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _clean(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` in `dtype` with padding replaced by 0; where() keeps inf/NaN in padding out of forward and backward."""
-    x = x.to(dtype)
-    return torch.where(mask, x, torch.zeros((), dtype=dtype, device=x.device))
-
-
-def _as_bool_mask(mask: torch.Tensor, logp: torch.Tensor, logp_name: str = "logp") -> torch.Tensor:
-    _check_2d(logp_name, logp)
-    _check_same_shape("mask", mask, logp_name, logp)
-    return mask.to(torch.bool)
-
-
-def _broadcast_advantages(advantages: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    batch, length = logp.shape
-    if advantages.shape == (batch,):
-        return advantages.unsqueeze(-1).expand(batch, length)
-    if advantages.shape == (batch, length):
-        return advantages
-    raise ValueError(
-        f"advantages: shape {tuple(advantages.shape)} must be [B] = ({batch},) or [B, T] = ({batch}, {length})"
-    )
 
 
 def _masked_max(x: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
@@ -212,47 +144,6 @@ def _to_floats(*values: torch.Tensor) -> list[float]:
     # float64 precision, everything else is reported from float32.
     dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
     return torch.stack([v.detach().to(dtype) for v in values]).tolist()
-
-
-@dataclass(frozen=True)
-class _TokenBatch:
-    """Inputs of a policy loss after checks: same dtype, padding zeroed, everything but logp detached."""
-
-    logp: torch.Tensor  # [B, T], carries the gradient
-    log_ratio: torch.Tensor  # [B, T] logp - old_logp, 0 on padding; carries the gradient
-    old_logp: torch.Tensor  # [B, T]
-    advantages: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, T] bool
-    ref_logp: torch.Tensor | None  # [B, T]
-    weights: torch.Tensor | None  # [B, T]
-
-
-def _prepare(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    weights: torch.Tensor | None,
-) -> _TokenBatch:
-    mask = _as_bool_mask(mask, logp)
-    _check_same_shape("old_logp", old_logp, "logp", logp)
-    advantages = _broadcast_advantages(advantages, logp)
-    if ref_logp is not None:
-        _check_same_shape("ref_logp", ref_logp, "logp", logp)
-    if weights is not None:
-        _check_same_shape("weights", weights, "logp", logp)
-    dtype = _compute_dtype(logp.dtype)
-    logp, old_logp = _clean(logp, mask, dtype), _clean(old_logp.detach(), mask, dtype)
-    return _TokenBatch(
-        logp=logp,
-        log_ratio=logp - old_logp,
-        old_logp=old_logp,
-        advantages=_clean(advantages.detach(), mask, dtype),
-        mask=mask,
-        ref_logp=None if ref_logp is None else _clean(ref_logp.detach(), mask, dtype),
-        weights=None if weights is None else _clean(weights.detach(), mask, dtype),
-    )
 
 
 def _finish(
@@ -309,118 +200,6 @@ def _clipped_sides(
     low = (adv < 0) & (ratio < 1.0 - clip_low) if clip_low is not None else nowhere
     high = (adv > 0) & (ratio > 1.0 + clip_high) if clip_high is not None else nowhere
     return low, high
-
-
-def _check_kl(kl_coef: float, ref_logp: torch.Tensor | None, kl_estimator: str, kl_clamp: str | None = None) -> None:
-    _check_choice("kl_estimator", kl_estimator, _KL_ESTIMATORS)
-    if kl_clamp is not None:
-        _check_choice("kl_clamp", kl_clamp, KL_CLAMPS)
-    if not kl_coef >= 0:
-        raise ValueError(f"kl_coef: must be >= 0, got {kl_coef!r}")
-    if kl_coef > 0 and ref_logp is None:
-        raise ValueError(
-            "ref_logp: required when kl_coef > 0 (the KL term is computed against the reference)"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# aggregation
-
-
-def loss_normalizer(
-    mask: torch.Tensor, mode: str = "token-mean", norm_length: float | None = None
-) -> torch.Tensor:
-    """The normaliser `aggregate_loss` divides by for the batch marked by `mask`.
-
-    Compute it once on the full batch and pass it as `normalizer=` to every micro-batch's loss:
-    the micro-batch losses then add up to the full-batch loss, and so do their gradients.
-
-    ==========================  =============================
-    mode                        normalizer
-    ==========================  =============================
-    "token-mean"                number of real tokens (at least 1)
-    "token-sum"                 1
-    "seq-mean-token-mean"       B
-    "seq-mean-token-sum"        B
-    "seq-mean-token-sum-norm"   B * norm_length
-    ==========================  =============================
-
-    Every normalizer except "token-sum"'s is additive over micro-batches and ranks. Under DDP,
-    which averages gradients over W ranks, pass the sum over ranks divided by W
-    (`all_reduce(loss_normalizer(local_mask)) / W`) so that the average is the global loss.
-
-    Args:
-        mask: `[B, T]` bool or 0/1, real response tokens.
-        mode: one of `AGGREGATION_MODES`.
-        norm_length: the constant length for "seq-mean-token-sum-norm" (e.g. max new tokens).
-
-    Returns:
-        A 0-dim float32 tensor on `mask`'s device (a tensor, so that no device sync is forced).
-    """
-    _check_aggregation("mode", mode, norm_length, None)
-    _check_2d("mask", mask)
-    batch = mask.shape[0]
-    if mode == "token-mean":
-        return mask.to(torch.bool).sum().clamp(min=1).to(torch.float32)
-    if mode == "token-sum":
-        value = 1.0
-    elif mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        value = float(batch)
-    else:
-        assert norm_length is not None  # checked above
-        value = float(batch) * float(norm_length)
-    return torch.tensor(value, dtype=torch.float32, device=mask.device)
-
-
-def aggregate_loss(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "token-mean",
-    norm_length: float | None = None,
-    *,
-    normalizer: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar over the real tokens.
-
-    With ℓ_{i,t} the loss of token t of sequence i, m the mask, |y_i| = Σ_t m_{i,t}:
-
-    - "token-mean":  Σ_{i,t} m ℓ / Σ_{i,t} m. Every token weighs the same (DAPO, Yu et al. 2025).
-    - "token-sum":   Σ_{i,t} m ℓ.
-    - "seq-mean-token-mean": (1/B) Σ_i (1/|y_i|) Σ_t m ℓ. Original GRPO (Shao et al. 2024); tokens of
-      short answers weigh more, which biases toward short correct and long wrong answers.
-    - "seq-mean-token-sum":  (1/B) Σ_i Σ_t m ℓ.
-    - "seq-mean-token-sum-norm": Σ_{i,t} m ℓ / (B · norm_length). Dr. GRPO (Liu et al. 2025): a
-      constant normaliser, so no length bias; `norm_length` is usually the maximum response length.
-
-    Gradient accumulation: "token-mean" of a batch is not the mean of its micro-batches'
-    token-means. Pass `normalizer=loss_normalizer(full_mask, mode, norm_length)` to every
-    micro-batch; the numerator (Σ m ℓ, or Σ_i of per-sequence means) is additive, so the sum of
-    the micro-batch losses equals the full-batch loss::
-
-        denom = loss_normalizer(mask, "token-mean")
-        for sl in micro_batches:
-            aggregate_loss(loss[sl], mask[sl], "token-mean", normalizer=denom).backward()
-
-    Args:
-        per_token_loss: `[B, T]` loss of each token; padding may hold anything (even inf/NaN).
-        mask: `[B, T]` bool or 0/1, real response tokens.
-        mode: one of `AGGREGATION_MODES`.
-        norm_length: required for "seq-mean-token-sum-norm" unless `normalizer` is given.
-        normalizer: overrides the batch's own normaliser (see `loss_normalizer`).
-
-    Returns:
-        A 0-dim tensor in `per_token_loss`'s dtype.
-    """
-    _check_aggregation("mode", mode, norm_length, normalizer)
-    mask = _as_bool_mask(mask, per_token_loss, "per_token_loss")
-    if mode == "seq-mean-token-mean":
-        numerator = masked_mean(per_token_loss, mask, dim=-1).sum()  # Σ_i of per-sequence means
-    else:
-        numerator = masked_sum(per_token_loss, mask)
-    if normalizer is None:
-        normalizer = loss_normalizer(mask, mode, norm_length)
-    normalizer = torch.as_tensor(normalizer, dtype=numerator.dtype, device=numerator.device)
-    return numerator / normalizer
 
 
 # --------------------------------------------------------------------------------------------------

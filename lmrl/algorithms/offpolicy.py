@@ -19,15 +19,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from lmrl.algorithms.checks import _as_bool_mask, _check_choice, _check_same_shape
 from lmrl.algorithms.importance import masked_is_weights, truncated_is_weights
-from lmrl.algorithms.losses import (
-    PolicyLossMetrics,
-    _as_bool_mask,
-    _check_choice,
-    _check_same_shape,
-    _to_floats,
-    policy_loss,
-)
+from lmrl.algorithms.losses import PolicyLossMetrics, _to_floats, policy_loss
 from lmrl.algorithms.masking import masked_mean
 
 __all__ = ["BEHAV_MODES", "DecoupledLossMetrics", "decoupled_policy_loss"]

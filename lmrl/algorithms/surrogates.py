@@ -16,16 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from lmrl.algorithms.losses import (
-    PolicyLossMetrics,
-    _check_aggregation,
-    _check_clip,
-    _check_kl,
-    _finish,
-    _policy_metrics,
-    _prepare,
-    _ratio_bounds,
-)
+from lmrl.algorithms.aggregation import _check_aggregation
+from lmrl.algorithms.checks import _check_clip, _check_kl, _prepare
+from lmrl.algorithms.losses import PolicyLossMetrics, _finish, _policy_metrics, _ratio_bounds
 from lmrl.algorithms.masking import masked_mean
 
 __all__ = ["clip_cov_loss", "gmpo_loss", "kl_cov_loss", "sapo_loss", "token_covariance"]

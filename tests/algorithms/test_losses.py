@@ -1,4 +1,4 @@
-"""Tests of lmrl.algorithms.losses: hand-computed cases, gradients, invariants, bad arguments."""
+"""Tests of lmrl.algorithms.losses and .aggregation: hand-computed cases, gradients, invariants, bad arguments."""
 
 from __future__ import annotations
 
@@ -9,16 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmrl.algorithms.aggregation import AGGREGATION_MODES, aggregate_loss, loss_normalizer
 from lmrl.algorithms.importance import truncated_is_weights
-from lmrl.algorithms.losses import (
-    AGGREGATION_MODES,
-    aggregate_loss,
-    cispo_loss,
-    explained_variance,
-    loss_normalizer,
-    policy_loss,
-    value_loss,
-)
+from lmrl.algorithms.losses import cispo_loss, explained_variance, policy_loss, value_loss
 
 F64 = torch.float64
 
