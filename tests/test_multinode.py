@@ -1,7 +1,8 @@
 """Several nodes, as far as one machine shows them: two torchrun launchers started apart, as two nodes would start
-them (`--nnodes 2 --nproc_per_node 1`, c10d rendezvous on 127.0.0.1), make one job of 2 ranks (gloo, CPU). Each
-launcher runs in a working directory of its own, its "node"; what runs on a node writes there what it writes
-relative to its working directory. Not shown here: NCCL, GPUs, and hosts that are really apart (docs/scaling.md)."""
+them (`--nnodes 2 --nproc_per_node 1`, c10d rendezvous on 127.0.0.1), make one job of 2 ranks (gloo, CPU), and
+every node must see the output directory rank 0 writes. Each launcher runs in a working directory of its own, its
+"node"; what runs on a node writes there what it writes relative to its working directory. Not shown here: NCCL,
+GPUs, and hosts that are really apart (docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def test_two_launchers_make_one_job_of_two_nodes(tmp_path):
         assert sorted(p.name for p in (saved / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
         assert (saved / "rng_state_0.pt").is_file() and (saved / "rng_state_1.pt").is_file()
         assert json.loads((saved / "trainer_state.json").read_text())["world_size"] == 2
-    assert not list(out.glob(".tmp-*"))  # no half-written checkpoint
+    assert not list(out.glob(".tmp-*"))  # no half-written checkpoint, no leftover of the ranks' check
 
     # the same job on one node: 2 processes of one launcher
     one = tmp_path / "one-node"
@@ -144,3 +145,35 @@ def test_two_launchers_make_one_job_of_two_nodes(tmp_path):
     assert two_nodes.keys() == one_node.keys() and all(torch.equal(two_nodes[k], one_node[k]) for k in one_node)
     for shard in ("__0_0.distcp", "__1_0.distcp"):  # each rank's shard of the weights and AdamW moments
         assert (out / "checkpoint-2" / "state" / shard).read_bytes() == (one / "out" / "checkpoint-2" / "state" / shard).read_bytes()
+
+
+def test_an_output_directory_the_nodes_do_not_share_is_refused_before_a_step(tmp_path):
+    """A relative train.output_dir under each node's own working directory is two directories, as a node-local disk
+    would be. Before this check rank 1 wrote its checkpoint parts into its own `out/`, and rank 0 sealed checkpoints
+    without them (COMPLETE, and no resume could load them). Now every rank stops before the first step, with rank
+    0's one line."""
+    nodes = _make_nodes(tmp_path)
+    ran = _nodes(nodes, *SMALL, "train.output_dir=out")
+    said = "\n".join(f"--- node {node.name} (exit {code}):\n{stdout[-2000:]}\n{stderr[-3000:]}"
+                     for node, (code, stdout, stderr) in zip(nodes, ran))
+    assert all(code != 0 for code, _, _ in ran), said
+    lines = [line for _, _, stderr in ran for line in stderr.splitlines() if line.startswith("lmrl: ")]
+    assert lines == ["lmrl: error: rank 0: train.output_dir: rank 1 does not see out as rank 0 does (a disk of one "
+                     "node, or a relative path under another working directory): every rank writes its part of each "
+                     "checkpoint there, so it must be one directory that every node mounts at the same path"], said
+    first = [i for i, node in enumerate(nodes) if (node / "out" / ".lmrl.lock").is_file()]  # rank 0's node holds the lock
+    assert len(first) == 1 and "lmrl: error: rank 0" in ran[first[0]][2], said
+    assert sorted(p.name for p in (nodes[first[0]] / "out").iterdir()) == [".lmrl.lock"]  # nothing written
+    other = nodes[1 - first[0]] / "out"
+    assert not other.exists() or not any(other.iterdir())
+    assert not list(tmp_path.glob("node-*/rank-*.json"))  # no step was taken
+
+
+def test_one_process_shares_its_directory_and_a_check_a_kill_left_is_removed_quietly(tmp_path):
+    from lmrl.checkpoint import ranks_not_sharing, remove_partial
+
+    assert ranks_not_sharing(tmp_path) == []  # no collective, no file
+    (tmp_path / ".tmp-ranks-0123abcd").touch()  # a run killed while its ranks looked for this file
+    (tmp_path / ".tmp-checkpoint-3-99").mkdir()
+    assert remove_partial(tmp_path) == [tmp_path / ".tmp-checkpoint-3-99"]  # (the one a warning names)
+    assert not list(tmp_path.iterdir())
