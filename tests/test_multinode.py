@@ -94,6 +94,10 @@ def _rows(out: Path) -> list[dict]:
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _files(run: Path) -> list[str]:
+    return sorted(path.relative_to(run).as_posix() for path in run.rglob("*"))
+
+
 def test_two_launchers_make_one_job_of_two_nodes(tmp_path):
     """Two launchers on one machine, with an output directory both see at the same path: one world of 2 ranks, one
     per node (local rank 0 on both), rank 0's node alone prints and writes the run's files, each checkpoint holds
@@ -139,6 +143,7 @@ def test_two_launchers_make_one_job_of_two_nodes(tmp_path):
                           text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _rows(out) == _rows(one / "out")
+    assert _files(out) == _files(one / "out")  # the same files (each checkpoint's too), none twice
     from safetensors.torch import load_file
 
     two_nodes, one_node = load_file(out / "final" / "model.safetensors"), load_file(one / "out" / "final" / "model.safetensors")
