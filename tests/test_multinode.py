@@ -6,6 +6,7 @@ GPUs, and hosts that are really apart (docs/scaling.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,6 +53,22 @@ def _output(log: Path) -> str:
     return "\n".join(f"--- {path.name}:\n{path.read_text()[-3000:]}" for path in sorted(log.parent.glob(f"{log.name}.*")))
 
 
+def _descendants(pid: int) -> list[int]:
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:  # gone, or not Linux
+        return []
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and what it started, found first (torchrun starts each rank in a session of its own, so
+    killing the launcher's process group would leave its rank running)."""
+    for each in [pid, *_descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
 def _nodes(nodes: list[Path], *args: str) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of each launcher of `torchrun --nnodes 2 ... -m lmrl train ARGS`, one started in
     each node's directory. A job past TIMEOUT is killed (each launcher with its ranks) and fails the test with
@@ -60,21 +77,22 @@ def _nodes(nodes: list[Path], *args: str) -> list[tuple[int, str, str]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "-m", "lmrl", "train", *args]
     launchers = []
-    for node in nodes:
-        out, err = (node.parent / f"{node.name}.stdout").open("w"), (node.parent / f"{node.name}.stderr").open("w")
-        launchers.append(subprocess.Popen(cmd, cwd=node, env=_env(), stdout=out, stderr=err, start_new_session=True))
-        out.close(), err.close()
     deadline = time.monotonic() + TIMEOUT
     try:
+        for node in nodes:
+            out, err = (node.parent / f"{node.name}.stdout").open("w"), (node.parent / f"{node.name}.stderr").open("w")
+            launchers.append(subprocess.Popen(cmd, cwd=node, env=_env(), stdout=out, stderr=err, start_new_session=True))
+            out.close(), err.close()
         for launcher in launchers:
             launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        for launcher in launchers:
-            if launcher.poll() is None:
-                os.killpg(launcher.pid, signal.SIGKILL)  # its own session: the launcher and its rank
-                launcher.wait(timeout=30)
         raise AssertionError(f"the 2-node job ran past {TIMEOUT} s and was killed\n"
                              + "\n".join(_output(node.parent / node.name) for node in nodes)) from None
+    finally:  # however the wait ended: no launcher, nor a rank of one, outlives the test
+        for launcher in launchers:
+            if launcher.poll() is None:
+                _kill_tree(launcher.pid)
+                launcher.wait(timeout=30)
     return [(launcher.returncode, (node.parent / f"{node.name}.stdout").read_text(),
              (node.parent / f"{node.name}.stderr").read_text()) for launcher, node in zip(launchers, nodes)]
 
