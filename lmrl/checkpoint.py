@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import sys
 import time
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 COMPLETE = "COMPLETE"
 LOCK = ".lmrl.lock"
 TMP_PREFIX = ".tmp-"
+PROBE_PREFIX = f"{TMP_PREFIX}ranks-"  # `ranks_not_sharing`'s file, there for a moment
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # what makes a directory "hold a run": a new run into it must resume or overwrite
 RUN_FILES = ("lmrl_config.yaml", "metrics.jsonl", "final", "tensorboard")
@@ -105,6 +107,26 @@ def atomic_directory(target: Path, world: World = ONE_PROCESS) -> Iterator[Path]
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def ranks_not_sharing(directory: Path, world: World = ONE_PROCESS) -> list[int]:
+    """The ranks that do not see `directory` as rank 0 does (a collective: every rank calls it). Rank 0 leaves a
+    file there under a name drawn for the call, and every rank looks for it. Under torchrun on several nodes a
+    directory on a disk of rank 0's node, or a relative path under another working directory, is another directory
+    on the other nodes: their parts of a checkpoint (`atomic_directory`) would go there, and rank 0 would seal a
+    checkpoint without them."""
+    if not world.distributed:
+        return []
+    probe = Path(directory) / f"{PROBE_PREFIX}{world.first(secrets.token_hex(8))}"
+    try:
+        if world.main:
+            probe.touch()
+        world.barrier()
+        seen = world.gather(probe.is_file())
+    finally:
+        if world.main:
+            probe.unlink(missing_ok=True)
+    return [rank for rank, found in enumerate(seen) if not found]
 
 
 def is_complete(directory: Path) -> bool:
@@ -288,7 +310,9 @@ def remove_partial(output_dir: Path) -> list[Path]:
     """Remove what killed processes left half-written (`.tmp-*`); return what was removed."""
     removed = []
     for path in Path(output_dir).glob(f"{TMP_PREFIX}*"):
-        if path.is_dir():
+        if path.name.startswith(PROBE_PREFIX) and path.is_file():  # a run killed while it looked at its ranks
+            path.unlink(missing_ok=True)
+        elif path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

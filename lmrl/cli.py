@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from lmrl import __version__
-from lmrl.errors import Interrupted, LmrlError, print_line
+from lmrl.errors import LmrlError, print_line
 
 EXAMPLES = """\
 examples:
@@ -138,8 +138,8 @@ def _main(argv: list[str] | None) -> int:
         if args.traceback or os.environ.get("LMRL_TRACEBACK", "") not in ("", "0"):
             traceback.print_exc()
         line = _one_line(e)
-        if isinstance(e, Interrupted) and os.environ.get("RANK", "0") != "0":
-            return e.exit_code  # every rank stopped after the same checkpoint: rank 0 says so
+        if getattr(e, "every_rank", False) and os.environ.get("RANK", "0") != "0":
+            return e.exit_code  # every rank raised it (stopped after the same checkpoint, ...): rank 0 says so
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not line.startswith("rank "):  # under torchrun: which rank
             line = f"rank {os.environ.get('RANK', '?')}: {line}"
         print_line(f"lmrl: error: {line}")

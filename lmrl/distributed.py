@@ -89,6 +89,15 @@ class World:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value) -> list:
+        """Every rank's `value` (a picklable object), in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        every = [None] * self.size
+        with _collective(self.rank):
+            dist.all_gather_object(every, value)
+        return every
+
     def barrier(self) -> None:
         if self.distributed:
             with _collective(self.rank):
@@ -123,9 +132,7 @@ class World:
         ranks that logged them."""
         if not self.distributed:
             return metrics
-        every: list[dict[str, float]] = [{} for _ in range(self.size)]
-        with _collective(self.rank):
-            dist.all_gather_object(every, metrics)
+        every: list[dict[str, float]] = self.gather(metrics)
         out = {}
         for key in sorted({k for m in every for k in m}):
             values = [m[key] for m in every if key in m]

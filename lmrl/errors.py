@@ -20,6 +20,7 @@ class LmrlError(Exception):
     """An error with a one-line message that says what is wrong and, where it can, what to do."""
 
     exit_code = 2
+    every_rank = False  # under torchrun: every rank raised it alike, and rank 0 alone says it
 
 
 class ConfigError(LmrlError, ValueError):
@@ -48,6 +49,7 @@ class Interrupted(LmrlError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+        self.every_rank = True  # every rank stopped after the same checkpoint
 
 
 def print_line(line: str) -> None:

@@ -1,7 +1,8 @@
 """A run's life around its steps: starting or resuming, checkpoints, signals, failures and the final save.
 
     with lifecycle.held():              the output directory's lock; SIGINT / SIGTERM handlers
-        step = lifecycle.begin()        clean half-written checkpoints, clear an overwritten run, resume
+        step = lifecycle.begin()        every rank sees the directory; clean half-written checkpoints, clear an
+                                        overwritten run, resume
         with lifecycle.running():       a failure or a full disk: one line, exit 1
             with lifecycle.abandonable(step): ...   steps 1-3 of a step: a signal or failure keeps step - 1
             lifecycle.save_checkpoint(step)
@@ -37,6 +38,7 @@ from lmrl.checkpoint import (
     newest_checkpoint,
     plan_run,
     prune,
+    ranks_not_sharing,
     remove_partial,
     rng_state,
     save_model_state,
@@ -105,6 +107,13 @@ class RunLifecycle:
         """Act on `plan_run` under the run's lock: clean partial checkpoints, clear an overwritten run, load
         the checkpoint to resume from, write lmrl_config.yaml. Returns the step to continue after (0: a new run)."""
         main = self.world.main
+        if blind := ranks_not_sharing(self.out, self.world):  # before any rank plans from what is there
+            ranks = f"rank {blind[0]} does" if len(blind) == 1 else f"ranks {', '.join(map(str, blind))} do"
+            error = RunError(f"train.output_dir: {ranks} not see {self.out} as rank 0 does (a disk of one node, or a "
+                             "relative path under another working directory): every rank writes its part of each "
+                             "checkpoint there, so it must be one directory that every node mounts at the same path")
+            error.every_rank = True
+            raise error
         for path in remove_partial(self.out) if main else []:
             self.log.warn(f"removed {path.name}: a checkpoint that a killed run left half-written")
         plan = plan_run(self.cfg)

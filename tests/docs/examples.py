@@ -50,6 +50,7 @@ NOT_RUN = [
     (r"^(python3? -m )?pip (install|download)\b", "needs the package index"),
     (r"^lmrl serve\b", "a server that runs until stopped: tests/rollout/test_vllm_server.py starts one"),
     (r"rollout\.backend=vllm", "starts a vLLM engine, minutes on a CPU: tests/rollout/test_vllm_engine.py"),
+    (r"^torchrun\b.*--nnodes\b", "one launcher per node: tests/test_multinode.py starts two on one machine"),
     (r"^torchrun\b|--nproc\b", "two or more processes: tests/test_distributed.py runs torchrun with 2 ranks"),
     (r"^git\b", "changes the checkout"),
     (r"^(\.venv/bin/)?pytest\b", "the suite itself"),
