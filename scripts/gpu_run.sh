@@ -4,9 +4,10 @@
 # (the device tool brings that folder back), else to gpu-out/.
 #   here:  python scripts/gpu_wheels.py
 #   there: bash scripts/gpu_run.sh            (the device tool's run, with carry=[".whl"])
-# Each part has a time limit (seconds; a device lease is short): GPU_SUITE_S, GPU_BENCH_S, GPU_GEN_S. The suite runs on
-# GPU_WORKERS pytest workers (default 8), each test at most 180 s; GPU_TESTS narrows it (default: tests), GPU_PARTS
-# chooses the parts (default: suite bench gen). The generation table is recorded into $OUT/results/ (copy it to
+# Each part has a time limit (seconds; default 540, so that one part fits a device call of 10 minutes): GPU_SUITE_S,
+# GPU_BENCH_S, GPU_GEN_S. The suite runs on GPU_WORKERS pytest workers (default 14), each test at most 180 s; GPU_TESTS
+# narrows it (pytest arguments; default: tests), GPU_PARTS chooses the parts (default: suite bench gen; the whole suite
+# alone took more than 320 s on 8 workers of an H100 machine, 2026-11-27, so give each part a call of its own). The generation table is recorded into $OUT/results/ (copy it to
 # benchmarks/results/ and run `make figures` to show it in the docs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,18 +24,18 @@ limit() { timeout -s INT -k 20 "$@"; }  # SIGINT first: pytest and the benchmark
 parts=" ${GPU_PARTS:-suite bench gen} "
 suite=0 bench=0 gen=0
 if [[ $parts == *" suite "* ]]; then
-    limit "${GPU_SUITE_S:-1800}" python3 -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-8}" --dist loadfile \
+    limit "${GPU_SUITE_S:-540}" python3 -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-14}" --dist loadfile \
         --timeout 180 -rfE ${GPU_TESTS:-tests} 2>&1 | tee "$out/suite.txt"
     suite=${PIPESTATUS[0]}
 fi
 if [[ $parts == *" bench "* ]]; then
-    limit "${GPU_BENCH_S:-1200}" python3 benchmarks/gpu_vs_trl.py 2>&1 | tee "$out/gpu_vs_trl.txt"
+    limit "${GPU_BENCH_S:-540}" python3 benchmarks/gpu_vs_trl.py 2>&1 | tee "$out/gpu_vs_trl.txt"
     bench=${PIPESTATUS[0]}
 fi
 if [[ $parts == *" gen "* ]]; then  # generation tokens/s of the backends (vLLM's column where its CUDA build is installed)
     backends="lmrl hf"
     python3 -c "import vllm" 2>/dev/null && backends="lmrl vllm hf"
-    LMRL_RESULTS_DIR="$out/results" limit "${GPU_GEN_S:-900}" python3 benchmarks/generation.py \
+    LMRL_RESULTS_DIR="$out/results" limit "${GPU_GEN_S:-540}" python3 benchmarks/generation.py \
         --preset shipped 30m 100m --backends $backends --repeats 3 --record generation-gpu 2>&1 | tee "$out/generation.txt"
     gen=${PIPESTATUS[0]}
 fi
