@@ -24,6 +24,9 @@ from lmrl.trainer import Trainer
 from .fakecuda import CudaTensor, DeviceMismatch, fake_cuda
 from .test_trainer import make_trainer
 
+# no CUDA graph on the fake device: the decoder falls back to its eager fixed-shape step, as on a broken driver
+pytestmark = pytest.mark.filterwarnings("ignore:CUDA graph capture failed")
+
 # ------------------------------------------------------------------------------ the fake device keeps CUDA's rules
 
 
@@ -207,3 +210,18 @@ def test_statistics_across_ranks_are_taken_on_cuda(two_rank_world, advantage):
         weights = clip_filter_weights(scores, 4, 2.0, two_rank_world)
         assert adv.is_cuda and weights.is_cuda
     assert torch.isfinite(adv).all() and torch.isfinite(weights).all()
+
+
+def test_multi_turn_episodes_train_on_cuda(tmp_path):
+    """Episodes of several turns (an environment's observations between the model's turns, the per-token masks of
+    whole episodes) with PPO's critic and two passes, the policy on "cuda"."""
+    from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
+
+    from .envs.test_training import ROWS, CountDigits, config
+
+    tok = char_tokenizer()
+    with fake_cuda():
+        trainer = Trainer(config(tmp_path, "model.device=cuda"), model=tiny_causal_lm(tok, hidden_size=32, num_layers=1),
+                          tokenizer=tok, train_dataset=ROWS, env=CountDigits)
+        history = trainer.train().history
+    assert history[-1]["env/turns"] > 1 and _finite(history[-1])
