@@ -199,3 +199,58 @@ def reference_model(policy: nn.Module) -> nn.Module:
     ref.eval()
     ref.requires_grad_(False)
     return ref
+
+
+# a PreTrainedModel's config's dropout rates before `disable_dropout` zeroed them, kept for saving (`dropout_as_loaded`)
+AS_LOADED = "_lmrl_dropout_as_loaded"
+
+
+def _is_rate(name: str, value: Any) -> bool:
+    """A dropout rate by its name (dropout, attention_dropout, attn_pdrop, layerdrop, ...) that is not 0."""
+    return "drop" in name.lower() and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off in `model`'s train-mode forward, which then computes what its eval-mode forward does (the
+    sampler's and the reference's distribution).
+
+    Three places hold a rate: every dropout module's `p` (TRL's `disable_dropout_in_model` stops here); the rates
+    modules copied from the config when they were built (Llama's `attention_dropout`, OPT's `dropout` and
+    `layerdrop`); and the config itself, which some models read at forward time (Falcon, GPT-J, GPT-Neo,
+    Persimmon). All three go to 0. The config's rates as loaded stay on each model that holds the config, so
+    that a saved model keeps them (`dropout_as_loaded`). A peft LoRA layer's dropout is left: the user set it.
+    """
+    from transformers import PreTrainedConfig
+
+    modules = [(name, m) for name, m in model.named_modules() if "lora_dropout" not in name.split(".")]
+    configs = {id(c): c for _, m in modules if isinstance(c := getattr(m, "config", None), PreTrainedConfig)}
+    loaded = {i: {k: v for k, v in vars(c).items() if _is_rate(k, v)} for i, c in configs.items()}
+    for _, module in modules:
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_rate(name, value):
+                setattr(module, name, 0.0)
+        # on every model holding the config, for a copy of one may be saved too (a critic's backbone)
+        if (rates := loaded.get(id(getattr(module, "config", None)))) and hasattr(module, "save_pretrained"):
+            setattr(module, AS_LOADED, {**rates, **getattr(module, AS_LOADED, {})})
+    for i, config in configs.items():
+        for name in loaded[i]:
+            setattr(config, name, 0.0)
+
+
+@contextlib.contextmanager
+def dropout_as_loaded(*models: nn.Module | None):
+    """The configs of `models` hold the dropout rates they were loaded with while the body runs (saving them),
+    the zeros `disable_dropout` set again after."""
+    undo = []
+    for model in models:
+        for module in model.modules() if model is not None else ():
+            for name, value in getattr(module, AS_LOADED, {}).items():
+                undo.append((module.config, name, getattr(module.config, name)))
+                setattr(module.config, name, value)
+    try:
+        yield
+    finally:
+        for config, name, value in reversed(undo):
+            setattr(config, name, value)

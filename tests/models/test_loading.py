@@ -1,11 +1,20 @@
-"""Tests for lmrl.models.loading: loading round trips, options and errors, the reference model."""
+"""Tests for lmrl.models.loading: loading round trips, options and errors, the reference model, dropout."""
 
 from __future__ import annotations
+
+import copy
+import json
 
 import pytest
 import torch
 
-from lmrl.models.loading import load_causal_lm, load_tokenizer, reference_model
+from lmrl.models.loading import (
+    disable_dropout,
+    dropout_as_loaded,
+    load_causal_lm,
+    load_tokenizer,
+    reference_model,
+)
 from lmrl.models.tiny import char_tokenizer
 
 # --- loading ------------------------------------------------------------------------------------
@@ -99,3 +108,74 @@ def test_reference_model_is_frozen_equal_copy(saved):
         # separate weights: changing the policy leaves the reference alone
         next(policy.parameters()).add_(1.0)
         assert not torch.equal(next(ref.parameters()), next(policy.parameters()))
+
+
+# --- dropout --------------------------------------------------------------------------------------
+
+# tiny configs with every dropout rate their model reads at 0.1: GPT-2 and OPT ship such rates (modules and rates
+# copied from the config), Llama's attention_dropout is a float on each attention module, Falcon reads its config's
+# rates at forward time
+DROPOUT_CONFIGS = {
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1),
+    "opt": dict(hidden_size=32, ffn_dim=64, word_embed_proj_dim=32, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, dropout=0.1, attention_dropout=0.1),
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, attention_dropout=0.1),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1),
+}
+
+
+def tiny_dropout_lm(tok, arch: str, seed: int = 0):
+    """A random tiny causal LM of `arch` (a DROPOUT_CONFIGS key) whose config's dropout rates are 0.1, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **DROPOUT_CONFIGS[arch])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model.eval()
+
+
+def _logits(model, ids, train: bool) -> torch.Tensor:
+    model.train(train)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("arch", list(DROPOUT_CONFIGS))
+def test_disable_dropout_makes_the_train_forward_the_eval_forward(arch):
+    tok = char_tokenizer()
+    model = tiny_dropout_lm(tok, arch)
+    ids = torch.tensor([tok("12+34=46 and 7+8=15")["input_ids"]])
+    assert not torch.equal(_logits(model, ids, True), _logits(model, ids, False))  # the model's dropout is on
+    disable_dropout(model)
+    assert torch.equal(_logits(model, ids, True), _logits(model, ids, False))
+
+
+def test_a_saved_model_keeps_the_dropout_of_its_config(tmp_path):
+    tok = char_tokenizer()
+    model = tiny_dropout_lm(tok, "opt")
+    disable_dropout(model)
+    backbone = copy.deepcopy(model.model)  # as a critic copies the policy's
+    assert model.config.dropout == model.config.attention_dropout == 0
+    with dropout_as_loaded(model, backbone):
+        model.save_pretrained(tmp_path / "policy")
+        backbone.save_pretrained(tmp_path / "critic")
+    for saved in ("policy", "critic"):
+        config = json.loads((tmp_path / saved / "config.json").read_text())
+        assert config["dropout"] == config["attention_dropout"] == 0.1, saved
+    assert model.config.dropout == backbone.config.attention_dropout == 0  # off again for training
+
+
+def test_disable_dropout_leaves_loras_dropout():
+    pytest.importorskip("peft")
+    from lmrl.config.sections import LoraConfig
+    from lmrl.models.lora import apply_lora
+
+    model = apply_lora(tiny_dropout_lm(char_tokenizer(), "llama"), LoraConfig(dropout=0.2))
+    disable_dropout(model)
+    lora = [m for name, m in model.named_modules() if name.split(".")[-2:-1] == ["lora_dropout"]]
+    assert lora and all(m.p == 0.2 for m in lora)
+    assert model.base_model.model.config.attention_dropout == 0
