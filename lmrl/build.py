@@ -27,6 +27,7 @@ from lmrl.config import Config
 from lmrl.errors import ConfigError, DataError, ModelError
 from lmrl.models.loading import (
     DTYPES,
+    disable_dropout,
     enable_gradient_checkpointing,
     load_causal_lm,
     load_tokenizer,
@@ -89,6 +90,8 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
             policy.set_attn_implementation(m.attn_implementation)
         if m.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
+    if not m.dropout:  # the trained forward computes the sampler's distribution (the reference and critic copy it)
+        disable_dropout(policy)
     adapter = adapter_base(m.name_or_path) is not None  # an adapter to train on (its own r, alpha, modules)
     lora = adapter or m.lora is not None
     # LoRA never changes the base weights: the reference is the policy with its adapters disabled. Otherwise
@@ -105,6 +108,8 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
         else:
             critic = ValueModel.from_policy(reference or policy)
         critic.to(device)
+        if not m.dropout:  # a critic loaded from its own path has its own config
+            disable_dropout(critic)
     if adapter:
         policy = load_adapter(policy, m.name_or_path)
     elif m.lora is not None:

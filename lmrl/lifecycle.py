@@ -50,7 +50,7 @@ from lmrl.config import config_to_yaml
 from lmrl.distributed import World, whole_state
 from lmrl.errors import Interrupted, LmrlError, RunError, print_line
 from lmrl.logging.run_log import RunLog
-from lmrl.models.loading import quiet_progress_bars
+from lmrl.models.loading import dropout_as_loaded, quiet_progress_bars
 from lmrl.models.lora import adapter_base, portable_adapter_config
 
 # the real os._exit, kept at import: while reward functions run, lmrl.rewards replaces os._exit so that a
@@ -246,7 +246,7 @@ class RunLifecycle:
         if not self.world.main:
             return
         lora = hasattr(policy, "peft_config")
-        with quiet_progress_bars():
+        with quiet_progress_bars(), dropout_as_loaded(policy, critic):  # the config's dropout as the user gave it
             if lora:  # the adapters (a checkpoint's files, final/adapter/), their base named as the user named it
                 adapter = directory / "adapter" if final else directory
                 policy.save_pretrained(adapter)

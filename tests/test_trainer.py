@@ -11,8 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from lmrl.config import ALGORITHM_PRESETS, load_config
 from lmrl.models.critic import HEAD_FILE, PolicyValueHead
+from lmrl.models.forward import model_forward_logprobs
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 from lmrl.trainer import Trainer
+from tests.models.test_loading import tiny_dropout_lm
 
 ROWS = [{"prompt": f"{i}+{i}=", "kind": "digits"} for i in range(40)]
 
@@ -321,3 +323,42 @@ def test_ranks_reduce_minima_and_maxima_as_such(monkeypatch):
     monkeypatch.setattr(dist, "all_gather_object", lambda out, metrics: out.__setitem__(slice(None), every))
     reduced = World(rank=0, size=2).reduce_metrics(every[0])  # two ranks' metrics, without processes
     assert reduced == {"val/ratio_max": 2.5, "completions/min_length": 1.0, "loss/policy_avg": 0.75, "reward": 0.5}
+
+
+# --- dropout: the trained forward computes the sampler's distribution ---------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_with_the_models_dropout_off_the_first_step_is_on_policy(tmp_path, arch):
+    """GPT-2 and OPT ship dropout 0.1. With it on in the trained forward (the sampler and the reference run in eval
+    mode) the first step's importance weight was 1.0018 (GPT-2) / 1.0011 (OPT), the KL to an identical reference
+    9.4e-4 / 3.1e-4."""
+    tok = char_tokenizer()
+    for name, override, metric, expected, tol in (("tis", "algorithm.tis_cap=2.0", "val/tis_weight_mean", 1.0, 1e-5),
+                                                  ("kl", "algorithm.kl_coef=0.05", "objective/kl_loss", 0.0, 1e-6)):
+        make_trainer(tmp_path / name, "train.steps=1", override, model=tiny_dropout_lm(tok, arch)).train()
+        row = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
+        assert row["step"] == 1 and abs(row[metric] - expected) <= tol, (name, row[metric])
+    saved = json.loads((tmp_path / "kl" / "final" / "config.json").read_text())
+    assert saved["attn_pdrop" if arch == "gpt2" else "attention_dropout"] == 0.1  # the saved model keeps its config's
+
+
+@pytest.mark.parametrize(("arch", "keep"), [("gpt2", False), ("opt", False), ("opt", True)])
+def test_the_trained_forwards_are_the_eval_forwards_unless_model_dropout(tmp_path, arch, keep):
+    tok = char_tokenizer()
+    trainer = make_trainer(tmp_path, "algorithm=ppo", "algorithm.kl_coef=0.05", f"model.dropout={keep}",
+                           model=tiny_dropout_lm(tok, arch))
+    models = trainer.models
+    rows = tok(["12+34=46", "7+8=15  "], return_tensors="pt")
+    ids, mask = rows["input_ids"], rows["attention_mask"]
+
+    def forwards(train: bool) -> list[torch.Tensor]:
+        for m in (trainer.policy, models.reference, models.critic):
+            m.train(train)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return [model_forward_logprobs(trainer.policy, ids, mask, 4), model_forward_logprobs(models.reference, ids, mask, 4),
+                    models.critic(ids, mask)]
+
+    same = [torch.equal(a, b) for a, b in zip(forwards(True), forwards(False))]
+    assert same == [not keep] * 3  # policy, reference, critic

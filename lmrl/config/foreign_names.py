@@ -69,6 +69,7 @@ FLAT_NAMES: dict[str, tuple[str, str, str]] = {
     "lora_alpha": ("TRL", "model.lora.alpha", ""),
     "lora_dropout": ("TRL", "model.lora.dropout", ""),
     "lora_target_modules": ("TRL", "model.lora.target_modules", ""),
+    "disable_dropout": ("TRL", "model.dropout", "the opposite sense: dropout is off unless model.dropout=true"),
     # OpenRLHF's command-line flags (train_ppo_ray)
     "pretrain": ("OpenRLHF", "model.name_or_path", ""),
     "critic_pretrain": ("OpenRLHF", "model.critic_name_or_path", ""),

@@ -54,6 +54,12 @@ class ModelConfig(Section):
     loss trains the backbone too (vf_coef weighs it). No second copy of the weights."""
     chat_template: bool | None = None
     """Apply the tokenizer's chat template to chat-style prompts (None: when prompts are message lists)."""
+    dropout: bool = False
+    """Keep the dropout the model's config sets (GPT-2, OPT: 0.1) in the trained forward. False: dropout is off in
+    the policy, the reference and the critic (every dropout module, and the rates their configs hold), so the
+    trained forward computes the distribution the sampler drew from: at the first step the importance weight is 1
+    and the KL to the reference 0 (TRL's disable_dropout=True). A saved model's config keeps its own rates. LoRA's
+    dropout (model.lora.dropout) is not this field's: it applies whenever set."""
     attn_implementation: str | None = None
     """transformers' attention kernel for training forwards: "eager", "sdpa", "flash_attention_2", ...
     (None: transformers' choice). On CPU with bfloat16 autocast, "eager" trains faster than "sdpa"."""
