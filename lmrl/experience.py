@@ -363,6 +363,7 @@ def _token_weights(rollout: Rollout, old: torch.Tensor | None, entropy: torch.Te
         info["tis_weight"] = A.masked_mean(weights, mask, dim=1)
         info["tis_masked"] = ((weights == 0) & mask).sum(1).float()
         info["sampler_kl"] = A.masked_mean(rollout.logprobs.float() - old, mask, dim=1)  # k1: KL(sampler || trainer)
+        info["sampler_diff"] = A.masked_mean((rollout.logprobs.float() - old).abs(), mask, dim=1)  # the sync check's
     if entropy_top_fraction is not None:
         if entropy is None:
             raise ValueError("algorithm.entropy_top_fraction needs the policy forward (entropy) in make_experience")

@@ -109,3 +109,22 @@ def serving_generator(cfg: Config) -> tuple[Any, Any]:
     engine.load_weights(export_weights(model), version=-1)  # its starting weights: no policy version yet
     del model
     return engine, tokenizer
+
+
+def sampler_of(cfg: Config, policy: nn.Module) -> dict[str, Any]:
+    """What samples with a copy of the weights of its own, for the sync check (`lmrl.guards.Guards`): its name as
+    the check's line says it (None: the policy samples itself), what to do instead, and whether it and the trainer
+    both compute in float32 on the CPU, where a synced copy's log-probs equal the trainer's to ~1e-6."""
+    r, m = cfg.rollout, cfg.model
+    model_type = getattr(getattr(policy, "config", None), "model_type", "?")
+    if r.backend != "lmrl":
+        sampler, advice = f"rollout.backend={r.backend}, {model_type}", "use rollout.backend=lmrl for this model"
+    elif cfg.train.async_steps:
+        sampler, advice = f"the generator process's copy, train.async_steps={cfg.train.async_steps}", "train.async_steps=0"
+    elif r.dtype is not None:
+        sampler, advice = f"its rollout.dtype={r.dtype} copy", "leave rollout.dtype unset"
+    else:
+        return {"sampler": None}
+    floats = {r.dtype or m.dtype, m.dtype} == {"float32"} and not cfg.train.autocast_bf16
+    on_cpu = resolve_device(m.device).type == "cpu" and (cfg.train.generator_device or "cpu").startswith("cpu")
+    return {"sampler": sampler, "sampler_advice": advice, "sampler_exact": floats and on_cpu}

@@ -14,6 +14,12 @@
   ln V (a step too large scrambled it: measured with optim.lr=1e3 on the shipped model) while held-out
   accuracy (or the recent mean reward) fell far below its best. Warned once and recorded as
   `guard/collapse`; the run goes on.
+- sync: a sampler that holds its own copy of the weights (a vLLM engine, a server, a copy in another dtype) must
+  compute the policy. At the first step this process runs, the mean |log-prob| difference per token between the
+  sampler's tokens and the trainer's forward on them (`val/sampler_logprob_diff`, from the step's own
+  experience: no extra forward) must be within `guard.max_sampler_diff`; above it the run stops after a
+  checkpoint (`SamplerMismatch`), naming the sampler. Later steps warn once when `val/sampler_kl` passes
+  `guard.sampler_kl_warn`.
 
 `Guards.check` returns the warnings to print and raises `RunError` to stop; its state is part of a
 checkpoint, so a resumed run counts on from where it was.
@@ -27,13 +33,26 @@ from typing import Any
 
 from lmrl.errors import RunError
 
+
+class SamplerMismatch(RunError):
+    """The sampler does not compute the policy: the run stops after a checkpoint of the step."""
+
 UNIFORM_FRACTION = 0.9  # entropy above this fraction of ln V counts as a scrambled policy
 RECENT = 10  # steps in the running mean of the reward that the collapse check uses without evaluation
 
 
 class Guards:
-    def __init__(self, cfg, reward_names: list[str], lr: float, vocab_size: int | None = None, evaluates: bool = True):
+    def __init__(self, cfg, reward_names: list[str], lr: float, vocab_size: int | None = None, evaluates: bool = True,
+                 sampler: str | None = None, sampler_advice: str = "", sampler_exact: bool = False):
+        """`sampler`: what samples with its own copy of the weights, as the sync check's line names it (None: the
+        policy samples itself, nothing to check), and `sampler_advice` what to do instead; `sampler_exact`: it and
+        the trainer both compute in float32."""
         self.cfg, self.reward_names, self.lr, self.evaluates = cfg, reward_names, lr, evaluates
+        self.sampler, self.sampler_advice = sampler, sampler_advice
+        default = 1e-3 if sampler_exact else 0.1
+        self.sync_limit = cfg.max_sampler_diff if cfg.max_sampler_diff is not None else default
+        self.sync_checked = False  # per process: a resumed run's sampler loads its weights afresh
+        self.warned_sampler_kl = False
         self.uniform_entropy = math.log(vocab_size) if vocab_size else math.inf  # ln V: a uniform policy
         self.skipped_in_a_row = self.unscored_in_a_row = self.unscored_total = 0
         self.empty_in_a_row = self.unsignalled_in_a_row = 0
@@ -67,6 +86,7 @@ class Guards:
                            "check that the functions' columns and answer format match the dataset")
 
         warnings += self._empty(step, metrics)
+        warnings += self._sampler(step, metrics)
 
         metrics["guard/collapse"] = 0.0
         line = self._collapse(step, metrics)
@@ -99,6 +119,29 @@ class Guards:
                             "scored alike, so no completion had an advantage to learn from; the task may be too hard "
                             "or too easy for the policy, or the reward may not tell completions apart")
         return warnings
+
+    def _sampler(self, step: int, m: dict[str, float]) -> list[str]:
+        """The sync check at this process's first step; `val/sampler_kl` past its warning line later."""
+        diff = m.get("val/sampler_logprob_diff")
+        if self.sampler is None or diff is None:
+            return []
+        # the first step whose batch the current policy sampled (an asynchronous batch a version behind differs by
+        # the update in between; a resumed asynchronous run may have none)
+        if not self.sync_checked and m.get("async/version_lag", 0.0) == 0:
+            self.sync_checked = True
+            if not diff <= self.sync_limit:  # NaN too
+                raise SamplerMismatch(
+                    f"the sampler ({self.sampler}) does not compute the policy: its log-probs of its own tokens differ "
+                    f"from the trainer's by {diff:.3g} nats per token (guard.max_sampler_diff={self.sync_limit:g}), so "
+                    "the weights it took are not the policy's or it computes the model otherwise; every step would "
+                    f"train on another model's samples" + (f" ({self.sampler_advice})" if self.sampler_advice else ""))
+        kl = m.get("val/sampler_kl")
+        if kl is not None and kl > self.cfg.sampler_kl_warn and not self.warned_sampler_kl:
+            self.warned_sampler_kl = True
+            return [f"step {step}: val/sampler_kl is {kl:.3g} (guard.sampler_kl_warn={self.cfg.sampler_kl_warn:g}): "
+                    f"the sampler ({self.sampler}) has drifted from the trainer; truncated importance sampling "
+                    "corrects for some of it (algorithm.tis_cap)"]
+        return []
 
     def record_eval(self, metrics: dict[str, float]) -> None:
         """The evaluation before the first step: the first best the collapse check compares against."""
@@ -145,7 +188,7 @@ class Guards:
                 "empty_in_a_row": self.empty_in_a_row, "unsignalled_in_a_row": self.unsignalled_in_a_row,
                 "warned_empty": self.warned_empty, "warned_unsignalled": self.warned_unsignalled,
                 "warned_collapse": self.warned_collapse, "best_eval": self.best_eval,
-                "best_recent": self.best_recent, "recent": list(self.recent)}
+                "best_recent": self.best_recent, "recent": list(self.recent), "warned_sampler_kl": self.warned_sampler_kl}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():

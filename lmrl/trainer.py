@@ -42,8 +42,8 @@ from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import full_weights
 from lmrl.errors import DataError
 from lmrl.experience import Experience, make_experience
-from lmrl.generators import make_generator
-from lmrl.guards import Guards
+from lmrl.generators import make_generator, sampler_of
+from lmrl.guards import Guards, SamplerMismatch
 from lmrl.lifecycle import RunLifecycle
 from lmrl.logging import Console
 from lmrl.logging.metrics import experience_metrics, grpo_trainer_names, prompt_text
@@ -89,7 +89,7 @@ class Trainer:
         self.console = Console(shown, cfg.train.steps, cfg.log.every)
         self.guards = Guards(cfg.guard, self.data.rewards.names, cfg.optim.lr,
                              vocab_size=getattr(self.policy.config.get_text_config(), "vocab_size", None),
-                             evaluates=bool(self.data.eval_rows))
+                             evaluates=bool(self.data.eval_rows), **sampler_of(cfg, self.policy))
         self.result = TrainResult(self.out)
         self.log = RunLog(self.out, self.console, self.world.main, cfg.log)
         self.rollouts = (AsyncRollouts(cfg, run.inputs, self.policy, self.units.get("policy", []), self.tokenizer,
@@ -195,8 +195,11 @@ class Trainer:
                                          | {"step": step, "time/elapsed": metrics["time/elapsed"]})
             except Exception as e:  # noqa: BLE001 - raised again below, once the step is safe
                 failed = e
+        warned = []
         try:
             warned = self.guards.check(step, metrics)
+        except SamplerMismatch as e:  # the step is kept (logged, saved), then the run stops
+            failed = e
         finally:  # a guard that stops the run still logs the step that tripped it
             self.result.history.append(self.log.log(metrics, step))
         for line in warned:

@@ -200,6 +200,8 @@ class Updater:
             stats["val/tis_masked_frac"] = A.masked_mean((tis == 0).float(), micro.response_mask).item()
             # k1 estimate of KL(sampler || trainer) on the sampler's tokens: how far apart the two policies are
             stats["val/sampler_kl"] = A.masked_mean(micro.rollout_logprobs - old.detach(), micro.response_mask).item()
+            stats["val/sampler_logprob_diff"] = A.masked_mean((micro.rollout_logprobs - old.detach()).abs(),
+                                                              micro.response_mask).item()
         return weights, stats
 
     def _step(self, rows: int, finite: bool) -> dict[str, float]:

@@ -225,3 +225,21 @@ def test_multi_turn_episodes_train_on_cuda(tmp_path):
                           tokenizer=tok, train_dataset=ROWS, env=CountDigits)
         history = trainer.train().history
     assert history[-1]["env/turns"] > 1 and _finite(history[-1])
+
+
+def test_a_mixture_of_experts_copy_on_cuda_takes_weights_pushed_from_the_cpu():
+    """The generator process's copy on a GPU takes the policy's weights from shared (CPU) memory under checkpoint
+    names: the fused experts are written through an index map, across devices."""
+    from lmrl.models.tiny import char_tokenizer
+    from lmrl.models.weights import export_weights
+    from lmrl.rollout.server import ModelGenerator
+
+    from .models.test_checkpoint_names import tiny
+
+    policy = tiny("qwen3_moe", seed=0)
+    pushed = [(name, t.clone()) for name, t in export_weights(policy)]  # on the CPU, as the snapshot is
+    with fake_cuda():
+        copy = tiny("qwen3_moe", seed=1).to("cuda")
+        ModelGenerator(copy, char_tokenizer()).load_weights(pushed, version=1)
+        same = [torch.equal(a, b.cpu()) for a, b in zip(policy.parameters(), copy.parameters(), strict=True)]
+    assert all(same)

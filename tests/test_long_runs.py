@@ -345,3 +345,33 @@ def test_guard_state_survives_a_checkpoint():
     h = _guards()
     h.load_state_dict(json.loads(json.dumps(g.state_dict())))
     assert h.state_dict() == g.state_dict()
+
+
+def test_the_sync_check_stops_the_first_step_of_a_sampler_that_is_not_the_policy():
+    """A sampler with weights of its own (an engine) whose log-probs are not the trainer's at the first step this
+    process runs stops the run; within the limit it goes on, and later steps are not held to it (the batch may be
+    stale, a bf16 engine drifts) but warn once when val/sampler_kl passes its line."""
+    from lmrl.guards import SamplerMismatch
+
+    cfg = load_config(None, []).guard
+    engine = Guards(cfg, ["f"], lr=1e-4, sampler="rollout.backend=vllm, qwen3_moe",
+                    sampler_advice="use rollout.backend=lmrl for this model", sampler_exact=True)
+    with pytest.raises(SamplerMismatch, match=r"the sampler \(rollout.backend=vllm, qwen3_moe\) does not compute the "
+                                              r"policy: .* by 0.00334 nats per token \(guard.max_sampler_diff=0.001\)"
+                                              r".* \(use rollout.backend=lmrl for this model\)$"):
+        engine.check(1, {"val/sampler_logprob_diff": 0.00334, "val/sampler_kl": 1e-4})
+    stale = Guards(cfg, ["f"], lr=1e-4, sampler="the generator process's copy", sampler_exact=True)
+    assert stale.check(1, {"val/sampler_logprob_diff": 0.06, "async/version_lag": 1.0}) == []  # a version behind
+    with pytest.raises(SamplerMismatch):  # checked at the first batch as new as the policy
+        stale.check(2, {"val/sampler_logprob_diff": 0.06, "async/version_lag": 0.0})
+    synced = Guards(cfg, ["f"], lr=1e-4, sampler="rollout.backend=vllm, llama", sampler_exact=True)
+    assert synced.check(1, {"val/sampler_logprob_diff": 4e-7, "val/sampler_kl": 1e-7}) == []
+    assert synced.check(2, {"val/sampler_logprob_diff": 0.5, "val/sampler_kl": 0.01}) == []  # checked once
+    lines = synced.check(3, {"val/sampler_logprob_diff": 0.5, "val/sampler_kl": 0.2})
+    assert len(lines) == 1 and lines[0].startswith("step 3: val/sampler_kl is 0.2 (guard.sampler_kl_warn=0.05)")
+    assert synced.check(4, {"val/sampler_logprob_diff": 0.5, "val/sampler_kl": 0.3}) == []  # warned once
+    bf16 = Guards(cfg, ["f"], lr=1e-4, sampler="its rollout.dtype=bfloat16 copy")  # not exact: 0.1
+    assert bf16.check(1, {"val/sampler_logprob_diff": 0.02}) == []
+    with pytest.raises(SamplerMismatch):
+        Guards(cfg, ["f"], lr=1e-4, sampler="x").check(1, {"val/sampler_logprob_diff": float("nan")})
+    assert Guards(cfg, ["f"], lr=1e-4).check(1, {"val/sampler_logprob_diff": 5.0}) == []  # the policy samples itself

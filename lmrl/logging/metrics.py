@@ -40,6 +40,7 @@ def _option_metrics(exp: Any) -> dict[str, float]:
         out["val/tis_weight_mean"] = exp.info["tis_weight"].mean().item()
         out["val/tis_masked_frac"] = exp.info["tis_masked"].sum().item() / real
         out["val/sampler_kl"] = exp.info["sampler_kl"].mean().item()
+        out["val/sampler_logprob_diff"] = exp.info["sampler_diff"].mean().item()
     if "entropy" in exp.info:
         out["objective/entropy"] = exp.info["entropy"].mean().item()
     return out

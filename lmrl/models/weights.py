@@ -6,7 +6,8 @@ copy takes them (`export_weights`: a vLLM engine, another process).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -34,7 +35,14 @@ def copy_weights(src: nn.Module, dst: nn.Module) -> None:
 
 def export_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under the names of its Hugging Face checkpoint (`model.layers.0.mlp.up_proj.weight`),
-    one tensor at a time: what a generator holding its own copy loads (`RemoteGenerator.load_weights`).
+    one decoder layer at a time: what a generator holding its own copy loads (`RemoteGenerator.load_weights`).
+
+    The names and shapes are those `save_pretrained` writes, not the model's in memory: transformers 5 holds some
+    weights in another layout than its checkpoints (a mixture-of-experts layer's experts fused into one tensor,
+    `mlp.experts.gate_up_proj`, which a Mixtral checkpoint stores as `block_sparse_moe.experts.0.w1.weight`, ...),
+    and an engine that loads checkpoints (vLLM) knows only those. transformers' own conversion mapping is reverted
+    (`revert_weight_conversion`, as `save_pretrained` does), a layer at a time; the tensors it splits or renames are
+    views of the live ones.
 
     A LoRA policy (peft) yields its base weights with the adapters merged in, W + scale * B @ A, computed per
     tensor: its own weights never change, and no merged copy of the whole model exists at once. A DDP wrapper is
@@ -44,6 +52,11 @@ def export_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     model = getattr(policy, "module", policy)  # DDP
     if hasattr(model, "get_base_model"):  # a PeftModel (the model inside holds the adapters' layers too)
         model = model.get_base_model()
+    yield from checkpoint_names(model, _merged_weights(model))
+
+
+def _merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(in-memory name, tensor) of every weight, LoRA adapters merged in per tensor."""
     adapted = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -57,3 +70,99 @@ def export_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                     if adapter in layer.lora_A:
                         tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
             yield name.replace(".base_layer.", "."), tensor
+
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")  # the weights of one decoder layer convert together
+
+
+def checkpoint_names(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, (in-memory name, tensor) pairs of `model` in its order, under checkpoint names and layouts: the
+    conversion `from_pretrained` applied reverted, one decoder layer (or one tensor outside the layers) at a time."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    group: dict[str, torch.Tensor] = {}
+    key = None
+    for name, tensor in weights:
+        match = _LAYER.match(name)
+        here = match.group(1) if match else name
+        if group and here != key:
+            yield from revert_weight_conversion(model, group).items()
+            group = {}
+        key, group[name] = here, tensor
+    if group:
+        yield from revert_weight_conversion(model, group).items()
+
+
+def _groups(names: Iterable[str]) -> Iterator[list[str]]:
+    """Names in order, in runs of one decoder layer (or one name outside the layers): what converts together."""
+    group: list[str] = []
+    key = None
+    for name in names:
+        match = _LAYER.match(name)
+        here = match.group(1) if match else name
+        if group and here != key:
+            yield group
+            group = []
+        key = here
+        group.append(name)
+    if group:
+        yield group
+
+
+class CheckpointLayout:
+    """Writes weights given under checkpoint names (`export_weights`) into a model's own layout: what a model of
+    lmrl's own that takes a policy's weights by name does (`lmrl.rollout.server.ModelGenerator`, the generator
+    process's copy). A checkpoint tensor that is a view of a parameter is copied into it; one that transformers'
+    conversion builds from several (an expert's slice of a fused tensor, ...) is scattered into them through an
+    index map learned once, per layer, by converting the parameters' element indices the way `export_weights`
+    converts their values. Conversions only move elements, so the map is exact; a layout where it is not (a
+    conversion that computes) is refused here rather than loaded wrong."""
+
+    def __init__(self, model: nn.Module):
+        from transformers.core_model_loading import revert_weight_conversion
+
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        self.views: dict[str, torch.Tensor] = {}  # checkpoint name -> a view of a parameter
+        self.maps: dict[str, tuple[torch.Tensor, list[tuple[torch.Tensor, int, int]]]] = {}  # name -> (index, ranges)
+        for names in _groups(params):
+            group = {n: params[n] for n in names}
+            values = revert_weight_conversion(model, dict(group))
+            storages = {p.untyped_storage().data_ptr() for p in group.values()}
+            copies = [n for n, t in values.items() if t.untyped_storage().data_ptr() not in storages]
+            if not copies:
+                self.views.update(values)
+                continue
+            ranges, offset, ids = [], 0, {}
+            for n, p in group.items():  # element indices of the group's parameters, one index space
+                ids[n] = torch.arange(offset, offset + p.numel(), dtype=torch.float64).view(p.shape)
+                ranges.append((p.view(-1), offset, offset + p.numel()))
+                offset += p.numel()
+            indices = revert_weight_conversion(model, ids)
+            flat = torch.cat([p.reshape(-1) for p in group.values()])
+            for n, t in values.items():
+                if n not in copies:
+                    self.views[n] = t
+                    continue
+                index = indices[n].reshape(-1)
+                moved = bool((index == index.round()).all() and (index >= 0).all() and (index < len(flat)).all())
+                index = index.long()
+                if not moved or not torch.equal(flat[index], t.reshape(-1)):
+                    raise ValueError(f"weights: {type(model).__name__}'s checkpoint layout of {n} is not a rearrangement "
+                                     "of its weights: it cannot take weights by name")
+                self.maps[n] = (index, ranges)
+
+    def names(self) -> set[str]:
+        return set(self.views) | set(self.maps)
+
+    @torch.no_grad()
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The checkpoint tensor `name` into the model's parameters."""
+        if name in self.views:
+            self.views[name].copy_(tensor)
+            return
+        index, ranges = self.maps[name]
+        values = tensor.reshape(-1)
+        for flat, start, end in ranges:
+            here = (index >= start) & (index < end)
+            if here.any():  # the values where the parameter is (pushed ones come from the CPU's shared memory)
+                flat[index[here] - start] = values[here].to(flat.device, flat.dtype)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from lmrl.models.prompt_encoding import encode_prompts
+from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.hf import HFGenerator
 
@@ -98,6 +99,7 @@ class ModelGenerator:
 
     def __init__(self, model: nn.Module, tokenizer: Any, seed: int = 0, **options: Any):
         self.model, self.version = model, -1
+        self._layout, self._names = None, set()  # where each checkpoint-named weight goes in the model
         self.decoder = HFGenerator(model, tokenizer, seed=seed, **options)  # options: HFGenerator's (batch_size)
         self.tokenizer, self.pad_token_id = tokenizer, self.decoder.pad_token_id
         self._rng = self.decoder._rng
@@ -107,11 +109,14 @@ class ModelGenerator:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        params = dict(self.model.named_parameters())
+        """Weights under checkpoint names (`export_weights`), written into the model's own layout."""
+        if self._layout is None:
+            self._layout = CheckpointLayout(self.model)
+            self._names = self._layout.names()
         for name, tensor in weights:
-            if name not in params:
+            if name not in self._names:
                 raise ValueError(f"weights: the model has no parameter {name!r}")
-            params[name].copy_(tensor)
+            self._layout.write(name, tensor)
         self.version = version
 
 

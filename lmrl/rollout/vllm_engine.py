@@ -163,18 +163,33 @@ class VLLMGenerator:
         self.wake_up()
         source: Iterator[tuple[str, torch.Tensor]] = iter(weights)
 
-        def reload(worker) -> None:
+        def reload(worker) -> list[str]:
+            """Load in place; return the engine's parameters that no pushed weight reached."""
             from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
             model = worker.model_runner.get_model()
             heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
             tied = [(h, e) for h in heads for e in model.modules() if e is not h and getattr(e, "weight", None) is h.weight]
-            worker.model_runner.reload_weights(weights_iterator=source)
+            tied_names = {name for name, m in model.named_modules() for h, _ in tied if m is h}
+            expected = {name for name, _ in model.named_parameters()}
+            loaded, load = {}, model.load_weights
+            model.load_weights = lambda weights: loaded.setdefault("names", load(weights))  # what vLLM only logs
+            try:
+                worker.model_runner.reload_weights(weights_iterator=source)
+            finally:
+                del model.load_weights
             for head, embedding in tied:  # a tied output layer is not in the checkpoint: tie it to the new embedding
                 head.weight = embedding.weight
                 head.quant_method.process_weights_after_loading(head)
+            if loaded.get("names") is None:  # a model whose loader does not say what it loaded
+                return []
+            return sorted(n for n in expected - set(loaded["names"]) if n.rpartition(".")[0] not in tied_names)
 
-        self.llm.collective_rpc(reload)
+        missing = self.llm.collective_rpc(reload)[0]
+        if missing:  # vLLM would only log it, and sample with the dummy values it started with
+            raise RunError(f"rollout.backend=vllm: no weight of the policy's reached {len(missing)} of the engine's "
+                           f"parameters ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it would sample "
+                           "with the placeholder values it started with; use rollout.backend=lmrl for this model")
         self.llm.reset_prefix_cache()
         self.version = version
 

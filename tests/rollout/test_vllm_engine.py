@@ -255,3 +255,68 @@ def test_an_engine_in_the_generator_process_of_an_asynchronous_run(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["async/policy_version"] for r in rows] == [0, 0, 1]
     assert abs(rows[0]["val/sampler_kl"]) < 1e-4 and abs(rows[1]["val/sampler_kl"]) > 1e-3
+
+
+# ------------------------------------------------------------------------------ weights that do not reach the engine
+MOE_TEXTS = ["What is 2 + 3? The answer is 5.", "Name a colour: red, green or blue.", "12+7=19 3+4=7 0123456789"] * 20
+
+
+def tiny_moe(arch: str, tmp_path=None):
+    """A Mixtral or Qwen3-MoE of random weights that vLLM's CPU build runs (head size 32), with a tokenizer made here."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = bpe_chat_tokenizer(MOE_TEXTS, vocab_size=320)
+    kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, max_position_embeddings=512, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    model = (MixtralForCausalLM(MixtralConfig(**kw)) if arch == "mixtral" else Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw)))
+    if tmp_path is not None:
+        model.save_pretrained(tmp_path)
+        tok.save_pretrained(tmp_path)
+    model.config.architectures = [type(model).__name__]
+    return model.eval(), tok
+
+
+def test_a_mixture_of_experts_model_reaches_the_engine_under_its_checkpoint_names():
+    """transformers 5 holds Mixtral's experts fused (`mlp.experts.gate_up_proj`); pushed under those names the
+    engine stopped: "There is no module or parameter named 'layers.0.mlp' in MixtralModel". Under the checkpoint's
+    names (`block_sparse_moe.experts.0.w1.weight`, ...) every parameter of the engine takes a weight."""
+    model, tok = tiny_moe("mixtral")
+    engine = engine_for(model, tok)  # raises when a parameter of the engine took no weight
+    engine.close()
+
+
+def test_an_engine_parameter_no_weight_reached_is_one_line_naming_it(shipped):
+    """vLLM only logs the parameters a load left alone, and samples with its placeholder values there."""
+    from lmrl.errors import RunError
+
+    policy, _, engine = shipped
+    pushed = ((n, t) for n, t in export_weights(policy) if n != "model.layers.1.self_attn.o_proj.weight")
+    with pytest.raises(RunError, match=r"^rollout.backend=vllm: no weight of the policy's reached 1 of the engine's "
+                                       r"parameters \(model.layers.1.self_attn.o_proj.weight\): it would sample"):
+        engine.load_weights(pushed, version=1)
+
+
+def test_a_run_whose_engine_does_not_compute_the_policy_stops_at_step_1_after_a_checkpoint(tmp_path):
+    """Qwen3-MoE on vLLM's CPU build: the engine takes every pushed weight, yet its experts do not compute what the
+    trainer's do (0.003 nats per token apart at step 1, against ~1e-6 for dense models), so every step would train
+    on another model's samples. The sync check stops the run after step 1, in one line, with a checkpoint."""
+    tiny_moe("qwen3_moe", tmp_path / "model")
+    (tmp_path / "share.py").write_text("def digit_share(prompts, completions, **kw):\n"
+                                       "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "lmrl", "train", f"model.name_or_path={tmp_path / 'model'}",
+                           "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=8",
+                           "rollout.max_new_tokens=8", "rollout.temperature=1.5", "data.num_eval_prompts=4",
+                           "train.eval_every=0", f"train.output_dir={out}", "log.console=false",
+                           f"reward.functions=[{tmp_path / 'share.py'}:digit_share]"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lmrl: error: step 1: the sampler (rollout.backend=vllm, qwen3_moe) does not compute the "
+                           "policy: its log-probs of its own tokens differ from the trainer's by "), last
+    assert last.endswith(f"{out / 'checkpoint-1'} written: add train.resume=auto to continue"), last
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and rows[-1]["val/sampler_logprob_diff"] > 1e-3
