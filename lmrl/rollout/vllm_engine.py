@@ -26,6 +26,7 @@ import contextlib
 import importlib
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterable, Iterator
@@ -103,7 +104,7 @@ class VLLMGenerator:
         self._dir = tempfile.mkdtemp(prefix="lmrl-vllm-")
         config.save_pretrained(self._dir)
         tokenizer.save_pretrained(self._dir)
-        with _threads_kept():
+        with _threads_kept(), _classes_kept():
             try:
                 self.llm = vllm.LLM(model=self._dir, tokenizer=self._dir, dtype=dtype, max_model_len=max_model_len,
                                     seed=seed, load_format="dummy", logprobs_mode="processed_logprobs",
@@ -237,3 +238,28 @@ def _threads_kept() -> Iterator[None]:
     finally:
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _classes_kept() -> Iterator[None]:
+    """vLLM's Transformers backend (the models it has no implementation of: GPT-NeoX, OLMo 2, SmolLM3, ...)
+    decorates the transformers class of the model's decoder in place: a base class, `__init__`, `__call__`. The
+    trainer's own model is of that class; its next forward would fail ("'GPTNeoXModel' object has no attribute
+    'do_not_compile'") or go around nn.Module's hooks. What engine start-up changes in the classes of
+    transformers' modeling modules is put back once it is built: the engine's own instance then runs the plain
+    forward, which is what it runs uncompiled (on the CPU, and with rollout.vllm.enforce_eager)."""
+    classes = {cls: (cls.__bases__, dict(vars(cls))) for name, module in list(sys.modules.items())
+               if name.startswith("transformers.models.") and ".modeling_" in name
+               for cls in vars(module).values() if isinstance(cls, type) and cls.__module__ == name}
+    try:
+        yield
+    finally:
+        for cls, (bases, attributes) in classes.items():
+            if cls.__bases__ != bases:
+                cls.__bases__ = bases
+            now = vars(cls)
+            for key in [k for k in now if k not in attributes]:
+                delattr(cls, key)
+            for key, value in attributes.items():
+                if now.get(key) is not value and key not in ("__dict__", "__weakref__"):
+                    setattr(cls, key, value)

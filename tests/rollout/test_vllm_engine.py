@@ -320,3 +320,52 @@ def test_a_run_whose_engine_does_not_compute_the_policy_stops_at_step_1_after_a_
     assert last.endswith(f"{out / 'checkpoint-1'} written: add train.resume=auto to continue"), last
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and rows[-1]["val/sampler_logprob_diff"] > 1e-3
+
+
+# ------------------------------------------------------------------------------ vLLM's Transformers backend
+def test_a_model_vllm_serves_through_transformers_trains_in_the_trainers_process(tmp_path):
+    """GPT-NeoX (Pythia) has no vLLM implementation: vLLM runs it through its Transformers backend, which decorated
+    the transformers class in this process, and the trainer's next forward stopped on "'GPTNeoXModel' object has no
+    attribute 'do_not_compile'". The class is put back once the engine is built: the run trains, and the engine
+    still samples the policy (the sync check holds it to 1e-3; the log-probs agree to ~1e-7)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    tok = bpe_chat_tokenizer(MOE_TEXTS, vocab_size=320)
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id,
+                                     pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "share.py").write_text("def digit_share(prompts, completions, **kw):\n"
+                                       "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "lmrl", "train", f"model.name_or_path={tmp_path / 'm'}",
+                           "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=8",
+                           "rollout.max_new_tokens=8", "rollout.temperature=1.5", "data.num_eval_prompts=4",
+                           "train.eval_every=0", f"train.output_dir={out}", "log.console=false", "optim.lr=3e-2",
+                           f"reward.functions=[{tmp_path / 'share.py'}:digit_share]"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][-3:] == [1, 2, 3]
+    assert all(r["val/sampler_logprob_diff"] < 1e-5 for r in rows if r["step"] > 0)
+
+
+def test_what_engine_start_up_changes_in_transformers_classes_is_put_back():
+    from transformers.models.llama import modeling_llama
+
+    from lmrl.rollout.vllm_engine import _classes_kept
+
+    cls = modeling_llama.LlamaModel
+    bases, call, init = cls.__bases__, cls.__call__, cls.__init__
+
+    class Wrapper:
+        pass
+
+    with _classes_kept():  # what vLLM's support_torch_compile does to a decoder class
+        cls.__bases__ = cls.__bases__ + (Wrapper,)
+        cls.__init__ = lambda self, *a, **k: None
+        cls.__call__ = lambda self, *a, **k: None
+        cls.do_not_compile = False
+    assert cls.__bases__ == bases and cls.__call__ is call and cls.__init__ is init
+    assert not hasattr(cls, "do_not_compile")
