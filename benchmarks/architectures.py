@@ -16,6 +16,7 @@ in one line (an `LmrlError`), and the line is the table's reason. Anything else 
 
 The columns: `lmrl` (rollout.backend=lmrl, full fine-tuning), `lora` (the same with model.lora), `vllm`
 (rollout.backend=vllm, vLLM's CPU build; one engine per process, so each vLLM cell runs in a process of its own).
+Every cell runs on the CPU, in float32, whatever the machine has.
 `tests/test_architectures.py` runs the lmrl and LoRA columns of every architecture and a few vLLM cells, and checks
 that they agree with the recorded table.
 """
@@ -111,7 +112,7 @@ def digit_share(prompts, completions, **kw):
 
 def overrides(name: str, column: str, out: Path) -> list[str]:
     tok_kind = ARCHITECTURES[name][2]
-    return [f"model.name_or_path={out / 'model'}", f"train.steps={STEPS}", "rollout.prompts_per_step=4",
+    return [f"model.name_or_path={out / 'model'}", "model.device=cpu", f"train.steps={STEPS}", "rollout.prompts_per_step=4",
             "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.temperature=1.5", "data.num_eval_prompts=4",
             "train.eval_every=0", f"train.output_dir={out / 'run'}", "log.console=false", "optim.lr=1e-2",
             "algorithm.tis_cap=2.0", *(["model.chat_template=true"] if tok_kind == "chat" else []),
