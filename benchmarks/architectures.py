@@ -17,7 +17,7 @@ in one line (an `LmrlError`), and the line is the table's reason. Anything else 
 The columns: `lmrl` (rollout.backend=lmrl, full fine-tuning), `lora` (the same with model.lora), `vllm`
 (rollout.backend=vllm, vLLM's CPU build; one engine per process, so each vLLM cell runs in a process of its own).
 Every cell runs on the CPU, in float32, whatever the machine has.
-`tests/test_architectures.py` runs the lmrl and LoRA columns of every architecture and a few vLLM cells, and checks
+`tests/test_supported_models.py` runs the lmrl and LoRA columns of every architecture and a few vLLM cells, and checks
 that they agree with the recorded table.
 """
 
