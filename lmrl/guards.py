@@ -15,11 +15,11 @@
   accuracy (or the recent mean reward) fell far below its best. Warned once and recorded as
   `guard/collapse`; the run goes on.
 - sync: a sampler that holds its own copy of the weights (a vLLM engine, a server, a copy in another dtype) must
-  compute the policy. At the first step this process runs, the mean |log-prob| difference per token between the
-  sampler's tokens and the trainer's forward on them (`val/sampler_logprob_diff`, from the step's own
-  experience: no extra forward) must be within `guard.max_sampler_diff`; above it the run stops after a
-  checkpoint (`SamplerMismatch`), naming the sampler. Later steps warn once when `val/sampler_kl` passes
-  `guard.sampler_kl_warn`.
+  compute the policy. At every step whose batch the current policy sampled (each step of a synchronous run), the
+  mean |log-prob| difference per token between the sampler's tokens and the trainer's forward on them
+  (`val/sampler_logprob_diff`, from the step's own experience: no extra forward) must be within
+  `guard.max_sampler_diff`; above it the run stops after a checkpoint (`SamplerMismatch`), naming the sampler.
+  `val/sampler_kl` past `guard.sampler_kl_warn` is warned once.
 
 `Guards.check` returns the warnings to print and raises `RunError` to stop; its state is part of a
 checkpoint, so a resumed run counts on from where it was.
@@ -51,7 +51,6 @@ class Guards:
         self.sampler, self.sampler_advice = sampler, sampler_advice
         default = 1e-3 if sampler_exact else 0.1
         self.sync_limit = cfg.max_sampler_diff if cfg.max_sampler_diff is not None else default
-        self.sync_checked = False  # per process: a resumed run's sampler loads its weights afresh
         self.warned_sampler_kl = False
         self.uniform_entropy = math.log(vocab_size) if vocab_size else math.inf  # ln V: a uniform policy
         self.skipped_in_a_row = self.unscored_in_a_row = self.unscored_total = 0
@@ -121,20 +120,17 @@ class Guards:
         return warnings
 
     def _sampler(self, step: int, m: dict[str, float]) -> list[str]:
-        """The sync check at this process's first step; `val/sampler_kl` past its warning line later."""
+        """The sync check at a step whose batch the current policy sampled; `val/sampler_kl` past its warning line."""
         diff = m.get("val/sampler_logprob_diff")
         if self.sampler is None or diff is None:
             return []
-        # the first step whose batch the current policy sampled (an asynchronous batch a version behind differs by
-        # the update in between; a resumed asynchronous run may have none)
-        if not self.sync_checked and m.get("async/version_lag", 0.0) == 0:
-            self.sync_checked = True
-            if not diff <= self.sync_limit:  # NaN too
-                raise SamplerMismatch(
-                    f"the sampler ({self.sampler}) does not compute the policy: its log-probs of its own tokens differ "
-                    f"from the trainer's by {diff:.3g} nats per token (guard.max_sampler_diff={self.sync_limit:g}), so "
-                    "the weights it took are not the policy's or it computes the model otherwise; every step would "
-                    f"train on another model's samples" + (f" ({self.sampler_advice})" if self.sampler_advice else ""))
+        # (an asynchronous batch a version behind differs from the trainer by the update in between: not checked)
+        if m.get("async/version_lag", 0.0) == 0 and not diff <= self.sync_limit:  # NaN too
+            raise SamplerMismatch(
+                f"the sampler ({self.sampler}) does not compute the policy: its log-probs of its own tokens differ "
+                f"from the trainer's by {diff:.3g} nats per token (guard.max_sampler_diff={self.sync_limit:g}), so "
+                "the weights it took are not the policy's or it computes the model otherwise; every step would "
+                f"train on another model's samples" + (f" ({self.sampler_advice})" if self.sampler_advice else ""))
         kl = m.get("val/sampler_kl")
         if kl is not None and kl > self.cfg.sampler_kl_warn and not self.warned_sampler_kl:
             self.warned_sampler_kl = True

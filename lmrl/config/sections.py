@@ -330,9 +330,10 @@ class GuardConfig(Section):
     """... and held-out accuracy (or, without evaluation, the mean reward of the last 10 steps) fell by
     this fraction of its best. Warned once and recorded as `guard/collapse`; the run goes on."""
     max_sampler_diff: PositiveFloat | None = None
-    """The sync check. At the first step a process runs with a sampler that holds its own copy of the weights
-    (rollout.backend vllm or vllm-server, or a rollout.dtype copy), the sampler's log-probs of its tokens and the
-    trainer's may differ by at most this, in nats per token on average (`val/sampler_logprob_diff`); above it
+    """The sync check. At every step whose batch the current policy sampled (each step of a synchronous run), a
+    sampler that holds its own copy of the weights (rollout.backend vllm or vllm-server, the generator process, a
+    rollout.dtype copy) and the trainer may differ by at most this in their log-probs of the sampler's tokens, in
+    nats per token on average (`val/sampler_logprob_diff`); above it
     the run stops after a checkpoint, in one line: the sampler is not computing the policy (weights that did not
     reach it, or a kernel that computes the model otherwise), and every step would train on another model's
     samples. None: 0.001 when both compute in float32 (a synced engine differs by ~1e-6 there), 0.1 otherwise."""
