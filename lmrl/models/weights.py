@@ -80,31 +80,22 @@ def checkpoint_names(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     conversion `from_pretrained` applied reverted, one decoder layer (or one tensor outside the layers) at a time."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    for group in _by_layer(weights):
+        yield from revert_weight_conversion(model, group).items()
+
+
+def _by_layer(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """(name, tensor) pairs in order, in runs of one decoder layer (or one tensor outside the layers): what
+    converts together. Read lazily: one layer is held at a time."""
     group: dict[str, torch.Tensor] = {}
     key = None
     for name, tensor in weights:
         match = _LAYER.match(name)
         here = match.group(1) if match else name
         if group and here != key:
-            yield from revert_weight_conversion(model, group).items()
+            yield group
             group = {}
         key, group[name] = here, tensor
-    if group:
-        yield from revert_weight_conversion(model, group).items()
-
-
-def _groups(names: Iterable[str]) -> Iterator[list[str]]:
-    """Names in order, in runs of one decoder layer (or one name outside the layers): what converts together."""
-    group: list[str] = []
-    key = None
-    for name in names:
-        match = _LAYER.match(name)
-        here = match.group(1) if match else name
-        if group and here != key:
-            yield group
-            group = []
-        key = here
-        group.append(name)
     if group:
         yield group
 
@@ -121,11 +112,9 @@ class CheckpointLayout:
     def __init__(self, model: nn.Module):
         from transformers.core_model_loading import revert_weight_conversion
 
-        params = {name: p.detach() for name, p in model.named_parameters()}
         self.views: dict[str, torch.Tensor] = {}  # checkpoint name -> a view of a parameter
         self.maps: dict[str, tuple[torch.Tensor, list[tuple[torch.Tensor, int, int]]]] = {}  # name -> (index, ranges)
-        for names in _groups(params):
-            group = {n: params[n] for n in names}
+        for group in _by_layer((name, p.detach()) for name, p in model.named_parameters()):
             values = revert_weight_conversion(model, dict(group))
             storages = {p.untyped_storage().data_ptr() for p in group.values()}
             copies = [n for n, t in values.items() if t.untyped_storage().data_ptr() not in storages]

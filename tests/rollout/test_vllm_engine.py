@@ -279,6 +279,19 @@ def tiny_moe(arch: str, tmp_path=None):
     return model.eval(), tok
 
 
+def train_through_vllm(tmp_path, model_dir, out, *overrides) -> subprocess.CompletedProcess:
+    """`lmrl train` of the model in `model_dir` through rollout.backend=vllm for 3 small steps, rewarded by the share of
+    digits (a random model's completions differ in it, so every step has groups to learn from)."""
+    (tmp_path / "share.py").write_text("def digit_share(prompts, completions, **kw):\n"
+                                       "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n")
+    return subprocess.run([sys.executable, "-m", "lmrl", "train", f"model.name_or_path={model_dir}",
+                           "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=8",
+                           "rollout.max_new_tokens=8", "rollout.temperature=1.5", "data.num_eval_prompts=4",
+                           "train.eval_every=0", f"train.output_dir={out}", "log.console=false",
+                           f"reward.functions=[{tmp_path / 'share.py'}:digit_share]", *overrides],
+                          capture_output=True, text=True, timeout=600)
+
+
 def test_a_mixture_of_experts_model_reaches_the_engine_under_its_checkpoint_names():
     """transformers 5 holds Mixtral's experts fused (`mlp.experts.gate_up_proj`); pushed under those names the
     engine stopped: "There is no module or parameter named 'layers.0.mlp' in MixtralModel". Under the checkpoint's
@@ -304,15 +317,8 @@ def test_a_run_whose_engine_does_not_compute_the_policy_stops_at_step_1_after_a_
     trainer's do (0.003 nats per token apart at step 1, against ~1e-6 for dense models), so every step would train
     on another model's samples. The sync check stops the run after step 1, in one line, with a checkpoint."""
     tiny_moe("qwen3_moe", tmp_path / "model")
-    (tmp_path / "share.py").write_text("def digit_share(prompts, completions, **kw):\n"
-                                       "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n")
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "lmrl", "train", f"model.name_or_path={tmp_path / 'model'}",
-                           "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=8",
-                           "rollout.max_new_tokens=8", "rollout.temperature=1.5", "data.num_eval_prompts=4",
-                           "train.eval_every=0", f"train.output_dir={out}", "log.console=false",
-                           f"reward.functions=[{tmp_path / 'share.py'}:digit_share]"],
-                          capture_output=True, text=True, timeout=600)
+    done = train_through_vllm(tmp_path, tmp_path / "model", out)
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("lmrl: error: step 1: the sampler (rollout.backend=vllm, qwen3_moe) does not compute the "
@@ -336,15 +342,8 @@ def test_a_model_vllm_serves_through_transformers_trains_in_the_trainers_process
                                      num_attention_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id,
                                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)).save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    (tmp_path / "share.py").write_text("def digit_share(prompts, completions, **kw):\n"
-                                       "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n")
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "lmrl", "train", f"model.name_or_path={tmp_path / 'm'}",
-                           "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=8",
-                           "rollout.max_new_tokens=8", "rollout.temperature=1.5", "data.num_eval_prompts=4",
-                           "train.eval_every=0", f"train.output_dir={out}", "log.console=false", "optim.lr=3e-2",
-                           f"reward.functions=[{tmp_path / 'share.py'}:digit_share]"],
-                          capture_output=True, text=True, timeout=600)
+    done = train_through_vllm(tmp_path, tmp_path / "m", out, "optim.lr=3e-2")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows][-3:] == [1, 2, 3]
