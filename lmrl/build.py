@@ -27,6 +27,7 @@ from lmrl.config import Config
 from lmrl.errors import ConfigError, DataError, ModelError
 from lmrl.models.loading import (
     DTYPES,
+    check_causal,
     disable_dropout,
     enable_gradient_checkpointing,
     load_causal_lm,
@@ -90,6 +91,7 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
             policy.set_attn_implementation(m.attn_implementation)
         if m.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
+    check_causal(policy)
     if not m.dropout:  # the trained forward computes the sampler's distribution (the reference and critic copy it)
         disable_dropout(policy)
     adapter = adapter_base(m.name_or_path) is not None  # an adapter to train on (its own r, alpha, modules)

@@ -197,6 +197,8 @@ BAD: dict[str, Bad] = {
     # --- models
     "model missing": Bad("train model=./no-model", "model.name_or_path: cannot load tokenizer './no-model': no such file or directory"),
     "model not a model": Bad("train model=./data", "model.name_or_path: cannot load tokenizer './data': the directory holds no tokenizer_config.json or tokenizer.json or config.json", real=False),
+    "model an encoder": Bad("train model=bert-model", "model.name_or_path: the bert model (BertLMHeadModel) is not a causal LM: its logits at a position change with the tokens after it", real=False),
+    "model an encoder-decoder": Bad("train model=t5-model", "model.name_or_path: cannot load 't5-model': it is a t5 model (T5ForConditionalGeneration), an encoder-decoder, which lmrl cannot train: lmrl trains decoder-only causal LMs", real=False),
     "output_dir under a file": Bad("train train.output_dir=rows.jsonl/run", "train.output_dir: rows.jsonl/run cannot be created: ", real=False),
     "no CUDA here": Bad("train model.device=cuda", "model.device: 'cuda' asked for, but this machine has no CUDA device; use model.device=cpu", real=False),
     "eval NaN weights": Bad("eval --model nan-model", "model: nan-model has non-finite weights (NaN or inf); refusing to train or evaluate it"),
@@ -327,6 +329,21 @@ def _nan_model(directory: Path) -> None:
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
 
 
+def _not_causal_models(cwd: Path) -> None:
+    """A BERT and a T5 of random weights with the shipped model's tokenizer: models lmrl cannot train."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    torch.manual_seed(0)
+    bert = BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=64))
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=len(tok), d_model=32, d_ff=64, num_layers=1, num_heads=2,
+                                             d_kv=16, decoder_start_token_id=0))
+    for name, model in (("bert-model", bert), ("t5-model", t5)):
+        model.save_pretrained(cwd / name)
+        tok.save_pretrained(cwd / name)
+
+
 def _args(case: str, bad: Bad, url: str) -> list[str]:
     """The row's arguments after `lmrl`; a train row writes to out/<case> without a console."""
     args = shlex.split(bad.args.replace("{url}", url))
@@ -362,6 +379,7 @@ def ran(tmp_path_factory):
         (cwd / name).parent.mkdir(parents=True, exist_ok=True)
         (cwd / name).write_text(text)
     _nan_model(cwd / "nan-model")
+    _not_causal_models(cwd)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Scorer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"

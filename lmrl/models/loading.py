@@ -167,13 +167,61 @@ def load_causal_lm(
         with quiet_progress_bars():
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:  # transformers raises both, often over several lines
-        raise ModelError(f"{config_key}: cannot load {path!r}: {_first_line(err)}") from err
+        why = _not_a_causal_lm(path, err, trust_remote_code) or _first_line(err)
+        raise ModelError(f"{config_key}: cannot load {path!r}: {why}") from err
     model.to(target)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     else:
         model.eval()
     return model
+
+
+CAUSAL_LMS = "decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, GPT-2, ...: docs/supported-models.md)"
+
+
+def _not_a_causal_lm(path: str, err: BaseException, trust_remote_code: bool) -> str | None:
+    """Why transformers has no causal-LM class for the model at `path` (an encoder-decoder such as T5, an encoder
+    such as a classifier's), in words a user can act on; None when `err` is about something else."""
+    if "Unrecognized configuration class" not in str(err):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    kind = "an encoder-decoder" if getattr(config, "is_encoder_decoder", False) else "not a causal LM"
+    classes = f" ({', '.join(config.architectures)})" if getattr(config, "architectures", None) else ""
+    return f"it is a {config.model_type} model{classes}, {kind}, which lmrl cannot train: lmrl trains {CAUSAL_LMS}"
+
+
+@torch.no_grad()
+def check_causal(model: nn.Module, config_key: str = "model.name_or_path") -> None:
+    """Refuse a model whose logits at a position change with the tokens after it. An encoder loads as a causal LM
+    (BERT's `BertLMHeadModel` when its config lacks `is_decoder`) and then trains, samples and scores with every
+    position seeing the whole sequence: the log-probs of a completion's tokens are conditioned on the tokens
+    after them, and nothing fails. Two sequences that share their first half, each on its own: a causal model's
+    logits on the shared half are the same (to the bit, on the same shapes); an encoder's are not."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids[1, :4] = ids[0, :4]
+    ids[1, 4:] = (ids[0, 4:] + 1) % vocab
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        first, second = (model(input_ids=row[None].to(device), use_cache=False).logits[0, :4].float() for row in ids)
+    finally:
+        model.train(training)
+    gap, scale = (first - second).abs().max().item(), first.abs().max().item()
+    if gap > 1e-4 * (1 + scale):  # (non-finite logits are the weights' check's to name)
+        kind = getattr(model.config, "model_type", type(model).__name__)
+        decoder = ("; a model trained as a decoder says so in its config.json (is_decoder: true)"
+                   if getattr(model.config, "is_decoder", None) is False else "")
+        raise ModelError(f"{config_key}: the {kind} model ({type(model).__name__}) is not a causal LM: its logits at "
+                         f"a position change with the tokens after it (by {gap:.3g}), so every log-prob would see the "
+                         f"completion it scores; lmrl trains {CAUSAL_LMS}{decoder}")
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
+from lmrl.errors import ModelError
 from lmrl.models.loading import (
+    check_causal,
     disable_dropout,
     dropout_as_loaded,
     load_causal_lm,
@@ -71,6 +73,27 @@ def test_unloadable_directory_is_one_line(tmp_path):
     msg = str(info.value)
     assert msg.startswith(f"model.name_or_path: cannot load {str(tmp_path)!r}: ")
     assert "\n" not in msg
+
+
+def test_a_model_that_attends_both_ways_is_refused_and_a_causal_one_passes(saved):
+    """BERT loads through AutoModelForCausalLM as BertLMHeadModel and, unless its config says is_decoder, attends
+    both ways: every log-prob would be conditioned on the tokens after it. The same weights as a decoder pass, as
+    does every causal LM (the architecture matrix runs the check on 18)."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    _, _, model, _ = saved
+    check_causal(model)
+    for is_decoder in (False, True):
+        torch.manual_seed(0)
+        bert = BertLMHeadModel(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=64, is_decoder=is_decoder)).train()
+        if is_decoder:
+            check_causal(bert)
+        else:
+            with pytest.raises(ModelError, match=r"^model.name_or_path: the bert model \(BertLMHeadModel\) is not a "
+                                                 r"causal LM: its logits at a position change with the tokens after it"):
+                check_causal(bert)
+        assert bert.training  # the check leaves the mode as it found it
 
 
 def test_gradient_checkpointing_option(saved):
