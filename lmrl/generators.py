@@ -79,8 +79,9 @@ def _holding_generator(cfg: Config, base: Any, tokenizer: Any, env: Any, device:
 def _engine(cfg: Config, model: nn.Module, tokenizer: Any, longest: int, device: torch.device):
     """A vLLM engine for `model`, holding rows of `longest` tokens (rollout.vllm.max_model_len when set), within
     the model's positions."""
-    from lmrl.rollout.vllm_engine import VLLMGenerator
+    from lmrl.rollout.vllm_engine import VLLMGenerator, refuse_on_this_build
 
+    refuse_on_this_build(model.config, device.type, cfg.rollout.backend)
     v = cfg.rollout.vllm
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or longest
     max_model_len = v.max_model_len or min(longest, positions)
@@ -109,6 +110,18 @@ def serving_generator(cfg: Config) -> tuple[Any, Any]:
     engine.load_weights(export_weights(model), version=-1)  # its starting weights: no policy version yet
     del model
     return engine, tokenizer
+
+
+def check_backend(cfg: Config, model_config: Any, device: torch.device) -> None:
+    """Before a run builds its generator (in this process, a generator process or a server it starts): refuse a
+    model the generation engine rollout.backend names would not compute on the device it would run on."""
+    r = cfg.rollout
+    if r.backend == "lmrl" or (r.backend == "vllm-server" and r.vllm.server_url is not None):  # (a server elsewhere:
+        return  # the sync check holds it to the policy from step 1)
+    from lmrl.rollout.vllm_engine import refuse_on_this_build
+
+    engine = cfg.train.generator_device if cfg.train.async_steps and r.backend == "vllm" else None
+    refuse_on_this_build(model_config, resolve_device(engine).type if engine else device.type, r.backend)
 
 
 def sampler_of(cfg: Config, policy: nn.Module) -> dict[str, Any]:

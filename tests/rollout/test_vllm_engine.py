@@ -279,12 +279,13 @@ def tiny_moe(arch: str, tmp_path=None):
     return model.eval(), tok
 
 
-def train_through_vllm(tmp_path, model_dir, out, *overrides) -> subprocess.CompletedProcess:
+def train_through_vllm(tmp_path, model_dir, out, *overrides, python=None) -> subprocess.CompletedProcess:
     """`lmrl train` of the model in `model_dir` through rollout.backend=vllm for 3 small steps, rewarded by the share of
-    digits (a random model's completions differ in it, so every step has groups to learn from)."""
+    digits (a random model's completions differ in it, so every step has groups to learn from). `python`: what runs
+    `lmrl` (default `python -m lmrl`)."""
     (tmp_path / "share.py").write_text("def digit_share(prompts, completions, **kw):\n"
                                        "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n")
-    return subprocess.run([sys.executable, "-m", "lmrl", "train", f"model.name_or_path={model_dir}",
+    return subprocess.run([*(python or [sys.executable, "-m", "lmrl"]), "train", f"model.name_or_path={model_dir}",
                            "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=8",
                            "rollout.max_new_tokens=8", "rollout.temperature=1.5", "data.num_eval_prompts=4",
                            "train.eval_every=0", f"train.output_dir={out}", "log.console=false",
@@ -312,16 +313,67 @@ def test_an_engine_parameter_no_weight_reached_is_one_line_naming_it(shipped):
         engine.load_weights(pushed, version=1)
 
 
-def test_a_run_whose_engine_does_not_compute_the_policy_stops_at_step_1_after_a_checkpoint(tmp_path):
-    """Qwen3-MoE on vLLM's CPU build: the engine takes every pushed weight, yet its experts do not compute what the
-    trainer's do (0.003 nats per token apart at step 1, against ~1e-6 for dense models), so every step would train
-    on another model's samples. The sync check stops the run after step 1, in one line, with a checkpoint."""
+def test_vllms_cpu_build_does_not_compute_the_experts_it_is_given():
+    """Why a mixture of experts is refused on vLLM's CPU build: Qwen3-MoE's engine takes every pushed weight (it
+    would raise otherwise), yet the log-probs of its own greedy tokens are ~0.003 nats per token from the trainer's
+    forward, where a dense model's are ~1e-7. When a vLLM release computes them, this fails: lift the refusal
+    (`refuse_on_this_build`) and let the architecture matrix show it."""
+    model, tok = tiny_moe("qwen3_moe")
+    engine = VLLMGenerator(model.config, tok, dtype="float32", max_model_len=64, seed=0,
+                           eos_token_ids=[])  # built directly: the trainer's path refuses it
+    try:
+        engine.load_weights(export_weights(model), version=0)
+        prompts = prompts_of(tok, MOE_TEXTS[:4])
+        rollout = engine.generate(prompts, 1, SamplingParams(max_new_tokens=8, temperature=0.0))
+    finally:
+        engine.close()
+    rows = [torch.cat([torch.tensor(p), r]) for p, r in zip(prompts, rollout.response_ids, strict=True)]
+    with torch.no_grad():
+        diffs = []
+        for p, row, engine_logprobs in zip(prompts, rows, rollout.logprobs, strict=True):
+            logits = model(input_ids=row[None]).logits[0, len(p) - 1 : -1].float()
+            trainer = torch.log_softmax(logits, -1).gather(-1, row[len(p):, None])[:, 0]
+            diffs.append((trainer - engine_logprobs).abs().mean())
+    assert min(diffs) > 1e-3, diffs
+
+
+@pytest.mark.parametrize("how", ["vllm", "async", "vllm-server"])
+def test_a_mixture_of_experts_model_is_refused_on_vllms_cpu_build_before_training(tmp_path, how):
+    """In the trainer's process, an asynchronous run's generator process or a server the run starts: one line before
+    the first step (and before any engine or server starts), nothing written."""
     tiny_moe("qwen3_moe", tmp_path / "model")
+    extra = {"vllm": [], "async": ["train.async_steps=1"], "vllm-server": ["rollout.backend=vllm-server"]}[how]
+    done = train_through_vllm(tmp_path, tmp_path / "model", tmp_path / "out", *extra)
+    assert done.returncode == 2, done.stderr[-3000:]
+    backend = "vllm-server" if how == "vllm-server" else "vllm"
+    assert done.stderr.strip().splitlines() == [
+        f"lmrl: error: rollout.backend={backend}: qwen3_moe is a mixture-of-experts model (4 experts) and vLLM's CPU "
+        "build does not compute experts it is given after loading, as the trainer gives every weight (it would sample "
+        "from another model: docs/supported-models.md); use rollout.backend=lmrl"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_whose_engine_does_not_compute_the_policy_stops_at_step_1_after_a_checkpoint(tmp_path):
+    """An engine that takes every weight by its name yet computes another model (what vLLM's CPU build did with
+    a mixture of experts' reloaded experts, and what any silent conversion bug would do), made here by scaling one
+    layer's weights on their way in: the sync check stops the run after step 1, in one line, with a checkpoint,
+    rather than train every step on another model's samples."""
+    driver = tmp_path / "wrong_engine.py"
+    driver.write_text(
+        "import sys\n"
+        "from lmrl.rollout import vllm_engine\n"
+        "load = vllm_engine.VLLMGenerator.load_weights\n"
+        "def wrong(self, weights, version):  # every name reaches the engine; one layer is 5% off\n"
+        "    return load(self, ((n, t * 1.05 if n.endswith('layers.0.mlp.down_proj.weight') else t)\n"
+        "                       for n, t in weights), version)\n"
+        "vllm_engine.VLLMGenerator.load_weights = wrong\n"
+        "from lmrl.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
     out = tmp_path / "out"
-    done = train_through_vllm(tmp_path, tmp_path / "model", out)
+    done = train_through_vllm(tmp_path, "tiny-addition", out, python=[sys.executable, str(driver)])
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("lmrl: error: step 1: the sampler (rollout.backend=vllm, qwen3_moe) does not compute the "
+    assert last.startswith("lmrl: error: step 1: the sampler (rollout.backend=vllm, llama) does not compute the "
                            "policy: its log-probs of its own tokens differ from the trainer's by "), last
     assert last.endswith(f"{out / 'checkpoint-1'} written: add train.resume=auto to continue"), last
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
