@@ -195,7 +195,9 @@ class JudgeScorer:
     def _regex(self, text: str) -> float | Failed:
         matches = list(self.pattern.finditer(text))
         if not matches:
-            return Failed(f"the judge's answer holds no score (pattern {self.pattern.pattern!r}): {text[:80]!r}")
+            wanted = "no number after 'Score:'" if self.pattern.pattern == DEFAULT_PATTERN else \
+                f"no match of pattern {self.pattern.pattern!r}"
+            return Failed(f"the judge's answer holds no score ({wanted}): {text[:80]!r}")
         found = matches[-1].group(1) if self.pattern.groups else matches[-1].group(0)
         try:
             x = float(found)

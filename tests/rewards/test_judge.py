@@ -108,7 +108,7 @@ def test_garbage_is_counted_under_on_error_never_a_silent_zero():
                                               "holds no score") and out.errors["judge"].endswith("(and 1 more)")
         assert out.extra_columns["judge/text"][1] == "I like it."  # what the judge said stays readable
         with pytest.raises(RewardError, match=r"^reward function 'judge' failed on completion 1: the judge's answer "
-                                              r"holds no score \(pattern .*\): 'I like it.'$"):
+                                              r"holds no score \(no number after 'Score:'\): 'I like it.'$"):
             score([judge(stub.url, cache_size=0)], prompts, completions, columns)
         with pytest.raises(RewardError, match=r"failed on completion 0: the judge's score '11' is outside its "
                                               r"scale \[0, 10\]"):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -140,3 +142,58 @@ def test_a_judge_that_stops_answering_stops_the_run_after_a_checkpoint(tmp_path)
     assert (tmp_path / "run" / "checkpoint-1" / "model.safetensors").is_file()
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert 1 in steps and 2 not in steps
+
+
+class _Says42(BaseHTTPRequestHandler):
+    """A judge that answers "42" to everything: no score."""
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        data = json.dumps({"choices": [{"message": {"content": "42"}}]})
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["garbage", "down", "api_key", "api_key_env", "template"])
+def test_the_judges_bad_inputs_are_one_line(case, tmp_path):
+    """The rows of docs/bad-inputs.md for the judge, as `lmrl train` prints them."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Says42)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1] if case == 'garbage' else _free_port()}/v1"
+    options = {"garbage": "", "down": ", max_retries: 0", "api_key": ", api_key: sk-1",
+               "api_key_env": ", api_key_env: JUDGE_KEY", "template": ""}[case]
+    template = "'Rate {prompt}'" if case == "template" else "'{prompt} {completion}'"
+    entry = f"{{fn: judge, url: '{url}', model: m, template: {template}{options}}}"
+    env = {k: v for k, v in os.environ.items() if k != "JUDGE_KEY"}
+    try:
+        out = lmrl("train", *QUICK, f"reward.functions=[{entry}]", "train.output_dir=run", cwd=tmp_path, env=env,
+                   timeout=300)
+    finally:
+        server.shutdown()
+    line = {
+        "garbage": "step 1: reward function 'judge' failed on completion 0: the judge's answer holds no score "
+                   "(no number after 'Score:'): '42'",
+        "down": f"step 1: reward function 'judge' failed: JudgeError: judge {url}/chat/completions failed after "
+                "1 attempt(s): ConnectError: All connection attempts failed",
+        "api_key": "reward.functions[0]: reward 'judge': api_key: a saved config must not hold a secret; put the key "
+                   "in an environment variable and name it in api_key_env",
+        "api_key_env": "reward.functions[0]: reward 'judge': api_key_env: the environment variable 'JUDGE_KEY' (the "
+                       "judge's API key) is not set",
+        "template": "reward.functions[0]: reward 'judge': template: has no {completion}, so the judge would not see "
+                    "what it judges",
+    }[case]
+    assert out.returncode == (1 if case in ("garbage", "down") else 2), out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [f"lmrl: error: {line}"]
+    assert (tmp_path / "run").exists() == (case in ("garbage", "down"))  # refused ones write nothing
+    assert "sk-1" not in out.stderr
