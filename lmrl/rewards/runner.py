@@ -46,11 +46,11 @@ import torch
 from lmrl.errors import RewardError
 from lmrl.rewards.core import (
     RESERVED_KWARGS,
+    Failed,
     RewardFn,
     RewardRecipes,
     RewardSet,
     TrainerState,
-    Failed,
     WeightedReward,
     _short,
     call_reward,

@@ -131,10 +131,10 @@ def test_a_500_is_retried_then_succeeds_and_a_4xx_is_not_retried():
         out = score([judge(stub.url)], ["p"], ["c"], {"answer": ["x"]})
     assert out.scores.tolist() == [pytest.approx(0.3)] and len(stub.requests) == 2
     assert out.metrics["reward/judge/retries"] == 1 and out.metrics["reward/judge/requests"] == 2
-    with Stub(lambda n, body: (401, {"error": {"message": "bad key"}}, 0)) as stub:
-        with pytest.raises(RewardError, match=r"judge http://.*/v1/chat/completions failed after 1 attempt\(s\): "
-                                              r"HTTP 401: .*bad key"):
-            score([judge(stub.url)], ["p"], ["c"], {"answer": ["x"]})
+    with (Stub(lambda n, body: (401, {"error": {"message": "bad key"}}, 0)) as stub,
+          pytest.raises(RewardError, match=r"judge http://.*/v1/chat/completions failed after 1 attempt\(s\): "
+                                           r"HTTP 401: .*bad key")):
+        score([judge(stub.url)], ["p"], ["c"], {"answer": ["x"]})
     assert len(stub.requests) == 1
 
 
@@ -172,9 +172,9 @@ def test_yes_no_reads_the_first_tokens_probabilities():
     for answer, why in [(chat("Maybe", {"content": [{"token": "Maybe", "logprob": -0.1, "top_logprobs": []}]}),
                          "the judge's first token is neither yes nor no: ['Maybe']"),
                         (chat("Yes", None), "the judge's answer has no log-probs of its first token")]:
-        with Stub(lambda n, body, answer=answer: (200, answer, 0)) as stub:
-            with pytest.raises(RewardError, match=rf"^reward function 'judge' failed on completion 0: {re.escape(why)}"):
-                score([judge(stub.url, reader="yes_no")], ["p"], ["c"], {"answer": ["x"]})
+        with (Stub(lambda n, body, answer=answer: (200, answer, 0)) as stub,
+              pytest.raises(RewardError, match=rf"^reward function 'judge' failed on completion 0: {re.escape(why)}")):
+            score([judge(stub.url, reader="yes_no")], ["p"], ["c"], {"answer": ["x"]})
 
 
 def test_the_api_key_comes_from_the_named_variable(monkeypatch):
