@@ -577,6 +577,11 @@ def _run_all(
             results[name] = (None, fut.exception(), fut.seconds)
         else:
             results[name] = (fut.result(), None, fut.seconds)
+    for r in routing.functions:  # a scorer behind a URL (remote, judge) that ran out of time: say which URL
+        value, error, seconds = results.get(r.name, (None, None, 0.0))
+        url = getattr(r.fn, "url", None)
+        if isinstance(error, TimeoutError) and str(error) == f"timed out after {timeout:g}s" and isinstance(url, str):
+            results[r.name] = (value, TimeoutError(f"timed out after {timeout:g}s waiting for {url}"), seconds)
     return results
 
 

@@ -220,3 +220,9 @@ def test_the_templates_columns_are_required_of_every_row():
     assert isinstance(fn, JudgeScorer) and required_columns([fn]) == {"answer": ["judge"], "level": ["judge"]}
     assert Failed("x") == Failed("x")
 
+
+
+def test_a_judge_slower_than_reward_timeout_is_named_by_its_url():
+    with Stub(lambda n, body: (200, "Score: 1", 2.0)) as stub, pytest.raises(RewardError) as e:
+        score([judge(stub.url, timeout=30)], ["p"], ["c"], {"answer": ["x"]}, timeout=0.5)
+    assert str(e.value) == f"reward function 'judge' failed: TimeoutError: timed out after 0.5s waiting for {stub.url}"
