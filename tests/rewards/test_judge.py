@@ -226,3 +226,23 @@ def test_a_judge_slower_than_reward_timeout_is_named_by_its_url():
     with Stub(lambda n, body: (200, "Score: 1", 2.0)) as stub, pytest.raises(RewardError) as e:
         score([judge(stub.url, timeout=30)], ["p"], ["c"], {"answer": ["x"]}, timeout=0.5)
     assert str(e.value) == f"reward function 'judge' failed: TimeoutError: timed out after 0.5s waiting for {stub.url}"
+
+
+def test_at_most_concurrency_requests_are_in_flight():
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+
+    def slow(n, body):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.15)
+        with lock:
+            state["now"] -= 1
+        return 200, "Score: 4", 0
+
+    with Stub(slow) as stub:
+        t0 = time.perf_counter()
+        out = score([judge(stub.url, concurrency=3)], ["p"] * 9, [str(i) for i in range(9)], {"answer": ["x"] * 9})
+        took = time.perf_counter() - t0
+    assert state["most"] == 3 and len(stub.requests) == 9 and out.scores.tolist() == [pytest.approx(0.4)] * 9
+    assert 0.4 < took < 1.3  # three rounds of 0.15 s, not nine
