@@ -1,4 +1,4 @@
-"""Rewards: the reward-function protocol, `score()`, built-in verifiers, model and remote scorers, shaping.
+"""Rewards: the reward-function protocol, `score()`, built-in verifiers, model, remote and LLM-judge scorers, shaping.
 
 A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]` (sync or async), called
 with keyword arguments only, as TRL calls it; see `lmrl.rewards.core` for the arguments lmrl passes
