@@ -233,6 +233,8 @@ def reward_set_from_config(
                 if call is not None and (not isinstance(spec, str) or spec in BUILTIN_REWARDS):
                     raise ConfigError(f"{where}.call: only for a user function ('file.py:function'), not {spec!r:.40}")
                 fn = resolve_reward(spec, **built)
+                if name and "name" in getattr(fn, "__dict__", {}):
+                    fn.name = name  # a scorer object names its own metrics and columns (the judge's <name>/text)
                 if call is not None:
                     fn = queries_reward(fn, label_column)
                 resolved.append((options, fn))

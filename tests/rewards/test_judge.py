@@ -246,3 +246,15 @@ def test_at_most_concurrency_requests_are_in_flight():
         took = time.perf_counter() - t0
     assert state["most"] == 3 and len(stub.requests) == 9 and out.scores.tolist() == [pytest.approx(0.4)] * 9
     assert took > 0.4  # three rounds of 0.15 s: never more than three at once
+
+
+def test_two_judges_keep_their_own_names():
+    from lmrl.rewards import reward_set_from_config
+
+    with Stub(lambda n, body: (200, "Score: 2" if "strict" in body["messages"][-1]["content"] else "Score: 8", 0)) as stub:
+        entries = [{"fn": "judge", "name": name, "url": stub.url, "model": "m", "template": f"{name} {{completion}}"}
+                   for name in ("strict", "kind")]
+        out = score(reward_set_from_config(entries), ["p"], ["c"])
+    assert out.per_function["strict"].tolist() == [pytest.approx(0.2)] and out.per_function["kind"].tolist() == [0.8]
+    assert out.extra_columns == {"strict/text": ["Score: 2"], "kind/text": ["Score: 8"]}
+    assert out.metrics["reward/strict/requests"] == 1 and out.metrics["reward/kind/requests"] == 1
