@@ -131,9 +131,12 @@ class JudgeScorer:
                 or not scale[0] < scale[1]):
             raise ValueError(f"scale: expected [low, high], two finite numbers with low < high, got {scale!r:.60}")
         for key, value, least in (("concurrency", concurrency, 1), ("max_retries", max_retries, 0),
-                                  ("top_logprobs", top_logprobs, 1), ("cache_size", cache_size, 0)):
+                                  ("top_logprobs", top_logprobs, 1), ("cache_size", cache_size, 0),
+                                  ("max_tokens", 1 if max_tokens is None else max_tokens, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{key}: must be a whole number >= {least}, got {value!r:.40}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature: must be a number >= 0, got {temperature!r:.40}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
         if not (backoff >= 0 and max_backoff >= 0):

@@ -206,6 +206,8 @@ def test_an_endpoint_answering_something_else_fails_the_call():
     ({"scale": [10, 0]}, "scale: expected [low, high], two finite numbers with low < high, got [10, 0]"),
     ({"pattern": "Score: ("}, "pattern: 'Score: (' is not a regular expression"),
     ({"concurrency": 0}, "concurrency: must be a whole number >= 1, got 0"),
+    ({"max_tokens": 0}, "max_tokens: must be a whole number >= 1, got 0"),
+    ({"temperature": -1}, "temperature: must be a number >= 0, got -1"),
     ({"yes": ["ok"], "no": ["OK"]}, "yes, no: expected two non-empty, disjoint lists of tokens"),
     ({"colour": "blue"}, "unknown option(s) ['colour']"),
 ])
