@@ -1,4 +1,4 @@
-"""Rewards: the reward-function protocol, `score()`, built-in verifiers, model and remote scorers, shaping.
+"""Rewards: the reward-function protocol, `score()`, built-in verifiers, model, remote and LLM-judge scorers, shaping.
 
 A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]` (sync or async), called
 with keyword arguments only, as TRL calls it; see `lmrl.rewards.core` for the arguments lmrl passes
@@ -10,6 +10,7 @@ with keyword arguments only, as TRL calls it; see `lmrl.rewards.core` for the ar
 from lmrl.errors import RewardError
 from lmrl.rewards.code import code_reward, extract_code
 from lmrl.rewards.core import (
+    Failed,
     RewardFn,
     RewardRecipes,
     RewardSet,
@@ -20,6 +21,7 @@ from lmrl.rewards.core import (
     required_columns,
     reward_name,
 )
+from lmrl.rewards.judge import JudgeError, JudgeScorer
 from lmrl.rewards.math_verifier import MathVerifyWorker, extract_final_answer, verify_answer
 from lmrl.rewards.registry import (
     BUILTIN_REWARDS,
@@ -51,6 +53,9 @@ from lmrl.user_code import load_function
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "Failed",
+    "JudgeError",
+    "JudgeScorer",
     "MathVerifyWorker",
     "THINK_ANSWER_PATTERN",
     "TrainerState",

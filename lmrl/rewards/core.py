@@ -27,6 +27,9 @@ Return one value per completion (a list, tuple, or 1-D numpy array / torch tenso
 a finite real number, or None for "not applicable to this sample". Anything else is an error of
 that function: NaN (return None instead), +-inf, a bool (convert with float()), a string, a dict,
 a set, a generator, a 2-D array. Scores are float64, so large finite rewards (1e39) are kept.
+A function that can tell one completion failed while the others scored (an LLM judge answering no score
+for it) returns `Failed("why")` in that completion's place: `reward.on_error` decides for that completion
+alone (stop with the line naming it, or score it 0 and count it), never a silent 0.
 
 How `score()` (`lmrl.rewards.runner`) calls them, combines their values and contains their failures is
 described there.
@@ -61,6 +64,18 @@ class TrainerState:
 
     global_step: int = 0
     max_steps: int = 0
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A reward function's value for one completion it could not score: `reason` is one line saying why.
+
+    `score()` treats it as a failure of that function on that completion only: under on_error="fail" the run
+    stops with `reward function 'judge' failed on completion 3: <reason>`; under "zero" the completion scores
+    0 and counts one in `reward/<name>/errors`. Not an exception: the other completions keep their values.
+    """
+
+    reason: str
 
 
 def completion_text(completion: Any) -> str:

@@ -3,7 +3,7 @@
 A spec is one of:
 
 - a built-in name from `BUILTIN_REWARDS` below ("math", "exact_match", "format", "regex", "length",
-  "remote", "reward_model", "code", "env"); options are passed to its factory, e.g. `math` with `column: solution`;
+  "remote", "judge", "reward_model", "code", "env"); options are passed to its factory, e.g. `math` with `column: solution`;
 - `"path/to/file.py:function_name"`: a function defined in a Python file (loaded as a module);
 - `"package.module:function_name"`: a function importable from an installed module.
 
@@ -45,6 +45,12 @@ def _remote(**kwargs: Any) -> Callable[..., Any]:
     return RemoteScorer(**kwargs)
 
 
+def _judge(**kwargs: Any) -> Callable[..., Any]:
+    from lmrl.rewards.judge import JudgeScorer
+
+    return JudgeScorer(**kwargs)
+
+
 def _code(**kwargs: Any) -> Callable[..., Any]:
     from lmrl.rewards.code import code_reward
 
@@ -73,6 +79,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Callable[..., Any]]] = {
     "regex": regex_reward,
     "length": length_penalty_reward,
     "remote": _remote,
+    "judge": _judge,
     "reward_model": _reward_model,
     "code": _code,
     "env": _env,
@@ -226,6 +233,8 @@ def reward_set_from_config(
                 if call is not None and (not isinstance(spec, str) or spec in BUILTIN_REWARDS):
                     raise ConfigError(f"{where}.call: only for a user function ('file.py:function'), not {spec!r:.40}")
                 fn = resolve_reward(spec, **built)
+                if name and "name" in getattr(fn, "__dict__", {}):
+                    fn.name = name  # a scorer object names its own metrics and columns (the judge's <name>/text)
                 if call is not None:
                     fn = queries_reward(fn, label_column)
                 resolved.append((options, fn))

@@ -46,6 +46,7 @@ import torch
 from lmrl.errors import RewardError
 from lmrl.rewards.core import (
     RESERVED_KWARGS,
+    Failed,
     RewardFn,
     RewardRecipes,
     RewardSet,
@@ -68,7 +69,8 @@ class RewardOutput:
         per_function: name -> [N] float64 raw (unweighted) scores, NaN where the function returned None
             (and, with RewardRecipes, at the completions outside its recipes).
         metrics: `reward/<name>/mean|std|none_frac|errors|seconds` (over the completions the function
-            was called on; none when it was called on none), `reward/mean|std`, `reward/all_none_frac`,
+            was called on; none when it was called on none; `errors` counts failures: 1 for a failed call,
+            one per completion it returned `Failed` for), `reward/mean|std`, `reward/all_none_frac`,
             as Python floats. mean/std are over the non-None values (population std); NaN when a
             function returned None for every sample. With RewardRecipes also, per recipe,
             `reward/recipe/<label>/frac` (its share of the batch) and `reward/recipe/<label>/mean`
@@ -120,9 +122,10 @@ def _check_value(name: str, i: int, v: Any) -> float:
     return x
 
 
-def _check_values(name: str, values: Any, rows: Sequence[int]) -> list[float]:
+def _check_values(name: str, values: Any, rows: Sequence[int]) -> tuple[list[float], dict[int, str]]:
     """Validate one function's return value: a finite real number or None (None becomes NaN) for each of the
-    completions `rows` (their indices in the batch, which messages name) it was called on."""
+    completions `rows` (their indices in the batch, which messages name) it was called on, or `Failed` for a
+    completion it could not score: those come back apart, completion -> one line naming it (their value NaN)."""
     n = len(rows)
     expected = f"expected a list of {n} rewards, one per completion"
     if isinstance(values, (torch.Tensor, np.ndarray)):
@@ -137,7 +140,9 @@ def _check_values(name: str, values: Any, rows: Sequence[int]) -> list[float]:
         raise _Failure(f"reward function {name!r} returned a {type(values).__name__} ({_short(values)}) ({expected})")
     if len(values) != n:
         raise _Failure(f"reward function {name!r} returned {len(values)} rewards for {n} completions")
-    return [_check_value(name, i, v) for i, v in zip(rows, values)]
+    failed = {i: f"reward function {name!r} failed on completion {i}: {' '.join(str(v.reason).split())[:500]}"
+              for i, v in zip(rows, values) if isinstance(v, Failed)}
+    return [math.nan if i in failed else _check_value(name, i, v) for i, v in zip(rows, values)], failed
 
 
 def _exit_call(e: SystemExit) -> str:
@@ -319,7 +324,8 @@ def score(
         weights: one weight per function, when `reward_fns` is a plain list.
         timeout: seconds allowed for each function call; None waits forever.
         on_error: "fail" raises a one-line RewardError naming the function and what went wrong;
-            "zero" gives the failed function's samples 0.0, counts the failure in
+            "zero" gives the failed function's samples 0.0 (or only the completions it returned `Failed`
+            for), counts the failure in
             `reward/<name>/errors` and keeps its message in `RewardOutput.errors`. A failure is an
             exception, a timeout, sys.exit() or os._exit(), a wrong count, or a value that is not a
             finite real number or None (NaN, inf, bool, str, ...).
@@ -471,9 +477,11 @@ def _combine(routing: _Routing, results: dict[str, tuple[Any, BaseException | No
             continue
         value, error, seconds = results[r.name]
         index = torch.tensor(rows, dtype=torch.long)  # [n_f] the completions it scored
+        failed: dict[int, str] = {}  # completion -> why, for the completions it returned Failed for
         if error is None:
             try:
-                values[index] = torch.tensor(_check_values(r.name, value, rows), dtype=torch.float64)
+                checked, failed = _check_values(r.name, value, rows)
+                values[index] = torch.tensor(checked, dtype=torch.float64)
             except _Failure as e:
                 error = e
         if error is not None:
@@ -483,10 +491,17 @@ def _combine(routing: _Routing, results: dict[str, tuple[Any, BaseException | No
                 raise RewardError(msg) from cause
             errors[r.name] = msg
             values[index] = 0.0
+        elif failed:
+            first = next(iter(failed.values()))
+            if on_error == "fail":
+                raise RewardError(first)
+            errors[r.name] = first + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+            values[list(failed)] = 0.0
         present = ~torch.isnan(values)
         total = total + torch.where(present, routing.weights[f] * values, torch.zeros_like(values))
         applicable |= present
-        metrics.update(_function_metrics(r.name, values[index], present[index], error is not None, seconds))
+        count = 1 if error is not None else len(failed)
+        metrics.update(_function_metrics(r.name, values[index], present[index], count, seconds))
 
     overflow = ~torch.isfinite(total)
     if overflow.any():  # each reward is finite, but weights times rewards summed can still overflow
@@ -562,11 +577,16 @@ def _run_all(
             results[name] = (None, fut.exception(), fut.seconds)
         else:
             results[name] = (fut.result(), None, fut.seconds)
+    for r in routing.functions:  # a scorer behind a URL (remote, judge) that ran out of time: say which URL
+        value, error, seconds = results.get(r.name, (None, None, 0.0))
+        url = getattr(r.fn, "url", None)
+        if isinstance(error, TimeoutError) and str(error) == f"timed out after {timeout:g}s" and isinstance(url, str):
+            results[r.name] = (value, TimeoutError(f"timed out after {timeout:g}s waiting for {url}"), seconds)
     return results
 
 
 def _function_metrics(
-    name: str, values: torch.Tensor, present: torch.Tensor, failed: bool, seconds: float
+    name: str, values: torch.Tensor, present: torch.Tensor, failures: int, seconds: float
 ) -> dict[str, float]:
     kept = values[present]
     n = values.numel()
@@ -574,6 +594,6 @@ def _function_metrics(
         f"reward/{name}/mean": float(kept.mean()) if kept.numel() else math.nan,
         f"reward/{name}/std": float(kept.std(correction=0)) if kept.numel() else math.nan,
         f"reward/{name}/none_frac": float((~present).double().mean()) if n else 0.0,
-        f"reward/{name}/errors": float(failed),
+        f"reward/{name}/errors": float(failures),
         f"reward/{name}/seconds": seconds,
     }

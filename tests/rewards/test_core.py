@@ -609,3 +609,23 @@ def test_required_columns_of_builtin_verifiers():
         WeightedReward(RemoteScorer("http://127.0.0.1:1/score"), 1.0, "remote"),
     ]
     assert required_columns(fns) == {"solution": ["math"], "label": ["exact_match"]}
+
+
+def test_a_function_can_fail_one_completion_and_keep_the_others():
+    from lmrl.rewards import Failed, RewardRecipes
+
+    def picky(completions, **kw):  # a judge that could not read completion "?"
+        return [Failed(f"cannot read {c!r}") if c == "?" else float(len(c)) for c in completions]
+
+    out = score([picky], ["p"] * 4, ["ab", "?", "abc", "?"], on_error="zero")
+    assert out.scores.tolist() == [2.0, 0.0, 3.0, 0.0] and out.metrics["reward/picky/errors"] == 2.0
+    assert out.errors == {"picky": "reward function 'picky' failed on completion 1: cannot read '?' (and 1 more)"}
+    assert out.metrics["reward/picky/mean"] == pytest.approx(5 / 4)  # the failed ones count as the 0 they score
+    with pytest.raises(RewardError, match=r"^reward function 'picky' failed on completion 1: cannot read '\?'$"):
+        score([picky], ["p"] * 2, ["ab", "?"])
+    # with recipes the completion named is the batch's, not the function's own row
+    recipes = RewardRecipes({"a": [picky], "b": [lambda completions, **kw: [1.0] * len(completions)]}, column="kind")
+    with pytest.raises(RewardError, match=r"failed on completion 2: cannot read"):
+        score(recipes, ["p"] * 3, ["ab", "x", "?"], {"kind": ["a", "b", "a"]})
+    out = score(recipes, ["p"] * 3, ["ab", "x", "?"], {"kind": ["a", "b", "a"]}, on_error="zero")
+    assert out.scores.tolist() == [2.0, 1.0, 0.0] and out.metrics["reward/picky/errors"] == 1.0
