@@ -53,3 +53,28 @@ def test_a_lora_run_leaves_a_portable_adapter_that_peft_loads_and_a_second_run_c
     assert second.cfg.model.name_or_path == str(adapter)
     assert json.loads((tmp_path / "second" / "final" / "adapter" / "adapter_config.json").read_text())[
         "base_model_name_or_path"] == "base"  # still the first run's base, not the adapter directory
+
+
+def test_lora_on_a_mixture_of_experts_trains_every_expert(tmp_path, monkeypatch):
+    """transformers 5 holds a Mixtral's experts as two 3-D tensors per layer, not as linear layers, so
+    `target_modules: all-linear` could leave them frozen while attention trains. peft wraps them as parameters: the
+    saved model's expert tensors move, every expert's slice included, and the router's too."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id,
+                                     eos_token_id=tokenizer.eos_token_id)).save_pretrained("moe")
+    tokenizer.save_pretrained("moe")
+    before = load_file(tmp_path / "moe" / "model.safetensors")
+    run("moe", "out", "model.lora={r: 4, alpha: 8}", "optim.lr=5e-2", "train.steps=3")
+    after = load_file(tmp_path / "out" / "final" / "model.safetensors")
+    assert before.keys() == after.keys()  # saved under the checkpoint's names, one tensor per expert
+    experts = [name for name in before if ".experts." in name]
+    assert len(experts) == 4 * 3, experts  # w1, w2, w3 of each of the 4 experts
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert set(experts) <= moved, sorted(set(experts) - moved)
+    assert "model.layers.0.block_sparse_moe.gate.weight" in moved and "model.embed_tokens.weight" not in moved
