@@ -48,6 +48,7 @@ from lmrl.collect import Collected, Collector
 from lmrl.distributed import ONE_PROCESS, World, full_weights
 from lmrl.errors import ConfigError, LmrlError, RunError
 from lmrl.generators import process_generator
+from lmrl.models.forward import sequence_logprobs
 from lmrl.models.weights import export_weights
 from lmrl.rollout import Rollout
 from lmrl.rollout.remote import die_with_parent
@@ -100,6 +101,12 @@ class AsyncRollouts:
         self.process, self.channel, self.snapshot = None, None, None
         self.start_step, self.published, self.taken = 0, 0, -1
         self.failed: RunError | None = None  # the generator process's failure, seen while publishing
+        # the sync probe (guard.sync_probe_every): a sequence of the last batch, the trainer's log-probs of it per
+        # published version still to be answered, and the differences answered since the last batch was handed out
+        self.probe_every = cfg.guard.sync_probe_every
+        self.probe_row: tuple[list[int], list[int]] | None = None
+        self.probes: dict[int, torch.Tensor] = {}
+        self.probe_diffs: list[float] = []
 
     # ------------------------------------------------------------------------------ start, stop
     def spawn(self) -> None:
@@ -141,7 +148,7 @@ class AsyncRollouts:
             return
         self._write_snapshot()  # a resumed run's weights
         self.channel.send(("start", step, first, rendezvous))
-        self.channel.send(("weights", step))
+        self.channel.send(("weights", step, None))  # (the first batch is the current policy's: the step checks it)
 
     def close(self) -> None:
         """Stop the generator process (it also ends when the trainer dies: Linux's parent-death signal)."""
@@ -177,6 +184,10 @@ class AsyncRollouts:
         lag = float((step - 1) - version)  # one version per batch: every row is as old
         c.metrics |= {"time/wait_for_batch": waited, "async/version_lag": lag, "async/staleness_mean": lag,
                       "async/policy_version": float(version)}
+        if self.probe_diffs:  # the sync probes answered while this batch was awaited
+            c.metrics["val/sampler_probe_diff"] = max(self.probe_diffs)
+            self.probe_diffs = []
+        self.probe_row = _probe_row(c.rollout)
         return c
 
     def publish(self, step: int) -> None:
@@ -191,9 +202,23 @@ class AsyncRollouts:
                 self._receive(None)
             self._write_snapshot()
             self.published = step
-            self.channel.send(("weights", step))
+            self.channel.send(("weights", step, self._probe(step)))
         except (RunError, OSError) as e:  # raised by the next step's `batch`, which checkpoints this one first
             self.failed = e if isinstance(e, RunError) else self._died(None)
+
+    def _probe(self, step: int) -> tuple[list[int], list[int]] | None:
+        """Every guard.sync_probe_every steps: a sequence of the batch just trained, for the generator process to
+        score once it has taken these weights, and the trainer's log-probs of it under them, kept until it answers."""
+        if not self.probe_every or step % self.probe_every or self.probe_row is None:
+            return None
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with torch.no_grad():
+                self.probes[step] = sequence_logprobs(self.policy, *self.probe_row)
+        finally:
+            self.policy.train(training)
+        return self.probe_row
 
     def _write_snapshot(self) -> None:
         """The policy's current weights into the shared memory the generator process loads from."""
@@ -235,6 +260,10 @@ class AsyncRollouts:
             self.ready[message[1]["step"]] = message[1]
         elif kind == "taken":
             self.taken = message[1]
+        elif kind == "probe":  # the sampler's log-probs of the probe under the weights of that version
+            trainer = self.probes.pop(message[1], None)
+            if trainer is not None and message[2] is not None:
+                self.probe_diffs.append((trainer - torch.tensor(message[2])).abs().mean().item())
         elif kind == "warn":
             self.warn(message[1])
         elif kind == "error":
@@ -312,12 +341,25 @@ class _SharedWeights:
             self.seconds += time.perf_counter() - loaded
             self.waited += loaded - start
             _send(self.channel, ("taken", version))
+            if (probe := message[2]) is not None:  # the sync probe: this sequence's log-probs under what was taken
+                score = getattr(self.generator, "score", None)
+                _send(self.channel, ("probe", version, score(*probe).tolist() if score is not None else None))
         yield
 
     def take_seconds(self) -> float:
         """Seconds spent loading weights since the last call (`time/weight_sync`)."""
         seconds, self.seconds = self.seconds, 0.0
         return seconds
+
+
+def _probe_row(rollout: Rollout) -> tuple[list[int], list[int]] | None:
+    """The sync probe's sequence from a batch: its first row's prompt and the tokens the model sampled before
+    anything else joined the response (a multi-turn episode's first observation), at most 64."""
+    sampled = rollout.response_mask[0].long().cumprod(0).sum().item()  # the leading run of sampled tokens
+    if sampled == 0:
+        return None
+    prompt = rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()
+    return prompt, rollout.response_ids[0][: min(sampled, 64)].tolist()
 
 
 class _Stopped(Exception):

@@ -19,6 +19,8 @@
   mean |log-prob| difference per token between the sampler's tokens and the trainer's forward on them
   (`val/sampler_logprob_diff`, from the step's own experience: no extra forward) must be within
   `guard.max_sampler_diff`; above it the run stops after a checkpoint (`SamplerMismatch`), naming the sampler.
+  An asynchronous run's later batches are a version behind: there the probe of the weights the generator process
+  took (`val/sampler_probe_diff`, `lmrl.async_rollouts`) is held to the same limit.
   `val/sampler_kl` past `guard.sampler_kl_warn` is warned once.
 
 `Guards.check` returns the warnings to print and raises `RunError` to stop; its state is part of a
@@ -124,13 +126,22 @@ class Guards:
         diff = m.get("val/sampler_logprob_diff")
         if self.sampler is None or diff is None:
             return []
-        # (an asynchronous batch a version behind differs from the trainer by the update in between: not checked)
+        # (an asynchronous batch a version behind differs from the trainer by the update in between: the probe's)
         if m.get("async/version_lag", 0.0) == 0 and not diff <= self.sync_limit:  # NaN too
             raise SamplerMismatch(
                 f"the sampler ({self.sampler}) does not compute the policy: its log-probs of its own tokens differ "
                 f"from the trainer's by {diff:.3g} nats per token (guard.max_sampler_diff={self.sync_limit:g}), so "
                 "the weights it took are not the policy's or it computes the model otherwise; every step would "
                 f"train on another model's samples" + (f" ({self.sampler_advice})" if self.sampler_advice else ""))
+        probe = m.get("val/sampler_probe_diff")  # an asynchronous run's: weights the generator took lately
+        if probe is not None and not probe <= self.sync_limit:
+            raise SamplerMismatch(
+                f"the sampler ({self.sampler}) does not compute the policy: its log-probs of a probe sequence under "
+                f"the weights it last took differ from the trainer's under the same weights by {probe:.3g} nats per "
+                f"token (guard.max_sampler_diff={self.sync_limit:g}, guard.sync_probe_every="
+                f"{self.cfg.sync_probe_every}), so the weights it took are not the policy's or it computes the model "
+                "otherwise; every step would train on another model's samples"
+                + (f" ({self.sampler_advice})" if self.sampler_advice else ""))
         kl = m.get("val/sampler_kl")
         if kl is not None and kl > self.cfg.sampler_kl_warn and not self.warned_sampler_kl:
             self.warned_sampler_kl = True

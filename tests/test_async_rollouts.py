@@ -245,3 +245,44 @@ def test_two_ranks_each_with_a_generator_keep_dapos_groups_together(tmp_path):
     rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
     assert [r["async/policy_version"] for r in rows] == [0, 0, 1]
     assert all(r["dynamic_sampling/kept_groups"] == 8 for r in rows)  # both ranks' groups: 8 prompts in all
+
+
+# ------------------------------------------------------------------------------ the sync probe
+def probed_run(tmp_path, steps: int = 4) -> Trainer:
+    cfg = Config(rollout={"prompts_per_step": 8, "group_size": 4}, data={"num_eval_prompts": 0},
+                 train={"steps": steps, "eval_every": 0, "async_steps": 1, "output_dir": str(tmp_path)},
+                 guard={"sync_probe_every": 1}, log={"console": False, "samples_every": 0})
+    return Trainer(cfg)
+
+
+def test_the_sync_probe_checks_the_weights_the_generator_takes_after_the_first_step(tmp_path):
+    """The batches after the first are a version behind, so their log-probs cannot be held to the trainer's; the
+    probe compares one sequence's under the weights of step s, from the trainer as it publishes them and from the
+    generator process once it has taken them (answered with batch s + 2)."""
+    rows = probed_run(tmp_path).train().history
+    probed = {step: r["val/sampler_probe_diff"] for step, r in enumerate(rows, 1) if "val/sampler_probe_diff" in r}
+    assert sorted(probed) == [3, 4], probed  # the weights of steps 1 and 2; step 1 is checked by its own batch
+    assert all(diff < 1e-5 for diff in probed.values()), probed  # float32 on the CPU: the same model
+
+
+def test_a_generator_that_takes_wrong_weights_is_stopped_by_the_probe_after_a_checkpoint(tmp_path, monkeypatch):
+    """From version 1 on the generator process's model takes weights one layer of which is 5% off (forked: it runs
+    the patched method). Step 1's batch is sampled by version 0 and passes; the probe of version 1 stops the run."""
+    from lmrl.guards import SamplerMismatch
+    from lmrl.rollout.server import ModelGenerator
+
+    load = ModelGenerator.load_weights
+
+    def wrong(self, weights, version):
+        off = ((n, t * 1.05 if version >= 1 and n.endswith("layers.0.mlp.down_proj.weight") else t) for n, t in weights)
+        return load(self, off, version)
+
+    monkeypatch.setattr(ModelGenerator, "load_weights", wrong)
+    monkeypatch.delenv("LMRL_START_METHOD", raising=False)
+    trainer = probed_run(tmp_path, steps=6)
+    with pytest.raises(SamplerMismatch, match=r"^step 3: the sampler \(the generator process's copy, train.async_steps=1\) does "
+                                              r"not compute the policy: its log-probs of a probe sequence under the "
+                                              r"weights it last took differ from the trainer's"):
+        trainer.train()
+    assert len(trainer.result.history) == 3  # steps 1-3 logged: the probe of version 1 came with batch 3
+    assert [step for step, _ in checkpoints(tmp_path)] == [3]

@@ -339,6 +339,12 @@ class GuardConfig(Section):
     samples. None: 0.001 when both compute in float32 (a synced engine differs by ~1e-6 there), 0.1 otherwise."""
     sampler_kl_warn: PositiveFloat = 0.05
     """`val/sampler_kl` above this (the sampler drifting from the trainer on later steps) is warned once."""
+    sync_probe_every: NonNegativeInt = 10
+    """The sync check of an asynchronous run (train.async_steps), whose batches a policy a version or more behind
+    sampled: every this many steps, the weights the trainer publishes are checked once the generator process has
+    taken them, on one sequence of the step's batch (its log-probs at temperature 1 from the trainer as it
+    publishes and from the sampler as it takes them, `val/sampler_probe_diff`), against guard.max_sampler_diff.
+    0: only the first step is checked. (A generation server does not score sequences: not probed.)"""
 
 
 class LogConfig(Section):

@@ -80,6 +80,15 @@ def model_forward_logprobs(
     return (out.logprobs, out.entropy) if return_entropy else out.logprobs
 
 
+def sequence_logprobs(model: nn.Module, prompt: list[int], response: list[int],
+                      chunk_size: int | None = 128) -> torch.Tensor:
+    """[T] float32 log-probs of the `response` tokens after `prompt` under `model` at temperature 1, on the CPU: one
+    row, no padding (what the sync probe compares between the trainer and a sampler)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[*prompt, *response]], device=device)
+    return model_forward_logprobs(model, ids, torch.ones_like(ids), len(response), chunk_size=chunk_size)[0].cpu()
+
+
 @dataclass
 class ResponseForward:
     """What `response_forward` computes at the T response positions of B rows.

@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
+from lmrl.models.forward import sequence_logprobs
 from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
@@ -106,6 +107,11 @@ class ModelGenerator:
 
     def generate(self, prompts, n, params):
         return self.decoder.generate(prompts, n, params)
+
+    @torch.no_grad()
+    def score(self, prompt: list[int], response: list[int]) -> torch.Tensor:
+        """[T] log-probs of the `response` tokens after `prompt` at temperature 1 (the sync probe's sampler side)."""
+        return sequence_logprobs(self.model, prompt, response)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -181,6 +181,19 @@ class VLLMGenerator:
         return rollout_from_tokens(prompts, n, tokens, logprobs, finished, self.tokenizer, list(params.stop),
                                    self.pad_token_id, self.device)
 
+    def score(self, prompt: list[int], response: list[int]) -> torch.Tensor:
+        """[T] log softmax(logits)[token] of the `response` tokens after `prompt`, at temperature 1, from the engine's
+        forward over the whole sequence (its prompt log-probs): the sync probe's sampler side."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_open()
+        self.wake_up()
+        ids = [*prompt, *response]
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                                self._sampling_params(max_tokens=1, prompt_logprobs=0, temperature=1.0),
+                                use_tqdm=False)[0]
+        return torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids))])
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the policy's weights into the engine in place, one tensor at a time (`RemoteGenerator`)."""
         self._check_open()

@@ -245,16 +245,20 @@ def test_two_ddp_ranks_each_sample_with_the_weights_of_every_step(tmp_path):
 def test_an_engine_in_the_generator_process_of_an_asynchronous_run(tmp_path):
     """train.async_steps with rollout.backend=vllm: the engine lives in the generator process and takes the
     trainer's weights between batches: the first batch is on-policy (the starting weights, sampler_kl ~ 0), later
-    ones one step old and reweighted."""
+    ones one step old and reweighted. The sync probe holds the weights the engine took after step 1 to the trainer's
+    (the engine's prompt log-probs of one sequence, answered with batch 3)."""
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "rollout.backend=vllm", "train.async_steps=1",
                            "train.steps=3", f"train.output_dir={out}", "rollout.prompts_per_step=8",
-                           "rollout.group_size=4", "data.num_eval_prompts=8", "train.eval_every=0", "log.console=false"],
+                           "rollout.group_size=4", "data.num_eval_prompts=8", "train.eval_every=0", "log.console=false",
+                           "guard.sync_probe_every=1"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["async/policy_version"] for r in rows] == [0, 0, 1]
     assert abs(rows[0]["val/sampler_kl"]) < 1e-4 and abs(rows[1]["val/sampler_kl"]) > 1e-3
+    assert [r["step"] for r in rows if "val/sampler_probe_diff" in r] == [3]
+    assert rows[2]["val/sampler_probe_diff"] < 1e-4
 
 
 # ------------------------------------------------------------------------------ weights that do not reach the engine
