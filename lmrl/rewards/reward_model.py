@@ -20,6 +20,47 @@ def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(m, Mapping) for m in prompt)
 
 
+def render_scored(tokenizer: Any, prompt: Any, completion: str) -> tuple[str, bool]:
+    """The text a reward model scores for (prompt, completion), and whether the tokenizer adds its special tokens.
+
+    A chat-message prompt becomes `tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content":
+    completion}])` (the template's own special tokens, none added); a string prompt is `prompt + completion`,
+    tokenized with the tokenizer's special tokens (e.g. BOS). The scorer and the reward trainer both render
+    through here, so that a model is trained on exactly the texts it is later asked to score.
+    """
+    if _is_chat(prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("prompts: chat-message prompts need a tokenizer with a chat_template")
+        messages = [*prompt, {"role": "assistant", "content": completion}]
+        return tokenizer.apply_chat_template(messages, tokenize=False), False
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompts: expected a string or a list of chat messages, got {type(prompt).__name__}")
+    return prompt + completion, True
+
+
+def encode_scored(tokenizer: Any, prompt: Any, completion: str, max_length: int | None = None) -> list[int]:
+    """The token ids a reward model scores for (prompt, completion): `render_scored`, tokenized, and with
+    `max_length` only the last `max_length` ids, so that the completion (which the score is about) survives."""
+    text, special = render_scored(tokenizer, prompt, completion)
+    ids = list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    return ids[-max_length:] if max_length is not None else ids
+
+
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[n, width]` input ids and attention mask of `seqs`, right-padded with `pad_id`.
+
+    Right padding keeps position ids 0..len-1 for every row, so a text scores the same alone or in a batch,
+    and a sequence-classification model pools the last non-pad token.
+    """
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        input_ids[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        attention_mask[i, : len(seq)] = 1
+    return input_ids, attention_mask
+
+
 class RewardModelScorer:
     """Sync reward function: scores prompt + completion with a reward model.
 
@@ -76,38 +117,21 @@ class RewardModelScorer:
         return cls(model, tokenizer, **kwargs)
 
     def render(self, prompt: Any, completion: str) -> tuple[str, bool]:
-        """The text to score and whether the tokenizer should add its special tokens."""
-        if _is_chat(prompt):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("prompts: chat-message prompts need a tokenizer with a chat_template")
-            messages = [*prompt, {"role": "assistant", "content": completion}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False), False
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompts: expected a string or a list of chat messages, got {type(prompt).__name__}")
-        return prompt + completion, True
+        """The text to score and whether the tokenizer should add its special tokens (`render_scored`)."""
+        return render_scored(self.tokenizer, prompt, completion)
 
     @torch.no_grad()
     def __call__(self, prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float]:
         device = next(self.model.parameters()).device
-        rendered = [self.render(p, completion_text(c)) for p, c in zip(prompts, completions, strict=True)]
-        ids = [
-            self.tokenizer(text, add_special_tokens=special)["input_ids"] for text, special in rendered
-        ]
-        if self.max_length is not None:
-            ids = [seq[-self.max_length :] for seq in ids]
+        ids = [encode_scored(self.tokenizer, p, completion_text(c), self.max_length)
+               for p, c in zip(prompts, completions, strict=True)]
         scores: list[float] = []
         for start in range(0, len(ids), self.batch_size):
             chunk = ids[start : start + self.batch_size]
-            width = max(len(s) for s in chunk)
-            # right padding keeps position ids 0..len-1 for every row, so a text scores the same
-            # alone or in a batch; the model pools the last non-pad token
-            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for i, seq in enumerate(chunk):
                 if len(seq) == 0:
                     raise ValueError(f"completions: sample {start + i} renders to no tokens")
-                input_ids[i, : len(seq)] = torch.tensor(seq)
-                attention_mask[i, : len(seq)] = 1
+            input_ids, attention_mask = pad_right(chunk, self.pad_id)
             logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
             scores.extend(logits.view(-1).float().cpu().tolist())  # [b, 1] -> b floats
         return scores
