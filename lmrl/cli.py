@@ -90,6 +90,11 @@ def _main(argv: list[str] | None) -> int:
     tr.add_argument("--nproc", type=_at_least(1), default=None, metavar="N",
                     help="train on N processes of this machine (torchrun --standalone --nproc_per_node N)")
 
+    rm = sub.add_parser("train-rm", help="train a reward model on preference pairs (chosen / rejected)",
+                        epilog=RM_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rm.add_argument("args", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
+    rm.add_argument("--help-config", action="store_true", help="list every config field and exit")
+
     ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model on a task or dataset", epilog=EXAMPLES,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("run", nargs="?", default=None,
@@ -117,7 +122,7 @@ def _main(argv: list[str] | None) -> int:
     sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="the port (0: any free one; the ready line says which)")
 
-    for p in (tr, ev, rp, sv):
+    for p in (tr, rm, ev, rp, sv):
         p.add_argument("--traceback", action="store_true",
                        help="on an error, print the full Python traceback (or set LMRL_TRACEBACK=1)")
 
@@ -128,6 +133,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "train-rm":
+            return _train_rm(args)
         if args.command == "report":
             return _report(args)
         if args.command == "serve":
@@ -247,6 +254,47 @@ def _train(args) -> int:
         print(f"held-out accuracy: {first['eval/accuracy']:.1%} -> {last['eval/accuracy']:.1%} "
               f"in {last['time/elapsed']:.0f} s; model saved to {result.output_dir / 'final'}")
     return 0
+
+
+RM_EXAMPLES = """examples:
+  lmrl train-rm data.path=pairs.jsonl model.name_or_path=Qwen/Qwen2.5-0.5B train.output_dir=runs/rm
+                                               a reward model from a causal LM (a new score head)
+  lmrl train-rm rm.yaml data.eval_fraction=0.1 held-out pair accuracy as it trains
+  lmrl train-rm --help-config                  every field with its default and meaning
+then score with it:  reward.functions=[{fn: reward_model, path: runs/rm/final}]
+"""
+
+
+def _train_rm(args) -> int:
+    from lmrl.config import load_reward_config
+
+    if args.help_config:
+        from lmrl.config.describe import describe_fields
+
+        print(describe_fields(_reward_config_type()))
+        return 0
+    cfg = load_reward_config(*_config_source(args))  # fails here, before any model loads
+    from lmrl.checkpoint import RunLock, plan_run
+
+    if Path(cfg.train.output_dir).is_dir():  # a directory in use or holding a run fails before any model loads
+        with RunLock(cfg.train.output_dir):
+            plan_run(cfg)
+    else:
+        plan_run(cfg)
+    from lmrl.reward_trainer import RewardTrainer
+
+    result = RewardTrainer(cfg).train()
+    last = result.evals[-1] if result.evals else None
+    held = f"held-out pair accuracy {last['eval/accuracy']:.1%}; " if last else ""
+    print(f"{held}reward mean {result.stats['mean']:.3f} std {result.stats['std']:.3f}; "
+          f"model saved to {result.output_dir / 'final'}")
+    return 0
+
+
+def _reward_config_type():
+    from lmrl.config import RewardTrainingConfig
+
+    return RewardTrainingConfig
 
 
 def _eval(args) -> int:

@@ -1,0 +1,171 @@
+"""`lmrl train-rm` and `lmrl.RewardTrainer`: a tiny reward model learns a separable preference, scores a text as
+`{fn: reward_model, path: DIR}` scores it, trains from the command line, refuses bad rows in one line, and
+resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmrl import RewardTrainer
+from lmrl.models.tiny import bpe_chat_tokenizer, char_tokenizer, tiny_causal_lm
+from lmrl.rewards import reward_set_from_config, score
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def separable_pairs(n: int, seed: int = 0) -> list[dict]:
+    """Prompts of digits; the chosen answer says yes, the rejected one no (a reward model separates them)."""
+    rng = random.Random(seed)
+    return [{"prompt": f"{rng.randint(0, 999)}?", "chosen": "yes" + "!" * rng.randint(0, 2),
+             "rejected": "no" + "." * rng.randint(0, 2)} for _ in range(n)]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A tiny causal LM and the char tokenizer, saved: what a user would start a reward model from."""
+    path = tmp_path_factory.mktemp("base")
+    tok = char_tokenizer()
+    tiny_causal_lm(tok, hidden_size=32, num_layers=2, num_heads=4).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def config(base: Path, out: Path, **train) -> dict:
+    return {"model": {"name_or_path": str(base), "device": "cpu"},
+            "train": {"output_dir": str(out), "batch_size": 4, "gradient_accumulation_steps": 2, **train},
+            "optim": {"lr": 3e-3}, "log": {"console": False}}
+
+
+def test_pair_accuracy_reaches_one_on_a_separable_set(base, tmp_path):
+    cfg = config(base, tmp_path / "rm", epochs=3)
+    cfg["data"] = {"eval_fraction": 0.25}
+    trainer = RewardTrainer(cfg, train_pairs=separable_pairs(48))
+    before = trainer.evaluate()
+    result = trainer.train()
+    assert len(trainer.train_set) == 36 and len(trainer.eval_set) == 12
+    assert result.steps == 3 * 5  # ceil(36 / (4 x 2)) = 5 steps an epoch
+    assert before["eval/accuracy"] < 1.0
+    assert result.evals[-1]["eval/accuracy"] == 1.0
+    assert result.evals[-1]["eval/loss"] < before["eval/loss"] - 0.3
+    rows = [json.loads(line) for line in (tmp_path / "rm" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    assert {"rm/loss", "rm/accuracy", "rm/margin", "rm/chosen", "rm/rejected", "rm/reward_mean",
+            "rm/reward_std"} <= set(rows[0])
+    stats = json.loads((tmp_path / "rm" / "final" / "reward_stats.json").read_text())
+    assert stats["pairs"] == 36 and stats["std"] > 0 and stats["mean"] == pytest.approx(result.stats["mean"])
+
+
+def chat_pairs(n: int) -> list[dict]:
+    rng = random.Random(1)
+    out = []
+    for _ in range(n):
+        user = [{"role": "user", "content": f"Is {rng.randint(0, 99)} fine?"}]
+        out.append({"chosen": [*user, {"role": "assistant", "content": "yes it is"}],
+                    "rejected": [*user, {"role": "assistant", "content": "no"}]})
+    return out
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_the_trained_model_scores_as_the_reward_function_does(base, tmp_path, kind, padding_side):
+    if kind == "text":
+        tok, pairs = char_tokenizer(), separable_pairs(12)
+        prompts, completions = ["12?", "7?", "300?"], ["yes!", "no..", "maybe"]
+        model_path = base
+    else:
+        tok, pairs = bpe_chat_tokenizer(["Is 12 fine? yes it is no maybe"] * 8, vocab_size=300), chat_pairs(12)
+        prompts = [[{"role": "user", "content": "Is 12 fine?"}], [{"role": "user", "content": "Is 7 fine?"}],
+                   [{"role": "user", "content": "Anything?"}]]
+        completions = ["yes it is", "no", "maybe"]
+        model_path = tmp_path / "chat-base"
+        tiny_causal_lm(tok, hidden_size=32, num_layers=2, num_heads=4, arch="qwen2").save_pretrained(model_path)
+    tok.padding_side = padding_side
+    tok.save_pretrained(model_path)
+    trainer = RewardTrainer(config(model_path, tmp_path / "rm", steps=3), train_pairs=pairs)
+    result = trainer.train()
+    inside = trainer.score(prompts, completions)
+    fn = reward_set_from_config([{"fn": "reward_model", "path": str(result.output_dir / "final"), "batch_size": 2}])
+    outside = score(fn, prompts, completions).scores.tolist()
+    assert outside == pytest.approx(inside, abs=1e-5)
+    assert len(set(round(s, 4) for s in inside)) == 3  # three different scores: not a constant model
+    # and the pairs it trained on are the ids the scorer encodes: the trainer's forward of pair 0 is the scorer's
+    chosen, _ = trainer.rewards([trainer.train_set.chosen[0]], [trainer.train_set.rejected[0]])
+    p = trainer.pairs.pairs[0]
+    assert score(fn, [p.prompt], [p.chosen]).scores.tolist() == pytest.approx([chosen.item()], abs=1e-5)
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lmrl.cli", "train-rm", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_train_rm_end_to_end(base, tmp_path):
+    write_jsonl(tmp_path / "pairs.jsonl", separable_pairs(24))
+    (tmp_path / "rm.yaml").write_text(f"model:\n  name_or_path: {base}\n  device: cpu\n"
+                                      "data:\n  path: pairs.jsonl\n  eval_fraction: 0.25\n"
+                                      "train:\n  output_dir: runs/rm\n  epochs: 2\n  batch_size: 6\n"
+                                      "optim:\n  lr: 0.003\n")
+    done = run_cli("rm.yaml", "log.console=false", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    final = tmp_path / "runs" / "rm" / "final"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "reward_stats.json", "COMPLETE"} <= {
+        p.name for p in final.iterdir()}
+    assert "held-out pair accuracy" in done.stdout and f"model saved to {Path('runs/rm/final')}" in done.stdout
+    # a second run into the same directory is refused in one line, before any model loads
+    again = run_cli("rm.yaml", cwd=tmp_path)
+    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0
+    assert again.stderr.startswith("lmrl: error: train.output_dir: runs/rm holds a run")
+
+
+@pytest.mark.parametrize(("row", "expected"), [
+    ({"prompt": "q", "chosen": "a"}, "pairs.jsonl line 3: missing 'rejected'"),
+    ({"prompt": "q", "chosen": "a", "rejected": "a"}, "pairs.jsonl line 3: chosen == rejected"),
+    ({"prompt": "q", "chosen": "", "rejected": "b"}, "pairs.jsonl line 3: chosen: the completion is empty"),
+    ({"prompt": "q" * 40, "chosen": "a", "rejected": "b"},
+     "pairs.jsonl line 3: the pair is 41 tokens, longer than data.max_length=32"),
+])
+def test_each_bad_row_is_one_line(base, tmp_path, row, expected):
+    rows = separable_pairs(2)
+    write_jsonl(tmp_path / "pairs.jsonl", [*rows, row])
+    done = run_cli(f"model.name_or_path={base}", "data.path=pairs.jsonl", "data.max_length=32",
+                   "data.on_too_long=fail", "train.output_dir=out", cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lmrl: error: data.path: {expected}"), done.stderr
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def test_resume_equals_an_uninterrupted_run(base, tmp_path):
+    pairs = separable_pairs(40)
+    whole = RewardTrainer(config(base, tmp_path / "whole", steps=6), train_pairs=pairs).train()
+    # the same run stopped after step 3 (its checkpoint), then resumed in a new trainer
+    first = RewardTrainer(config(base, tmp_path / "cut", steps=3, save_every=3), train_pairs=pairs)
+    first.train()
+    assert (tmp_path / "cut" / "checkpoint-3" / "COMPLETE").is_file()
+    import shutil
+
+    shutil.rmtree(tmp_path / "cut" / "final")  # as a run killed after its checkpoint would have left it
+    resumed = RewardTrainer(config(base, tmp_path / "cut", steps=6, save_every=3, resume="auto"), train_pairs=pairs)
+    result = resumed.train()
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["rm/loss"] for r in result.history] == [r["rm/loss"] for r in whole.history]
