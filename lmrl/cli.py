@@ -94,6 +94,8 @@ def _main(argv: list[str] | None) -> int:
                         epilog=RM_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     rm.add_argument("args", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
     rm.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    rm.add_argument("--nproc", type=_at_least(1), default=None, metavar="N",
+                    help="train on N processes of this machine (torchrun --standalone --nproc_per_node N)")
 
     ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model on a task or dataset", epilog=EXAMPLES,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -276,18 +278,22 @@ def _train_rm(args) -> int:
     cfg = load_reward_config(*_config_source(args))  # fails here, before any model loads
     from lmrl.checkpoint import RunLock, plan_run
 
-    if Path(cfg.train.output_dir).is_dir():  # a directory in use or holding a run fails before any model loads
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if main_rank and Path(cfg.train.output_dir).is_dir():  # a directory in use or holding a run: before any model loads
         with RunLock(cfg.train.output_dir):
             plan_run(cfg)
-    else:
+    elif main_rank:
         plan_run(cfg)
+    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _exec_torchrun(args, "train-rm")
     from lmrl.reward_trainer import RewardTrainer
 
     result = RewardTrainer(cfg).train()
     last = result.evals[-1] if result.evals else None
     held = f"held-out pair accuracy {last['eval/accuracy']:.1%}; " if last else ""
-    print(f"{held}reward mean {result.stats['mean']:.3f} std {result.stats['std']:.3f}; "
-          f"model saved to {result.output_dir / 'final'}")
+    if main_rank:
+        print(f"{held}reward mean {result.stats['mean']:.3f} std {result.stats['std']:.3f}; "
+              f"model saved to {result.output_dir / 'final'}")
     return 0
 
 
@@ -383,8 +389,8 @@ def _why_no_eval_rows(cfg) -> str:
     return "every row was left out (data.on_bad_row=skip)"
 
 
-def _exec_torchrun(args) -> None:
-    """Become `torchrun --standalone --nproc_per_node N -m lmrl.cli train ARGS` (this process is replaced, so
+def _exec_torchrun(args, command: str = "train") -> None:
+    """Become `torchrun --standalone --nproc_per_node N -m lmrl.cli COMMAND ARGS` (this process is replaced, so
     signals reach torchrun, which passes them to every rank). torchrun kills the ranks `--shutdown_timeout`
     seconds (30 by default) after passing a signal on; they get 10 minutes to finish the step and its checkpoint."""
     from torch.distributed.run import get_args_parser
@@ -392,7 +398,7 @@ def _exec_torchrun(args) -> None:
     options = {o for action in get_args_parser()._actions for o in action.option_strings}
     grace = ["--shutdown_timeout=600"] if "--shutdown_timeout" in options else []  # (an option of recent torchruns)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *grace,
-           "-m", "lmrl.cli", "train", *args.args, *(["--traceback"] if args.traceback else [])]
+           "-m", "lmrl.cli", command, *args.args, *(["--traceback"] if args.traceback else [])]
     sys.stdout.flush()
     os.execv(sys.executable, cmd)
 

@@ -45,6 +45,7 @@ from lmrl.checkpoint import (
 from lmrl.config.describe import config_to_yaml
 from lmrl.config.reward_training import RewardTrainingConfig
 from lmrl.data.pairs import EncodedPairs, Pairs, encode_pairs, load_pairs
+from lmrl.distributed import World, init_world
 from lmrl.errors import ModelError, RunError, print_line
 from lmrl.logging.console import Console
 from lmrl.logging.sinks import jsonl_row, make_sinks
@@ -92,8 +93,9 @@ class RewardTrainer:
         self.pairs = self._read(train_pairs, d.path, d.split, "data.path")
         held = self._read(eval_pairs, d.eval_path, d.eval_split, "data.eval_path") if (
             eval_pairs is not None or d.eval_path) else None
-        # 2. the model and tokenizer
-        self.device = resolve_device(cfg.model.device)
+        # 2. the model and tokenizer; under torchrun, this rank's device
+        self.world: World = init_world()
+        self.device = torch.device(self.world.device) if self.world.distributed else resolve_device(cfg.model.device)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(cfg)
         self.model = (model if model is not None else _load_model(cfg, self.tokenizer)).to(self.device)
         self.pad_id = _set_pad(self.model, self.tokenizer)
@@ -114,7 +116,7 @@ class RewardTrainer:
         self.steps_per_epoch = math.ceil(len(self.train_set) / self.per_step)
         self.total_steps = t.steps or t.epochs * self.steps_per_epoch
         self.out = Path(t.output_dir)
-        self.console_on = cfg.log.console if console is None else console
+        self.console_on = (cfg.log.console if console is None else console) and self.world.main
         self.result = RewardTrainResult(self.out)
 
     # ------------------------------------------------------------------------------------ the model's rewards
@@ -140,15 +142,16 @@ class RewardTrainer:
         """Train train.steps (or train.epochs) optimizer steps, evaluating and checkpointing as configured; write
         OUTPUT/final and OUTPUT/final/reward_stats.json."""
         t, log = self.cfg.train, self.cfg.log
+        main = self.world.main
         self.out.mkdir(parents=True, exist_ok=True)
-        with RunLock(self.out):
+        with RunLock(self.out) if main else contextlib.nullcontext():
             start = self._begin()
-            sinks = make_sinks(self.out, log.jsonl, False, False, {}, previous=self.result.history)
+            sinks = make_sinks(self.out, log.jsonl, False, False, {}, previous=self.result.history) if main else []
             console = Console(self.console_on, self.total_steps, log.every)
             try:
                 with console:
                     console.start_at(start)
-                    for line in self.notes:
+                    for line in self.notes if main else []:
                         print_line(line)
                     for step in range(start + 1, self.total_steps + 1):
                         tic = time.perf_counter()
@@ -173,25 +176,27 @@ class RewardTrainer:
         t, o = self.cfg.train, self.cfg.optim
         self.model.train()
         indices = self.step_indices(step)
-        chosen_all, rejected_all = [], []
-        for start in range(0, len(indices), t.batch_size):
-            batch = self.train_set.subset(indices[start : start + t.batch_size])
+        mine = _share(indices, self.world)  # under torchrun: this rank's contiguous part of the step's pairs
+        chosen_all, rejected_all = [torch.zeros(0)], [torch.zeros(0)]
+        for start in range(0, len(mine), t.batch_size):
+            batch = self.train_set.subset(mine[start : start + t.batch_size])
             chosen, rejected = self.rewards(batch.chosen, batch.rejected)
             margin = torch.tensor(batch.margins, device=self.device) if batch.has_margin else None
             loss = bradley_terry_loss(chosen, rejected, margin, t.center_rewards_coefficient, normalizer=len(indices))
             loss.backward()  # the step's loss is the sum of its micro-batches' (normalizer: the step's pairs)
-            chosen_all.append(chosen.detach())
-            rejected_all.append(rejected.detach())
+            chosen_all.append(chosen.detach().float().cpu())
+            rejected_all.append(rejected.detach().float().cpu())
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self.world.sum_gradients(params)  # each rank's loss divided by the step's pairs: the sum is the step's gradient
         norm = torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm if o.max_grad_norm else math.inf)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)
+        chosen, rejected = (torch.cat(self.world.gather(torch.cat(xs))) for xs in (chosen_all, rejected_all))  # the whole step's rewards, in the step's order
         margins = torch.tensor(self.train_set.subset(indices).margins) if self.train_set.has_margin else None
         with torch.no_grad():
-            total = bradley_terry_loss(chosen.cpu(), rejected.cpu(), margins, t.center_rewards_coefficient)
+            total = bradley_terry_loss(chosen, rejected, margins, t.center_rewards_coefficient)
         return {"rm/loss": total.item(), **preference_metrics(chosen, rejected).as_dict("rm/"),
                 "rm/grad_norm": float(norm), "rm/lr": lr, "rm/epoch": (step - 1) / self.steps_per_epoch}
 
@@ -230,16 +235,19 @@ class RewardTrainer:
         written atomically."""
         if not all_finite([self.model]):
             raise RunError(f"{directory}: the weights are not finite; refusing to save them")
-        with atomic_directory(Path(directory)) as tmp:
-            self._save_model_files(tmp)
-            stats = self.result.stats or self.reward_stats()
-            stats |= {"max_length": self.cfg.data.max_length if self.cfg.data.on_too_long == "truncate" else None}
-            (tmp / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
+        stats = self.result.stats or self.reward_stats()
+        stats |= {"max_length": self.cfg.data.max_length if self.cfg.data.on_too_long == "truncate" else None}
+        with atomic_directory(Path(directory), self.world) as tmp:
+            if self.world.main:
+                self._save_model_files(tmp)
+                (tmp / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
 
     def _save_model_files(self, directory: Path) -> None:
         with quiet_progress_bars(), dropout_as_loaded(self.model):  # the config's dropout as the user gave it
-            model = self.model.merge_and_unload() if hasattr(self.model, "peft_config") else self.model
-            model.save_pretrained(directory)
+            if hasattr(self.model, "peft_config"):  # the adapters and the score head, then the merged model
+                self.model.save_pretrained(directory / "adapter")
+                self.model = self.model.merge_and_unload()  # the end of the run: what it scores from now on
+            self.model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
         (directory / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
 
@@ -250,9 +258,11 @@ class RewardTrainer:
             raise RunError(f"step {step}: the weights are not finite (optim.lr={self.cfg.optim.lr:g} too high?); "
                            "no checkpoint written")
         state = {"step": step, "scheduler": self.scheduler.state_dict(), "evals": self.result.evals}
-        with atomic_directory(path) as tmp:
+        with atomic_directory(path, self.world) as tmp:  # every rank writes its RNGs; the state is a collective
             save_model_state(tmp / "state", {"model": self.model}, self.optimizer)
-            torch.save(rng_state({}), tmp / "rng_state_0.pt")
+            torch.save(rng_state({}), tmp / f"rng_state_{self.world.rank}.pt")
+            if not self.world.main:
+                return path
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
             (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.result.history))
             (tmp / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
@@ -261,11 +271,14 @@ class RewardTrainer:
     def _begin(self) -> int:
         """Under the run's lock: clean partial checkpoints, clear an overwritten run or resume; returns the step
         to continue after."""
-        remove_partial(self.out)
+        main = self.world.main
+        if main:
+            remove_partial(self.out)
         plan = plan_run(self.cfg)  # train.resume / train.overwrite, as `lmrl train` plans them
-        for line in plan.warnings:
+        for line in plan.warnings if main else []:
             print_line(f"lmrl: warning: {line}")
-        if plan.clear:
+        self.world.barrier()  # every rank planned before rank 0 changes anything
+        if plan.clear and main:
             clear_run(self.out)
         step = 0
         if plan.checkpoint is not None:
@@ -273,12 +286,14 @@ class RewardTrainer:
             load_model_state(path / "state", {"model": self.model}, self.optimizer)
             state = json.loads((path / "trainer_state.json").read_text())
             self.scheduler.load_state_dict(state["scheduler"])
-            set_rng_state(torch.load(path / "rng_state_0.pt", weights_only=True), {})
+            rng = path / f"rng_state_{self.world.rank}.pt"
+            set_rng_state(torch.load(rng if rng.is_file() else path / "rng_state_0.pt", weights_only=True), {})
             self.result.history = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
                                    if line.strip()]
             self.result.evals = list(state["evals"])
             step = int(state["step"])
-        (self.out / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
+        if main:
+            (self.out / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
         return step
 
     def _log(self, sinks: list, console: Console, metrics: dict[str, float], step: int) -> None:
@@ -327,7 +342,7 @@ def _load_model(cfg: RewardTrainingConfig, tokenizer: Any) -> torch.nn.Module:
     if m.lora is not None:
         from lmrl.models.lora import apply_lora
 
-        model = apply_lora(model, m.lora)
+        model = apply_lora(model, m.lora, task_type="SEQ_CLS")  # the score head trains in full
     return model
 
 
@@ -355,6 +370,13 @@ def _set_pad(model: torch.nn.Module, tokenizer: Any) -> int:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = int(pad)
     return int(pad)
+
+
+def _share(indices: list[int], world: World) -> list[int]:
+    """This rank's contiguous part of `indices` (the first ranks take one more when they do not split evenly)."""
+    per, extra = divmod(len(indices), world.size)
+    start = world.rank * per + min(world.rank, extra)
+    return indices[start : start + per + (world.rank < extra)]
 
 
 def _split(encoded: EncodedPairs, fraction: float, seed: int) -> tuple[EncodedPairs, EncodedPairs | None]:

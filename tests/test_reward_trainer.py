@@ -169,3 +169,25 @@ def test_resume_equals_an_uninterrupted_run(base, tmp_path):
     a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["rm/loss"] for r in result.history] == [r["rm/loss"] for r in whole.history]
+
+
+def test_lora_trains_adapters_and_the_score_head(base, tmp_path):
+    pytest.importorskip("peft")
+    cfg = config(base, tmp_path / "rm", steps=4)
+    cfg["model"]["lora"] = {"r": 4}
+    cfg["optim"]["lr"] = 1e-2
+    trainer = RewardTrainer(cfg, train_pairs=separable_pairs(16))
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trained) and any(n.endswith("score.modules_to_save.default.weight") for n in trained)
+    assert not any("embed_tokens" in n for n in trained)  # the base stays frozen
+    head = next(p for n, p in trainer.model.named_parameters() if "score.modules_to_save" in n).detach().clone()
+    result = trainer.train()
+    assert result.history[-1]["rm/accuracy"] == 1.0
+    final = result.output_dir / "final"
+    assert (final / "adapter" / "adapter_model.safetensors").is_file()
+    saved = load_file(final / "adapter" / "adapter_model.safetensors")
+    assert any("score" in k for k in saved)  # the trained head travels with the adapters
+    assert not torch.equal(final_weights(result.output_dir)["score.weight"], head)  # merged: the trained head
+    prompts, completions = ["1?", "2?"], ["yes", "no"]
+    fn = reward_set_from_config([{"fn": "reward_model", "path": str(final)}])
+    assert score(fn, prompts, completions).scores.tolist() == pytest.approx(trainer.score(prompts, completions), abs=1e-5)
