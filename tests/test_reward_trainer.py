@@ -191,3 +191,20 @@ def test_lora_trains_adapters_and_the_score_head(base, tmp_path):
     prompts, completions = ["1?", "2?"], ["yes", "no"]
     fn = reward_set_from_config([{"fn": "reward_model", "path": str(final)}])
     assert score(fn, prompts, completions).scores.tolist() == pytest.approx(trainer.score(prompts, completions), abs=1e-5)
+
+
+def test_two_ranks_train_the_model_one_process_trains(base, tmp_path):
+    write_jsonl(tmp_path / "pairs.jsonl", separable_pairs(22))  # 22 pairs, 8 a step: the last step splits 3 + 3
+    args = [f"model.name_or_path={base}", "data.path=pairs.jsonl", "train.steps=3", "train.batch_size=2",
+            "train.gradient_accumulation_steps=4", "train.save_every=2", "optim.lr=0.003", "log.console=false"]
+    one = run_cli(*args, "train.output_dir=one", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = run_cli(*args, "train.output_dir=two", "--nproc", "2", cwd=tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    start = load_file(base / "model.safetensors")
+    assert max((a[k] - start[k]).abs().max().item() for k in start if k in a) > 1e-3  # the steps moved the weights
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "two")]
+    assert [r["rm/loss"] for r in rows[1]] == pytest.approx([r["rm/loss"] for r in rows[0]], abs=1e-6)
+    assert (tmp_path / "two" / "checkpoint-2" / "rng_state_1.pt").is_file()
