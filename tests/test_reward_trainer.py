@@ -208,3 +208,15 @@ def test_two_ranks_train_the_model_one_process_trains(base, tmp_path):
     rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "two")]
     assert [r["rm/loss"] for r in rows[1]] == pytest.approx([r["rm/loss"] for r in rows[0]], abs=1e-6)
     assert (tmp_path / "two" / "checkpoint-2" / "rng_state_1.pt").is_file()
+
+
+def test_the_trl_table_names_fields_that_exist():
+    from lmrl.config import RewardTrainingConfig
+    from lmrl.config.describe import field_rows
+
+    text = (ROOT / "docs" / "coming-from-trl.md").read_text()
+    section = text.split("## TRL's RewardTrainer")[1]
+    named = [line.split("|")[2].strip().strip("`") for line in section.splitlines()
+             if line.startswith("| `") and "`" in line.split("|")[2]]
+    fields = {key for key, *_ in field_rows(RewardTrainingConfig)}
+    assert len(named) >= 20 and not [n for n in named if n not in fields]
