@@ -241,6 +241,26 @@ class RewardTrainer:
             if self.world.main:
                 self._save_model_files(tmp)
                 (tmp / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
+                self._check_saved(tmp, Path(directory))
+
+    def _check_saved(self, directory: Path, target: Path) -> None:
+        """The saved directory encodes and pools as the trainer did: its tokenizer gives the first pair's ids, and its
+        config the pad id that marks the last real token. A model that would score other ids than it learned on is
+        refused here, in one line, rather than found later as plausible rewards of the wrong texts."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        saved_pad = AutoConfig.from_pretrained(directory).pad_token_id
+        if saved_pad != self.pad_id:
+            raise RunError(f"{target}: the saved config's pad_token_id is {saved_pad}, the trainer pooled by "
+                           f"{self.pad_id}; the scorer would read other tokens as each text's last")
+        if not self.pairs.pairs:
+            return
+        pair, tokenizer = self.pairs.pairs[0], AutoTokenizer.from_pretrained(directory)
+        limit = self.cfg.data.max_length if self.cfg.data.on_too_long == "truncate" else None
+        if encode_scored(tokenizer, pair.prompt, pair.chosen, limit) != encode_scored(
+                self.tokenizer, pair.prompt, pair.chosen, limit):
+            raise RunError(f"{target}: its tokenizer encodes {pair.where} otherwise than the trainer's did; the "
+                           "scorer would be asked other token ids than the model learned on")
 
     def _save_model_files(self, directory: Path) -> None:
         with quiet_progress_bars(), dropout_as_loaded(self.model):  # the config's dropout as the user gave it

@@ -67,6 +67,13 @@ def test_pair_accuracy_reaches_one_on_a_separable_set(base, tmp_path):
             "rm/reward_std"} <= set(rows[0])
     stats = json.loads((tmp_path / "rm" / "final" / "reward_stats.json").read_text())
     assert stats["pairs"] == 36 and stats["std"] > 0 and stats["mean"] == pytest.approx(result.stats["mean"])
+    # {fn: reward_model, normalize: true} scores (r - mean) / std with the recorded stats
+    final = str(tmp_path / "rm" / "final")
+    prompts, completions = ["5?", "5?"], ["yes", "no"]
+    raw = score(reward_set_from_config([{"fn": "reward_model", "path": final}]), prompts, completions).scores
+    normal = score(reward_set_from_config([{"fn": "reward_model", "path": final, "normalize": True}]), prompts,
+                   completions).scores
+    assert normal.tolist() == pytest.approx(((raw - stats["mean"]) / stats["std"]).tolist(), abs=1e-6)
 
 
 def chat_pairs(n: int) -> list[dict]:
@@ -220,3 +227,18 @@ def test_the_trl_table_names_fields_that_exist():
              if line.startswith("| `") and "`" in line.split("|")[2]]
     fields = {key for key, *_ in field_rows(RewardTrainingConfig)}
     assert len(named) >= 20 and not [n for n in named if n not in fields]
+
+
+def test_a_saved_model_that_would_pool_otherwise_is_refused(base, tmp_path):
+    from lmrl.errors import RunError
+
+    trainer = RewardTrainer(config(base, tmp_path / "rm", steps=1), train_pairs=separable_pairs(8))
+    trainer.model.config.pad_token_id = 5  # what a config changed after the trainer set it up would save
+    with pytest.raises(RunError, match=r"final: the saved config's pad_token_id is 5, the trainer pooled by 0; "):
+        trainer.train()
+    assert not (tmp_path / "rm" / "final").exists()  # nothing half-right is left behind
+
+
+def test_normalize_needs_the_recorded_stats(base):
+    with pytest.raises(ValueError, match=r"^reward.functions\[0\]: reward 'reward_model': normalize: .*reward_stats.json not found; it is written by lmrl train-rm"):
+        reward_set_from_config([{"fn": "reward_model", "path": str(base), "normalize": True}])

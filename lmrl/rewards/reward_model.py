@@ -8,7 +8,10 @@ last real token of each padded row.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +64,18 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
     return input_ids, attention_mask
 
 
+def _recorded_stats(path: str) -> tuple[float, float]:
+    """The reward mean and std `lmrl train-rm` wrote beside the model (reward_stats.json)."""
+    stats_file = Path(path) / "reward_stats.json"
+    if not stats_file.is_file():
+        raise ValueError(f"normalize: {stats_file} not found; it is written by lmrl train-rm (or set normalize: false)")
+    stats = json.loads(stats_file.read_text())
+    mean, std = stats.get("mean"), stats.get("std")
+    if not (isinstance(mean, (int, float)) and isinstance(std, (int, float)) and math.isfinite(mean) and std > 0):
+        raise ValueError(f"normalize: {stats_file}: expected a finite mean and a std > 0, got mean={mean!r} std={std!r}")
+    return float(mean), float(std)
+
+
 class RewardModelScorer:
     """Sync reward function: scores prompt + completion with a reward model.
 
@@ -76,6 +91,8 @@ class RewardModelScorer:
         max_length: keep at most this many tokens per text, dropping from the left so that the
             completion (which the score is about) survives; None keeps everything.
         name: metric name.
+        shift, scale: a score is `(r - shift) / scale` (`from_pretrained(normalize=True)` sets the recorded
+            mean and std).
     """
 
     def __init__(
@@ -86,6 +103,8 @@ class RewardModelScorer:
         batch_size: int = 8,
         max_length: int | None = None,
         name: str = "reward_model",
+        shift: float = 0.0,
+        scale: float = 1.0,
     ) -> None:
         num_labels = getattr(model.config, "num_labels", 1)
         if num_labels != 1:
@@ -97,17 +116,26 @@ class RewardModelScorer:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length: must be >= 1 or None, got {max_length}")
+        if not (scale > 0 and math.isfinite(scale) and math.isfinite(shift)):
+            raise ValueError(f"scale, shift: expected a finite shift and a scale > 0, got {shift!r} and {scale!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.pad_id = int(pad_id)
         self.batch_size = batch_size
         self.max_length = max_length
         self.name = name
+        self.shift, self.scale = float(shift), float(scale)  # a score is (r - shift) / scale
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str | None = None, device: str = "cpu", **kwargs: Any) -> RewardModelScorer:
-        """Load a reward model and tokenizer saved in a local directory (or a hub id, where reachable)."""
+    def from_pretrained(cls, path: str, *, dtype: str | None = None, device: str = "cpu", normalize: bool = False,
+                        **kwargs: Any) -> RewardModelScorer:
+        """Load a reward model and tokenizer saved in a local directory (or a hub id, where reachable).
+        `normalize=True` scores `(r - mean) / std` with the mean and std `lmrl train-rm` recorded in the
+        directory's reward_stats.json (its training pairs' rewards)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if normalize:
+            kwargs["shift"], kwargs["scale"] = _recorded_stats(path)
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         extra = {"dtype": getattr(torch, dtype)} if dtype else {}
@@ -134,4 +162,6 @@ class RewardModelScorer:
             input_ids, attention_mask = pad_right(chunk, self.pad_id)
             logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
             scores.extend(logits.view(-1).float().cpu().tolist())  # [b, 1] -> b floats
+        if self.shift or self.scale != 1.0:
+            scores = [(s - self.shift) / self.scale for s in scores]
         return scores
