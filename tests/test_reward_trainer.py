@@ -242,3 +242,38 @@ def test_a_saved_model_that_would_pool_otherwise_is_refused(base, tmp_path):
 def test_normalize_needs_the_recorded_stats(base):
     with pytest.raises(ValueError, match=r"^reward.functions\[0\]: reward 'reward_model': normalize: .*reward_stats.json not found; it is written by lmrl train-rm"):
         reward_set_from_config([{"fn": "reward_model", "path": str(base), "normalize": True}])
+
+
+KILL_AT = """
+import os, signal, sys
+import lmrl.reward_trainer as rt
+from lmrl.cli import main
+
+step_of = rt.RewardTrainer.train_step
+def train_step(self, step):
+    if step == int(os.environ["KILL_AT_STEP"]):
+        os.kill(os.getpid(), signal.SIGKILL)  # as a machine that dies: no handler, no final save
+    return step_of(self, step)
+rt.RewardTrainer.train_step = train_step
+sys.exit(main(["train-rm", *sys.argv[1:]]))
+"""
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_weights(base, tmp_path):
+    write_jsonl(tmp_path / "pairs.jsonl", separable_pairs(40))
+    args = [f"model.name_or_path={base}", "data.path=pairs.jsonl", "train.steps=6", "train.save_every=3",
+            "train.batch_size=4", "optim.lr=0.003", "log.console=false"]
+    whole = run_cli(*args, "train.output_dir=whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KILL_AT_STEP": "5"}
+    killed = subprocess.run([sys.executable, "-c", KILL_AT, *args, "train.output_dir=cut"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9 and (tmp_path / "cut" / "checkpoint-3").is_dir()
+    assert not (tmp_path / "cut" / "final").exists()
+    resumed = run_cli(*args, "train.output_dir=cut", "train.resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("whole", "cut")]
+    assert [r["step"] for r in rows[1]] == list(range(1, 7))  # step 4, logged before the kill, not twice
+    assert [r["rm/loss"] for r in rows[1]] == [r["rm/loss"] for r in rows[0]]
