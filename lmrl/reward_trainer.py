@@ -46,7 +46,7 @@ from lmrl.config.describe import config_to_yaml
 from lmrl.config.reward_training import RewardTrainingConfig
 from lmrl.data.pairs import EncodedPairs, Pairs, encode_pairs, load_pairs
 from lmrl.distributed import World, init_world
-from lmrl.errors import ModelError, RunError, print_line
+from lmrl.errors import LmrlError, ModelError, RunError, print_line
 from lmrl.logging.console import Console
 from lmrl.logging.sinks import jsonl_row, make_sinks
 from lmrl.models.loading import (
@@ -118,6 +118,7 @@ class RewardTrainer:
         self.out = Path(t.output_dir)
         self.console_on = (cfg.log.console if console is None else console) and self.world.main
         self.result = RewardTrainResult(self.out)
+        self.saved_step = 0  # the last checkpoint's step
 
     # ------------------------------------------------------------------------------------ the model's rewards
     def rewards(self, chosen: list[list[int]], rejected: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,10 +147,11 @@ class RewardTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         with RunLock(self.out) if main else contextlib.nullcontext():
             start = self._begin()
+            self.saved_step = start
             sinks = make_sinks(self.out, log.jsonl, False, False, {}, previous=self.result.history) if main else []
             console = Console(self.console_on, self.total_steps, log.every)
             try:
-                with console:
+                with console, _started():
                     console.start_at(start)
                     for line in self.notes if main else []:
                         print_line(line)
@@ -166,9 +168,10 @@ class RewardTrainer:
             finally:
                 for sink in sinks:
                     sink.close()
-            self.result.steps = self.total_steps
-            self.result.stats = self.reward_stats()
-            self.save(self.out / "final")
+            with _started():
+                self.result.steps = self.total_steps
+                self.result.stats = self.reward_stats()
+                self.save(self.out / "final")
         return self.result
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -193,10 +196,16 @@ class RewardTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        chosen, rejected = (torch.cat(self.world.gather(torch.cat(xs))) for xs in (chosen_all, rejected_all))  # the whole step's rewards, in the step's order
+        if not all_finite([self.model]):  # one fused norm: a step that broke the model stops here, not steps later
+            raise RunError(f"step {step}: the weights are not finite after the update (optim.lr={o.lr:g} too high?); "
+                           f"the run stops ({self._last_good()})")
+        # the whole step's rewards, every rank's in rank order: the step's order
+        chosen, rejected = (torch.cat(self.world.gather(torch.cat(xs))) for xs in (chosen_all, rejected_all))
         margins = torch.tensor(self.train_set.subset(indices).margins) if self.train_set.has_margin else None
         with torch.no_grad():
             total = bradley_terry_loss(chosen, rejected, margins, t.center_rewards_coefficient)
+        if not math.isfinite(total.item()):  # before it is logged as a plausible number, or checkpointed
+            raise RunError(f"step {step}: the loss is not finite; the run stops ({self._last_good()})")
         return {"rm/loss": total.item(), **preference_metrics(chosen, rejected).as_dict("rm/"),
                 "rm/grad_norm": float(norm), "rm/lr": lr, "rm/epoch": (step - 1) / self.steps_per_epoch}
 
@@ -282,11 +291,18 @@ class RewardTrainer:
             save_model_state(tmp / "state", {"model": self.model}, self.optimizer)
             torch.save(rng_state({}), tmp / f"rng_state_{self.world.rank}.pt")
             if not self.world.main:
+                self.saved_step = step
                 return path
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
             (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.result.history))
             (tmp / "lmrl_config.yaml").write_text(config_to_yaml(self.cfg))
+        self.saved_step = step
         return path
+
+    def _last_good(self) -> str:
+        if self.saved_step:
+            return f"the last checkpoint is {self.out / f'checkpoint-{self.saved_step}'}"
+        return "no checkpoint was written"
 
     def _begin(self) -> int:
         """Under the run's lock: clean partial checkpoints, clear an overwritten run or resume; returns the step
@@ -390,6 +406,16 @@ def _set_pad(model: torch.nn.Module, tokenizer: Any) -> int:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = int(pad)
     return int(pad)
+
+
+@contextlib.contextmanager
+def _started():
+    """Inside, the run has started: an error it raises exits 1, not 2 (docs/bad-inputs.md)."""
+    try:
+        yield
+    except LmrlError as e:
+        e.exit_code = 1
+        raise
 
 
 def _share(indices: list[int], world: World) -> list[int]:

@@ -277,3 +277,15 @@ def test_a_killed_run_resumes_to_the_uninterrupted_weights(base, tmp_path):
     rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("whole", "cut")]
     assert [r["step"] for r in rows[1]] == list(range(1, 7))  # step 4, logged before the kill, not twice
     assert [r["rm/loss"] for r in rows[1]] == [r["rm/loss"] for r in rows[0]]
+
+
+def test_weights_that_are_not_finite_stop_the_run_in_one_line(base, tmp_path):
+    write_jsonl(tmp_path / "pairs.jsonl", separable_pairs(16))
+    done = run_cli(f"model.name_or_path={base}", "data.path=pairs.jsonl", "train.steps=4", "train.save_every=1",
+                   "train.batch_size=8", "optim.lr=1e30", "optim.max_grad_norm=null", "log.console=false",
+                   "train.output_dir=out", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr  # the run had started
+    assert done.stderr.strip().splitlines() == [
+        "lmrl: error: step 1: the weights are not finite after the update (optim.lr=1e+30 too high?); the run stops "
+        "(no checkpoint was written)"]
+    assert not (tmp_path / "out" / "final").exists() and not (tmp_path / "out" / "checkpoint-1").exists()
