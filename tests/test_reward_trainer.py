@@ -5,6 +5,7 @@ resumes exactly."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -289,3 +290,16 @@ def test_weights_that_are_not_finite_stop_the_run_in_one_line(base, tmp_path):
         "lmrl: error: step 1: the weights are not finite after the update (optim.lr=1e+30 too high?); the run stops "
         "(no checkpoint was written)"]
     assert not (tmp_path / "out" / "final").exists() and not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def test_held_out_pairs_from_a_file_and_a_bf16_model(base, tmp_path):
+    write_jsonl(tmp_path / "held.jsonl", separable_pairs(6, seed=7))
+    cfg = config(base, tmp_path / "rm", steps=6)
+    cfg["model"]["dtype"] = "bfloat16"
+    cfg["data"] = {"eval_path": str(tmp_path / "held.jsonl")}
+    trainer = RewardTrainer(cfg, train_pairs=separable_pairs(16))
+    assert next(trainer.model.parameters()).dtype == torch.bfloat16 and len(trainer.eval_set) == 6
+    assert trainer.eval_set.where[0] == f"{tmp_path / 'held.jsonl'} line 1"
+    result = trainer.train()
+    assert result.evals[-1]["step"] == 6 and result.evals[-1]["eval/accuracy"] == 1.0
+    assert all(math.isfinite(r["rm/loss"]) for r in result.history)
