@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +49,7 @@ from lmrl.config.describe import config_to_yaml
 from lmrl.config.reward_training import RewardTrainingConfig
 from lmrl.data.pairs import EncodedPairs, Pairs, encode_pairs, load_pairs
 from lmrl.distributed import World, init_world
-from lmrl.errors import LmrlError, ModelError, RunError, print_line
+from lmrl.errors import Interrupted, LmrlError, ModelError, RunError, print_line
 from lmrl.logging.console import Console
 from lmrl.logging.sinks import jsonl_row, make_sinks
 from lmrl.models.loading import (
@@ -151,7 +154,7 @@ class RewardTrainer:
             sinks = make_sinks(self.out, log.jsonl, False, False, {}, previous=self.result.history) if main else []
             console = Console(self.console_on, self.total_steps, log.every)
             try:
-                with console, _started():
+                with console, _started(), self._signals():
                     console.start_at(start)
                     for line in self.notes if main else []:
                         print_line(line)
@@ -165,6 +168,8 @@ class RewardTrainer:
                         self._log(sinks, console, metrics, step)
                         if t.save_every and step % t.save_every == 0:
                             self.save_checkpoint(step)  # 5. checkpoint
+                        if self._stopping():
+                            raise self._interrupted(step)
             finally:
                 for sink in sinks:
                     sink.close()
@@ -299,6 +304,46 @@ class RewardTrainer:
         self.saved_step = step
         return path
 
+    @contextlib.contextmanager
+    def _signals(self):
+        """SIGINT / SIGTERM stop the run after the step in progress, with its checkpoint; a second one exits at once."""
+        self.stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(signum: int, frame) -> None:
+            name = signal.Signals(signum).name
+            if self.stop_signal is not None:
+                print_line(f"lmrl: {name} again: exiting now, without a checkpoint")
+                os._exit(128 + signum)
+            self.stop_signal = signum
+            if self.world.main:
+                print_line(f"lmrl: {name} received: stopping after this step's checkpoint ({name} again to exit at once)")
+
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in previous:
+            signal.signal(s, on_signal)
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _stopping(self) -> bool:
+        """A signal asked the run to stop; under torchrun the ranks agree after each step, so they stop together."""
+        if self.world.distributed:
+            self.stop_signal = self.world.most(self.stop_signal or 0) or None
+        return self.stop_signal is not None
+
+    def _interrupted(self, step: int) -> Interrupted:
+        path = self.out / f"checkpoint-{step}"
+        if self.saved_step != step:
+            path = self.save_checkpoint(step)
+        name = signal.Signals(self.stop_signal).name
+        return Interrupted(f"{name}: stopped after step {step}; checkpoint {path} written; add train.resume=auto "
+                           "to the same command to continue", self.stop_signal)
+
     def _last_good(self) -> str:
         if self.saved_step:
             return f"the last checkpoint is {self.out / f'checkpoint-{self.saved_step}'}"
@@ -414,7 +459,8 @@ def _started():
     try:
         yield
     except LmrlError as e:
-        e.exit_code = 1
+        if not isinstance(e, Interrupted):  # a signal's exit code says which signal
+            e.exit_code = 1
         raise
 
 

@@ -252,8 +252,8 @@ from lmrl.cli import main
 
 step_of = rt.RewardTrainer.train_step
 def train_step(self, step):
-    if step == int(os.environ["KILL_AT_STEP"]):
-        os.kill(os.getpid(), signal.SIGKILL)  # as a machine that dies: no handler, no final save
+    if step == int(os.environ["KILL_AT_STEP"]):  # SIGKILL: as a machine that dies (no handler, no final save)
+        os.kill(os.getpid(), getattr(signal, os.environ.get("SIGNAL", "SIGKILL")))
     return step_of(self, step)
 rt.RewardTrainer.train_step = train_step
 sys.exit(main(["train-rm", *sys.argv[1:]]))
@@ -278,6 +278,17 @@ def test_a_killed_run_resumes_to_the_uninterrupted_weights(base, tmp_path):
     rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("whole", "cut")]
     assert [r["step"] for r in rows[1]] == list(range(1, 7))  # step 4, logged before the kill, not twice
     assert [r["rm/loss"] for r in rows[1]] == [r["rm/loss"] for r in rows[0]]
+    # SIGTERM (a scheduler's stop): step 2 ends, its checkpoint is written, exit 128 + 15; the resume ends the same
+    env |= {"KILL_AT_STEP": "2", "SIGNAL": "SIGTERM"}
+    stopped = subprocess.run([sys.executable, "-c", KILL_AT, *args, "train.output_dir=term"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 143, stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        "lmrl: error: SIGTERM: stopped after step 2; checkpoint term/checkpoint-2 written; add train.resume=auto to "
+        "the same command to continue")
+    assert run_cli(*args, "train.output_dir=term", "train.resume=auto", cwd=tmp_path).returncode == 0
+    c = final_weights(tmp_path / "term")
+    assert all(torch.equal(a[k], c[k]) for k in a)
 
 
 def test_weights_that_are_not_finite_stop_the_run_in_one_line(base, tmp_path):
