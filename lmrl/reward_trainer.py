@@ -13,7 +13,7 @@ A step, as TRL's RewardTrainer takes it, with these departures:
    step divide by the step's pair count, so gradient accumulation equals one big batch.
 4. The order of pairs is a pure function of (seed, step), so a resumed run trains on what the interrupted
    one would have; dropout is off (TRL's `disable_dropout`), so a step is a function of weights and data.
-5. Next to final/ the run writes `reward_stats.json`: the trained model's reward mean and std over the
+5. In final/, beside the model, the run writes `reward_stats.json`: the trained model's reward mean and std over the
    training pairs, for scoring that normalises.
 """
 
