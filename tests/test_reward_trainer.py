@@ -314,3 +314,18 @@ def test_held_out_pairs_from_a_file_and_a_bf16_model(base, tmp_path):
     result = trainer.train()
     assert result.evals[-1]["step"] == 6 and result.evals[-1]["eval/accuracy"] == 1.0
     assert all(math.isfinite(r["rm/loss"]) for r in result.history)
+
+
+def test_gradient_accumulation_1x8_equals_8x1(base, tmp_path):
+    pairs, grads = separable_pairs(16), []
+    for batch, accumulate in ((8, 1), (1, 8)):
+        cfg = config(base, tmp_path / f"rm-{batch}", steps=1, batch_size=batch, gradient_accumulation_steps=accumulate)
+        trainer = RewardTrainer(cfg, train_pairs=pairs)
+        model = trainer.model  # the step's gradient, as the optimizer gets it
+        trainer.optimizer.register_step_pre_hook(lambda *_, model=model: grads.append(
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        metrics = trainer.train_step(1)
+        assert metrics["rm/loss"] > 0.1
+    a, b = grads
+    assert a.keys() == b.keys() and max(a[k].abs().max().item() for k in a) > 1e-3
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
