@@ -10,7 +10,7 @@ Shape notation used across the package:
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "Trainer", "load_config"]
+__all__ = ["Config", "RewardTrainer", "Trainer", "load_config"]
 
 
 def __getattr__(name: str):
@@ -23,4 +23,8 @@ def __getattr__(name: str):
         from lmrl.trainer import Trainer
 
         return Trainer
+    if name == "RewardTrainer":
+        from lmrl.reward_trainer import RewardTrainer
+
+        return RewardTrainer
     raise AttributeError(f"module 'lmrl' has no attribute {name!r}")

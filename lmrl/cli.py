@@ -90,6 +90,13 @@ def _main(argv: list[str] | None) -> int:
     tr.add_argument("--nproc", type=_at_least(1), default=None, metavar="N",
                     help="train on N processes of this machine (torchrun --standalone --nproc_per_node N)")
 
+    rm = sub.add_parser("train-rm", help="train a reward model on preference pairs (chosen / rejected)",
+                        epilog=RM_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rm.add_argument("args", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
+    rm.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    rm.add_argument("--nproc", type=_at_least(1), default=None, metavar="N",
+                    help="train on N processes of this machine (torchrun --standalone --nproc_per_node N)")
+
     ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model on a task or dataset", epilog=EXAMPLES,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("run", nargs="?", default=None,
@@ -117,7 +124,7 @@ def _main(argv: list[str] | None) -> int:
     sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="the port (0: any free one; the ready line says which)")
 
-    for p in (tr, ev, rp, sv):
+    for p in (tr, rm, ev, rp, sv):
         p.add_argument("--traceback", action="store_true",
                        help="on an error, print the full Python traceback (or set LMRL_TRACEBACK=1)")
 
@@ -128,6 +135,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "train-rm":
+            return _train_rm(args)
         if args.command == "report":
             return _report(args)
         if args.command == "serve":
@@ -249,6 +258,51 @@ def _train(args) -> int:
     return 0
 
 
+RM_EXAMPLES = """examples:
+  lmrl train-rm data.path=pairs.jsonl model.name_or_path=Qwen/Qwen2.5-0.5B train.output_dir=runs/rm
+                                               a reward model from a causal LM (a new score head)
+  lmrl train-rm rm.yaml data.eval_fraction=0.1 held-out pair accuracy as it trains
+  lmrl train-rm --help-config                  every field with its default and meaning
+then score with it:  reward.functions=[{fn: reward_model, path: runs/rm/final}]
+"""
+
+
+def _train_rm(args) -> int:
+    from lmrl.config import load_reward_config
+
+    if args.help_config:
+        from lmrl.config.describe import describe_fields
+
+        print(describe_fields(_reward_config_type()))
+        return 0
+    cfg = load_reward_config(*_config_source(args))  # fails here, before any model loads
+    from lmrl.checkpoint import RunLock, plan_run
+
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if main_rank and Path(cfg.train.output_dir).is_dir():  # a directory in use or holding a run: before any model loads
+        with RunLock(cfg.train.output_dir):
+            plan_run(cfg)
+    elif main_rank:
+        plan_run(cfg)
+    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _exec_torchrun(args, "train-rm")
+    from lmrl.reward_trainer import RewardTrainer
+
+    result = RewardTrainer(cfg).train()
+    last = result.evals[-1] if result.evals else None
+    held = f"held-out pair accuracy {last['eval/accuracy']:.1%}; " if last else ""
+    if main_rank:
+        print(f"{held}reward mean {result.stats['mean']:.3f} std {result.stats['std']:.3f}; "
+              f"model saved to {result.output_dir / 'final'}")
+    return 0
+
+
+def _reward_config_type():
+    from lmrl.config import RewardTrainingConfig
+
+    return RewardTrainingConfig
+
+
 def _eval(args) -> int:
     from lmrl.config import build_config
     from lmrl.errors import DataError
@@ -335,8 +389,8 @@ def _why_no_eval_rows(cfg) -> str:
     return "every row was left out (data.on_bad_row=skip)"
 
 
-def _exec_torchrun(args) -> None:
-    """Become `torchrun --standalone --nproc_per_node N -m lmrl.cli train ARGS` (this process is replaced, so
+def _exec_torchrun(args, command: str = "train") -> None:
+    """Become `torchrun --standalone --nproc_per_node N -m lmrl.cli COMMAND ARGS` (this process is replaced, so
     signals reach torchrun, which passes them to every rank). torchrun kills the ranks `--shutdown_timeout`
     seconds (30 by default) after passing a signal on; they get 10 minutes to finish the step and its checkpoint."""
     from torch.distributed.run import get_args_parser
@@ -344,7 +398,7 @@ def _exec_torchrun(args) -> None:
     options = {o for action in get_args_parser()._actions for o in action.option_strings}
     grace = ["--shutdown_timeout=600"] if "--shutdown_timeout" in options else []  # (an option of recent torchruns)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *grace,
-           "-m", "lmrl.cli", "train", *args.args, *(["--traceback"] if args.traceback else [])]
+           "-m", "lmrl.cli", command, *args.args, *(["--traceback"] if args.traceback else [])]
     sys.stdout.flush()
     os.execv(sys.executable, cmd)
 

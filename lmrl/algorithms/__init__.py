@@ -42,6 +42,7 @@ from lmrl.algorithms.losses import (
 )
 from lmrl.algorithms.masking import masked_mean, masked_sum, masked_var, masked_whiten
 from lmrl.algorithms.offpolicy import BEHAV_MODES, DecoupledLossMetrics, decoupled_policy_loss
+from lmrl.algorithms.preference import PreferenceMetrics, bradley_terry_loss, preference_metrics
 from lmrl.algorithms.surrogates import clip_cov_loss, gmpo_loss, kl_cov_loss, sapo_loss, token_covariance
 
 __all__ = [
@@ -81,6 +82,9 @@ __all__ = [
     "policy_loss",
     "truncated_is_weights",
     "value_loss",
+    "PreferenceMetrics",
+    "bradley_terry_loss",
+    "preference_metrics",
     "BEHAV_MODES",
     "DecoupledLossMetrics",
     "decoupled_policy_loss",

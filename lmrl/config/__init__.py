@@ -17,6 +17,7 @@ The package, lowest layer first (each module imports only those above it in this
     presets        the algorithms' and the shipped models' presets, and putting them under a user's values
     schema         Config: the sections, the checks between them, derived values
     loading        YAML files and key=value overrides -> Config
+    reward_training  RewardTrainingConfig: `lmrl train-rm`'s config (its own sections, the same rules)
     describe       --help-config, the resolved config's summary and YAML, warnings
 
 This module only hands names on.
@@ -33,6 +34,9 @@ from lmrl.config.loading import build_config, load_config, parse_overrides, read
 
 # what presets set, and the step that puts them under a user's values (docs/python.md, tests, benchmarks)
 from lmrl.config.presets import ALGORITHM_PRESETS, MODEL_PRESETS, REWARD_PRESETS, with_presets
+
+# `lmrl train-rm`'s config (lmrl.reward_trainer, cli)
+from lmrl.config.reward_training import RewardTrainingConfig, load_reward_config
 
 # the whole config (`from lmrl import Config`: lmrl/__init__.py), and the tis_cap it derives
 from lmrl.config.schema import DEFAULT_TIS_CAP, Config
@@ -58,7 +62,7 @@ from lmrl.errors import ConfigError
 __all__ = [
     "ALGORITHM_PRESETS", "DEFAULT_TIS_CAP", "MODEL_PRESETS", "REWARD_PRESETS", "AlgorithmConfig", "Config",
     "ConfigError", "DataConfig", "EnvConfig", "GuardConfig", "LogConfig", "LoraConfig", "ModelConfig",
-    "OptimConfig", "RewardConfig", "RolloutConfig", "SandboxConfig", "TrainConfig", "build_config",
-    "config_summary", "config_to_yaml", "config_warnings", "describe_fields", "load_config", "parse_overrides",
+    "OptimConfig", "RewardConfig", "RewardTrainingConfig", "RolloutConfig", "SandboxConfig", "TrainConfig", "build_config",
+    "config_summary", "config_to_yaml", "config_warnings", "describe_fields", "load_config", "load_reward_config", "parse_overrides",
     "read_yaml", "with_presets",
 ]

@@ -42,9 +42,10 @@ def config_summary(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def field_rows() -> list[tuple[str, Any, list[Any], str]]:
+def field_rows(root: type[BaseModel] | None = None) -> list[tuple[str, Any, list[Any], str]]:
     """(key, default, allowed values, docstring) of every field, nested ones after their parent (`model.lora.r`),
-    in the schema's order: what `--help-config` and the documentation's config reference both print."""
+    in the schema's order: what `--help-config` and the documentation's config reference both print. `root`: the
+    config whose fields these are (default `Config`; `RewardTrainingConfig` for `lmrl train-rm`)."""
     rows: list[tuple[str, Any, list[Any], str]] = []
 
     def section(model: type[BaseModel], prefix: str) -> None:
@@ -55,7 +56,7 @@ def field_rows() -> list[tuple[str, Any, list[Any], str]]:
             if nested is not None:
                 section(nested, key)
 
-    for name, f in Config.model_fields.items():
+    for name, f in (root or Config).model_fields.items():
         section(f.annotation, name)
     return rows
 
@@ -74,17 +75,19 @@ def preset_lines() -> list[str]:
     return lines
 
 
-def describe_fields() -> str:
+def describe_fields(root: type[BaseModel] | None = None) -> str:
     """Every field (nested ones too: `model.lora.r`) with its default, its allowed values and its docstring,
     then what each preset changes: for `lmrl train --help-config`."""
     lines: list[str] = []
     section = None
-    for key, default, choices, doc in field_rows():
+    for key, default, choices, doc in field_rows(root):
         if key.split(".")[0] != section:
             section = key.split(".")[0]
             lines.append(f"{section}:")
         lines.append(f"  {key} = {default!r}" + (f"   (one of: {', '.join(map(str, choices))})" if choices else ""))
         lines.extend(f"      {line.strip()}" for line in doc.splitlines())
+    if root is not None:  # presets are the policy config's
+        return "\n".join(lines)
     lines.append("presets (algorithm.name=NAME fills these fields unless you set them):")
     lines.extend(f"  {line}" for line in preset_lines())
     return "\n".join(lines)

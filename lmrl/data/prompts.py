@@ -668,6 +668,53 @@ class PromptStream:
         return [chunk[i] for i in good]
 
 
+def read_rows(
+    source: str | os.PathLike | Sequence[Any],
+    split: str = "train",
+    subset: str | None = None,
+    *,
+    field: str | None = None,
+    name: str | None = None,
+) -> tuple[list[Any], list[str], str]:
+    """The rows of a file, a saved dataset, a hub dataset or a list, where each came from, and the source's name
+    (what `load_prompts` reads; `lmrl.data.pairs` reads preference pairs the same way). Rows are not checked."""
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        field = field or "data.path"
+        if isinstance(source, os.PathLike) or _looks_like_file(text):
+            path = Path(text).expanduser()
+            saved = path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json"))
+            if path.is_dir() and not saved:
+                raise DataError(f"{field}: {text}: is a directory, expected a {'/'.join(FILE_FORMATS)} file "
+                                "or a dataset saved with datasets' save_to_disk")
+            if saved:
+                rows, where = _read_saved(path, text, split, field)
+                name = text
+            elif not path.is_file():
+                raise DataError(f"{field}: {text}: file not found")
+            else:
+                readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+                if path.suffix not in readers:
+                    raise DataError(
+                        f"{field}: {text}: unsupported extension {path.suffix!r}, "
+                        f"expected a {'/'.join(FILE_FORMATS)} file"
+                    )
+                rows, where = readers[path.suffix](path, text, field)
+                name = text
+        else:
+            name = f"{text}:{split}"
+            rows = _read_hub(text, split, subset)
+            where = [f"{name} row {i}" for i in range(len(rows))]
+    elif isinstance(source, Sequence):
+        rows, name = list(source), name or field or "dataset"
+        where = [f"{name} index {i}" for i in range(len(rows))]
+    else:
+        raise TypeError(
+            f"source: expected a path, a hub dataset name or a list of dicts, got {type(source).__name__}"
+        )
+    return rows, where, name
+
+
 def load_prompts(
     source: str | os.PathLike | Sequence[Mapping[str, Any]],
     split: str = "train",
@@ -713,40 +760,8 @@ def load_prompts(
     """
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"max_rows: must be >= 1, got {max_rows}")
-    if isinstance(source, (str, os.PathLike)):
-        text = os.fspath(source)
-        field = field or "data.path"
-        if isinstance(source, os.PathLike) or _looks_like_file(text):
-            path = Path(text).expanduser()
-            saved = path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json"))
-            if path.is_dir() and not saved:
-                raise DataError(f"{field}: {text}: is a directory, expected a {'/'.join(FILE_FORMATS)} file "
-                                "or a dataset saved with datasets' save_to_disk")
-            if saved:
-                rows, where = _read_saved(path, text, split, field)
-                name = text
-            elif not path.is_file():
-                raise DataError(f"{field}: {text}: file not found")
-            else:
-                readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
-                if path.suffix not in readers:
-                    raise DataError(
-                        f"{field}: {text}: unsupported extension {path.suffix!r}, "
-                        f"expected a {'/'.join(FILE_FORMATS)} file"
-                    )
-                rows, where = readers[path.suffix](path, text, field)
-                name = text
-        else:
-            name = f"{text}:{split}"
-            rows = _read_hub(text, split, subset)
-            where = [f"{name} row {i}" for i in range(len(rows))]
-    elif isinstance(source, Sequence):
-        rows, name = list(source), name or field or "dataset"
-        where = [f"{name} index {i}" for i in range(len(rows))]
-    else:
-        raise TypeError(
-            f"source: expected a path, a hub dataset name or a list of dicts, got {type(source).__name__}"
-        )
+    rows, where, name = read_rows(source, split, subset, field=field, name=name)
+    field = field or ("data.path" if isinstance(source, (str, os.PathLike)) else None)
     if max_rows is not None:
         rows, where = rows[:max_rows], where[:max_rows]
     checked = check_rows(

@@ -22,6 +22,10 @@ STEP_LINE = [
     ("policy/clipfrac_avg", "clipfrac", "{:.3f}"),
     ("loss/policy_avg", "loss", "{:+.4f}"),
     ("val/response_length", "len", "{:.1f}"),
+    ("rm/loss", "loss", "{:.4f}"),  # a reward model's run (lmrl train-rm)
+    ("rm/accuracy", "acc", "{:.1%}"),
+    ("rm/margin", "margin", "{:+.3f}"),
+    ("eval/loss", "eval loss", "{:.4f}"),
     ("time/step", "s/step", "{:.2f}"),
 ]
 

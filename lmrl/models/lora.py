@@ -66,13 +66,14 @@ def quiet_peft() -> Iterator[None]:
         yield
 
 
-def apply_lora(policy: nn.Module, lora) -> nn.Module:
-    """`policy` wrapped with new LoRA adapters as `model.lora` (r, alpha, dropout, target modules) sets them."""
+def apply_lora(policy: nn.Module, lora, task_type: str = "CAUSAL_LM") -> nn.Module:
+    """`policy` wrapped with new LoRA adapters as `model.lora` (r, alpha, dropout, target modules) sets them.
+    `task_type="SEQ_CLS"` (a reward model) also trains the score head in full and saves it with the adapters."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
         raise ImportError("model.lora needs peft: pip install 'lmrl[peft]'") from e
     peft_cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=lora.target_modules, task_type="CAUSAL_LM")
+                          target_modules=lora.target_modules, task_type=task_type)
     with quiet_peft():
         return get_peft_model(policy, peft_cfg)
