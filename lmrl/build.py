@@ -168,9 +168,6 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
         raise ModelError(f"model: {cfg.model.name_or_path if model is None else 'the given model'} has non-finite "
                          "weights (NaN or inf); refusing to train or evaluate it")
     check_rollout_fits(cfg, models.policy.config, data.longest_prompt, device)
-    from lmrl.generators import check_backend  # (lmrl.generators builds on this module)
-
-    check_backend(cfg, models.policy.config, device)
     notes: list[str] = []
     world, units = _shard_models(cfg, world, models, notes)
     optimizer, scheduler = make_optimizer(cfg, models.policy, models.critic)

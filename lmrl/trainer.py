@@ -42,7 +42,7 @@ from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import full_weights
 from lmrl.errors import DataError
 from lmrl.experience import Experience, make_experience
-from lmrl.generators import make_generator, sampler_of
+from lmrl.generators import check_backend, make_generator, sampler_of
 from lmrl.guards import Guards, SamplerMismatch
 from lmrl.lifecycle import RunLifecycle
 from lmrl.logging import Console
@@ -73,6 +73,7 @@ class Trainer:
         run = build_run(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs, train_dataset=train_dataset,
                         eval_dataset=eval_dataset, env=env)
         self.cfg = cfg = run.cfg
+        check_backend(cfg, run.models.policy.config, run.device)  # before any engine, server or process starts
         self.world, self.env, self.data, self.models, self.units = run.world, run.env, run.data, run.models, run.units
         self.policy, self.tokenizer, self.device = run.models.policy, run.models.tokenizer, run.device
         self.optimizer, self.scheduler = run.optimizer, run.scheduler
