@@ -44,6 +44,16 @@ def test_floor_benchmark_runs_and_reports_both_ratios():
     assert re.search(r"decode .* matmuls only: [\d.]+ s; the matmuls are \d+% of decode time", out), out
 
 
+def test_sync_check_benchmark_measures_both_checks_against_the_batchs_forward():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sync_check.py"), "--preset", "shipped", "--rows", "4",
+         "--prompt", "8", "--response", "8", "--repeats", "1", "--threads", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    assert re.search(r"the shipped model .*: the batch's forward \(4 rows\) [\d.]+ ms; synchronous check [\d.]+ ms "
+                     r"\([\d.]+% of it\); probe [\d.]+ ms per side \([\d.]+% of it\)", out), out
+
+
 def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--steps", "2"],
                           capture_output=True, text=True, timeout=300)
