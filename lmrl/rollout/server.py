@@ -340,7 +340,7 @@ class GenerationServer(ThreadingHTTPServer):
                 raise ValueError(f"prompt {i}: expected a non-empty list of token ids")
             if lim.vocab_size and not all(0 <= t < lim.vocab_size for t in p):
                 bad = next(t for t in p if not 0 <= t < lim.vocab_size)
-                raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary (0..{lim.vocab_size - 1})")
+                raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary of {lim.vocab_size} tokens")
             if lim.max_prompt_length and len(p) > lim.max_prompt_length:
                 raise ValueError(f"prompt {i}: {len(p)} tokens, more than this server allows ({lim.max_prompt_length}; "
                                  "lmrl serve rollout.max_prompt_length=...)")
@@ -418,7 +418,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._linger()
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             self.close_connection = self.close_connection or self.path == "/lmrl/weights"  # a stream read part-way
-            return self._error(400, f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+            kind = "" if type(e) is ValueError else f"{type(e).__name__}: "  # lmrl's own checks say what they are
+            return self._error(400, f"{kind}{' '.join(str(e).split())[:500]}")
         except Exception as e:  # noqa: BLE001 - the client gets one line; the server keeps serving
             return self._error(500, f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
 

@@ -181,7 +181,7 @@ HOSTILE = [
     ("beyond the context", {"prompt": [5] * 60, "max_tokens": 16}, "/v1/completions",
      "max_tokens: a prompt of 60 tokens and max_tokens=16 exceed the model's context of 64 tokens"),
     ("token id out of vocab", {"prompt": [5, 99999999999], "max_tokens": 2}, "/v1/completions",
-     "prompt 0: token id 99999999999 is outside the vocabulary (0..98)"),
+     "prompt 0: token id 99999999999 is outside the vocabulary of 99 tokens"),
     ("negative token id", {"prompt": [[5, -1]], "max_tokens": 2}, "/v1/completions", "token id -1 is outside"),
     ("prompt of floats", {"prompt": [[5, 1.5]]}, "/v1/completions", "prompt 0: expected a non-empty list of token ids"),
     ("prompt a number", {"prompt": 7}, "/v1/completions", "prompt: expected a string"),
