@@ -11,7 +11,8 @@
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags
     POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`frames`)
 
-A request generates alone (the engine batches the rows of one request), and weights load between requests,
+Concurrent requests that sample alike are batched into one generator call (`lmrl.rollout.batcher`; a seeded
+request runs alone), and weights load between calls,
 never during one: a client that pushes weights and then generates samples with them. Errors are HTTP 400
 (a bad request), 401 / 403 (no key, no weights secret), 413 (a body over the limit) or 500 with
 {"error": {"message": one line, "type", "param", "code"}} (OpenAI's shape).
@@ -45,6 +46,7 @@ from lmrl.errors import ConfigError
 from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
+from lmrl.rollout.batcher import Batcher
 from lmrl.rollout.hf import HFGenerator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -217,6 +219,7 @@ class GenerationServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    request_queue_size = 256  # connections waiting to be accepted (socketserver's 5 resets a burst of 32 clients)
 
     def __init__(self, generator: Generator, tokenizer: Any, name: str, host: str = "127.0.0.1", port: int = 0,
                  max_prompt_length: int = 4096, api_key: str | None = None, weights_secret: str | None = None,
@@ -227,7 +230,8 @@ class GenerationServer(ThreadingHTTPServer):
         self.limits = limits or Limits(max_prompt_length=max_prompt_length)
         self.api_key, self.weights_secret = api_key or None, weights_secret or None
         self.loopback = is_loopback(host)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # a generation or a weight load at a time
+        self.batcher = Batcher(generator, self.lock, max_sequences=self.limits.max_sequences)
 
     @property
     def url(self) -> str:
@@ -254,13 +258,8 @@ class GenerationServer(ThreadingHTTPServer):
                  "lmrl serve rollout.max_new_tokens=...")
         n = _integer(body.get("n", 1), "n", self.limits.max_n, "lmrl serve --max-n")
         self._check(prompts, n, params.max_new_tokens, "max_new_tokens")
-        with self.lock:
-            rollout = self.generator.generate(prompts, n, params)
-            version = getattr(self.generator, "version", -1)
-        lengths = rollout.response_mask.sum(1).tolist()
-        return {"tokens": [row[:k] for row, k in zip(rollout.response_ids.tolist(), lengths)],
-                "logprobs": [row[:k] for row, k in zip(rollout.logprobs.tolist(), lengths)],
-                "finished": rollout.finished.tolist(), "version": version}
+        rows = self.batcher.generate(prompts, n, params)
+        return {"tokens": rows.tokens, "logprobs": rows.logprobs, "finished": rows.finished, "version": rows.version}
 
     def load_weights(self, stream: BinaryIO, version: int) -> dict[str, Any]:
         with self.lock:
@@ -281,14 +280,11 @@ class GenerationServer(ThreadingHTTPServer):
                                 seed=None if body.get("seed") is None else _integer(body["seed"], "seed", 0, "", low=None))
         params.validate()
         self._check(prompts, n, params.max_new_tokens, "max_tokens")
-        with self.lock:
-            rollout = self.generator.generate(prompts, n, params)
-        lengths = rollout.response_mask.sum(1).tolist()
+        rows = self.batcher.generate(prompts, n, params)
         choices = []
-        for i, (text, k) in enumerate(zip(rollout.texts, lengths)):
-            ids, logps = rollout.response_ids[i, :k].tolist(), rollout.logprobs[i, :k].tolist()
+        for i, (text, ids, logps) in enumerate(zip(rows.texts, rows.tokens, rows.logprobs)):
             tokens = [self.tokenizer.decode([t]) for t in ids]
-            reason = "stop" if bool(rollout.finished[i]) else "length"
+            reason = "stop" if rows.finished[i] else "length"
             choice: dict[str, Any] = {"index": i, "finish_reason": reason, "token_ids": ids}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -299,8 +295,8 @@ class GenerationServer(ThreadingHTTPServer):
                 choice["logprobs"] = {"tokens": tokens, "token_logprobs": logps, "top_logprobs": None,
                                       "text_offset": []} if body.get("logprobs") is not None else None
             choices.append(choice)
-        prompt_tokens = sum(len(prompts[int(j)]) for j in rollout.prompt_index)
-        completion_tokens = sum(lengths)
+        prompt_tokens = n * sum(map(len, prompts))
+        completion_tokens = sum(map(len, rows.tokens))
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": choices,
@@ -458,12 +454,13 @@ class _Handler(BaseHTTPRequestHandler):
             return self.server.load_weights(self._weights_body(), _header_int(self.headers, "X-Lmrl-Version", -1))
         if self.path not in ("/lmrl/generate", "/v1/completions", "/v1/chat/completions"):
             raise Refused(404, f"no such endpoint: POST {self.path}")
-        request = json.loads(self._body(self.server.limits.max_body_bytes).read(1 << 62) or b"{}")
-        if not isinstance(request, dict):
-            raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
-        if self.path == "/lmrl/generate":
-            return self.server.lmrl_generate(request)
-        return self.server.completions(request, chat=self.path.endswith("chat/completions"))
+        with self.server.batcher.incoming():  # a burst's generator call waits for this request
+            request = json.loads(self._body(self.server.limits.max_body_bytes).read(1 << 62) or b"{}")
+            if not isinstance(request, dict):
+                raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
+            if self.path == "/lmrl/generate":
+                return self.server.lmrl_generate(request)
+            return self.server.completions(request, chat=self.path.endswith("chat/completions"))
 
     def _weights_body(self):
         secret = self.server.weights_secret
