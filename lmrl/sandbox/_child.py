@@ -11,7 +11,7 @@ With isolation on, three processes, each with one job:
                 other mount read-only, mount a /proc that shows only this namespace; fork; wait.
                 When it exits the kernel kills every process left in the namespace.
         worker  pid 2: drop root (to `nobody`) or every capability, set the rlimits, install the socket
-                filter (`_refuse_sockets`), run the program
+                filter (`_refuse_sockets`) and the write confinement (`_confine_writes`), run the program
 
 The trainer kills the bootstrap on a timeout; init dies with it (PR_SET_PDEATHSIG), and with init
 the whole namespace. Setup failures go to the status pipe as `error: ...`, the worker writes `ready`
@@ -173,6 +173,50 @@ def _refuse_sockets():
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp(socket filter)")
 
 
+# Landlock (Linux 5.13+): the file-system rights it is told to handle are denied outside the rules' paths
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446  # every architecture's numbers
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+FS_WRITE_FILE, FS_REFER, FS_TRUNCATE = 1 << 1, 1 << 13, 1 << 14
+FS_CHANGES = sum(1 << bit for bit in (4, 5, 6, 7, 8, 9, 10, 11, 12))  # remove and make: dirs, files, nodes, links
+O_PATH = 0o10000000
+
+
+def _confine_writes(workdir):
+    """Landlock: the program may write, make and remove files only under `workdir` (and write /dev/null). The
+    read-only mounts refuse writes to regular files, directories and links only; this also refuses writing a
+    host's named pipe or device node. Where the kernel has no Landlock (older than 5.13, or not enabled), the
+    mounts alone hold: returns False."""
+    syscall = _libc.syscall
+    syscall.restype = ctypes.c_long
+    abi = syscall(LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    if abi < 1:
+        return False
+    handled = FS_WRITE_FILE | FS_CHANGES | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0)
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    handled_attr = ctypes.c_uint64(handled)  # struct landlock_ruleset_attr's first field: enough for every ABI
+    ruleset = syscall(LANDLOCK_CREATE_RULESET, ctypes.byref(handled_attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise SetupError(f"landlock: create a ruleset: {os.strerror(ctypes.get_errno())}")
+    try:
+        for path, allowed in ((workdir, handled), (os.devnull, handled & (FS_WRITE_FILE | FS_TRUNCATE))):
+            fd = os.open(path, O_PATH | os.O_CLOEXEC)
+            try:
+                rule = PathBeneath(allowed, fd)
+                if syscall(LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0) != 0:
+                    raise SetupError(f"landlock: allow {path}: {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+        if syscall(LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
+            raise SetupError(f"landlock: restrict: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset)
+    return True
+
+
 def _set_limits(settings):
     def limit(kind, soft, hard=None):
         resource.setrlimit(kind, (soft, soft if hard is None else hard))
@@ -279,6 +323,7 @@ def _isolate(settings, was_root):
         _exit_like(_wait_for(worker))
     _drop_privileges(settings, was_root)
     _set_limits(settings)
+    _confine_writes(settings["workdir"])
     _refuse_sockets()
 
 

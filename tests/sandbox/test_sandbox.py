@@ -96,6 +96,35 @@ class _UnixListener:
             shutil.rmtree(self.directory)
 
 
+def _landlock() -> bool:
+    """Whether this kernel has Landlock, which the sandbox confines writes with (named pipes, device nodes)."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)) >= 1
+
+
+class _Fifo:
+    """A named pipe any user may write (directory 0777, pipe 0666), in `where`, with a reader of its own."""
+
+    def __init__(self, where: str) -> None:
+        self.directory = tempfile.mkdtemp(prefix="lmrl-fifo-", dir=where)
+        os.chmod(self.directory, 0o777)
+        self.path = os.path.join(self.directory, "pipe")
+        os.mkfifo(self.path)
+        os.chmod(self.path, 0o666)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # a reader: a writer's open does not block
+
+    def received(self) -> bytes:
+        try:
+            return os.read(self.fd, 100)
+        except BlockingIOError:
+            return b""
+
+    def close(self) -> None:
+        os.close(self.fd)
+        shutil.rmtree(self.directory)
+
+
 class _Server:
     """A TCP server on 127.0.0.1 that counts the connections it accepts."""
 
@@ -154,6 +183,7 @@ def test_the_hostile_table(sandbox, tmp_path, monkeypatch):
     server = _Server()
     listeners = [_UnixListener("/tmp"), _UnixListener("/dev/shm" if os.path.isdir("/dev/shm") else None),
                  _UnixListener(None)]
+    fifos = [_Fifo("/tmp"), *([_Fifo("/dev/shm")] if os.path.isdir("/dev/shm") else [])] if _landlock() else []
     table = {
         "endless loop": ("while True:\n    pass\n", {"timeout", "cpu_limit"}),
         "fork bomb": (
@@ -185,6 +215,12 @@ def test_the_hostile_table(sandbox, tmp_path, monkeypatch):
             "raise SystemExit(1)\n",
             {"error"},
         ),
+        "writing the host's named pipes": (  # a read-only mount does not stop it either: Landlock does
+            f"import os\nfor path in {[f.path for f in fifos]!r}:\n    try:\n"
+            "        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)\n        os.write(fd, b'ESCAPED')\n"
+            "        print('ESCAPED', path)\n    except OSError:\n        pass\nraise SystemExit(1)\n",
+            {"error"},
+        ),
         "printing 1 GB": ("import sys\nfor _ in range(2**20):\n    sys.stdout.write('x' * 1024)\nprint('ESCAPED')\n",
                           {"output_limit"}),
     }
@@ -201,8 +237,12 @@ def test_the_hostile_table(sandbox, tmp_path, monkeypatch):
         server.close()
         for listener in listeners:
             listener.close()
+        received = [f.received() for f in fifos]
+        for fifo in fifos:
+            fifo.close()
     assert server.accepted == 0
     assert [u.received for u in listeners] == [[], [], []]
+    assert received == [b""] * len(fifos)
     assert not outside.exists() and not Path("/tmp/lmrl-escaped").exists()
     assert os.environ["LMRL_TEST_SECRET"] == "hunter2-in-the-trainer"
     assert sandbox.run("print('still fine')").stdout == "still fine\n"  # and the caller goes on
