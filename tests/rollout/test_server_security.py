@@ -118,6 +118,16 @@ def test_weights_want_their_own_secret(server, tmp_path):
     still_serves(server)
 
 
+def test_a_weight_stream_is_cut_where_it_crosses_the_models_size(server):
+    # the shipped model's 0.54M parameters in float64 and their frames' headers: about 5.4 MB; one tensor of 16 MB
+    huge = [("model.norm.weight", torch.zeros(4_000_000))]
+    with pytest.raises(RunError, match=r"refused the weights: body: over this server's limit of \d+ bytes "
+                                       r"\(a weight push: the model's size\)"):
+        ServerGenerator(server, _tokenizer(), api_key=KEY, weights_secret=SECRET).load_weights(huge, version=9)
+    assert call(server, "GET", "/health")[1]["version"] != 9
+    still_serves(server)
+
+
 def _tokenizer():
     from lmrl.build import policy_path
     from lmrl.models.loading import load_tokenizer
