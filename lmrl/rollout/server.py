@@ -273,8 +273,8 @@ class GenerationServer(ThreadingHTTPServer):
         max_tokens = _given(body, "max_tokens", _given(body, "max_completion_tokens", 16))
         params = SamplingParams(max_new_tokens=_integer(max_tokens, "max_tokens", self.limits.max_new_tokens,
                                                         "lmrl serve rollout.max_new_tokens=..."),
-                                temperature=_number(body.get("temperature", 1.0), "temperature"),
-                                top_p=_number(body.get("top_p", 1.0), "top_p"),
+                                temperature=_number(_given(body, "temperature", 1.0), "temperature"),
+                                top_p=_number(_given(body, "top_p", 1.0), "top_p"),
                                 top_k=_integer(body.get("top_k") or 0, "top_k", 0, "", low=0),
                                 stop=[stop] if isinstance(stop, str) else _list(stop, "stop"),
                                 seed=None if body.get("seed") is None else _integer(body["seed"], "seed", 0, "", low=None))

@@ -64,6 +64,13 @@ def still_serves(url: str) -> None:
     assert status == 200 and len(answer["choices"]) == 1, answer
 
 
+def test_nulls_are_not_given(server):
+    """Clients send null for a parameter they leave unset: the default, as OpenAI's server does."""
+    status, answer = call(server, "POST", "/v1/completions", {**GOOD, "n": None, "temperature": None, "top_p": None,
+                                                              "stop": None, "seed": None, "top_k": None})
+    assert status == 200 and len(answer["choices"]) == 1, answer
+
+
 def refused(status: int, answer: dict, code: int, words: str) -> None:
     """One line in OpenAI's error shape."""
     assert status == code, answer
