@@ -183,7 +183,6 @@ def _serve(args) -> int:
     """A generation server (`lmrl.rollout.server`) until SIGINT / SIGTERM; prints the ready line first."""
     from lmrl.config import load_config
     from lmrl.rollout.remote import READY, die_with_parent
-
     from lmrl.rollout.server import GenerationServer, Limits, check_exposure
 
     die_with_parent()

@@ -120,10 +120,9 @@ class ServerGenerator:
             headers = {"X-Lmrl-Version": str(version), "Content-Type": "application/octet-stream", **self._auth()}
             if self.weights_secret:
                 headers["X-Lmrl-Weights-Secret"] = self.weights_secret
-            try:
+            # the server may answer before it took the whole stream (a refusal): its answer says why
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 connection.request("POST", "/lmrl/weights", body=frames(weights), encode_chunked=True, headers=headers)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the server answered before it took the whole stream (a refusal): its answer says why
             response = connection.getresponse()
             answer = json.loads(response.read() or b"{}")
         except (OSError, http.client.HTTPException) as e:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -287,7 +288,7 @@ def test_a_server_the_run_starts_has_keys_of_its_own_passed_by_environment():
     generator = ServerGenerator.start(["rollout.backend=lmrl"], tok, timeout=60)
     try:
         assert generator.api_key and generator.weights_secret and generator.api_key != generator.weights_secret
-        cmdline = open(f"/proc/{generator.process.pid}/cmdline", "rb").read()
+        cmdline = Path(f"/proc/{generator.process.pid}/cmdline").read_bytes()
         assert generator.api_key.encode() not in cmdline and generator.weights_secret.encode() not in cmdline
         assert call(generator.url, "GET", "/health", key=None)[0] == 401
         rollout = generator.generate([[1, 5, 6]], 2, SamplingParams(max_new_tokens=3, temperature=0.0))
