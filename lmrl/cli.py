@@ -123,6 +123,16 @@ def _main(argv: list[str] | None) -> int:
     sv.add_argument("args", nargs="*", help="an optional CONFIG.yaml, then key=value overrides (model.*, rollout.*)")
     sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="the port (0: any free one; the ready line says which)")
+    sv.add_argument("--api-key", default=None, metavar="KEY",
+                    help="wanted from every request as 'Authorization: Bearer KEY' (better: the LMRL_API_KEY environment "
+                         "variable, which other users cannot read in the process list); needed beyond loopback")
+    sv.add_argument("--weights-secret", default=None, metavar="SECRET",
+                    help="wanted from a weight push as the X-Lmrl-Weights-Secret header (better: LMRL_WEIGHTS_SECRET); "
+                         "without one, weights are taken on loopback only")
+    sv.add_argument("--max-body-mb", type=_positive_float, default=8.0, help="the largest JSON request body, in MB")
+    sv.add_argument("--max-n", type=_at_least(0), default=64, help="the most completions per prompt (n); 0: no limit")
+    sv.add_argument("--max-sequences", type=_at_least(0), default=2048,
+                    help="the most sequences (prompts x n) of one request; 0: no limit")
 
     for p in (tr, rm, ev, rp, sv):
         p.add_argument("--traceback", action="store_true",
@@ -182,15 +192,22 @@ def _serve(args) -> int:
     """A generation server (`lmrl.rollout.server`) until SIGINT / SIGTERM; prints the ready line first."""
     from lmrl.config import load_config
     from lmrl.rollout.remote import READY, die_with_parent
+    from lmrl.rollout.server import GenerationServer, Limits, check_exposure
 
     die_with_parent()
+    api_key = args.api_key or os.environ.get("LMRL_API_KEY") or None
+    secret = args.weights_secret or os.environ.get("LMRL_WEIGHTS_SECRET") or None
+    check_exposure(args.host, api_key)  # before the model loads
     cfg = load_config(*_config_source(args))
     from lmrl.generators import serving_generator
-    from lmrl.rollout.server import GenerationServer
 
-    generator, tokenizer = serving_generator(cfg)
-    server = GenerationServer(generator, tokenizer, cfg.model.name_or_path, host=args.host, port=args.port,
-                              max_prompt_length=cfg.rollout.max_prompt_length)
+    served = serving_generator(cfg)
+    generator = served.generator
+    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_n=args.max_n, max_sequences=args.max_sequences,
+                    max_prompt_length=cfg.rollout.max_prompt_length, max_new_tokens=cfg.rollout.max_new_tokens,
+                    context=served.context, vocab_size=served.vocab_size, max_weights_bytes=served.push_bytes)
+    server = GenerationServer(generator, served.tokenizer, cfg.model.name_or_path, host=args.host, port=args.port,
+                              api_key=api_key, weights_secret=secret, limits=limits)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     print(READY + server.url, flush=True)
     try:

@@ -7,6 +7,8 @@ of its own. The models it generates with are `lmrl.build`'s.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,7 +64,9 @@ def _holding_generator(cfg: Config, base: Any, tokenizer: Any, env: Any, device:
     from lmrl.rollout.remote import ServerGenerator
 
     if r.vllm.server_url is not None:
-        server = ServerGenerator(r.vllm.server_url, tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
+        server = ServerGenerator(r.vllm.server_url, tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed,
+                                 api_key=os.environ.get(r.vllm.server_api_key_env),
+                                 weights_secret=os.environ.get(r.vllm.server_weights_secret_env))
         server.health()  # a server that is not there fails now, in one line, before the first step
         return server
     # a server on this machine, started and stopped with the run: the policy's model and the engine's settings
@@ -71,8 +75,11 @@ def _holding_generator(cfg: Config, base: Any, tokenizer: Any, env: Any, device:
             "rollout.backend=vllm", f"rollout.max_prompt_length={r.max_prompt_length}",
             f"rollout.max_new_tokens={completion}", f"train.seed={cfg.train.seed}",
             *([f"rollout.vllm.max_model_len={r.vllm.max_model_len}"] if r.vllm.max_model_len else []),
-            *(f"rollout.vllm.{k}={v}" for k, v in r.vllm.model_dump(mode="json", exclude={"max_model_len", "server_url"}).items()),
-            *([f"rollout.dtype={r.dtype}"] if r.dtype else [])]
+            *(f"rollout.vllm.{k}={v}" for k, v in r.vllm.model_dump(mode="json", exclude={"max_model_len", "server_url",
+                                                                                       "server_api_key_env",
+                                                                                       "server_weights_secret_env"}).items()),
+            *([f"rollout.dtype={r.dtype}"] if r.dtype else []),
+            "--max-n", "0", "--max-sequences", "0"]  # its only client is this run (a random key): an eval of every row
     return ServerGenerator.start(args, tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
 
 
@@ -91,25 +98,48 @@ def _engine(cfg: Config, model: nn.Module, tokenizer: Any, longest: int, device:
                          sleep=v.sleep, enforce_eager=v.enforce_eager)
 
 
-def serving_generator(cfg: Config) -> tuple[Any, Any]:
+@dataclass
+class Served:
+    """What `lmrl serve` runs, and the model's sizes its request limits come from (`lmrl.rollout.server.Limits`)."""
+
+    generator: Any
+    """Holds the model and takes new weights (`RemoteGenerator`)."""
+    tokenizer: Any
+    context: int
+    """Tokens one row may hold, prompt and completion: the engine's max_model_len, else the model's positions
+    (0: the model does not say)."""
+    vocab_size: int
+    """Rows of the input embedding: a prompt's token ids are below it."""
+    push_bytes: int
+    """The most bytes a weight push of this model can take: every tensor in float64, and each frame's header."""
+
+
+def serving_generator(cfg: Config) -> Served:
     """What `lmrl serve` runs: the config's model and a generator that holds it and takes new weights
     (`RemoteGenerator`): a vLLM engine given the model's weights (rollout.backend vllm or vllm-server), or lmrl's
-    decode over the model (rollout.backend=lmrl). Returns (generator, tokenizer)."""
+    decode over the model (rollout.backend=lmrl)."""
     from lmrl.models.weights import export_weights
+    from lmrl.rollout.server import MAX_FRAME_HEADER
 
     m, r = cfg.model, cfg.rollout
     path = policy_path(cfg)
     device = resolve_device(m.device)
     tokenizer = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
     model = load_causal_lm(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code)
+    tensors = [*model.parameters(), *model.buffers()]
+    push_bytes = sum(8 * t.numel() + 4 + MAX_FRAME_HEADER for t in tensors) + 4
+    vocab_size = model.get_input_embeddings().num_embeddings
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 0
     if r.backend == "lmrl":
         from lmrl.rollout.server import ModelGenerator
 
-        return ModelGenerator(model, tokenizer, seed=cfg.train.seed), tokenizer
+        return Served(ModelGenerator(model, tokenizer, seed=cfg.train.seed), tokenizer, positions, vocab_size,
+                      push_bytes)
     engine = _engine(cfg, model, tokenizer, cfg.longest_sequence, device)
     engine.load_weights(export_weights(model), version=-1)  # its starting weights: no policy version yet
     del model
-    return engine, tokenizer
+    context = r.vllm.max_model_len or (min(cfg.longest_sequence, positions) if positions else cfg.longest_sequence)
+    return Served(engine, tokenizer, context, vocab_size, push_bytes)
 
 
 def check_backend(cfg: Config, model_config: Any, device: torch.device) -> None:

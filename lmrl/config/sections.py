@@ -115,6 +115,13 @@ class VLLMConfig(Section):
     server_url: NonEmptyStr | None = None
     """rollout.backend=vllm-server: the generation server (`lmrl serve`, e.g. "http://gpu-node:8000") that samples
     and takes the policy's weights after each step. None: lmrl starts one on this machine and stops it with the run."""
+    server_api_key_env: NonEmptyStr = "LMRL_API_KEY"
+    """rollout.vllm.server_url: the environment variable holding the server's API key (its --api-key), sent with
+    every request; unset or empty: none. The variable is named, not the key, so no key lands in a saved config or
+    checkpoint. A server the run starts itself gets a new random key."""
+    server_weights_secret_env: NonEmptyStr = "LMRL_WEIGHTS_SECRET"
+    """rollout.vllm.server_url: the environment variable holding the server's weights secret (its
+    --weights-secret), sent with every weight push; unset or empty: none."""
     timeout: PositiveFloat = 600.0
     """Seconds one request to the generation server may take (a step's generation, a weight push)."""
 

@@ -18,6 +18,7 @@ import contextlib
 import http.client
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -48,23 +49,32 @@ class ServerGenerator:
         timeout: seconds one request may take (a generation, a weight push).
         seed: seeds the per-call seeds drawn when `SamplingParams.seed` is None (`_rng`, saved in checkpoints).
         process: the server's process when this one started it (`start`): `close` stops it.
+        api_key: sent with every request as `Authorization: Bearer` (the server's --api-key / LMRL_API_KEY).
+        weights_secret: sent with every weight push as `X-Lmrl-Weights-Secret` (the server's --weights-secret).
     """
 
     def __init__(self, url: str, tokenizer: Any, timeout: float = 600.0, seed: int = 0,
-                 process: subprocess.Popen | None = None):
+                 process: subprocess.Popen | None = None, api_key: str | None = None,
+                 weights_secret: str | None = None):
         self.url, self.tokenizer, self.timeout, self.process = url.rstrip("/"), tokenizer, timeout, process
+        self.api_key, self.weights_secret = api_key or None, weights_secret or None
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
+        self.max_sequences = 0  # the server's limit on prompts x n of one request (`health`); 0: none
         self.version = -1  # whatever the server holds, it gets the policy's weights before it samples for it
         self._rng = torch.Generator().manual_seed(seed)
 
     @classmethod
     def start(cls, args: list[str], tokenizer: Any, timeout: float = 600.0, seed: int = 0,
               start_timeout: float = 300.0) -> ServerGenerator:
-        """Start `lmrl serve ARGS --port 0` on this machine and wait until it answers."""
+        """Start `lmrl serve ARGS --port 0` on this machine and wait until it answers. Its API key and weights
+        secret are new random ones (`api_key`, `weights_secret`), given by environment, never in its command line:
+        other users of the machine can reach its port, not its requests."""
         command = [sys.executable, "-m", "lmrl.cli", "serve", *args, "--host", "127.0.0.1", "--port", "0"]
+        api_key, weights_secret = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env={**os.environ, "LMRL_DIE_WITH_PARENT": str(os.getpid())})
+                                   env={**os.environ, "LMRL_DIE_WITH_PARENT": str(os.getpid()),
+                                        "LMRL_API_KEY": api_key, "LMRL_WEIGHTS_SECRET": weights_secret})
         found: list[str] = []
         errors: collections.deque[str] = collections.deque(maxlen=20)  # its last lines, for the error below
         threading.Thread(target=_keep, args=(process.stderr, errors), daemon=True).start()  # a full pipe would stall it
@@ -77,10 +87,13 @@ class ServerGenerator:
             lines = [line.strip() for line in errors if line.strip()]
             why = lines[-1] if lines else f"no answer in {start_timeout:.0f} s"
             raise RunError(f"rollout.backend: the generation server did not start ({why.removeprefix('lmrl: error: ')})")
-        return cls(found[0], tokenizer, timeout=timeout, seed=seed, process=process)
+        return cls(found[0], tokenizer, timeout=timeout, seed=seed, process=process, api_key=api_key,
+                   weights_secret=weights_secret)
 
     def health(self) -> dict[str, Any]:
-        return self._json("GET", "/health")
+        answer = self._json("GET", "/health")
+        self.max_sequences = int((answer.get("limits") or {}).get("max_sequences") or 0)
+        return answer
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
         """`Generator.generate` on the server, with the weights it was last given."""
@@ -89,7 +102,13 @@ class ServerGenerator:
         body = {"prompts": [list(map(int, p)) for p in prompts], "n": n,
                 "params": {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                            "top_p": params.top_p, "top_k": params.top_k, "stop": list(params.stop), "seed": seed}}
-        out = self._json("POST", "/lmrl/generate", body)
+        out: dict[str, list] = {"tokens": [], "logprobs": [], "finished": []}
+        per_request = max(1, self.max_sequences // n) if self.max_sequences else len(prompts)
+        for i in range(0, len(prompts), per_request):  # within the server's limit (an eval of every held-out row)
+            part = self._json("POST", "/lmrl/generate", {**body, "prompts": body["prompts"][i:i + per_request],
+                                                         "params": {**body["params"], "seed": seed + i}})
+            for key in out:
+                out[key] += part[key]
         return rollout_from_tokens(prompts, n, out["tokens"], out["logprobs"], out["finished"], self.tokenizer,
                                    list(params.stop), self.pad_token_id)
 
@@ -98,8 +117,12 @@ class ServerGenerator:
         parts = urlsplit(self.url)
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
         try:
-            connection.request("POST", "/lmrl/weights", body=frames(weights), encode_chunked=True,
-                               headers={"X-Lmrl-Version": str(version), "Content-Type": "application/octet-stream"})
+            headers = {"X-Lmrl-Version": str(version), "Content-Type": "application/octet-stream", **self._auth()}
+            if self.weights_secret:
+                headers["X-Lmrl-Weights-Secret"] = self.weights_secret
+            # the server may answer before it took the whole stream (a refusal): its answer says why
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                connection.request("POST", "/lmrl/weights", body=frames(weights), encode_chunked=True, headers=headers)
             response = connection.getresponse()
             answer = json.loads(response.read() or b"{}")
         except (OSError, http.client.HTTPException) as e:
@@ -125,10 +148,13 @@ class ServerGenerator:
         with contextlib.suppress(Exception):
             self.close()
 
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **self._auth()})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read())

@@ -11,32 +11,47 @@
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags
     POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`frames`)
 
-A request generates alone (the engine batches the rows of one request), and weights load between requests,
+Concurrent requests that sample alike are batched into one generator call (`lmrl.rollout.batcher`; a seeded
+request runs alone), and weights load between calls,
 never during one: a client that pushes weights and then generates samples with them. Errors are HTTP 400
-(a bad request) or 500 with {"error": {"message": one line}}.
+(a bad request), 401 / 403 (no key, no weights secret), 413 (a body over the limit) or 500 with
+{"error": {"message": one line, "type", "param", "code"}} (OpenAI's shape).
+
+Who gets in (docs/generation.md, "Who can reach the server"): with an API key (`api_key`), every endpoint
+/health included wants `Authorization: Bearer KEY`, compared in constant time; without one the server listens
+on loopback only. A weight push also wants the weights secret (`X-Lmrl-Weights-Secret`); without a secret the
+server takes weights only on loopback. What a request may ask for is bounded (`Limits`): a body over the limit
+is refused from its Content-Length before it is read, a chunked one where it crosses the limit.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
+import socket
 import struct
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
+from lmrl.errors import ConfigError
 from lmrl.models.forward import sequence_logprobs
 from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
+from lmrl.rollout.batcher import Batcher
 from lmrl.rollout.hf import HFGenerator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+MAX_FRAME_HEADER = 1 << 16  # a frame's JSON header: a name, a dtype and a shape
 
 
 # ------------------------------------------------------------------------------ weights on the wire
@@ -58,10 +73,16 @@ def read_frames(stream: BinaryIO) -> Iterator[tuple[str, torch.Tensor]]:
         (size,) = struct.unpack("<I", _exactly(stream, 4))
         if size == 0:
             return
+        if size > MAX_FRAME_HEADER:
+            raise ValueError(f"weights: a frame header of {size} bytes (at most {MAX_FRAME_HEADER})")
         header = json.loads(_exactly(stream, size))
-        dtype = DTYPES[header["dtype"]]
+        if header.get("dtype") not in DTYPES:
+            raise ValueError(f"weights: dtype {str(header.get('dtype'))[:40]!r} is none of {', '.join(DTYPES)}")
+        dtype, shape = DTYPES[header["dtype"]], header.get("shape")
+        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise ValueError(f"weights: shape {str(shape)[:80]} of {str(header.get('name'))[:80]!r} is not a list of sizes")
         numel = 1
-        for d in header["shape"]:
+        for d in shape:
             numel *= d
         data = bytearray(_exactly(stream, numel * torch.empty((), dtype=dtype).element_size()))
         yield header["name"], torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(header["shape"])
@@ -74,22 +95,41 @@ def _exactly(stream: BinaryIO, size: int) -> bytes:
     return data
 
 
-class _Chunked:
-    """A readable view of an HTTP body sent with chunked transfer encoding."""
+class TooLarge(ValueError):
+    """A request body over the server's limit (HTTP 413)."""
 
-    def __init__(self, raw: BinaryIO):
-        self.raw, self.buffer, self.done = raw, b"", False
+
+class _Chunked:
+    """A readable view of an HTTP body sent with chunked transfer encoding, cut at `limit` bytes (`TooLarge`)."""
+
+    def __init__(self, raw: BinaryIO, limit: int | None = None):
+        self.raw, self.buffer, self.done, self.limit, self.total = raw, b"", False, limit, 0
 
     def read(self, size: int) -> bytes:
         while len(self.buffer) < size and not self.done:
-            length = int(self.raw.readline().split(b";")[0].strip() or b"0", 16)
+            length = int(self.raw.readline(64).split(b";")[0].strip() or b"0", 16)
             if length == 0:
                 self.done = True
-                self.raw.readline()
+                self.raw.readline(64)
                 break
+            self.total += length
+            if self.limit is not None and self.total > self.limit:  # refused before the chunk is read
+                raise TooLarge(f"body: over this server's limit of {self.limit} bytes")
             self.buffer += self.raw.read(length)
-            self.raw.readline()  # the chunk's CRLF
+            self.raw.readline(64)  # the chunk's CRLF
         data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data
+
+
+class _Sized:
+    """A readable view of an HTTP body of Content-Length `length`: reads stop at its end."""
+
+    def __init__(self, raw: BinaryIO, length: int):
+        self.raw, self.left = raw, length
+
+    def read(self, size: int) -> bytes:
+        data = self.raw.read(min(size, self.left))
+        self.left -= len(data)
         return data
 
 
@@ -126,18 +166,78 @@ class ModelGenerator:
         self.version = version
 
 
+# ------------------------------------------------------------------------------ who gets in, and how much
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is this machine's own (127.0.0.0/8, ::1): "" and 0.0.0.0 are not."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host or None, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(host) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    """Refuse to listen beyond loopback without an API key: a model anyone on the network may run is not lmrl's to
+    hand out."""
+    if not api_key and not is_loopback(host):
+        raise ConfigError(f"--host {host}: listening beyond loopback needs an API key (--api-key KEY or the "
+                          "LMRL_API_KEY environment variable); or listen on 127.0.0.1")
+
+
+@dataclass
+class Limits:
+    """What one request may ask for; beyond it the answer is one line (413 for a body, else 400). 0: no limit."""
+
+    max_body_bytes: int = 8 << 20
+    """A JSON body (the weights stream is bounded by `max_weights_bytes` instead)."""
+    max_n: int = 64
+    """Completions per prompt (`n`)."""
+    max_sequences: int = 2048
+    """Prompts times n of one request."""
+    max_prompt_length: int = 4096
+    """Tokens of one prompt."""
+    max_new_tokens: int = 4096
+    """`max_tokens` (`max_new_tokens` of /lmrl/generate)."""
+    context: int = 0
+    """Prompt and completion together: the engine's or the model's positions."""
+    vocab_size: int = 0
+    """Token ids in prompts are below it."""
+    max_weights_bytes: int = 0
+    """One weight push, frames included: a few times the model's bytes (a push may come in float32)."""
+
+
+class Refused(Exception):
+    """A request answered with `status` and one line, the body left unread (the connection closes)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
 # ------------------------------------------------------------------------------ the server
 class GenerationServer(ThreadingHTTPServer):
-    """`generator` behind HTTP at (host, port); port 0 takes a free one (`url` says which)."""
+    """`generator` behind HTTP at (host, port); port 0 takes a free one (`url` says which).
+
+    Args:
+        api_key: wanted from every request as `Authorization: Bearer KEY`; None only on loopback.
+        weights_secret: wanted from a weight push as `X-Lmrl-Weights-Secret`; None: pushes only on loopback.
+        limits: what one request may ask for (`Limits`).
+    """
 
     daemon_threads = True
+    request_queue_size = 256  # connections waiting to be accepted (socketserver's 5 resets a burst of 32 clients)
 
     def __init__(self, generator: Generator, tokenizer: Any, name: str, host: str = "127.0.0.1", port: int = 0,
-                 max_prompt_length: int = 4096):
+                 max_prompt_length: int = 4096, api_key: str | None = None, weights_secret: str | None = None,
+                 limits: Limits | None = None):
+        check_exposure(host, api_key)
         super().__init__((host, port), _Handler)
         self.generator, self.tokenizer, self.name = generator, tokenizer, name
-        self.max_prompt_length = max_prompt_length
-        self.lock = threading.Lock()
+        self.limits = limits or Limits(max_prompt_length=max_prompt_length)
+        self.api_key, self.weights_secret = api_key or None, weights_secret or None
+        self.loopback = is_loopback(host)
+        self.lock = threading.Lock()  # a generation or a weight load at a time
+        self.batcher = Batcher(generator, self.lock, max_sequences=self.limits.max_sequences)
 
     @property
     def url(self) -> str:
@@ -146,18 +246,26 @@ class GenerationServer(ThreadingHTTPServer):
 
     # --- the requests, each a JSON body -> a JSON answer
     def health(self) -> dict[str, Any]:
-        return {"version": getattr(self.generator, "version", -1), "model": self.name}
+        return {"version": getattr(self.generator, "version", -1), "model": self.name,
+                "limits": {"max_n": self.limits.max_n, "max_sequences": self.limits.max_sequences}}
 
     def lmrl_generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        params = SamplingParams(**body.get("params", {}))
-        with self.lock:
-            rollout = self.generator.generate([list(map(int, p)) for p in body["prompts"]], int(body.get("n", 1)),
-                                              params)
-            version = getattr(self.generator, "version", -1)
-        lengths = rollout.response_mask.sum(1).tolist()
-        return {"tokens": [row[:k] for row, k in zip(rollout.response_ids.tolist(), lengths)],
-                "logprobs": [row[:k] for row, k in zip(rollout.logprobs.tolist(), lengths)],
-                "finished": rollout.finished.tolist(), "version": version}
+        prompts = body.get("prompts")
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) for p in prompts):
+            raise ValueError("prompts: expected a non-empty list of lists of token ids")
+        params = body.get("params", {})
+        if not isinstance(params, dict):
+            raise ValueError(f"params: expected an object of SamplingParams fields, got {_show(params)}")
+        params = SamplingParams(**params)
+        params.validate()
+        if params.seed is not None:
+            _integer(params.seed, "params.seed", 0, "", low=None)
+        _integer(params.max_new_tokens, "max_new_tokens", self.limits.max_new_tokens,
+                 "lmrl serve rollout.max_new_tokens=...")
+        n = _integer(body.get("n", 1), "n", self.limits.max_n, "lmrl serve --max-n")
+        self._check(prompts, n, params.max_new_tokens, "max_new_tokens")
+        rows = self.batcher.generate(prompts, n, params)
+        return {"tokens": rows.tokens, "logprobs": rows.logprobs, "finished": rows.finished, "version": rows.version}
 
     def load_weights(self, stream: BinaryIO, version: int) -> dict[str, Any]:
         with self.lock:
@@ -166,20 +274,23 @@ class GenerationServer(ThreadingHTTPServer):
 
     def completions(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         prompts = self._prompts(body, chat)
-        n = int(body.get("n") or 1)
+        n = _integer(_given(body, "n", 1), "n", self.limits.max_n, "lmrl serve --max-n")
         stop = body.get("stop") or []
-        params = SamplingParams(max_new_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or 16),
-                                temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                                top_k=int(body.get("top_k") or 0), stop=[stop] if isinstance(stop, str) else list(stop),
-                                seed=body.get("seed"))
-        with self.lock:
-            rollout = self.generator.generate(prompts, n, params)
-        lengths = rollout.response_mask.sum(1).tolist()
+        max_tokens = _given(body, "max_tokens", _given(body, "max_completion_tokens", 16))
+        params = SamplingParams(max_new_tokens=_integer(max_tokens, "max_tokens", self.limits.max_new_tokens,
+                                                        "lmrl serve rollout.max_new_tokens=..."),
+                                temperature=_number(_given(body, "temperature", 1.0), "temperature"),
+                                top_p=_number(_given(body, "top_p", 1.0), "top_p"),
+                                top_k=_integer(body.get("top_k") or 0, "top_k", 0, "", low=0),
+                                stop=[stop] if isinstance(stop, str) else _list(stop, "stop"),
+                                seed=None if body.get("seed") is None else _integer(body["seed"], "seed", 0, "", low=None))
+        params.validate()
+        self._check(prompts, n, params.max_new_tokens, "max_tokens")
+        rows = self.batcher.generate(prompts, n, params)
         choices = []
-        for i, (text, k) in enumerate(zip(rollout.texts, lengths)):
-            ids, logps = rollout.response_ids[i, :k].tolist(), rollout.logprobs[i, :k].tolist()
+        for i, (text, ids, logps) in enumerate(zip(rows.texts, rows.tokens, rows.logprobs)):
             tokens = [self.tokenizer.decode([t]) for t in ids]
-            reason = "stop" if bool(rollout.finished[i]) else "length"
+            reason = "stop" if rows.finished[i] else "length"
             choice: dict[str, Any] = {"index": i, "finish_reason": reason, "token_ids": ids}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -190,8 +301,8 @@ class GenerationServer(ThreadingHTTPServer):
                 choice["logprobs"] = {"tokens": tokens, "token_logprobs": logps, "top_logprobs": None,
                                       "text_offset": []} if body.get("logprobs") is not None else None
             choices.append(choice)
-        prompt_tokens = sum(len(prompts[int(j)]) for j in rollout.prompt_index)
-        completion_tokens = sum(lengths)
+        prompt_tokens = n * sum(map(len, prompts))
+        completion_tokens = sum(map(len, rows.tokens))
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": choices,
@@ -199,10 +310,11 @@ class GenerationServer(ThreadingHTTPServer):
                           "total_tokens": prompt_tokens + completion_tokens}}
 
     def _prompts(self, body: dict[str, Any], chat: bool) -> list[list[int]]:
+        longest = self.limits.max_prompt_length
         if chat:
             if not isinstance(body.get("messages"), list) or not body["messages"]:
                 raise ValueError("messages: expected a non-empty list of {role, content}")
-            return encode_prompts(self.tokenizer, [body["messages"]], self.max_prompt_length, use_chat_template=True)
+            return encode_prompts(self.tokenizer, [body["messages"]], longest, use_chat_template=True)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return [prompt]
@@ -211,45 +323,195 @@ class GenerationServer(ThreadingHTTPServer):
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt: expected a string, a list of strings or a list of token ids")
         if all(isinstance(p, list) for p in prompt):
-            return [list(map(int, p)) for p in prompt]
-        return encode_prompts(self.tokenizer, list(prompt), self.max_prompt_length, use_chat_template=False)
+            return prompt
+        if not all(isinstance(p, str) for p in prompt):
+            raise ValueError("prompt: expected a string, a list of strings or a list of token ids")
+        if len(prompt) > (self.limits.max_sequences or len(prompt)):  # before tokenizing them
+            raise ValueError(f"prompt: {len(prompt)} prompts are more than this server allows "
+                             f"({self.limits.max_sequences}; lmrl serve --max-sequences)")
+        return encode_prompts(self.tokenizer, list(prompt), longest, use_chat_template=False)
+
+    def _check(self, prompts: list[list[Any]], n: int, max_tokens: int, key: str) -> None:
+        """Token-id prompts within the vocabulary and the prompt limit, rows and context within the limits."""
+        lim = self.limits
+        if lim.max_sequences and len(prompts) * n > lim.max_sequences:
+            raise ValueError(f"n: {len(prompts)} prompts x n={n} are {len(prompts) * n} sequences, more than this "
+                             f"server allows ({lim.max_sequences}; lmrl serve --max-sequences)")
+        for i, p in enumerate(prompts):
+            if not p or any(isinstance(t, bool) or not isinstance(t, int) for t in p):
+                raise ValueError(f"prompt {i}: expected a non-empty list of token ids")
+            if lim.vocab_size and not all(0 <= t < lim.vocab_size for t in p):
+                bad = next(t for t in p if not 0 <= t < lim.vocab_size)
+                raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary of {lim.vocab_size} tokens")
+            if lim.max_prompt_length and len(p) > lim.max_prompt_length:
+                raise ValueError(f"prompt {i}: {len(p)} tokens, more than this server allows ({lim.max_prompt_length}; "
+                                 "lmrl serve rollout.max_prompt_length=...)")
+            if lim.context and len(p) + max_tokens > lim.context:
+                raise ValueError(f"{key}: a prompt of {len(p)} tokens and {key}={max_tokens} exceed the model's "
+                                 f"context of {lim.context} tokens")
+
+
+def _given(body: dict[str, Any], key: str, default: Any) -> Any:
+    """body[key], or `default` where it is missing or null (OpenAI clients send null for "not given")."""
+    value = body.get(key)
+    return default if value is None else value
+
+
+def _integer(value: Any, key: str, most: int, option: str, low: int | None = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}: expected an integer, got {_show(value)}")
+    if low is not None and value < low:
+        raise ValueError(f"{key}: must be >= {low}, got {value}")
+    if most and value > most:
+        raise ValueError(f"{key}: {value} is more than this server allows ({most}; {option})")
+    return value
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key}: expected a number, got {_show(value)}")
+    return float(value)
+
+
+def _list(value: Any, key: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{key}: expected a string or a list of strings, got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, str | int | float | bool | type(None)) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _same(given: str | None, secret: str) -> bool:
+    """`given` equals `secret`, compared in constant time."""
+    return given is not None and hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                                     secret.encode("utf-8", "surrogateescape"))
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: GenerationServer
     protocol_version = "HTTP/1.1"
+    timeout = 300  # seconds a connection may sit silent (a client that opens one and sends nothing holds a thread)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: a trainer's console
         pass
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path == "/health":
-            return self._answer(200, self.server.health())
-        if self.path == "/v1/models":
-            return self._answer(200, {"object": "list", "data": [{"id": self.server.name, "object": "model",
-                                                                  "created": 0, "owned_by": "lmrl"}]})
-        return self._answer(404, {"error": {"message": f"no such endpoint: GET {self.path}"}})
+        self._serve(self._get)
 
     def do_POST(self) -> None:  # noqa: N802
+        self._serve(self._post)
+
+    def _serve(self, answer) -> None:
+        """Authorize, then answer: every error is one line in OpenAI's error shape, and the server keeps serving."""
         try:
-            if self.path == "/lmrl/weights":
-                body = _Chunked(self.rfile) if "chunked" in self.headers.get("Transfer-Encoding", "") else self.rfile
-                return self._answer(200, self.server.load_weights(body, int(self.headers.get("X-Lmrl-Version", -1))))
-            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            if self.path == "/lmrl/generate":
-                return self._answer(200, self.server.lmrl_generate(request))
-            if self.path in ("/v1/completions", "/v1/chat/completions"):
-                return self._answer(200, self.server.completions(request, chat=self.path.endswith("chat/completions")))
-            return self._answer(404, {"error": {"message": f"no such endpoint: POST {self.path}"}})
-        except (ValueError, TypeError, KeyError) as e:
-            return self._answer(400, {"error": {"message": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"}})
+            self._authorize()
+            return self._answer(200, answer())
+        except Refused as e:
+            self.close_connection = True  # its body, if any, was not read
+            self._error(e.status, str(e), e.code)
+            return self._linger()
+        except TooLarge as e:
+            self.close_connection = True
+            hint = "a weight push: the model's size" if self.path == "/lmrl/weights" else "lmrl serve --max-body-mb"
+            self._error(413, f"{e} ({hint})", "body_too_large")
+            return self._linger()
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            self.close_connection = self.close_connection or self.path == "/lmrl/weights"  # a stream read part-way
+            kind = "" if type(e) is ValueError else f"{type(e).__name__}: "  # lmrl's own checks say what they are
+            return self._error(400, f"{kind}{' '.join(str(e).split())[:500]}")
         except Exception as e:  # noqa: BLE001 - the client gets one line; the server keeps serving
-            return self._answer(500, {"error": {"message": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"}})
+            return self._error(500, f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+
+    def _linger(self, seconds: float = 2.0) -> None:
+        """After a refusal, read and drop what the client still sends for a moment before the socket closes: a
+        client streaming its body then reads the answer instead of a connection reset."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(0.25)
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and self.connection.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+
+    def _authorize(self) -> None:
+        key = self.server.api_key
+        if key is None:
+            return
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not _same(token.strip(), key):
+            raise Refused(401, "authorization: a missing or wrong API key: send Authorization: Bearer KEY, the "
+                          "server's --api-key / LMRL_API_KEY", "invalid_api_key")
+
+    def _get(self) -> dict[str, Any]:
+        if self.path == "/health":
+            return self.server.health()
+        if self.path == "/v1/models":
+            return {"object": "list", "data": [{"id": self.server.name, "object": "model", "created": 0,
+                                                "owned_by": "lmrl"}]}
+        raise Refused(404, f"no such endpoint: GET {self.path}")
+
+    def _post(self) -> dict[str, Any]:
+        if self.path == "/lmrl/weights":
+            return self.server.load_weights(self._weights_body(), _header_int(self.headers, "X-Lmrl-Version", -1))
+        if self.path not in ("/lmrl/generate", "/v1/completions", "/v1/chat/completions"):
+            raise Refused(404, f"no such endpoint: POST {self.path}")
+        with self.server.batcher.incoming():  # a burst's generator call waits for this request
+            request = json.loads(self._body(self.server.limits.max_body_bytes).read(1 << 62) or b"{}")
+            if not isinstance(request, dict):
+                raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
+            if self.path == "/lmrl/generate":
+                return self.server.lmrl_generate(request)
+            return self.server.completions(request, chat=self.path.endswith("chat/completions"))
+
+    def _weights_body(self):
+        secret = self.server.weights_secret
+        if secret is None and not self.server.loopback:
+            raise Refused(403, "weights: this server takes no weights: it listens beyond loopback without a weights "
+                          "secret (lmrl serve --weights-secret / LMRL_WEIGHTS_SECRET)", "weights_refused")
+        if secret is not None and not _same(self.headers.get("X-Lmrl-Weights-Secret"), secret):
+            raise Refused(403, "weights: a missing or wrong X-Lmrl-Weights-Secret header (the server's "
+                          "--weights-secret / LMRL_WEIGHTS_SECRET)", "invalid_weights_secret")
+        return self._body(self.server.limits.max_weights_bytes)
+
+    def _body(self, limit: int):
+        """The request's body as a stream, refused (413) from its Content-Length before a byte of it is read."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return _Chunked(self.rfile, limit or None)
+        length = _header_int(self.headers, "Content-Length", 0)
+        if length < 0:
+            raise Refused(400, f"Content-Length: must be >= 0, got {length}")
+        if limit and length > limit:
+            raise Refused(413, f"body: {length} bytes, over this server's limit of {limit} bytes "
+                          "(lmrl serve --max-body-mb)", "body_too_large")
+        return _Sized(self.rfile, length)
+
+    def _error(self, status: int, message: str, code: str | None = None) -> None:
+        kind = "authentication_error" if status in (401, 403) else "invalid_request_error" if status < 500 else "server_error"
+        self._answer(status, {"error": {"message": message, "type": kind, "param": None, "code": code}})
 
     def _answer(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
+
+
+def _header_int(headers: Any, name: str, default: int) -> int:
+    value = headers.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise Refused(400, f"{name}: expected an integer, got {value[:40]!r}") from None

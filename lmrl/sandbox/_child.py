@@ -10,7 +10,8 @@ With isolation on, three processes, each with one job:
       init      pid 1 of the new pid namespace: mount a tmpfs as the work directory, remount every
                 other mount read-only, mount a /proc that shows only this namespace; fork; wait.
                 When it exits the kernel kills every process left in the namespace.
-        worker  pid 2: drop root (to `nobody`) or every capability, set the rlimits, run the program
+        worker  pid 2: drop root (to `nobody`) or every capability, set the rlimits, install the socket
+                filter (`_refuse_sockets`) and the write confinement (`_confine_writes`), run the program
 
 The trainer kills the bootstrap on a timeout; init dies with it (PR_SET_PDEATHSIG), and with init
 the whole namespace. Setup failures go to the status pipe as `error: ...`, the worker writes `ready`
@@ -121,6 +122,101 @@ def _drop_privileges(settings, was_root):
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
 
 
+# seccomp: the native architecture of each machine the filter knows, and its socket() number
+AUDIT_ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+IO_URING_SETUP = 425  # the same number on both: it came after the tables were unified
+AF_INET, AF_INET6 = 2, 10
+X32_SYSCALL_BIT = 0x40000000
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, EPERM = 0x7FFF0000, 0x00050000, 1
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+
+
+def _refuse_sockets():
+    """A seccomp filter: socket() of any family but AF_INET / AF_INET6 fails with EPERM, and so does
+    io_uring_setup (its ring opens sockets without the socket() call) and any system call of another ABI
+    (i386's socketcall, x32). The new network namespace leaves an internet socket nothing to reach and
+    keeps abstract unix sockets out of reach, but a unix socket *file* of the host (a daemon's, a listener
+    under /tmp) is a path, not a network: a read-only mount does not stop connect() to it, this does.
+    socketpair() stays allowed: its two ends reach only each other."""
+    machine = os.uname().machine
+    if machine not in AUDIT_ARCH:
+        raise SetupError(f"seccomp: no socket filter for this machine ({machine}): x86_64 and aarch64 only")
+    arch, socket_nr = AUDIT_ARCH[machine]
+    deny = SECCOMP_RET_ERRNO | EPERM
+    program = [  # (code, jump if true, jump if false, k); seccomp_data: nr at 0, arch at 4, args[0] at 16
+        (BPF_LD_W_ABS, 0, 0, 4),
+        (BPF_JEQ_K, 1, 0, arch),
+        (BPF_RET_K, 0, 0, deny),  # 2: another ABI
+        (BPF_LD_W_ABS, 0, 0, 0),
+        (BPF_JGE_K, 6, 0, X32_SYSCALL_BIT),  # -> 11
+        (BPF_JEQ_K, 5, 0, IO_URING_SETUP),  # -> 11
+        (BPF_JEQ_K, 1, 0, socket_nr),  # -> 8
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+        (BPF_LD_W_ABS, 0, 0, 16),  # 8: socket(family, ...)
+        (BPF_JEQ_K, 3, 0, AF_INET),  # -> 13
+        (BPF_JEQ_K, 2, 0, AF_INET6),  # -> 13
+        (BPF_RET_K, 0, 0, deny),  # 11
+        (BPF_RET_K, 0, 0, deny),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),  # 13
+    ]
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Filter))]
+
+    filters = (Filter * len(program))(*[Filter(*f) for f in program])
+    fprog = Program(len(program), filters)
+    # no_new_privs is set (`_drop_privileges`): a process without CAP_SYS_ADMIN may install a filter
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp(socket filter)")
+
+
+# Landlock (Linux 5.13+): the file-system rights it is told to handle are denied outside the rules' paths
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446  # every architecture's numbers
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+FS_WRITE_FILE, FS_REFER, FS_TRUNCATE = 1 << 1, 1 << 13, 1 << 14
+FS_CHANGES = sum(1 << bit for bit in (4, 5, 6, 7, 8, 9, 10, 11, 12))  # remove and make: dirs, files, nodes, links
+O_PATH = 0o10000000
+
+
+def _confine_writes(workdir):
+    """Landlock: the program may write, make and remove files only under `workdir` (and write /dev/null). The
+    read-only mounts refuse writes to regular files, directories and links only; this also refuses writing a
+    host's named pipe or device node. Where the kernel has no Landlock (older than 5.13, or not enabled), the
+    mounts alone hold: returns False."""
+    syscall = _libc.syscall
+    syscall.restype = ctypes.c_long
+    abi = syscall(LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    if abi < 1:
+        return False
+    handled = FS_WRITE_FILE | FS_CHANGES | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0)
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    handled_attr = ctypes.c_uint64(handled)  # struct landlock_ruleset_attr's first field: enough for every ABI
+    ruleset = syscall(LANDLOCK_CREATE_RULESET, ctypes.byref(handled_attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise SetupError(f"landlock: create a ruleset: {os.strerror(ctypes.get_errno())}")
+    try:
+        for path, allowed in ((workdir, handled), (os.devnull, handled & (FS_WRITE_FILE | FS_TRUNCATE))):
+            fd = os.open(path, O_PATH | os.O_CLOEXEC)
+            try:
+                rule = PathBeneath(allowed, fd)
+                if syscall(LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0) != 0:
+                    raise SetupError(f"landlock: allow {path}: {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+        if syscall(LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
+            raise SetupError(f"landlock: restrict: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset)
+    return True
+
+
 def _set_limits(settings):
     def limit(kind, soft, hard=None):
         resource.setrlimit(kind, (soft, soft if hard is None else hard))
@@ -227,6 +323,8 @@ def _isolate(settings, was_root):
         _exit_like(_wait_for(worker))
     _drop_privileges(settings, was_root)
     _set_limits(settings)
+    _confine_writes(settings["workdir"])
+    _refuse_sockets()
 
 
 if __name__ == "__main__":

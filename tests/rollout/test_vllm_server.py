@@ -69,7 +69,7 @@ def chat_run(tmp_path, chat_model, *overrides):
 
 
 def test_the_openai_client_drives_the_server_and_its_traces_train(server, chat_model, tmp_path):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, timeout=60)
     assert [m.id for m in client.models.list().data] == [str(chat_model)]
     # completions: greedy text equal to lmrl's own decode of the same model
     done = client.completions.create(model="m", prompt=["What is 2 + 3?", "What is 4 + 1?"], max_tokens=8,
@@ -97,7 +97,9 @@ def test_the_openai_client_drives_the_server_and_its_traces_train(server, chat_m
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
 
 
-def test_a_run_pushes_its_weights_to_the_server_every_step(server, chat_model, tmp_path):
+def test_a_run_pushes_its_weights_to_the_server_every_step(server, chat_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("LMRL_API_KEY", server.api_key)  # a server the run did not start: its key by environment
+    monkeypatch.setenv("LMRL_WEIGHTS_SECRET", server.weights_secret)
     trainer = chat_run(tmp_path, chat_model, "rollout.backend=vllm-server", f"rollout.vllm.server_url={server.url}")
     history = trainer.train().history
     assert [h["val/sampler_kl"] for h in history] == pytest.approx([0] * 3, abs=2e-5)
@@ -133,9 +135,11 @@ def test_a_dead_server_is_one_line(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_a_server_that_dies_mid_run_stops_the_run_after_a_checkpoint(chat_model, tmp_path):
+def test_a_server_that_dies_mid_run_stops_the_run_after_a_checkpoint(chat_model, tmp_path, monkeypatch):
     tok = AutoTokenizer.from_pretrained(chat_model)
     own = ServerGenerator.start([f"model.name_or_path={chat_model}", "rollout.max_prompt_length=64"], tok, timeout=120)
+    monkeypatch.setenv("LMRL_API_KEY", own.api_key)
+    monkeypatch.setenv("LMRL_WEIGHTS_SECRET", own.weights_secret)
 
     def kill_at_step_3(prompts, completions, trainer_state, **kw):
         if trainer_state.global_step == 2:  # scoring step 3: the server goes away before the next sync

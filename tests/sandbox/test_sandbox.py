@@ -7,6 +7,7 @@ RLIMIT_NPROC (the programs run as `nobody` when the tests run as root) and dies 
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import shutil
 import socket
@@ -52,6 +53,76 @@ def _sandbox_processes() -> list[str]:
         except (OSError, IndexError):
             pass  # gone meanwhile
     return found
+
+
+class _UnixListener:
+    """A unix socket listener any user may connect to (its directory and file mode 0777), at a path in `where`
+    (None: the abstract namespace), keeping what each connection sends."""
+
+    def __init__(self, where: str | None) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        if where is None:
+            self.path, self.directory = f"\0lmrl-test-{os.getpid()}-{id(self)}", None
+            self.sock.bind(self.path)
+        else:
+            self.directory = tempfile.mkdtemp(prefix="lmrl-sock-", dir=where)
+            os.chmod(self.directory, 0o777)
+            self.path = os.path.join(self.directory, "listener.sock")
+            self.sock.bind(self.path)
+            os.chmod(self.path, 0o777)
+        self.sock.listen()
+        self.sock.settimeout(0.1)
+        self.received: list[bytes] = []
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            conn.settimeout(1)
+            with contextlib.suppress(OSError):
+                self.received.append(conn.recv(100) or b"(connected)")
+            conn.close()
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join()
+        self.sock.close()
+        if self.directory:
+            shutil.rmtree(self.directory)
+
+
+def _landlock() -> bool:
+    """Whether this kernel has Landlock, which the sandbox confines writes with (named pipes, device nodes)."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)) >= 1
+
+
+class _Fifo:
+    """A named pipe any user may write (directory 0777, pipe 0666), in `where`, with a reader of its own."""
+
+    def __init__(self, where: str) -> None:
+        self.directory = tempfile.mkdtemp(prefix="lmrl-fifo-", dir=where)
+        os.chmod(self.directory, 0o777)
+        self.path = os.path.join(self.directory, "pipe")
+        os.mkfifo(self.path)
+        os.chmod(self.path, 0o666)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # a reader: a writer's open does not block
+
+    def received(self) -> bytes:
+        try:
+            return os.read(self.fd, 100)
+        except BlockingIOError:
+            return b""
+
+    def close(self) -> None:
+        os.close(self.fd)
+        shutil.rmtree(self.directory)
 
 
 class _Server:
@@ -110,6 +181,9 @@ def test_the_hostile_table(sandbox, tmp_path, monkeypatch):
     monkeypatch.setenv("LMRL_TEST_SECRET", "hunter2-in-the-trainer")
     outside = tmp_path / "outside.txt"
     server = _Server()
+    listeners = [_UnixListener("/tmp"), _UnixListener("/dev/shm" if os.path.isdir("/dev/shm") else None),
+                 _UnixListener(None)]
+    fifos = [_Fifo("/tmp"), *([_Fifo("/dev/shm")] if os.path.isdir("/dev/shm") else [])] if _landlock() else []
     table = {
         "endless loop": ("while True:\n    pass\n", {"timeout", "cpu_limit"}),
         "fork bomb": (
@@ -134,6 +208,19 @@ def test_the_hostile_table(sandbox, tmp_path, monkeypatch):
             f"import socket\ns = socket.create_connection(('127.0.0.1', {server.port}), timeout=1)\nprint('ESCAPED')\n",
             {"error"},
         ),
+        "reaching the host's unix sockets": (  # a read-only mount does not stop connect(): the socket filter does
+            f"import socket\nfor path in {[u.path for u in listeners]!r}:\n    try:\n"
+            "        s = socket.socket(socket.AF_UNIX)\n        s.connect(path)\n"
+            "        s.sendall(b'ESCAPED')\n        print('ESCAPED', repr(path))\n    except OSError:\n        pass\n"
+            "raise SystemExit(1)\n",
+            {"error"},
+        ),
+        "writing the host's named pipes": (  # a read-only mount does not stop it either: Landlock does
+            f"import os\nfor path in {[f.path for f in fifos]!r}:\n    try:\n"
+            "        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)\n        os.write(fd, b'ESCAPED')\n"
+            "        print('ESCAPED', path)\n    except OSError:\n        pass\nraise SystemExit(1)\n",
+            {"error"},
+        ),
         "printing 1 GB": ("import sys\nfor _ in range(2**20):\n    sys.stdout.write('x' * 1024)\nprint('ESCAPED')\n",
                           {"output_limit"}),
     }
@@ -148,10 +235,32 @@ def test_the_hostile_table(sandbox, tmp_path, monkeypatch):
             assert _sandbox_processes() == [], f"{name}: processes outlived the run"
     finally:
         server.close()
+        for listener in listeners:
+            listener.close()
+        received = [f.received() for f in fifos]
+        for fifo in fifos:
+            fifo.close()
     assert server.accepted == 0
+    assert [u.received for u in listeners] == [[], [], []]
+    assert received == [b""] * len(fifos)
     assert not outside.exists() and not Path("/tmp/lmrl-escaped").exists()
     assert os.environ["LMRL_TEST_SECRET"] == "hunter2-in-the-trainer"
     assert sandbox.run("print('still fine')").stdout == "still fine\n"  # and the caller goes on
+
+
+def test_the_socket_filter_refuses_unix_sockets_and_leaves_internet_ones_and_socketpairs(sandbox):
+    code = ("import ctypes, errno, socket\n"
+            "def refused(make):\n    try:\n        make()\n    except PermissionError:\n        return True\n"
+            "    return False\n"
+            "print(refused(lambda: socket.socket(socket.AF_UNIX)), refused(lambda: socket.socket(socket.AF_UNIX, "
+            "socket.SOCK_DGRAM)), refused(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)))\n"
+            "a, b = socket.socketpair()\na.sendall(b'pair')\nprint(b.recv(4).decode())\n"
+            "print(socket.socket(socket.AF_INET).family.name, socket.socket(socket.AF_INET6).family.name)\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "params = ctypes.create_string_buffer(120)\n"
+            "print(libc.syscall(425, 8, params), ctypes.get_errno() == errno.EPERM)\n")  # io_uring_setup
+    result = sandbox.run(code)
+    assert result.stdout.splitlines() == ["True True True", "pair", "AF_INET AF_INET6", "-1 True"], result.stderr
 
 
 def test_the_process_limit_refuses_forks_beyond_it(sandbox):
@@ -172,8 +281,10 @@ def test_file_size_and_disk_limits(sandbox):
 
 
 def test_no_network_interface_is_up(sandbox):
-    result = sandbox.run("import socket\nprint([name for _, name in socket.if_nameindex()])")
-    assert result.stdout.strip() == "['lo']"  # only loopback exists, and it is down
+    # /proc/net/dev: the interfaces of the program's network namespace (if_nameindex asks netlink, which the
+    # socket filter refuses)
+    result = sandbox.run("print([line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:]])")
+    assert result.stdout.strip() == "['lo']", result.stderr  # only loopback exists, and it is down
     down = sandbox.run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)")
     assert down.status == "error" and "unreachable" in down.stderr
 
@@ -203,7 +314,8 @@ fork = "import os, time\\nkids = 0\\nwhile kids < 50:\\n    try:\\n        pid =
 caps = "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])"
 results = [sandbox.run(fork), sandbox.run(caps),
            sandbox.run("import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)"),
-           sandbox.run("open('/tmp/lmrl-escaped-nobody', 'w')"), sandbox.run("print(open({secret!r}).read())")]
+           sandbox.run("open('/tmp/lmrl-escaped-nobody', 'w')"), sandbox.run("print(open({secret!r}).read())"),
+           sandbox.run("import socket\\ns = socket.socket(socket.AF_UNIX)\\ns.connect({unix!r})\\ns.sendall(b'ESCAPED')")]
 print(sandbox.isolated, [(r.status, r.stdout.strip()) for r in results])
 """
 
@@ -223,13 +335,15 @@ def test_without_root_a_user_namespace_isolates_hides_home_and_leaves_no_capabil
     secret.write_text("hunter2")
     for path in (home, secret):
         os.chown(path, 65534, 65534)
+    listener = _UnixListener("/tmp")  # the host's, open to every user
     try:
         out = subprocess.run(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
-             _NON_ROOT_SCRIPT.format(root=root, secret=str(secret))], capture_output=True, text=True, timeout=60,
-            cwd="/tmp", env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+             _NON_ROOT_SCRIPT.format(root=root, secret=str(secret), unix=listener.path)],
+            capture_output=True, text=True, timeout=60, cwd="/tmp", env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
         )
     finally:
+        listener.close()
         shutil.rmtree(home)
         shutil.rmtree(code)
     assert out.returncode == 0, out.stderr
@@ -241,6 +355,7 @@ def test_without_root_a_user_namespace_isolates_hides_home_and_leaves_no_capabil
     assert results[2][0] == "error" and results[3][0] == "error"
     assert not Path("/tmp/lmrl-escaped-nobody").exists()
     assert results[4][0] == "error" and "hunter2" not in results[4][1]  # the home directory is hidden
+    assert results[5][0] == "error" and listener.received == []  # the socket filter holds without root too
 
 
 def test_without_namespaces_it_refuses_in_one_line_unless_fallback_is_allowed(tmp_path, monkeypatch, capfd):

@@ -1,0 +1,158 @@
+"""Concurrent requests of the generation server (`lmrl.rollout.server`) as one generator call.
+
+Clients that each ask one completion at the same moment (an agent framework's workers, an evaluation harness)
+would otherwise run one after another, each paying the whole decode loop for a single row. The batcher queues
+them; one thread takes the oldest request and every queued request that samples alike (the same n and
+`SamplingParams`, no seed), first waiting for the rest of a burst (while a request is still being read, the
+server's handler inside `incoming`, or one came in the last `window` seconds; at most `max_wait`), runs them as one
+`Generator.generate` call and hands each request its own rows. Requests arriving while a call decodes wait and
+go together into the next. A seeded request runs alone: its prompt i samples with seed + i (`call_seed`), which a
+merged call would shift; so a training run's requests (always seeded) are served exactly as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmrl.rollout.base import Generator, SamplingParams
+
+
+@dataclass
+class Rows:
+    """One request's completions, `n` per prompt in contiguous groups, each cut to its real tokens."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+    texts: list[str]
+    version: int
+    """The policy version of the weights that sampled them."""
+
+
+@dataclass
+class _Request:
+    prompts: list[list[int]]
+    n: int
+    params: SamplingParams
+    done: threading.Event = field(default_factory=threading.Event)
+    rows: Rows | None = None
+    error: BaseException | None = None
+
+    def key(self) -> Any:
+        """Requests with equal keys can share a call."""
+        if self.params.seed is not None:
+            return id(self)
+        p = self.params
+        return (self.n, p.max_new_tokens, p.temperature, p.top_p, p.top_k, tuple(p.stop))
+
+
+class Batcher:
+    """Serves `generate` calls of many threads through one thread that batches them (module docstring).
+
+    Args:
+        generator: what samples; only the batcher's thread calls it.
+        lock: held around each call (the server also holds it to load weights between calls).
+        window: a burst has ended when no request came for this many seconds.
+        max_wait: the longest a request waits for the rest of its burst.
+        max_sequences: the most rows of one merged call (prompts x n); 0: no limit. A request larger than
+            it alone still runs alone.
+    """
+
+    def __init__(self, generator: Generator, lock: threading.Lock, window: float = 0.001, max_wait: float = 0.05,
+                 max_sequences: int = 0):
+        self.generator, self.lock, self.max_sequences = generator, lock, max_sequences
+        self.window, self.max_wait = window, max_wait
+        self._queue: list[_Request] = []
+        self._ready = threading.Condition()
+        self._incoming = 0  # requests being read and checked, that may come to `generate` next
+        self._reading = threading.local()
+        threading.Thread(target=self._serve, name="lmrl-batcher", daemon=True).start()
+
+    @contextlib.contextmanager
+    def incoming(self) -> Iterator[None]:
+        """Around the reading of a request that may generate: a burst's call waits for it (up to max_wait)."""
+        with self._ready:
+            self._incoming += 1
+        self._reading.active = True
+        try:
+            yield
+        finally:
+            self._arrived()
+
+    def _arrived(self) -> None:
+        if getattr(self._reading, "active", False):
+            self._reading.active = False
+            with self._ready:
+                self._incoming -= 1
+                self._ready.notify_all()
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rows:
+        """`Generator.generate`, batched with whatever else is asked meanwhile; blocks until done."""
+        request = _Request(prompts, n, params)
+        with self._ready:
+            self._queue.append(request)
+            self._ready.notify_all()
+        self._arrived()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        assert request.rows is not None
+        return request.rows
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+            deadline, seen = time.monotonic() + self.max_wait, 0
+            with self._ready:  # the rest of a burst
+                while (self._incoming or len(self._queue) > seen) and time.monotonic() < deadline:
+                    seen = len(self._queue)
+                    self._ready.wait(min(self.window, max(deadline - time.monotonic(), 0)) if not self._incoming
+                                     else max(deadline - time.monotonic(), 0))
+            self._run(self._take())
+
+    def _take(self) -> list[_Request]:
+        """The oldest request and the queued ones that sample alike, within max_sequences."""
+        with self._ready:
+            key, batch, rows = self._queue[0].key(), [], 0
+            for request in list(self._queue):
+                size = len(request.prompts) * request.n
+                if request.key() == key and (not batch or not self.max_sequences or rows + size <= self.max_sequences):
+                    batch.append(request)
+                    rows += size
+                    self._queue.remove(request)
+            return batch
+
+    def _run(self, batch: list[_Request]) -> None:
+        try:
+            rows = self._generate([p for r in batch for p in r.prompts], batch[0].n, batch[0].params)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting requests
+            if len(batch) > 1:  # one request's rows may be what failed: each alone, so the others still succeed
+                for request in batch:
+                    self._run([request])
+                return
+            batch[0].error = e
+            batch[0].done.set()
+            return
+        start = 0
+        for request in batch:
+            end = start + len(request.prompts) * request.n  # rows of prompt i are i*n .. i*n + n - 1
+            request.rows = Rows(rows.tokens[start:end], rows.logprobs[start:end], rows.finished[start:end],
+                                rows.texts[start:end], rows.version)
+            request.done.set()
+            start = end
+
+    def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rows:
+        with self.lock:
+            rollout = self.generator.generate(prompts, n, params)
+            version = getattr(self.generator, "version", -1)
+        lengths = rollout.response_mask.sum(1).tolist()
+        return Rows([row[:k] for row, k in zip(rollout.response_ids.tolist(), lengths)],
+                    [row[:k] for row, k in zip(rollout.logprobs.tolist(), lengths)],
+                    [bool(f) for f in rollout.finished.tolist()], list(rollout.texts), version)

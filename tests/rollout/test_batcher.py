@@ -1,0 +1,135 @@
+"""The generation server's batcher: concurrent requests that sample alike become one generator call and each
+gets its own rows back; seeded or differently sampled requests do not mix; one bad request fails alone. Then
+the same through a real `lmrl serve`: concurrent greedy requests answer what each answers alone."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from lmrl.rollout.base import Rollout, SamplingParams
+from lmrl.rollout.batcher import Batcher
+
+
+class Recording:
+    """A generator whose completion j of prompt p is [p[0], j]: each row says whose it is. It records its calls,
+    and holds the first until `release` is set, so that the requests behind it queue up."""
+
+    version = 3
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[list[int]], int, SamplingParams]] = []
+        self.release = threading.Event()
+
+    def generate(self, prompts, n, params):
+        self.calls.append((prompts, n, params))
+        self.release.wait(10)
+        if any(p[0] < 0 for p in prompts):
+            raise RuntimeError("a negative prompt")
+        rows = [[p[0], j] for p in prompts for j in range(n)]
+        b = len(rows)
+        return Rollout(prompt_ids=torch.zeros(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.bool),
+                       response_ids=torch.tensor(rows), response_mask=torch.ones(b, 2, dtype=torch.bool),
+                       logprobs=torch.full((b, 2), -0.5), texts=[f"{r[0]}.{r[1]}" for r in rows],
+                       finished=torch.ones(b, dtype=torch.bool),
+                       prompt_index=torch.arange(len(prompts)).repeat_interleave(n))
+
+
+def burst(batcher: Batcher, generator: Recording, requests: list[tuple[list[list[int]], int, SamplingParams]]):
+    """Send `requests` at once while the generator holds a first call; returns each one's rows (or its error)."""
+    with ThreadPoolExecutor(len(requests) + 1) as pool:
+        first = pool.submit(batcher.generate, [[100]], 1, SamplingParams())
+        while not generator.calls:  # the first call is running: the burst queues behind it
+            threading.Event().wait(0.001)
+
+        def one(request):
+            try:
+                return batcher.generate(*request)
+            except RuntimeError as e:
+                return e
+
+        futures = [pool.submit(one, r) for r in requests]
+        while len(batcher._queue) < len(requests):  # all queued behind the first call
+            threading.Event().wait(0.001)
+        generator.release.set()
+        first.result()
+        return [f.result() for f in futures]
+
+
+def test_concurrent_requests_that_sample_alike_are_one_call_and_each_gets_its_rows():
+    generator = Recording()
+    batcher = Batcher(generator, threading.Lock())
+    params = SamplingParams(max_new_tokens=4, temperature=0.7)
+    requests = [([[i], [i + 50]], 2, params) for i in range(8)]
+    answers = burst(batcher, generator, requests)
+    assert len(generator.calls) == 2  # the first, then the eight together
+    prompts, n, _ = generator.calls[1]
+    assert n == 2 and sorted(p[0] for p in prompts) == sorted(q[0] for r in requests for q in r[0])
+    for (mine, _, _), rows in zip(requests, answers):
+        assert rows.tokens == [[p[0], j] for p in mine for j in range(2)]  # its own rows, in order
+        assert rows.texts == [f"{p[0]}.{j}" for p in mine for j in range(2)]
+        assert rows.logprobs == [[-0.5, -0.5]] * 4 and rows.finished == [True] * 4 and rows.version == 3
+
+
+def test_seeded_or_differently_sampled_requests_do_not_mix():
+    generator = Recording()
+    batcher = Batcher(generator, threading.Lock())
+    a, b = SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=5)
+    seeded = SamplingParams(max_new_tokens=4, seed=7)
+    answers = burst(batcher, generator, [([[1]], 1, a), ([[2]], 1, b), ([[3]], 1, seeded), ([[4]], 1, seeded),
+                                         ([[5]], 2, a), ([[6]], 1, a)])
+    calls = sorted(sorted(p[0] for p in prompts) + [n, params.max_new_tokens, params.seed]
+                   for prompts, n, params in generator.calls[1:])
+    # a and the other a together; b alone; each seeded request alone (its prompt i samples with seed + i); n=2 alone
+    assert calls == sorted([[1, 6, 1, 4, None], [2, 1, 5, None], [3, 1, 4, 7], [4, 1, 4, 7], [5, 2, 4, None]])
+    assert [r.tokens for r in answers] == [[[1, 0]], [[2, 0]], [[3, 0]], [[4, 0]], [[5, 0], [5, 1]], [[6, 0]]]
+
+
+def test_a_request_that_fails_fails_alone():
+    generator = Recording()
+    batcher = Batcher(generator, threading.Lock())
+    answers = burst(batcher, generator, [([[1]], 1, SamplingParams()), ([[-1]], 1, SamplingParams()),
+                                         ([[2]], 1, SamplingParams())])
+    assert answers[0].tokens == [[1, 0]] and answers[2].tokens == [[2, 0]]
+    assert isinstance(answers[1], RuntimeError) and str(answers[1]) == "a negative prompt"
+
+
+def test_max_sequences_bounds_a_merged_call():
+    generator = Recording()
+    batcher = Batcher(generator, threading.Lock(), max_sequences=4)
+    burst(batcher, generator, [([[i]], 2, SamplingParams()) for i in range(5)])
+    assert sorted(len(prompts) * n for prompts, n, _ in generator.calls[1:]) == [2, 4, 4]
+
+
+def test_concurrent_requests_to_a_real_server_answer_what_each_answers_alone():
+    from tests.rollout.test_server_security import KEY, call, serve
+
+    process, url = serve("rollout.max_new_tokens=8", env={"LMRL_API_KEY": KEY})
+    try:
+        prompts = [f"{a}+{b}=" for a in range(3, 9) for b in (11, 47)]
+        alone = [call(url, "POST", "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0})[1]
+                 for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: call(url, "POST", "/v1/completions",
+                                                    {"prompt": p, "max_tokens": 8, "temperature": 0,
+                                                     "logprobs": 1})[1], prompts))
+        for one, other in zip(alone, together):
+            assert other["choices"][0]["text"] == one["choices"][0]["text"], json.dumps([one, other])[:500]
+            assert other["choices"][0]["token_ids"] == one["choices"][0]["token_ids"]
+            assert other["usage"] == one["usage"]
+        assert len({a["choices"][0]["text"] for a in alone}) > 1  # the prompts do not all answer alike
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_rows_of_a_request_are_its_prompts_groups(n):
+    generator = Recording()
+    generator.release.set()
+    rows = Batcher(generator, threading.Lock()).generate([[7], [8]], n, SamplingParams())
+    assert rows.tokens == [[p, j] for p in (7, 8) for j in range(n)]
