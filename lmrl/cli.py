@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _main(argv: list[str] | None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: `lmrl train | train-rm | eval | report | serve`."""
     parser = _Parser(
         prog="lmrl", description="Reinforcement-learning post-training of language models.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -138,6 +139,11 @@ def _main(argv: list[str] | None) -> int:
         p.add_argument("--traceback", action="store_true",
                        help="on an error, print the full Python traceback (or set LMRL_TRACEBACK=1)")
 
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -32,19 +32,27 @@ QUICK = ["train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", 
 
 @pytest.fixture(scope="module")
 def judge_server():
-    """`lmrl serve rollout.backend=lmrl --port 0`, the shipped tiny model: a real OpenAI-compatible endpoint."""
-    server = ServerGenerator.start(["rollout.backend=lmrl"], AutoTokenizer.from_pretrained(SHIPPED_MODEL), timeout=60)
+    """`lmrl serve rollout.backend=lmrl --port 0`, the shipped tiny model: a real OpenAI-compatible endpoint, which
+    wants the API key it was started with (in the variable KEY, which the judges name in api_key_env)."""
+    server = ServerGenerator.start(["rollout.backend=lmrl", "rollout.max_new_tokens=16"],
+                                   AutoTokenizer.from_pretrained(SHIPPED_MODEL), timeout=60)
+    os.environ[KEY] = server.api_key  # (inherited by the `lmrl train` processes below)
     yield server.url
     server.close()
+    os.environ.pop(KEY, None)
+
+
+KEY = "LMRL_TEST_JUDGE_KEY"
 
 
 def ask(url: str, body: dict) -> dict:
     """The server's own answer to a request, as the judge sends it."""
-    return httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    headers = {"Authorization": f"Bearer {os.environ[KEY]}"}
+    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60).json()["choices"][0]
 
 
 def test_the_regex_reader_scores_what_the_server_answers_and_counts_the_rest(judge_server):
-    fn = resolve_reward("judge", url=judge_server + "/v1", model="tiny-addition", api="completions",
+    fn = resolve_reward("judge", url=judge_server + "/v1", model="tiny-addition", api="completions", api_key_env=KEY,
                         template="{completion}=", pattern=r"^(\d+)$", scale=[0, 99], max_tokens=4)
     out = score([fn], ["p"] * len(SUMS), SUMS, on_error="zero")
     expected, garbage = [], 0
@@ -58,7 +66,7 @@ def test_the_regex_reader_scores_what_the_server_answers_and_counts_the_rest(jud
     assert out.scores.tolist() == pytest.approx(expected, abs=1e-12)
     assert 0 < garbage < len(SUMS) and out.metrics["reward/judge/errors"] == garbage  # "125" and "" among them
     # the default reader wants "Score: <n>": a model that only does sums never writes it, and every one is counted
-    fn = resolve_reward("judge", url=judge_server + "/v1", model="tiny-addition", api="completions",
+    fn = resolve_reward("judge", url=judge_server + "/v1", model="tiny-addition", api="completions", api_key_env=KEY,
                         template="{completion}=", max_tokens=4)
     out = score([fn], ["p"] * len(SUMS), SUMS, on_error="zero")
     assert out.metrics["reward/judge/errors"] == len(SUMS) and out.scores.tolist() == [0.0] * len(SUMS)
@@ -68,7 +76,7 @@ def test_the_regex_reader_scores_what_the_server_answers_and_counts_the_rest(jud
 def test_the_yes_no_reader_is_the_probability_in_the_servers_logprobs(judge_server):
     """`lmrl serve` gives the sampled first token's log-prob and no alternatives: P(yes)/(P(yes)+P(no)) over what
     it gave is 1 for a yes, 0 for a no; any other first token is the completion's failure."""
-    fn = resolve_reward("judge", url=judge_server + "/v1", model="tiny-addition", api="completions",
+    fn = resolve_reward("judge", url=judge_server + "/v1", model="tiny-addition", api="completions", api_key_env=KEY,
                         template="{completion}=", reader="yes_no", yes=["1"], no=["2", "9"],
                         temperature=1.0, params={"seed": 5})
     out = score([fn], ["p"] * len(SUMS), SUMS, on_error="zero")
@@ -90,7 +98,8 @@ def test_the_yes_no_reader_is_the_probability_in_the_servers_logprobs(judge_serv
 def test_the_example_trains_two_steps_against_a_served_judge(judge_server, tmp_path):
     text = (ROOT / "examples" / "judge.yaml").read_text()
     assert "url: http://127.0.0.1:8000/v1" in text
-    (tmp_path / "judge.yaml").write_text(text.replace("http://127.0.0.1:8000/v1", judge_server + "/v1"))
+    (tmp_path / "judge.yaml").write_text(text.replace("url: http://127.0.0.1:8000/v1",
+                                                      f"url: {judge_server}/v1\n      api_key_env: {KEY}"))
     out = lmrl("train", "judge.yaml", *QUICK, "train.output_dir=run", cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
