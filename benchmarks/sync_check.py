@@ -17,24 +17,37 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from generation import LABELS, build  # noqa: E402
+from weight_sync import best  # noqa: E402
 
 from lmrl import algorithms as A  # noqa: E402
 from lmrl.models.forward import model_forward_logprobs, sequence_logprobs  # noqa: E402
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def measure(preset: str, args: argparse.Namespace) -> dict:
+    """One model's row: the batch's forward, the synchronous check and the probe, in ms, and their shares."""
+    setup = build(preset)
+    model, vocab = setup.model.eval(), setup.vocab
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, vocab, (args.rows, args.prompt + args.response), generator=g)
+    mask = torch.ones_like(batch)
+    probe = batch[0, : args.prompt].tolist(), batch[0, args.prompt:].tolist()
+    with torch.no_grad():
+        forward = best(lambda: model_forward_logprobs(model, batch, mask, args.response, chunk_size=128), args.repeats)
+        trainer = model_forward_logprobs(model, batch, mask, args.response, chunk_size=128)
+        sampler = trainer + 1e-7 * torch.randn(trainer.shape, generator=g)
+        response_mask = torch.rand(trainer.shape, generator=g) < 0.9
+        check = best(lambda: A.masked_mean((sampler - trainer).abs(), response_mask).item(), args.repeats)
+        scored = best(lambda: sequence_logprobs(model, *probe), args.repeats)
+    print(f"{LABELS[preset]}: the batch's forward ({args.rows} rows) {forward * 1e3:.1f} ms; synchronous check "
+          f"{check * 1e3:.3f} ms ({check / forward:.2%} of it); probe {scored * 1e3:.2f} ms per side "
+          f"({scored / forward:.2%} of it), every guard.sync_probe_every steps", flush=True)
+    return {"model": LABELS[preset], "forward_ms": forward * 1e3, "check_ms": check * 1e3,
+            "check_share": check / forward, "probe_ms": scored * 1e3, "probe_share": scored / forward}
 
 
 def main() -> None:
@@ -49,26 +62,7 @@ def main() -> None:
                         help="write the table to benchmarks/results/NAME.MACHINE.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = []
-    for preset in args.preset:
-        setup = build(preset)
-        model, vocab = setup.model.eval(), setup.vocab
-        g = torch.Generator().manual_seed(0)
-        batch = torch.randint(0, vocab, (args.rows, args.prompt + args.response), generator=g)
-        mask = torch.ones_like(batch)
-        probe = batch[0, : args.prompt].tolist(), batch[0, args.prompt:].tolist()
-        with torch.no_grad():
-            forward = best(lambda: model_forward_logprobs(model, batch, mask, args.response, chunk_size=128), args.repeats)
-            trainer = model_forward_logprobs(model, batch, mask, args.response, chunk_size=128)
-            sampler = trainer + 1e-7 * torch.randn(trainer.shape, generator=g)
-            response_mask = torch.rand(trainer.shape, generator=g) < 0.9
-            check = best(lambda: A.masked_mean((sampler - trainer).abs(), response_mask).item(), args.repeats)
-            scored = best(lambda: sequence_logprobs(model, *probe), args.repeats)
-        rows.append({"model": LABELS[preset], "forward_ms": forward * 1e3, "check_ms": check * 1e3,
-                     "check_share": check / forward, "probe_ms": scored * 1e3, "probe_share": scored / forward})
-        print(f"{LABELS[preset]}: the batch's forward ({args.rows} rows) {forward * 1e3:.1f} ms; synchronous check "
-              f"{check * 1e3:.3f} ms ({check / forward:.2%} of it); probe {scored * 1e3:.2f} ms per side "
-              f"({scored / forward:.2%} of it), every guard.sync_probe_every steps", flush=True)
+    rows = [measure(preset, args) for preset in args.preset]
     if args.record:
         from recording import Column, record
 

@@ -44,6 +44,7 @@ import httpx
 
 from lmrl.errors import ConfigError, RewardError
 from lmrl.rewards.core import Failed, completion_text, is_chat
+from lmrl.rewards.remote import post_retried
 
 DEFAULT_PATTERN = r"(?i)score\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)"
 """The number after "Score:" (any case, markdown bold allowed), the default regex reader."""
@@ -61,10 +62,6 @@ def _prompt_text(prompt: Any) -> str:
     if is_chat(prompt):
         return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in prompt)
     return str(prompt)
-
-
-def _retryable(status: int) -> bool:
-    return status == 429 or status >= 500
 
 
 class JudgeScorer:
@@ -275,34 +272,22 @@ class JudgeScorer:
     async def _ask(self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, body: dict[str, Any],
                    stats: dict[str, int]) -> tuple[str, float | Failed]:
         """One request, retried on connection errors, timeouts, 429 and 5xx; its answer read."""
-        last = "no attempt made"
         async with semaphore:
-            for attempt in range(self.max_retries + 1):
-                if attempt > 0:
-                    stats["retries"] += 1
-                    await asyncio.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
-                stats["requests"] += 1
-                try:
-                    response = await client.post(self.endpoint, json=body, headers=self.headers)
-                except httpx.TimeoutException:
-                    last = f"timed out after {self.timeout:g}s"
-                    continue
-                except httpx.TransportError as e:
-                    last = f"{type(e).__name__}: {e}"
-                    continue
-                if response.status_code == 200:
-                    try:
-                        answer = response.json()
-                    except ValueError:
-                        raise self._fail(attempt + 1, f"the answer is not JSON: {response.text[:100]!r}") from None
-                    usage = answer.get("usage") if isinstance(answer, Mapping) else None
-                    if isinstance(usage, Mapping) and isinstance(usage.get("total_tokens"), int):
-                        stats["tokens"] += usage["total_tokens"]
-                    return self.read(answer)
-                last = f"HTTP {response.status_code}: {response.text[:100]!r}"
-                if not _retryable(response.status_code):
-                    raise self._fail(attempt + 1, last)
-        raise self._fail(self.max_retries + 1, last)
+            response, attempts, last = await post_retried(
+                client, self.endpoint, max_retries=self.max_retries, backoff=self.backoff,
+                max_backoff=self.max_backoff, timeout=self.timeout, json=body, headers=self.headers)
+        stats["requests"] += attempts
+        stats["retries"] += attempts - 1
+        if response is None:
+            raise self._fail(attempts, last)
+        try:
+            answer = response.json()
+        except ValueError:
+            raise self._fail(attempts, f"the answer is not JSON: {response.text[:100]!r}") from None
+        usage = answer.get("usage") if isinstance(answer, Mapping) else None
+        if isinstance(usage, Mapping) and isinstance(usage.get("total_tokens"), int):
+            stats["tokens"] += usage["total_tokens"]
+        return self.read(answer)
 
     def _fail(self, attempts: int, problem: str) -> JudgeError:
         problem = " ".join(problem.split())[:300]

@@ -46,6 +46,31 @@ def _retryable_status(status: int) -> bool:
     return status == 429 or status >= 500
 
 
+async def post_retried(client: httpx.AsyncClient, url: str, *, max_retries: int, backoff: float, max_backoff: float,
+                       timeout: float, **request: Any) -> tuple[httpx.Response | None, int, str]:
+    """POST `url` (`request`: httpx's content / json / headers), retried with exponential backoff on connection
+    errors, timeouts, 429 and 5xx: (the 200 response, or None; the attempts made; the last problem, in words).
+    What the remote scorer and the judge (`lmrl.rewards.judge`) send."""
+    last = "no attempt made"
+    for attempt in range(max_retries + 1):
+        if attempt > 0:
+            await asyncio.sleep(min(backoff * 2 ** (attempt - 1), max_backoff))
+        try:
+            response = await client.post(url, **request)
+        except httpx.TimeoutException:
+            last = f"timed out after {timeout:g}s"
+            continue
+        except httpx.TransportError as e:
+            last = f"{type(e).__name__}: {e}"
+            continue
+        if response.status_code == 200:
+            return response, attempt + 1, ""
+        last = f"HTTP {response.status_code}: {response.text[:100]!r}"
+        if not _retryable_status(response.status_code):
+            return None, attempt + 1, last
+    return None, max_retries + 1, last
+
+
 class RemoteScorer:
     """Async reward function: POSTs the batch to `url` and returns the server's rewards.
 
@@ -133,22 +158,10 @@ class RemoteScorer:
     async def __call__(self, prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float | None]:
         body = self.payload(list(prompts), list(completions), **kwargs)
         headers = {"Content-Type": "application/json", **self.headers}
-        last = "no attempt made"
         async with httpx.AsyncClient(timeout=self.timeout) as client:
-            for attempt in range(self.max_retries + 1):
-                if attempt > 0:
-                    await asyncio.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
-                try:
-                    response = await client.post(self.url, content=body, headers=headers)
-                except httpx.TimeoutException:
-                    last = f"timed out after {self.timeout:g}s"
-                    continue
-                except httpx.TransportError as e:
-                    last = f"{type(e).__name__}: {e}"
-                    continue
-                if response.status_code == 200:
-                    return self._parse(response, len(completions), attempt + 1)
-                last = f"HTTP {response.status_code}: {response.text[:100]!r}"
-                if not _retryable_status(response.status_code):
-                    raise self._fail(attempt + 1, last)
-        raise self._fail(self.max_retries + 1, last)
+            response, attempts, last = await post_retried(
+                client, self.url, max_retries=self.max_retries, backoff=self.backoff, max_backoff=self.max_backoff,
+                timeout=self.timeout, content=body, headers=headers)
+        if response is None:
+            raise self._fail(attempts, last)
+        return self._parse(response, len(completions), attempts)
