@@ -458,7 +458,8 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
 def _reward_of(entry: Any) -> Any:
     """A `reward_funcs` entry as TRL takes them: a function; a reward model (a sequence-classification model
     object, its tokenizer loaded from where transformers loaded it); or a string: a reward spec (a built-in
-    name, "file.py:function", "module:function") or else a reward model's directory or hub id."""
+    name, "file.py:function", "module:function") or else a reward model's directory or hub id. A directory
+    holding a model (its config.json) is the reward model even where its name is a built-in's ("judge")."""
     from lmrl.rewards.reward_model import RewardModelScorer
 
     if isinstance(entry, nn.Module):
@@ -473,7 +474,8 @@ def _reward_of(entry: Any) -> Any:
         from lmrl.rewards import reward_set_from_config
         from lmrl.rewards.registry import BUILTIN_REWARDS
 
-        if entry in BUILTIN_REWARDS or ":" in entry:
+        saved_model = (Path(entry) / "config.json").is_file()
+        if (entry in BUILTIN_REWARDS and not saved_model) or ":" in entry:
             return reward_set_from_config([entry]).rewards[0]
         return RewardModelScorer.from_pretrained(entry, name=Path(entry).name or "reward_model")
     return entry
