@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from lmrl.data.images import ImageInputs, resolve_image_paths
 from lmrl.data.row_checks import (
     _LENGTH_BATCH,
     ON_BAD_ROW,
@@ -146,7 +147,8 @@ def open_stream(source: str, split: str = "train", field: str = "data.path") -> 
     if path.suffix not in builders:
         raise DataError(f"{field}: {source}: unsupported extension {path.suffix!r}, expected a "
                         f"{'/'.join(FILE_FORMATS)} file")
-    return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train", streaming=True)
+    stream = datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train", streaming=True)
+    return stream.map(lambda row: resolve_image_paths(row, path.parent))  # image paths: relative to the file
 
 
 def _read_hub(name: str, split: str, subset: str | None) -> list[dict[str, Any]]:
@@ -328,7 +330,7 @@ class PromptStream:
     Args:
         source: the stream (anything `is_stream` accepts). A one-pass iterable (a generator) cannot start
             a second epoch: reading past its end is a `DataError`.
-        prompt_column, required_columns, prompt_length, max_prompt_length, on_bad_row: as in `check_rows`;
+        prompt_column, required_columns, prompt_length, max_prompt_length, on_bad_row, images: as in `check_rows`;
             with "skip" bad rows are left out and counted (`skipped`, `first_skipped`).
         name: how errors name the stream and its rows ("train_dataset", "train_dataset row 600").
     """
@@ -342,6 +344,7 @@ class PromptStream:
         prompt_length: PromptLength | None = None,
         max_prompt_length: int | None = None,
         on_bad_row: Literal["fail", "skip"] = "fail",
+        images: ImageInputs | None = None,
         name: str = "train_dataset",
     ):
         if on_bad_row not in ON_BAD_ROW:
@@ -349,6 +352,7 @@ class PromptStream:
         self.source, self.name, self.on_bad_row = source, name, on_bad_row
         self.prompt_column, self.required_columns = prompt_column, required_columns
         self.prompt_length, self.max_prompt_length = prompt_length, max_prompt_length
+        self.images = images
         self.one_pass = iter(source) is source
         self.skipped = 0  # bad rows left out so far (on_bad_row="skip")
         self.first_skipped: BadRow | None = None
@@ -412,7 +416,7 @@ class PromptStream:
         where = [f"{self.name} row {start + i}" + (f" (epoch {self._epoch})" if self._epoch else "")
                  for i in range(len(chunk))]
         bad = [(i, p) for i, row in enumerate(chunk)
-               if (p := _row_problem(row, self.prompt_column, self.required_columns)) is not None]
+               if (p := _row_problem(row, self.prompt_column, self.required_columns, self.images)) is not None]
         good = [i for i in range(len(chunk)) if i not in dict(bad)]
         if self.prompt_length is not None and good:
             too_long = _too_long(chunk, good, self.prompt_column, self.prompt_length, self.max_prompt_length)
@@ -460,6 +464,7 @@ def read_rows(
                         f"expected a {'/'.join(FILE_FORMATS)} file"
                     )
                 rows, where = readers[path.suffix](path, text, field)
+                rows = [resolve_image_paths(row, path.parent) for row in rows]  # relative to the file
                 name = text
         else:
             name = f"{text}:{split}"
@@ -488,6 +493,7 @@ def load_prompts(
     required_columns: RequiredColumns | None = None,
     prompt_length: PromptLength | None = None,
     max_prompt_length: int | None = None,
+    images: ImageInputs | None = None,
 ) -> PromptDataset:
     """Load a prompt dataset from a file, a list of dicts, or (only when asked) the Hugging Face hub.
 
@@ -507,7 +513,7 @@ def load_prompts(
             default "data.path" for a file or hub name, none for a list (pass e.g. "data.eval_path",
             "train_dataset").
         name: how row locations name a list's rows ("NAME index N"; default `field`, else "dataset").
-        on_bad_row, required_columns, prompt_length, max_prompt_length: as in `check_rows`; with
+        on_bad_row, required_columns, prompt_length, max_prompt_length, images: as in `check_rows`; with
             "skip" the bad rows are left out and listed in the dataset's `skipped`.
 
     Returns:
@@ -531,6 +537,7 @@ def load_prompts(
         prompt_length=prompt_length,
         max_prompt_length=max_prompt_length,
         on_bad_row=on_bad_row,
+        images=images,
         field=field,
         name=name,
         where=where,

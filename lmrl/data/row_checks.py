@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
+from lmrl.data.images import ImageInputs, image_problem
 from lmrl.errors import DataError
 
 ON_BAD_ROW = ("fail", "skip")
@@ -71,7 +72,8 @@ def _short_repr(value: Any, limit: int = 40) -> str:
 
 
 def _prompt_problem(prompt: Any) -> str | None:
-    """What is wrong with a prompt, or None: a non-blank string, or messages with some non-blank content."""
+    """What is wrong with a prompt, or None: a non-blank string, or messages with some non-blank content (a
+    string, or a list of text and image parts: `lmrl.data.images`; an image part counts as content)."""
     if isinstance(prompt, str):
         if not prompt:
             return "prompt is empty"
@@ -92,11 +94,34 @@ def _prompt_problem(prompt: Any) -> str | None:
         role, content = message["role"], message["content"]
         if not isinstance(role, str) or not role.strip():
             return f"prompt message {k}: role must be a non-empty string, got {_short_repr(role)}"
-        if not isinstance(content, str):
+        if isinstance(content, list):
+            problem = _parts_problem(content)
+            if problem is not None:
+                return f"prompt message {k} {problem}"
+        elif not isinstance(content, str):
             return f"prompt message {k}: content must be a string, got {type(content).__name__}"
-    if all(not m["content"].strip() for m in prompt):
+    if not any(_has_content(m["content"]) for m in prompt):
         return "prompt messages have no content (every one is empty or whitespace)"
     return None
+
+
+def _parts_problem(parts: list[Any]) -> str | None:
+    """What is wrong with a message's content parts (after "prompt message K"), or None."""
+    if not parts:
+        return "has an empty list of content parts"
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and not isinstance(part.get("text"), str):
+            return f"part {j}: a text part needs a string 'text', got {type(part.get('text')).__name__}"
+        if kind not in ("text", "image"):
+            return f"part {j}: expected {{'type': 'text', 'text': ...}} or {{'type': 'image'}}, got {_short_repr(part)}"
+    return None
+
+
+def _has_content(content: str | list[Mapping[str, Any]]) -> bool:
+    if isinstance(content, str):
+        return bool(content.strip())
+    return any(part["type"] == "image" or part["text"].strip() for part in content)
 
 
 def _needed_by(rewards: Sequence[str] | str) -> str:
@@ -111,8 +136,10 @@ RequiredColumns = Mapping[str, Sequence[str]] | Callable[[Mapping[str, Any]], Ma
 row's (with reward recipes, those of the row's recipe), or one line saying why the row cannot be scored."""
 
 
-def _row_problem(row: Any, prompt_column: str, required_columns: RequiredColumns | None) -> str | None:
-    """The first thing wrong with a row (shape, then prompt, then required columns), or None."""
+def _row_problem(
+    row: Any, prompt_column: str, required_columns: RequiredColumns | None, images: ImageInputs | None = None
+) -> str | None:
+    """The first thing wrong with a row (shape, then prompt, then images, then required columns), or None."""
     if not isinstance(row, Mapping):
         return f"row is a {type(row).__name__}, not an object of columns"
     if prompt_column not in row:
@@ -120,6 +147,8 @@ def _row_problem(row: Any, prompt_column: str, required_columns: RequiredColumns
         shown = f"{present[:10]}"[:-1] + ", ...]" if len(present) > 10 else f"{present}"
         return f"no prompt column {prompt_column!r}; columns present: {shown} (set data.prompt_column)"
     problem = _prompt_problem(row[prompt_column])
+    if problem is None and images is not None:
+        problem = image_problem(row, prompt_column, images)
     if problem is not None:
         return problem
     needed = required_columns(row) if callable(required_columns) else required_columns
@@ -200,6 +229,7 @@ def check_rows(
     prompt_length: PromptLength | None = None,
     max_prompt_length: int | None = None,
     on_bad_row: Literal["fail", "skip"] = "fail",
+    images: ImageInputs | None = None,
     field: str | None = None,
     name: str | None = None,
     where: Sequence[str] | None = None,
@@ -207,9 +237,11 @@ def check_rows(
     """Check every row of a prompt dataset, so bad input stops the run (or is left out) before training.
 
     Each row must be a mapping with the prompt column; the prompt a string that is not empty or only
-    whitespace, or a non-empty list of {"role": str, "content": str} messages of which at least one
-    has non-blank content; each of `required_columns` present and not None; and, with
-    `prompt_length`, at most `max_prompt_length` tokens long. A row's first problem is reported.
+    whitespace, or a non-empty list of {"role": str, "content": str or [text and image parts]} messages
+    of which at least one has non-blank content; with `images`, its `image` / `images` open and match the
+    prompt's placeholders, and a text-only model gets none (`lmrl.data.images.image_problem`); each of
+    `required_columns` present and not None; and, with `prompt_length`, at most `max_prompt_length`
+    tokens long. A row's first problem is reported.
 
     Args:
         rows: the rows, or a `PromptDataset` (its prompt column, name and row locations are used).
@@ -225,6 +257,8 @@ def check_rows(
             with `prompt_length`.
         on_bad_row: "fail" raises on any bad row; "skip" leaves bad rows out and lists them in
             `CheckedRows.skipped` (the caller warns once with the count).
+        images: what the model takes besides text (its image token, or None for a text-only model);
+            None: images are not checked (the model is not known yet; `lmrl.build` checks them).
         field: the config field or argument the rows came from ("data.path", "data.eval_path",
             "train_dataset", ...); it starts the error message.
         name: how row locations name in-memory rows ("NAME index N"; default: `field`, else
@@ -263,7 +297,7 @@ def check_rows(
     bad: list[tuple[int, str]] = []
     good: list[int] = []
     for i, row in enumerate(rows):
-        problem = _row_problem(row, prompt_column, required_columns)
+        problem = _row_problem(row, prompt_column, required_columns, images)
         if problem is None:
             good.append(i)
         else:
