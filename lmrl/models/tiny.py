@@ -106,3 +106,50 @@ def tiny_causal_lm(
     model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval()
+
+
+IMAGE_TOKEN = "<image>"
+
+
+def tiny_llava(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    image_size: int = 32,
+    patch_size: int = 8,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+):
+    """A randomly initialised LLaVA sized for tests: a CLIP vision tower on `image_size` images cut in
+    `patch_size` patches (CLS dropped: `(image_size / patch_size)**2` image tokens, 16 by default), a
+    two-layer MLP projector, a tiny Llama; and its processor (Pillow's CLIP image processor: no torchvision).
+
+    Returns (model, processor). The tokenizer (default: `char_tokenizer()`) gets `<image>` as a special token.
+    """
+    import torch
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = tokenizer or char_tokenizer()
+    if IMAGE_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=patch_size,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=image_size, patch_size=patch_size)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+                       max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval(), processor

@@ -24,6 +24,7 @@ own `DynamicCache` and mask construction instead of (2) and (3); everything else
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from lmrl.models.shared_prompt import full_attention
+from lmrl.models.vision import Media, batch_media
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import cut_at_stop
 from lmrl.rollout.shared_prompt_decoder import SharedPromptDecoder
@@ -207,18 +209,25 @@ class HFGenerator:
             return "fixed_shapes", "fixed_shapes=True"
         return path, why
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, media: Sequence[Media | None] | None = None
+    ) -> Rollout:
         """Sample `n` completions for each prompt.
 
         Args:
             prompts: Token-id lists, one per prompt, each non-empty.
             n: Completions per prompt (>= 1); rows `i * n .. i * n + n - 1` belong to prompt `i`.
             params: Sampling parameters; `params.seed` makes the call reproducible.
+            media: For a vision-language model, each prompt's processor outputs besides its ids
+                (`lmrl.models.vision.Media`, None for a text prompt), computed once per prompt: the prefill
+                runs them with the prompt, once per distinct prompt; decode steps are text only.
 
         Returns:
             A `Rollout` with `len(prompts) * n` rows, tensors on `self.device`.
         """
         _validate_prompts(prompts)
+        if media is not None and len(media) != len(prompts):
+            raise ValueError(f"media: {len(media)} bundles for {len(prompts)} prompts")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n: completions per prompt must be an integer >= 1, got {n!r}")
         if not isinstance(params, SamplingParams):
@@ -245,18 +254,23 @@ class HFGenerator:
         try:
             with torch.inference_mode():
                 for rows in chunks:
-                    results.append(self._generate_chunk(prompts, row_prompt[rows].tolist(), params, rng))
+                    results.append(self._generate_chunk(prompts, row_prompt[rows].tolist(), params, rng, media))
         finally:
             self.model.train(was_training)
         return self._assemble(prompts, n, chunks, results, params)
 
     def _generate_chunk(
-        self, prompts: list[list[int]], row_prompt: list[int], params: SamplingParams, rng: torch.Generator
+        self,
+        prompts: list[list[int]],
+        row_prompt: list[int],
+        params: SamplingParams,
+        rng: torch.Generator,
+        media: Sequence[Media | None] | None = None,
     ) -> _ChunkResult:
         """Prefill the distinct prompts of `row_prompt`, then decode one completion per row."""
         device, max_new, num_rows = self.device, params.max_new_tokens, len(row_prompt)
         # 1. prefill: each distinct prompt once
-        start = self._prefill(prompts, row_prompt, max_new)
+        start = self._prefill(prompts, row_prompt, max_new, media)
         static, lean, cache, decoder, mask = start.static, start.lean, start.cache, start.decoder, start.mask
         logits, next_position, prompt_len = start.logits, start.next_position, start.prompt_len
         first_position = next_position  # [b] of every row, as the fixed-shape step takes them
@@ -319,8 +333,11 @@ class HFGenerator:
             logits = out.logits[:, -1].float()
         return self._trimmed(tokens, logprobs, lengths, finished)
 
-    def _prefill(self, prompts: list[list[int]], row_prompt: list[int], max_new: int) -> _Prefill:
-        """Run each distinct prompt of `row_prompt` once and set up the decode path; `[b, V]` first logits."""
+    def _prefill(
+        self, prompts: list[list[int]], row_prompt: list[int], max_new: int, media: Sequence[Media | None] | None = None
+    ) -> _Prefill:
+        """Run each distinct prompt of `row_prompt` once (with its images) and set up the decode path; `[b, V]`
+        first logits."""
         device = self.device
         distinct = sorted(set(row_prompt))
         local = {p: i for i, p in enumerate(distinct)}
@@ -341,6 +358,7 @@ class HFGenerator:
             **{self._cache_kwarg: cache},
             use_cache=True,
             logits_to_keep=1,
+            **(batch_media([media[p] for p in distinct], device) if media is not None else {}),
         )
         logits = out.logits[:, -1].float().index_select(0, row_local)  # [b, V]
         next_position = prompt_mask.sum(1).index_select(0, row_local)  # [b]

@@ -1,0 +1,72 @@
+"""Vision-language policies: loading one, and turning a prompt and its images into token ids plus one opaque
+bundle of processor outputs.
+
+A bundle (`Media`) is what a processor returns for one prompt besides `input_ids` and `attention_mask`:
+`pixel_values` for LLaVA, `pixel_values` and `image_grid_thw` for Qwen2-VL, and so on (video and audio
+later, the same way). It is computed once per prompt, not once per completion, and nothing between here
+and the model's forward looks inside it: `batch_media` concatenates the bundles of several prompts along
+their first dimension, as processors batch them, and the forward takes them as keyword arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+Media = dict[str, torch.Tensor]
+"""One prompt's processor outputs besides its token ids, e.g. {"pixel_values": [images, 3, H, W]}."""
+
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def takes_images(model: nn.Module) -> bool:
+    """A model with a vision tower (its config has a `vision_config`)."""
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def load_vision_model(name_or_path: str, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any]:
+    """`AutoModelForImageTextToText` and `AutoProcessor` from a directory or hub id; the model in eval mode."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(name_or_path)
+    model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
+    return model.eval(), processor
+
+
+def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]]) -> tuple[
+        list[list[int]], list[Media | None]]:
+    """Token ids and the bundle of each prompt, each prompt processed once on its own (no padding).
+
+    Args:
+        processor: the model's processor (its tokenizer expands each image token to the image's tokens).
+        prompts: prompt texts holding the processor's image token once per image.
+        images: the PIL images of each prompt, in order ([] for a text prompt).
+
+    Returns:
+        `[len(prompt) tokens]` per prompt, and its `Media` (None for a prompt without images).
+    """
+    if len(prompts) != len(images):
+        raise ValueError(f"images: {len(images)} image lists for {len(prompts)} prompts")
+    ids, bundles = [], []
+    for text, imgs in zip(prompts, images):
+        out = processor(text=[text], images=list(imgs) or None, return_tensors="pt")
+        ids.append(out["input_ids"][0].tolist())
+        media = {k: v for k, v in out.items() if k not in _TEXT_KEYS and isinstance(v, torch.Tensor)}
+        bundles.append(media or None)
+    return ids, bundles
+
+
+def batch_media(bundles: Sequence[Media | None], device: torch.device | str | None = None) -> Media:
+    """The bundles of several prompts as one forward's keyword arguments: each key concatenated along its
+    first dimension, in prompt order; prompts without images add nothing. {} when none has images."""
+    present = [b for b in bundles if b]
+    if not present:
+        return {}
+    keys = set(present[0])
+    if any(set(b) != keys for b in present):
+        raise ValueError(f"media: the prompts' bundles hold different keys: {sorted({k for b in present for k in b})}")
+    return {k: torch.cat([b[k] for b in present]).to(device) if device is not None else torch.cat([b[k] for b in present])
+            for k in present[0]}

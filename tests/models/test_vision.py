@@ -1,0 +1,110 @@
+"""Vision-language policies (lmrl.models.vision): a tiny LLaVA built here (CLIP tower on 32x32 images, patch 8,
+on a tiny Llama), loaded through AutoModelForImageTextToText + AutoProcessor, each prompt's images processed
+once, and lmrl's decode sampling from it with the log-probs a plain forward gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from lmrl.models.tiny import IMAGE_TOKEN, tiny_llava
+from lmrl.models.vision import batch_media, encode_with_media, load_vision_model, takes_images
+from lmrl.rollout import HFGenerator, SamplingParams
+
+PROMPTS = [f"{IMAGE_TOKEN}what is it?", f"{IMAGE_TOKEN}{IMAGE_TOKEN}which is larger?", "no image: 1+1="]
+
+
+def drawn(value: int) -> Image.Image:
+    """A 20x28 image (resized to 32x32 by the processor) with `value` in its red channel and a bright stripe."""
+    image = Image.new("RGB", (20, 28), (value, 40, 200 - value))
+    for i in range(20):
+        image.putpixel((i, value % 28), (255, 255, 255))
+    return image
+
+
+IMAGES = [[drawn(10)], [drawn(100), drawn(200)], []]
+
+
+@pytest.fixture(scope="module")
+def llava():
+    model, processor = tiny_llava(seed=0)
+    with torch.no_grad():  # a fresh init repeats its input: perturb so that outputs depend on what it sees
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model, processor
+
+
+def forward_logprobs(model, prompt_ids, media, response_ids, length):
+    """Log-probs of the response tokens under one plain forward of prompt + response, with the prompt's images."""
+    ids = torch.tensor([prompt_ids + response_ids[:length]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, **(media or {})).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+    return logp.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1)
+
+
+def test_each_image_is_16_tokens_and_a_bundle_per_prompt(llava):
+    model, processor = llava
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    image_id = model.config.image_token_index
+    assert [row.count(image_id) for row in ids] == [16, 32, 0]
+    assert media[2] is None
+    assert [m["pixel_values"].shape for m in media[:2]] == [(1, 3, 32, 32), (2, 3, 32, 32)]
+    batch = batch_media(media)
+    assert batch["pixel_values"].shape == (3, 3, 32, 32)
+    torch.testing.assert_close(batch["pixel_values"][1:], media[1]["pixel_values"])
+    assert batch_media([None, None]) == {} and takes_images(model)
+    with pytest.raises(ValueError, match="3 prompts"):
+        encode_with_media(processor, PROMPTS, IMAGES[:2])
+
+
+def test_saved_and_loaded_through_the_auto_classes(llava, tmp_path):
+    model, processor = llava
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded, loaded_processor = load_vision_model(str(tmp_path))
+    assert type(loaded).__name__ == "LlavaForConditionalGeneration"
+    ids, media = encode_with_media(loaded_processor, PROMPTS[:1], IMAGES[:1])
+    assert ids == encode_with_media(processor, PROMPTS[:1], IMAGES[:1])[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=torch.tensor(ids), **media[0]).logits,
+                                   model(input_ids=torch.tensor(ids), **media[0]).logits)
+
+
+def test_decode_with_images_matches_a_plain_forward_and_sees_the_images(llava):
+    model, processor = llava
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    seen = []
+    hook = model.model.vision_tower.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        rollout = HFGenerator(model, processor.tokenizer, eos_token_id=[]).generate(
+            ids, 4, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0), media=media)
+    finally:
+        hook.remove()
+    assert seen == [3]  # one prefill of the 3 prompts' 3 images, not one per completion (4 each)
+    assert rollout.response_ids.shape == (12, 6)
+    for row in range(12):
+        p = row // 4
+        expected = forward_logprobs(model, ids[p], media[p], rollout.response_ids[row].tolist(), 6)
+        torch.testing.assert_close(rollout.logprobs[row], expected, atol=1e-5, rtol=0)
+    # the same prompt with another image: other first-token distributions (the image reaches the logits)
+    other = encode_with_media(processor, PROMPTS[:1], [[drawn(230)]])[1]
+    with torch.no_grad():
+        a = model(input_ids=torch.tensor(ids[:1]), **media[0]).logits[0, -1]
+        b = model(input_ids=torch.tensor(ids[:1]), **other[0]).logits[0, -1]
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_rows_with_and_without_images_in_one_chunk_and_in_several(llava):
+    """One forward batch or one chunk per prompt: the same samples (the bundles follow their prompts)."""
+    model, processor = llava
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    whole = HFGenerator(model, processor.tokenizer, eos_token_id=[]).generate(ids, 2, params, media=media)
+    split = HFGenerator(model, processor.tokenizer, eos_token_id=[], batch_size=2).generate(ids, 2, params, media=media)
+    assert torch.equal(whole.response_ids, split.response_ids)
+    torch.testing.assert_close(whole.logprobs, split.logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="media: 2 bundles for 3 prompts"):
+        HFGenerator(model, processor.tokenizer).generate(ids, 2, params, media=media[:2])
