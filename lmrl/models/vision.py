@@ -70,3 +70,24 @@ def batch_media(bundles: Sequence[Media | None], device: torch.device | str | No
         raise ValueError(f"media: the prompts' bundles hold different keys: {sorted({k for b in present for k in b})}")
     return {k: torch.cat([b[k] for b in present]).to(device) if device is not None else torch.cat([b[k] for b in present])
             for k in present[0]}
+
+
+def row_media(bundles: Sequence[Media | None], prompt_index: Sequence[int] | torch.Tensor,
+              device: torch.device | str | None = None) -> Media:
+    """The forward arguments of a batch of rows (prompt + completion each) whose prompts are
+    `bundles[prompt_index[row]]`: each row brings its prompt's bundle, in row order, so that any selection of
+    rows (a micro-batch) is scored with exactly its own images."""
+    index = prompt_index.tolist() if isinstance(prompt_index, torch.Tensor) else list(prompt_index)
+    return batch_media([bundles[i] for i in index], device)
+
+
+def freeze_vision(model: nn.Module) -> list[str]:
+    """Turn off gradients of the vision tower (what `model.freeze_vision` asks for: the projector and the
+    language model train); returns the frozen parameters' names. A model without a vision tower is unchanged."""
+    tower = getattr(getattr(model, "model", model), "vision_tower", None)
+    if tower is None:
+        return []
+    for p in tower.parameters():
+        p.requires_grad_(False)
+    prefix = next(n for n, m in model.named_modules() if m is tower)
+    return [f"{prefix}.{n}" for n, _ in tower.named_parameters()]

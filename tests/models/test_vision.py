@@ -108,3 +108,70 @@ def test_rows_with_and_without_images_in_one_chunk_and_in_several(llava):
     torch.testing.assert_close(whole.logprobs, split.logprobs, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="media: 2 bundles for 3 prompts"):
         HFGenerator(model, processor.tokenizer).generate(ids, 2, params, media=media[:2])
+
+
+def test_the_training_forward_with_each_rows_images_scores_what_the_sampler_drew(llava):
+    """Sampler vs trainer: the batch forward (left-padded rows, each with its prompt's images, whole or in
+    micro-batches, any row order) gives the sampling log-probs, so the KL between them is ~0."""
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.vision import row_media
+
+    model, processor = llava
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    rollout = HFGenerator(model, processor.tokenizer).generate(
+        ids, 3, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3), media=media)
+    seqs = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)
+    attn = torch.cat([rollout.prompt_mask, rollout.response_mask], 1).long()
+    T, mask = rollout.response_ids.shape[1], rollout.response_mask
+    with torch.no_grad():
+        whole = model_forward_logprobs(model, seqs, attn, T, media=row_media(media, rollout.prompt_index))
+        order = torch.tensor([8, 0, 4, 5, 1, 7, 2, 3, 6])  # micro-batches of 3 rows from all prompts
+        parts = torch.cat([model_forward_logprobs(model, seqs[rows], attn[rows], T,
+                                                  media=row_media(media, rollout.prompt_index[rows]))
+                           for rows in order.split(3)])
+    kl = ((rollout.logprobs - whole) * mask).sum() / mask.sum()  # k1 estimate of KL(sampler || trainer)
+    assert abs(kl.item()) < 1e-6
+    torch.testing.assert_close(whole[mask], rollout.logprobs[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(parts[mask[order]], whole[order][mask[order]], atol=1e-5, rtol=0)
+
+
+def test_padding_cannot_change_a_score(llava):
+    """A row scored alone (no padding) and among longer prompts (left padding): the same log-probs."""
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.vision import row_media
+
+    model, processor = llava
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    rollout = HFGenerator(model, processor.tokenizer, eos_token_id=[]).generate(
+        ids, 1, SamplingParams(max_new_tokens=4, temperature=1.0, seed=5), media=media)
+    seqs = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)
+    attn = torch.cat([rollout.prompt_mask, rollout.response_mask], 1).long()
+    assert (attn[0] == 0).any() and (attn[2] == 0).any()  # the short prompts are padded
+    with torch.no_grad():
+        batch = model_forward_logprobs(model, seqs, attn, 4, media=row_media(media, [0, 1, 2]))
+        for row in range(3):
+            alone = seqs[row][attn[row].bool()][None]
+            single = model_forward_logprobs(model, alone, torch.ones_like(alone), 4, media=row_media(media, [row]))
+            torch.testing.assert_close(single[0], batch[row], atol=1e-5, rtol=0)
+
+
+def test_a_frozen_vision_tower_gets_no_gradient_and_the_rest_finite_ones():
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.vision import freeze_vision, row_media
+
+    model, processor = tiny_llava(seed=2)
+    frozen = freeze_vision(model)
+    assert frozen and all(name.startswith("model.vision_tower.") for name in frozen)
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    rollout = HFGenerator(model, processor.tokenizer, eos_token_id=[]).generate(
+        ids, 2, SamplingParams(max_new_tokens=3, temperature=1.0, seed=0), media=media)
+    seqs = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)
+    attn = torch.cat([rollout.prompt_mask, rollout.response_mask], 1).long()
+    model.train()
+    model_forward_logprobs(model, seqs, attn, 3, media=row_media(media, rollout.prompt_index)).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(grads[n] is None for n in frozen)
+    trained = [n for n in grads if n not in frozen]
+    assert all(grads[n] is not None and torch.isfinite(grads[n]).all() for n in trained)
+    projector = [grads[n].abs().sum() for n in trained if "multi_modal_projector" in n]
+    assert projector and all(g > 0 for g in projector)  # the images' gradient reaches the projector
