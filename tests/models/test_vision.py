@@ -175,3 +175,17 @@ def test_a_frozen_vision_tower_gets_no_gradient_and_the_rest_finite_ones():
     assert all(grads[n] is not None and torch.isfinite(grads[n]).all() for n in trained)
     projector = [grads[n].abs().sum() for n in trained if "multi_modal_projector" in n]
     assert projector and all(g > 0 for g in projector)  # the images' gradient reaches the projector
+
+
+def test_the_fixed_shape_step_a_gpu_captures_samples_the_same(llava):
+    """On CUDA the decode step is a CUDA graph of fixed shapes (`lmrl.rollout.static_decode`); the same step run
+    eagerly here (fixed_shapes=True) samples what the cache path samples, images and all."""
+    model, processor = llava
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0)
+    cache = HFGenerator(model, processor.tokenizer).generate(ids, 3, params, media=media)
+    fixed = HFGenerator(model, processor.tokenizer, fixed_shapes=True)
+    assert fixed.decode_path()[0] == "fixed_shapes"
+    out = fixed.generate(ids, 3, params, media=media)
+    assert torch.equal(out.response_ids, cache.response_ids)
+    torch.testing.assert_close(out.logprobs, cache.logprobs, atol=1e-5, rtol=0)
