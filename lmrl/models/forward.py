@@ -26,6 +26,7 @@ from torch import nn
 
 from lmrl.algorithms.logprobs import token_entropy, token_logprobs
 from lmrl.models.shared_prompt import lora_base, shared_prompt_hidden
+from lmrl.models.vision import mrope_positions
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -135,6 +136,9 @@ def response_forward(
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
     positions = position_ids_from_mask(attention_mask)
+    if media:  # a Qwen2-VL-style model rotates with 3-D positions, never these 2-D ones copied to 3 axes
+        rope = mrope_positions(model, sequences, attention_mask, media)
+        positions = rope if rope is not None else positions
     share_prompt = share_prompt and not media  # the prompt's image features come from the model's own forward
     states = shared_prompt_hidden(model, sequences, attention_mask, positions, t) if share_prompt else None  # [B, T, H]
     if states is not None:

@@ -153,3 +153,61 @@ def tiny_llava(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.eval(), processor
+
+
+class TinyQwen2VLProcessor:
+    """What `Qwen2VLProcessor` does for images, for `tiny_qwen2_vl`: transformers' own class insists on a video
+    processor, which needs torchvision (not installable beside the CPU torch here). Each image token of the
+    text becomes `<|vision_start|>`, one `<|image_pad|>` per merged patch, `<|vision_end|>`."""
+
+    image_token = "<|image_pad|>"
+
+    def __init__(self, image_processor, tokenizer) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.merge = image_processor.merge_size
+
+    def __call__(self, text: list[str], images=None, return_tensors: str = "pt"):
+        from transformers import BatchFeature
+
+        out = {}
+        if images:
+            out = dict(self.image_processor(images=images, return_tensors=return_tensors))
+            counts = iter((out["image_grid_thw"].prod(-1) // self.merge**2).tolist())
+            text = [t.replace(self.image_token, "\0") for t in text]
+            text = ["".join(part if i == 0 else f"<|vision_start|>{self.image_token * next(counts)}<|vision_end|>{part}"
+                            for i, part in enumerate(t.split("\0"))) for t in text]
+        out.update(self.tokenizer(text, return_tensors=return_tensors, padding=True))
+        return BatchFeature(out)
+
+
+def tiny_qwen2_vl(hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
+    """A randomly initialised Qwen2-VL sized for tests: a one-block vision tower on 8-pixel patches merged 2x2
+    (a 32x32 image is 4 image tokens, a 64x32 one 8), M-RoPE sections (2, 3, 3) on a tiny Qwen2 decoder;
+    and a `TinyQwen2VLProcessor` over Pillow's Qwen2-VL image processor and a char tokenizer.
+
+    Returns (model, processor).
+    """
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = char_tokenizer()
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials)))
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8, merge_size=2,
+                                      temporal_patch_size=2)
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)
+    vision = dict(depth=1, embed_dim=32, hidden_size=hidden_size, num_heads=2, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"])
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval(), TinyQwen2VLProcessor(images, tokenizer)

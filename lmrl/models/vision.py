@@ -1,11 +1,19 @@
 """Vision-language policies: loading one, and turning a prompt and its images into token ids plus one opaque
 bundle of processor outputs.
 
-A bundle (`Media`) is what a processor returns for one prompt besides `input_ids` and `attention_mask`:
-`pixel_values` for LLaVA, `pixel_values` and `image_grid_thw` for Qwen2-VL, and so on (video and audio
-later, the same way). It is computed once per prompt, not once per completion, and nothing between here
-and the model's forward looks inside it: `batch_media` concatenates the bundles of several prompts along
-their first dimension, as processors batch them, and the forward takes them as keyword arguments.
+A bundle (`Media`) is what a processor returns for one prompt besides its per-token outputs (`input_ids`,
+`attention_mask`, `mm_token_type_ids`): `pixel_values` for LLaVA, `pixel_values` and `image_grid_thw` for
+Qwen2-VL, and so on (video and audio later, the same way). It is computed once per prompt, not once per
+completion, and nothing between here and the model's forward looks inside it: `batch_media` concatenates
+the bundles of several prompts along their first dimension, as processors batch them, and the forward
+takes them as keyword arguments.
+
+Positions. LLaVA-style models take the 1-D positions of text. Qwen2-VL-style models rotate with 3-D
+(M-RoPE) positions: temporal, height and width for image tokens, and text after an image continues from
+the image's largest position. Given 2-D `position_ids` such a model silently copies them to all three
+axes (wrong for image tokens), so `mrope_positions` computes the 3-D ones with the model's own
+`get_rope_index`, for left-padded batches, in the prefill and the training forward alike; decode steps
+then pass each row's next text position, the same on every axis.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from torch import nn
 Media = dict[str, torch.Tensor]
 """One prompt's processor outputs besides its token ids, e.g. {"pixel_values": [images, 3, H, W]}."""
 
-_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+# per-token outputs: aligned with the token ids, padded with them, never concatenated as a bundle
+_TOWERS = ("vision_tower", "visual")  # LLaVA, Gemma 3, ... / Qwen2-VL, Qwen2.5-VL
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
 def takes_images(model: nn.Module) -> bool:
@@ -84,10 +94,39 @@ def row_media(bundles: Sequence[Media | None], prompt_index: Sequence[int] | tor
 def freeze_vision(model: nn.Module) -> list[str]:
     """Turn off gradients of the vision tower (what `model.freeze_vision` asks for: the projector and the
     language model train); returns the frozen parameters' names. A model without a vision tower is unchanged."""
-    tower = getattr(getattr(model, "model", model), "vision_tower", None)
+    inner = getattr(model, "model", model)
+    tower = next((getattr(inner, name) for name in _TOWERS if getattr(inner, name, None) is not None), None)
     if tower is None:
         return []
     for p in tower.parameters():
         p.requires_grad_(False)
     prefix = next(n for n, m in model.named_modules() if m is tower)
     return [f"{prefix}.{n}" for n, _ in tower.named_parameters()]
+
+
+def uses_mrope(model: nn.Module) -> bool:
+    """A Qwen2-VL-style model: 3-D rotary positions from its `get_rope_index` (`mrope_positions`)."""
+    return callable(getattr(getattr(model, "model", None), "get_rope_index", None))
+
+
+def mrope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    media: Media) -> torch.Tensor | None:
+    """`[3, B, S]` M-RoPE position ids of a left-padded batch whose images are `media` (batched in row order),
+    as the model computes them for one unpadded row (padding gets 0); None for a model with 1-D positions.
+
+    Args:
+        model: the vision-language model.
+        input_ids: `[B, S]` left-padded ids, each image's tokens in place.
+        attention_mask: `[B, S]`, 1 on real tokens.
+        media: the batch's bundles (`image_grid_thw` / `video_grid_thw` say each image's patch grid).
+    """
+    if not uses_mrope(model):
+        return None
+    config = model.config
+    kinds = torch.zeros_like(input_ids, dtype=torch.int)  # 0 text, 1 image, 2 video: what processors return
+    kinds[input_ids == config.image_token_id] = 1
+    if getattr(config, "video_token_id", None) is not None:
+        kinds[input_ids == config.video_token_id] = 2
+    positions, _ = model.model.get_rope_index(input_ids, kinds, media.get("image_grid_thw"),
+                                              media.get("video_grid_thw"), attention_mask=attention_mask)
+    return positions

@@ -32,7 +32,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from lmrl.models.shared_prompt import full_attention
-from lmrl.models.vision import Media, batch_media
+from lmrl.models.vision import Media, batch_media, mrope_positions
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import cut_at_stop
 from lmrl.rollout.shared_prompt_decoder import SharedPromptDecoder
@@ -351,6 +351,11 @@ class HFGenerator:
         static, lean = path in ("cuda_graph", "fixed_shapes"), path == "shared_prompt"
         cache = self._new_cache(prompt_len if lean or static else capacity)
         position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
+        next_position = prompt_mask.sum(1)  # [U]
+        extra = batch_media([media[p] for p in distinct], device) if media is not None else {}
+        rope = mrope_positions(self.model, prompt_ids, prompt_mask.long(), extra) if extra else None
+        if rope is not None:  # 3-D positions (Qwen2-VL); text goes on after each prompt's largest position
+            position_ids, next_position = rope, rope.amax(dim=(0, 2)) + 1
         out = self.model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask.long(),
@@ -358,10 +363,10 @@ class HFGenerator:
             **{self._cache_kwarg: cache},
             use_cache=True,
             logits_to_keep=1,
-            **(batch_media([media[p] for p in distinct], device) if media is not None else {}),
+            **extra,
         )
         logits = out.logits[:, -1].float().index_select(0, row_local)  # [b, V]
-        next_position = prompt_mask.sum(1).index_select(0, row_local)  # [b]
+        next_position = next_position.index_select(0, row_local)  # [b]
         decoder, mask = None, None
         if static:
             decoder = StaticDecoder(self.model, cache, prompt_mask, row_local, max_new, self._cache_kwarg,

@@ -189,3 +189,80 @@ def test_the_fixed_shape_step_a_gpu_captures_samples_the_same(llava):
     out = fixed.generate(ids, 3, params, media=media)
     assert torch.equal(out.response_ids, cache.response_ids)
     torch.testing.assert_close(out.logprobs, cache.logprobs, atol=1e-5, rtol=0)
+
+
+# --- Qwen2-VL style: 3-D rotary positions (M-RoPE) computed by the model, never 2-D position_ids ---------------
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    from lmrl.models.tiny import tiny_qwen2_vl
+
+    model, processor = tiny_qwen2_vl(seed=0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    token = processor.image_token
+    prompts = [f"{token}what?", f"{token}and{token}which?", "plain 1+1="]
+    images = [[Image.new("RGB", (64, 32), (10, 200, 3))], [drawn(100), Image.new("RGB", (64, 64), (0, 0, 200))], []]
+    ids, media = encode_with_media(processor, prompts, images)
+    return model, processor, ids, media
+
+
+def own_positions_logprobs(model, prompt_ids, media, response_ids):
+    """One unpadded row, positions left to the model (it computes M-RoPE from the image grid): the reference."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                       **(media or {})).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+    return logp.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1)
+
+
+def test_qwen2_vl_decode_and_training_forward_use_the_models_3d_positions(qwen2_vl):
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.vision import mrope_positions, row_media, uses_mrope
+
+    model, processor, ids, media = qwen2_vl
+    assert uses_mrope(model) and [m["image_grid_thw"].shape[0] for m in media[:2]] == [1, 2] and media[2] is None
+    rollout = HFGenerator(model, processor.tokenizer, eos_token_id=[]).generate(
+        ids, 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=0), media=media)
+    for row in range(6):
+        expected = own_positions_logprobs(model, ids[row // 2], media[row // 2], rollout.response_ids[row].tolist())
+        torch.testing.assert_close(rollout.logprobs[row], expected, atol=1e-5, rtol=0)
+    seqs = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)
+    attn = torch.cat([rollout.prompt_mask, rollout.response_mask], 1).long()
+    batch = row_media(media, rollout.prompt_index)
+    with torch.no_grad():
+        trained = model_forward_logprobs(model, seqs, attn, 5, media=batch)
+        # what a 2-D position_ids does: the model copies it to all three axes, and the scores move
+        flat = model(input_ids=seqs, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0), **batch).logits
+    kl = (rollout.logprobs - trained).mean()  # k1: sampler vs trainer
+    assert abs(kl.item()) < 1e-6
+    torch.testing.assert_close(trained, rollout.logprobs, atol=1e-5, rtol=0)
+    positions = mrope_positions(model, seqs, attn, batch)
+    assert positions.shape == (3, *seqs.shape) and not torch.equal(positions[1], positions[2])  # height != width
+    flat_logp = torch.log_softmax(flat[:, -6:-1].float(), -1).gather(2, seqs[:, -5:, None]).squeeze(2)
+    assert (flat_logp[:4] - trained[:4]).abs().max() > 1e-3  # the image rows: 2-D positions would be wrong
+
+
+def test_qwen2_vl_frozen_tower_and_finite_gradients_elsewhere(qwen2_vl):
+    import copy
+
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.vision import freeze_vision, row_media
+
+    model, processor, ids, media = qwen2_vl
+    model = copy.deepcopy(model)
+    frozen = freeze_vision(model)
+    assert frozen and all(name.startswith("model.visual.") for name in frozen)
+    rollout = HFGenerator(model, processor.tokenizer, eos_token_id=[]).generate(
+        ids, 2, SamplingParams(max_new_tokens=3, temperature=1.0, seed=1), media=media)
+    seqs = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)
+    attn = torch.cat([rollout.prompt_mask, rollout.response_mask], 1).long()
+    model.train()
+    model_forward_logprobs(model, seqs, attn, 3, media=row_media(media, rollout.prompt_index)).sum().backward()
+    grads = dict(model.named_parameters())
+    assert all(grads[n].grad is None for n in frozen)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for n, p in grads.items() if n not in frozen)
