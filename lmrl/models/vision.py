@@ -37,6 +37,15 @@ def takes_images(model: nn.Module) -> bool:
     return getattr(model.config, "vision_config", None) is not None
 
 
+def media_token_ids(model: nn.Module) -> list[int]:
+    """The placeholder tokens a vision-language model replaces with image (or video) features: a completion must
+    never hold one, or scoring it would find more placeholders than images. [] for a text model."""
+    config = getattr(model, "config", None)
+    names = ("image_token_index", "image_token_id", "video_token_index", "video_token_id")
+    ids = [getattr(config, name, None) for name in names]
+    return sorted({i for i in ids if isinstance(i, int)}) if takes_images(model) else []
+
+
 def load_vision_model(name_or_path: str, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any]:
     """`AutoModelForImageTextToText` and `AutoProcessor` from a directory or hub id; the model in eval mode."""
     from transformers import AutoModelForImageTextToText, AutoProcessor

@@ -32,7 +32,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from lmrl.models.shared_prompt import full_attention
-from lmrl.models.vision import Media, batch_media, mrope_positions
+from lmrl.models.vision import Media, batch_media, media_token_ids, mrope_positions
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import cut_at_stop
 from lmrl.rollout.shared_prompt_decoder import SharedPromptDecoder
@@ -184,6 +184,8 @@ class HFGenerator:
             pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.pad_token_id = int(pad_token_id)
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
+        banned = media_token_ids(model)  # image placeholders: never sampled
+        self._banned = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         self._rng = torch.Generator(device=self.device)
@@ -286,7 +288,7 @@ class HFGenerator:
 
         # 2. decode: sample from the last logits, record, feed the token back
         for t in range(max_new):
-            token, token_logprob = _sample(logits, params, rng)  # [a], [a]
+            token, token_logprob = _sample(logits, params, rng, self._banned)  # [a], [a]
             tokens[active, t] = token
             logprobs[active, t] = token_logprob
             ended = torch.isin(token, self._eos) if len(self.eos_token_ids) else torch.zeros_like(done)
@@ -494,7 +496,7 @@ class _StopChecker:
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator, banned: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return it and its log-prob under the untruncated distribution.
 
@@ -502,21 +504,24 @@ def _sample(
         logits: `[B, V]` float32 next-token logits.
         params: temperature (0 = argmax), top_k, top_p.
         rng: Source of randomness.
+        banned: `[K]` token ids never sampled (a vision-language model's image placeholders: one in a
+            completion would give the training forward more image tokens than images).
 
     Returns:
         `[B]` token ids and `[B]` float32 log softmax(logits / temperature)[token] (temperature 1 when
-        greedy). Top-k / top-p only restrict where samples are drawn from; the log-prob is that of the
-        full distribution, which is what the trainer's forward pass computes.
+        greedy). Top-k / top-p and `banned` only restrict where samples are drawn from; the log-prob is that
+        of the full distribution, which is what the trainer's forward pass computes.
     """
     if params.temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
-        token = logits.argmax(dim=-1)
+        token = (logits if banned is None else logits.index_fill(1, banned, float("-inf"))).argmax(dim=-1)
     else:
         logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [B, V]
+        allowed = logp if banned is None else logp.index_fill(1, banned, float("-inf"))
         if params.top_k > 0 or params.top_p < 1.0:
-            probs = torch.softmax(_truncate(logp, params.top_k, params.top_p), dim=-1)
+            probs = torch.softmax(_truncate(allowed, params.top_k, params.top_p), dim=-1)
         else:
-            probs = logp.exp()
+            probs = logp.exp() if banned is None else torch.softmax(allowed, dim=-1)
         token = _sample_categorical(probs, rng)
     return token, logp.gather(1, token[:, None]).squeeze(1)
 

@@ -266,3 +266,35 @@ def test_qwen2_vl_frozen_tower_and_finite_gradients_elsewhere(qwen2_vl):
     grads = dict(model.named_parameters())
     assert all(grads[n].grad is None for n in frozen)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for n, p in grads.items() if n not in frozen)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_image_placeholder_is_never_sampled(llava, temperature):
+    """A completion holding `<image>` would give the training forward more placeholders than images (TRL #3847):
+    the sampler draws around it, and reports the full distribution's log-probs, as a plain forward scores them."""
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.vision import media_token_ids, row_media
+
+    model, processor = llava
+    image_id = model.config.image_token_index
+    assert media_token_ids(model) == [image_id]
+
+    def favour_image(module, args, out):  # the image token takes nearly all the mass
+        out = out.clone()
+        out[..., image_id] += 30.0
+        return out
+
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    hook = model.lm_head.register_forward_hook(favour_image)
+    try:
+        rollout = HFGenerator(model, processor.tokenizer, eos_token_id=[]).generate(
+            ids, 2, SamplingParams(max_new_tokens=4, temperature=temperature, seed=0), media=media)
+        assert not (rollout.response_ids == image_id).any()
+        seqs = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)
+        attn = torch.cat([rollout.prompt_mask, rollout.response_mask], 1).long()
+        with torch.no_grad():
+            scored = model_forward_logprobs(model, seqs, attn, 4, media=row_media(media, rollout.prompt_index))
+    finally:
+        hook.remove()
+    assert (rollout.logprobs < -10).all()  # the full distribution's: the image token kept its mass
+    torch.testing.assert_close(scored, rollout.logprobs, atol=1e-4, rtol=0)
