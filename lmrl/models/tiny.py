@@ -211,3 +211,38 @@ def tiny_qwen2_vl(hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.eval(), TinyQwen2VLProcessor(images, tokenizer)
+
+
+def tiny_idefics3(hidden_size: int = 128, num_heads: int = 2, num_layers: int = 2, seed: int = 0):
+    """A randomly initialised Idefics3 (SmolVLM's architecture) sized for tests: a SigLIP tower on 32x32 images
+    in 8-pixel patches, pixel-shuffled 2x2 (4 image tokens each, between `<fake_token_around_image>` tokens),
+    on a tiny Llama whose head dim (64) vLLM's CPU attention supports; with transformers' own processor over
+    Pillow's Idefics3 image processor (no image splitting). vLLM's CPU build loads this architecture here.
+
+    Returns (model, processor).
+    """
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = char_tokenizer()
+    grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]  # the processor looks them up
+    specials = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>", *grid]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 32},
+                                       do_image_splitting=False)
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4)
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=hidden_size,
+                intermediate_size=2 * hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                num_key_value_heads=num_heads, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                            pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval(), processor

@@ -28,7 +28,7 @@ Media = dict[str, torch.Tensor]
 """One prompt's processor outputs besides its token ids, e.g. {"pixel_values": [images, 3, H, W]}."""
 
 # per-token outputs: aligned with the token ids, padded with them, never concatenated as a bundle
-_TOWERS = ("vision_tower", "visual")  # LLaVA, Gemma 3, ... / Qwen2-VL, Qwen2.5-VL
+_TOWERS = ("vision_tower", "visual", "vision_model")  # LLaVA, Gemma 3 / Qwen2-VL, 2.5-VL / Idefics3, SmolVLM
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
@@ -80,15 +80,31 @@ def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[S
 
 def batch_media(bundles: Sequence[Media | None], device: torch.device | str | None = None) -> Media:
     """The bundles of several prompts as one forward's keyword arguments: each key concatenated along its
-    first dimension, in prompt order; prompts without images add nothing. {} when none has images."""
+    first dimension, in prompt order; prompts without images add nothing. {} when none has images.
+
+    Where prompts differ in a later dimension (Idefics3 / SmolVLM: `[1, images, 3, H, W]` pixel values and
+    their pixel masks), the smaller ones are padded with zeros, as the processor pads a batch: an all-zero
+    image is padding to those models."""
     present = [b for b in bundles if b]
     if not present:
         return {}
     keys = set(present[0])
     if any(set(b) != keys for b in present):
         raise ValueError(f"media: the prompts' bundles hold different keys: {sorted({k for b in present for k in b})}")
-    return {k: torch.cat([b[k] for b in present]).to(device) if device is not None else torch.cat([b[k] for b in present])
-            for k in present[0]}
+    out = {}
+    for key in present[0]:
+        parts = [b[key] for b in present]
+        shape = [max(sizes) for sizes in zip(*(p.shape[1:] for p in parts))]
+        parts = [p if list(p.shape[1:]) == shape else _zero_padded(p, shape) for p in parts]
+        out[key] = torch.cat(parts) if device is None else torch.cat(parts).to(device)
+    return out
+
+
+def _zero_padded(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """`x` (`[N, *rest]`) in a zero tensor of shape `[N, *shape]`, at the start of every dimension."""
+    out = x.new_zeros((x.shape[0], *shape))
+    out[(slice(None), *(slice(0, n) for n in x.shape[1:]))] = x
+    return out
 
 
 def row_media(bundles: Sequence[Media | None], prompt_index: Sequence[int] | torch.Tensor,

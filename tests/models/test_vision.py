@@ -298,3 +298,33 @@ def test_an_image_placeholder_is_never_sampled(llava, temperature):
         hook.remove()
     assert (rollout.logprobs < -10).all()  # the full distribution's: the image token kept its mass
     torch.testing.assert_close(scored, rollout.logprobs, atol=1e-4, rtol=0)
+
+
+def test_idefics3_several_images_padded_per_prompt_score_as_sampled():
+    """Idefics3 / SmolVLM take `[prompts, images, 3, H, W]`: prompts with 1, 2 and 0 images are zero-padded to
+    one batch (an all-zero image is padding to the model), and the training forward scores what was sampled.
+    vLLM's CPU build loads this architecture here (docs/vision.md)."""
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.tiny import tiny_idefics3
+    from lmrl.models.vision import freeze_vision, row_media
+
+    model, processor = tiny_idefics3(seed=0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    ids, media = encode_with_media(processor, PROMPTS, IMAGES)
+    assert [m["pixel_values"].shape[1] for m in media[:2]] == [1, 2] and media[2] is None
+    assert row_media(media, [0, 1, 2, 0])["pixel_values"].shape == (3, 2, 3, 32, 32)  # rows with images, padded
+    rollout = HFGenerator(model, processor.tokenizer, eos_token_id=[]).generate(
+        ids, 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=0), media=media)
+    for row in range(6):
+        expected = forward_logprobs(model, ids[row // 2], media[row // 2], rollout.response_ids[row].tolist(), 5)
+        torch.testing.assert_close(rollout.logprobs[row], expected, atol=5e-5, rtol=0)
+    seqs = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)
+    attn = torch.cat([rollout.prompt_mask, rollout.response_mask], 1).long()
+    with torch.no_grad():
+        trained = model_forward_logprobs(model, seqs, attn, 5, media=row_media(media, rollout.prompt_index))
+    torch.testing.assert_close(trained, rollout.logprobs, atol=5e-5, rtol=0)
+    assert abs((rollout.logprobs - trained).mean().item()) < 1e-5  # sampler vs trainer KL (k1)
+    assert freeze_vision(model)[0].startswith("model.vision_model.")
