@@ -109,6 +109,13 @@ def tiny_causal_lm(
 
 
 IMAGE_TOKEN = "<image>"
+# messages whose content is a string or a list of text and image parts, each image part as `<image>`
+PARTS_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
 
 def tiny_llava(
@@ -139,7 +146,8 @@ def tiny_llava(
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     images = CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
     processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=patch_size,
-                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=PARTS_TEMPLATE)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               image_size=image_size, patch_size=patch_size)
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,

@@ -55,6 +55,17 @@ def load_vision_model(name_or_path: str, dtype: torch.dtype | None = None) -> tu
     return model.eval(), processor
 
 
+def prompt_text(processor: Any, prompt: str | list[dict[str, Any]]) -> str:
+    """A row's prompt as the text its processor takes: a string as it is; chat messages (content a string or
+    text and image parts) through the processor's chat template, which writes each image part as its token."""
+    if isinstance(prompt, str):
+        return prompt
+    if not getattr(processor, "chat_template", None):
+        raise ValueError("prompt is a list of messages but the processor has no chat template; give the model's "
+                         "processor one, or write the prompt as a string with its image token")
+    return processor.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+
+
 def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]]) -> tuple[
         list[list[int]], list[Media | None]]:
     """Token ids and the bundle of each prompt, each prompt processed once on its own (no padding).

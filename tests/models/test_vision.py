@@ -328,3 +328,44 @@ def test_idefics3_several_images_padded_per_prompt_score_as_sampled():
     torch.testing.assert_close(trained, rollout.logprobs, atol=5e-5, rtol=0)
     assert abs((rollout.logprobs - trained).mean().item()) < 1e-5  # sampler vs trainer KL (k1)
     assert freeze_vision(model)[0].startswith("model.vision_model.")
+
+
+def test_a_jsonl_file_of_image_rows_to_samples_and_scores(tmp_path):
+    """From the data file to the forward: rows with one image, two and none (chat parts and a string prompt),
+    checked against the processor's image token, rendered, encoded once per prompt, sampled and scored."""
+    import json
+
+    from lmrl.data import load_prompts
+    from lmrl.data.images import ImageInputs, open_image, row_images
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.vision import prompt_text, row_media
+
+    model, processor = tiny_llava(seed=3)
+    (tmp_path / "imgs").mkdir()
+    for value in (10, 100, 200):
+        drawn(value).save(tmp_path / "imgs" / f"{value}.png")
+    part = {"type": "image"}
+    rows = [
+        {"prompt": [{"role": "user", "content": [part, {"type": "text", "text": "what is it?"}]}], "image": "imgs/10.png"},
+        {"prompt": [{"role": "user", "content": [part, part, {"type": "text", "text": "larger?"}]}],
+         "images": ["imgs/100.png", "imgs/200.png"]},
+        {"prompt": "no image: 1+1="},
+        {"prompt": f"{IMAGE_TOKEN} and {IMAGE_TOKEN}?", "images": ["imgs/10.png"]},  # one short: a bad row, skipped
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_prompts(tmp_path / "train.jsonl", images=ImageInputs(processor.image_token, "tiny-llava"),
+                        on_bad_row="skip")
+    assert len(data) == 3 and data.skipped[0].where.endswith("train.jsonl line 4")
+    texts = [prompt_text(processor, r["prompt"]) for r in data]
+    assert texts[0] == f"user: {IMAGE_TOKEN}what is it?\nassistant: " and texts[2] == "no image: 1+1="
+    ids, media = encode_with_media(processor, texts, [[open_image(v) for v in row_images(r)] for r in data])
+    assert [row.count(model.config.image_token_index) for row in ids] == [16, 32, 0]
+    rollout = HFGenerator(model, processor.tokenizer).generate(
+        ids, 2, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0), media=media)
+    seqs = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)
+    attn = torch.cat([rollout.prompt_mask, rollout.response_mask], 1).long()
+    with torch.no_grad():
+        scored = model_forward_logprobs(model, seqs, attn, seqs.shape[1] - rollout.prompt_ids.shape[1],
+                                        media=row_media(media, rollout.prompt_index))
+    mask = rollout.response_mask
+    torch.testing.assert_close(scored[mask], rollout.logprobs[mask], atol=1e-5, rtol=0)
