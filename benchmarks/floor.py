@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from seeded_llama import add_model_args, seeded_llama  # noqa: E402
 
-import lmrl.rollout.hf as hf  # noqa: E402
+import lmrl.rollout.shared_prompt_decoder as spd  # noqa: E402
 from lmrl.models.forward import model_forward_logprobs  # noqa: E402
 from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
 
@@ -38,7 +38,7 @@ PROMPTS, GROUP, NEW_TOKENS, PROMPT_LEN = 8, 8, 64, 6
 
 
 def matmuls_only(self, token: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
-    """A decode step of `hf._SharedPromptDecoder` reduced to its projections (same shapes, same fusions)."""
+    """A decode step of `lmrl.rollout.shared_prompt_decoder.SharedPromptDecoder` reduced to its projections (same shapes, same fusions)."""
     hidden = self.model.model.embed_tokens(token)
     width = self.num_kv_heads * self.group * self.head_dim
     for i in range(len(self.layers)):
@@ -99,16 +99,16 @@ def main() -> None:
     prompts = [torch.randint(5, 90, (PROMPT_LEN,), generator=rng).tolist() for _ in range(PROMPTS)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
     generator = HFGenerator(model, tokenizer, eos_token_id=[])
-    if not hf._SharedPromptDecoder.supports(model):
+    if not spd.SharedPromptDecoder.supports(model):
         raise SystemExit("floor.py: the model does not take lmrl's decode path, so there is nothing to reduce")
-    full_step = hf._SharedPromptDecoder.step
+    full_step = spd.SharedPromptDecoder.step
 
     def rollout(step) -> float:
-        hf._SharedPromptDecoder.step = step
+        spd.SharedPromptDecoder.step = step
         try:
             return timed(lambda: generator.generate(prompts, GROUP, params))
         finally:
-            hf._SharedPromptDecoder.step = full_step
+            spd.SharedPromptDecoder.step = full_step
 
     full, floor, ratio = paired(lambda: rollout(full_step), lambda: rollout(matmuls_only), args.repeats)
     print(f"decode  {PROMPTS * GROUP} rows x {NEW_TOKENS} tokens: {full:.3f} s; matmuls only: {floor:.3f} s; "

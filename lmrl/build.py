@@ -347,7 +347,8 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     length in `tokenizer` tokens, and the columns the reward functions need. A bad row stops the run
     naming its file and line, or is left out under data.on_bad_row=skip.
     """
-    from lmrl.data.prompts import PromptStream, check_rows, is_stream, load_prompts, open_stream
+    from lmrl.data.prompts import PromptStream, is_stream, load_prompts, open_stream
+    from lmrl.data.row_checks import check_rows
     from lmrl.rewards import RewardRecipes, required_columns
 
     d = cfg.data
@@ -368,7 +369,8 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     # with reward recipes, a row needs the columns of its own recipe, and a label that has one
     needed = rewards.row_columns if isinstance(rewards, RewardRecipes) else required_columns(rewards)
     check = dict(prompt_column=d.prompt_column, required_columns=needed, prompt_length=lengths,
-                 max_prompt_length=cfg.rollout.max_prompt_length, on_bad_row=d.on_bad_row)
+                 max_prompt_length=cfg.rollout.max_prompt_length, on_bad_row=d.on_bad_row,
+                 images=_image_inputs(cfg))
     skipped: list[str] = []  # one warning line per source that had bad rows left out
 
     def checked(rows, source: str) -> list[dict[str, Any]]:
@@ -410,6 +412,15 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     else:
         eval_rows = []
     return Data(train_rows, eval_rows, rewards, getattr(task, "name", None), skipped, longest, stream)
+
+
+def _image_inputs(cfg: Config) -> Any:
+    """What the policy takes besides text, for the row checks (`lmrl.data.images.ImageInputs`). Every model
+    lmrl loads today is a causal LM, so a row with an image is refused naming the model; vision-language
+    policies (issue 41) will give their processor's image token here."""
+    from lmrl.data.images import ImageInputs
+
+    return ImageInputs(image_token=None, model=f"model.name_or_path={cfg.model.name_or_path}")
 
 
 def _split(dataset: Any, split: str, source: str, key: str) -> Any:

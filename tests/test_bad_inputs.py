@@ -191,6 +191,9 @@ BAD: dict[str, Bad] = {
                                           "default: [{fn: exact_match, column: answer}]}'",
                                           "reward.recipes: recipes 'sum' and 'default' hold two different reward functions "
                                           "named 'exact_match'; give them distinct names (name: in a config entry, name= in Python)", real=False),
+    "image for a text-only model": Bad(f"train {ROWS} data.path=images.jsonl",
+                                       "data.path: images.jsonl line 2: image: 1 image for a text-only model "
+                                       "(model.name_or_path=tiny-addition); use a vision-language model or drop the column"),
     "every row bad, skipped": Bad(f"train {ROWS} data.path=all_blank.jsonl data.on_bad_row=skip", "every row is bad, so there is nothing to train on", real=False),
     "eval rows bad": Bad(f"train {ROWS} data.eval_path=blank.jsonl", "data.eval_path: blank.jsonl line 5: prompt is only whitespace", real=False),
     "task unknown": Bad("train data.task=subtraction", "data.task: unknown task 'subtraction'; known tasks: addition", real=False),
@@ -286,6 +289,8 @@ FILES = {
     "all_blank.jsonl": "\n".join(json.dumps({"prompt": " ", "answer": "1"}) for _ in range(3)) + "\n",
     "number.jsonl": _rows(1) + json.dumps({"prompt": 12, "answer": "1"}) + "\n",
     "messages.jsonl": _rows(1) + json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n",
+    "images.jsonl": _rows(1) + json.dumps({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "digit?"}]}],
+                                            "image": "digit.png", "answer": "7"}) + "\n",
     "broken.jsonl": _rows(2) + '{"prompt": "1+1=", "answer": \n',
     "empty.jsonl": "",
     "rows.csv": "prompt,answer\n1+1=,2\n",

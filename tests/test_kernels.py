@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import lmrl.kernels as kernels
-import lmrl.rollout.hf as hf
+import lmrl.rollout.shared_prompt_decoder as spd
 from lmrl.models.shared_prompt import apply_rotary
 from lmrl.rollout import HFGenerator, SamplingParams
 from tests.rollout.test_hf_generator import encode, gqa_model, reference_logprobs, scrambled_model
@@ -34,8 +34,8 @@ def tok():
 def kernel_steps(monkeypatch):
     """A list that gets one entry per decode step taken with the kernels."""
     steps = []
-    real_step = hf._SharedPromptDecoder._kernel_step
-    monkeypatch.setattr(hf._SharedPromptDecoder, "_kernel_step", lambda self, *a: steps.append(1) or real_step(self, *a))
+    real_step = spd.SharedPromptDecoder._kernel_step
+    monkeypatch.setattr(spd.SharedPromptDecoder, "_kernel_step", lambda self, *a: steps.append(1) or real_step(self, *a))
     return steps
 
 
@@ -102,7 +102,7 @@ def test_rollout_with_kernels_equals_pytorch_path(lib, tok, arch, monkeypatch, k
         params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
         fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
         assert kernel_steps, "the kernel path did not run"
-        monkeypatch.setattr(hf, "load_kernels", lambda: None)
+        monkeypatch.setattr(spd, "load_kernels", lambda: None)
         plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
         expected = reference_logprobs(model, fast, 0.9)
     finally:
@@ -118,16 +118,16 @@ def test_kernels_for_float32_attention_and_when_switched_on(lib, tok, monkeypatc
     model decodes with the PyTorch path, as does any model with `USE_KERNELS` off."""
     model = scrambled_model(tok)
     seen = []
-    real_init = hf._SharedPromptDecoder.__init__
+    real_init = spd.SharedPromptDecoder.__init__
 
     def spy(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         seen.append(self.kernels)
 
-    monkeypatch.setattr(hf._SharedPromptDecoder, "__init__", spy)
+    monkeypatch.setattr(spd.SharedPromptDecoder, "__init__", spy)
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         HFGenerator(model.to(dtype), tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
-    monkeypatch.setattr(hf, "USE_KERNELS", False)
+    monkeypatch.setattr(spd, "USE_KERNELS", False)
     HFGenerator(model.float(), tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
     assert seen == [lib, lib, None, None]
 
@@ -143,7 +143,7 @@ def test_bf16_sampler_with_kernels_is_as_close_to_the_float32_policy(lib, tok, a
     params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3)
     fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
     assert kernel_steps
-    monkeypatch.setattr(hf, "load_kernels", lambda: None)
+    monkeypatch.setattr(spd, "load_kernels", lambda: None)
     plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
 
     def error(rollout):
@@ -180,7 +180,7 @@ def test_rollout_under_bf16_autocast_decodes_with_pytorch(lib, tok, monkeypatch,
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
-        monkeypatch.setattr(hf, "load_kernels", lambda: None)
+        monkeypatch.setattr(spd, "load_kernels", lambda: None)
         plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
     assert not kernel_steps
     assert torch.equal(fast.response_ids, plain.response_ids)

@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lmrl.data.prompts import ON_BAD_ROW, BadRow, _bad_rows_message, _short_repr, read_rows
+from lmrl.data.prompts import read_rows
+from lmrl.data.row_checks import ON_BAD_ROW, BadRow, _bad_rows_message, _short_repr
 from lmrl.errors import DataError
 from lmrl.rewards.reward_model import encode_scored
 

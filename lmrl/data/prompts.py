@@ -9,13 +9,8 @@ generator seeded with (seed, e), and the step-th batch of size b is positions [s
 concatenated epochs. A resumed run that knows its step (or the number of prompts consumed) draws
 exactly the prompts the interrupted run would have drawn, without replaying anything.
 
-Every row is checked before a model loads (`check_rows`: the row is an object, its prompt is a
-non-blank string or chat messages, the columns rewards need are there, the prompt fits
-`rollout.max_prompt_length`), and an error says where the row came from: `FILE line N` for JSONL
-(the file's real line, blank lines counted), `FILE item N` for a JSON list, `FILE row N` for a JSON
-column table, a parquet file or a hub split, `NAME index N` for rows in memory (all 0-based but
-JSONL lines). A bad row stops the run with one line naming the first bad row in full and counting
-the others (`on_bad_row="fail"`), or is left out and listed (`"skip"`).
+Every row is checked before a model loads, with a one-line error naming where it came from
+(`lmrl.data.row_checks`, re-exported here: `check_rows`, `BadRow`, `CheckedRows`).
 
 Importing this module does not import torch (the CLI checks data first); `PromptSampler` does.
 """
@@ -24,263 +19,29 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
+from lmrl.data.images import ImageInputs, resolve_image_paths
+from lmrl.data.row_checks import (
+    _LENGTH_BATCH,
+    ON_BAD_ROW,
+    BadRow,
+    CheckedRows,
+    PromptLength,
+    RequiredColumns,
+    _bad_rows_message,
+    _row_problem,
+    _too_long,
+    check_rows,
+)
 from lmrl.errors import DataError
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet")
-ON_BAD_ROW = ("fail", "skip")
-
 # Distinct seeds must not share epochs: with `seed + epoch`, seed=1 would replay epoch 1 of seed=0.
 _EPOCH_STRIDE = 1_000_003
-# prompts per call of a `prompt_length` function: enough for a fast tokenizer to batch, few enough to bound memory
-_LENGTH_BATCH = 1024
-# bad rows an error names after the first one; the rest are only counted
-_OTHERS_NAMED = 3
-
-PromptLength = Callable[[list[Any]], Sequence[int]]
-"""Token counts of a batch of prompts (strings or message lists), one int per prompt, in order."""
-
-
-class BadRow(NamedTuple):
-    """A row that failed a check: where it came from (e.g. "train.jsonl line 600") and what is wrong."""
-
-    where: str
-    problem: str
-
-
-@dataclass(frozen=True)
-class CheckedRows:
-    """What `check_rows` kept and what it left out.
-
-    Attributes:
-        rows: the rows that passed every check, in their order (the caller's objects, not copies).
-        where: where each kept row came from, parallel to `rows`.
-        skipped: the rows left out, in their order (always empty with `on_bad_row="fail"`).
-    """
-
-    rows: list[Mapping[str, Any]]
-    where: list[str]
-    skipped: list[BadRow]
-
-
-def _short_repr(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _prompt_problem(prompt: Any) -> str | None:
-    """What is wrong with a prompt, or None: a non-blank string, or messages with some non-blank content."""
-    if isinstance(prompt, str):
-        if not prompt:
-            return "prompt is empty"
-        return "prompt is only whitespace" if prompt.isspace() else None
-    if not isinstance(prompt, (list, tuple)):
-        return (
-            "prompt must be a string or a list of {'role', 'content'} messages, "
-            f"got {type(prompt).__name__}"
-        )
-    if not prompt:
-        return "prompt is an empty list of messages"
-    for k, message in enumerate(prompt):
-        if not isinstance(message, Mapping):
-            return f"prompt message {k} is a {type(message).__name__}, not a {{'role', 'content'}} object"
-        missing = [key for key in ("role", "content") if key not in message]
-        if missing:
-            return f"prompt message {k} has no {' or '.join(map(repr, missing))}"
-        role, content = message["role"], message["content"]
-        if not isinstance(role, str) or not role.strip():
-            return f"prompt message {k}: role must be a non-empty string, got {_short_repr(role)}"
-        if not isinstance(content, str):
-            return f"prompt message {k}: content must be a string, got {type(content).__name__}"
-    if all(not m["content"].strip() for m in prompt):
-        return "prompt messages have no content (every one is empty or whitespace)"
-    return None
-
-
-def _needed_by(rewards: Sequence[str] | str) -> str:
-    names = [rewards] if isinstance(rewards, str) else list(rewards)
-    if not names:
-        return ""
-    return f" (needed by reward{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))})"
-
-
-RequiredColumns = Mapping[str, Sequence[str]] | Callable[[Mapping[str, Any]], Mapping[str, Sequence[str]] | str]
-"""column -> names of the reward functions reading it, for every row; or a function of one row giving that
-row's (with reward recipes, those of the row's recipe), or one line saying why the row cannot be scored."""
-
-
-def _row_problem(row: Any, prompt_column: str, required_columns: RequiredColumns | None) -> str | None:
-    """The first thing wrong with a row (shape, then prompt, then required columns), or None."""
-    if not isinstance(row, Mapping):
-        return f"row is a {type(row).__name__}, not an object of columns"
-    if prompt_column not in row:
-        present = list(row)
-        shown = f"{present[:10]}"[:-1] + ", ...]" if len(present) > 10 else f"{present}"
-        return f"no prompt column {prompt_column!r}; columns present: {shown} (set data.prompt_column)"
-    problem = _prompt_problem(row[prompt_column])
-    if problem is not None:
-        return problem
-    needed = required_columns(row) if callable(required_columns) else required_columns
-    if isinstance(needed, str):
-        return needed
-    for column, rewards in (needed or {}).items():
-        if row.get(column) is None:
-            state = "missing" if column not in row else "None"
-            return f"column {column!r}{_needed_by(rewards)} is {state}"
-    return None
-
-
-def _too_long(
-    rows: Sequence[Mapping[str, Any]],
-    indices: list[int],
-    prompt_column: str,
-    prompt_length: PromptLength,
-    max_prompt_length: int,
-) -> list[tuple[int, str]]:
-    """(index, problem) of the rows among `indices` whose prompt has more than `max_prompt_length` tokens, or
-    that `prompt_length` refuses (a ValueError: e.g. a list of messages and a tokenizer without a chat template)."""
-    out = []
-    for start in range(0, len(indices), _LENGTH_BATCH):
-        chunk = indices[start : start + _LENGTH_BATCH]
-        try:
-            lengths: list[int | str] = list(prompt_length([rows[i][prompt_column] for i in chunk]))
-        except ValueError:  # measure each row alone: the rows it refuses are bad rows, named by their location
-            lengths = [_length_or_problem(prompt_length, rows[i][prompt_column]) for i in chunk]
-        if len(lengths) != len(chunk):
-            raise ValueError(f"prompt_length: returned {len(lengths)} lengths for {len(chunk)} prompts")
-        out += [
-            (i, n if isinstance(n, str) else f"prompt is {n} tokens, longer than rollout.max_prompt_length={max_prompt_length}")
-            for i, n in zip(chunk, lengths)
-            if isinstance(n, str) or n > max_prompt_length
-        ]
-    return out
-
-
-def _length_or_problem(prompt_length: PromptLength, prompt: Any) -> int | str:
-    try:
-        return next(iter(prompt_length([prompt])))
-    except ValueError as e:
-        return str(e).replace("prompt 0 ", "prompt ", 1)
-
-
-def _located(field: str | None, where: str) -> str:
-    """`where` behind the config field it came from, unless `where` already starts with that name."""
-    if not field or where == field or where.startswith(field + " "):
-        return where
-    return f"{field}: {where}"
-
-
-def _after_source(where: str, first: str) -> str:
-    """`where` without the source it shares with `first`: "train.jsonl line 40" -> "line 40"."""
-    source = first.rsplit(" ", 2)[0] + " "
-    return where[len(source) :] if first.count(" ") >= 2 and where.startswith(source) else where
-
-
-def _bad_rows_message(field: str | None, bad: list[BadRow], kept: int) -> str:
-    """One line: the first bad row in full, then how many others and where the first few are."""
-    first, others = bad[0], bad[1:]
-    msg = f"{_located(field, first.where)}: {first.problem}"
-    if others:
-        named = [_after_source(b.where, first.where) for b in others[:_OTHERS_NAMED]]
-        more = ", ..." if len(others) > _OTHERS_NAMED else ""
-        msg += f" ({len(others)} other bad row{'s' if len(others) > 1 else ''}: {', '.join(named)}{more})"
-    if kept == 0:
-        return msg + "; every row is bad, so there is nothing to train on"
-    them = "them" if others else "it"
-    return msg + f"; fix {them}, or set data.on_bad_row=skip to leave {them} out"
-
-
-def check_rows(
-    rows: Sequence[Any] | PromptDataset,
-    *,
-    prompt_column: str | None = None,
-    required_columns: RequiredColumns | None = None,
-    prompt_length: PromptLength | None = None,
-    max_prompt_length: int | None = None,
-    on_bad_row: Literal["fail", "skip"] = "fail",
-    field: str | None = None,
-    name: str | None = None,
-    where: Sequence[str] | None = None,
-) -> CheckedRows:
-    """Check every row of a prompt dataset, so bad input stops the run (or is left out) before training.
-
-    Each row must be a mapping with the prompt column; the prompt a string that is not empty or only
-    whitespace, or a non-empty list of {"role": str, "content": str} messages of which at least one
-    has non-blank content; each of `required_columns` present and not None; and, with
-    `prompt_length`, at most `max_prompt_length` tokens long. A row's first problem is reported.
-
-    Args:
-        rows: the rows, or a `PromptDataset` (its prompt column, name and row locations are used).
-        prompt_column: the column holding the prompt (default: the dataset's, else "prompt").
-        required_columns: column -> names of the reward functions that read it, e.g.
-            {"answer": ["math"]}; the names go into the message. Or a function of one row giving
-            that row's columns, or one line saying what is wrong with the row
-            (`lmrl.rewards.RewardRecipes.row_columns`: the columns of the row's recipe).
-        prompt_length: token counts of a *list* of prompts (called with up to 1024 prompts at a
-            time, only for rows that passed the other checks), e.g.
-            `lambda ps: [len(ids) for ids in encode_prompts(tok, ps, 10**9)]`.
-        max_prompt_length: the longest prompt in tokens (`rollout.max_prompt_length`); needed
-            with `prompt_length`.
-        on_bad_row: "fail" raises on any bad row; "skip" leaves bad rows out and lists them in
-            `CheckedRows.skipped` (the caller warns once with the count).
-        field: the config field or argument the rows came from ("data.path", "data.eval_path",
-            "train_dataset", ...); it starts the error message.
-        name: how row locations name in-memory rows ("NAME index N"; default: `field`, else
-            "dataset"); ignored when `where` is given or `rows` is a `PromptDataset`.
-        where: where each row came from (e.g. "train.jsonl line 12"), parallel to `rows`.
-
-    Returns:
-        The kept rows with their locations, and the skipped ones.
-
-    Raises:
-        DataError: there are no rows; a row is bad and `on_bad_row` is "fail"; or every row is bad.
-            One line, e.g. `data.path: train.jsonl line 600: prompt is 812 tokens, longer than
-            rollout.max_prompt_length=512 (3 other bad rows: line 12, line 40, line 77); fix them,
-            or set data.on_bad_row=skip to leave them out`.
-        ValueError: a bad argument (`on_bad_row`, `where` of the wrong length, `prompt_length`
-            without `max_prompt_length` or returning the wrong number of lengths).
-    """
-    if on_bad_row not in ON_BAD_ROW:
-        raise ValueError(f"on_bad_row: must be one of {', '.join(ON_BAD_ROW)}, got {on_bad_row!r}")
-    if prompt_length is not None and max_prompt_length is None:
-        raise ValueError("max_prompt_length: needed to check prompt lengths")
-    if isinstance(rows, PromptDataset):
-        prompt_column = prompt_column or rows.prompt_column
-        name = rows.name
-        where = where if where is not None else [rows.where(i) for i in range(len(rows))]
-        rows = rows.rows
-    prompt_column = prompt_column or "prompt"
-    name = name or field or "dataset"
-    if where is None:
-        where = [f"{name} index {i}" for i in range(len(rows))]
-    elif len(where) != len(rows):
-        raise ValueError(f"where: {len(where)} locations for {len(rows)} rows")
-    if len(rows) == 0:
-        raise DataError(f"{_located(field, name)} has no rows")
-
-    bad: list[tuple[int, str]] = []
-    good: list[int] = []
-    for i, row in enumerate(rows):
-        problem = _row_problem(row, prompt_column, required_columns)
-        if problem is None:
-            good.append(i)
-        else:
-            bad.append((i, problem))
-    if prompt_length is not None and good:
-        too_long = _too_long(rows, good, prompt_column, prompt_length, max_prompt_length)
-        if too_long:
-            dropped = {i for i, _ in too_long}
-            good = [i for i in good if i not in dropped]
-            bad = sorted(bad + too_long)
-
-    skipped = [BadRow(where[i], problem) for i, problem in bad]
-    if skipped and (on_bad_row == "fail" or not good):
-        raise DataError(_bad_rows_message(field, skipped, len(good)))
-    return CheckedRows(rows=[rows[i] for i in good], where=[where[i] for i in good], skipped=skipped)
 
 
 def _looks_like_file(source: str) -> bool:
@@ -386,7 +147,8 @@ def open_stream(source: str, split: str = "train", field: str = "data.path") -> 
     if path.suffix not in builders:
         raise DataError(f"{field}: {source}: unsupported extension {path.suffix!r}, expected a "
                         f"{'/'.join(FILE_FORMATS)} file")
-    return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train", streaming=True)
+    stream = datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train", streaming=True)
+    return stream.map(lambda row: resolve_image_paths(row, path.parent))  # image paths: relative to the file
 
 
 def _read_hub(name: str, split: str, subset: str | None) -> list[dict[str, Any]]:
@@ -568,7 +330,7 @@ class PromptStream:
     Args:
         source: the stream (anything `is_stream` accepts). A one-pass iterable (a generator) cannot start
             a second epoch: reading past its end is a `DataError`.
-        prompt_column, required_columns, prompt_length, max_prompt_length, on_bad_row: as in `check_rows`;
+        prompt_column, required_columns, prompt_length, max_prompt_length, on_bad_row, images: as in `check_rows`;
             with "skip" bad rows are left out and counted (`skipped`, `first_skipped`).
         name: how errors name the stream and its rows ("train_dataset", "train_dataset row 600").
     """
@@ -582,6 +344,7 @@ class PromptStream:
         prompt_length: PromptLength | None = None,
         max_prompt_length: int | None = None,
         on_bad_row: Literal["fail", "skip"] = "fail",
+        images: ImageInputs | None = None,
         name: str = "train_dataset",
     ):
         if on_bad_row not in ON_BAD_ROW:
@@ -589,6 +352,7 @@ class PromptStream:
         self.source, self.name, self.on_bad_row = source, name, on_bad_row
         self.prompt_column, self.required_columns = prompt_column, required_columns
         self.prompt_length, self.max_prompt_length = prompt_length, max_prompt_length
+        self.images = images
         self.one_pass = iter(source) is source
         self.skipped = 0  # bad rows left out so far (on_bad_row="skip")
         self.first_skipped: BadRow | None = None
@@ -652,7 +416,7 @@ class PromptStream:
         where = [f"{self.name} row {start + i}" + (f" (epoch {self._epoch})" if self._epoch else "")
                  for i in range(len(chunk))]
         bad = [(i, p) for i, row in enumerate(chunk)
-               if (p := _row_problem(row, self.prompt_column, self.required_columns)) is not None]
+               if (p := _row_problem(row, self.prompt_column, self.required_columns, self.images)) is not None]
         good = [i for i in range(len(chunk)) if i not in dict(bad)]
         if self.prompt_length is not None and good:
             too_long = _too_long(chunk, good, self.prompt_column, self.prompt_length, self.max_prompt_length)
@@ -700,6 +464,7 @@ def read_rows(
                         f"expected a {'/'.join(FILE_FORMATS)} file"
                     )
                 rows, where = readers[path.suffix](path, text, field)
+                rows = [resolve_image_paths(row, path.parent) for row in rows]  # relative to the file
                 name = text
         else:
             name = f"{text}:{split}"
@@ -728,6 +493,7 @@ def load_prompts(
     required_columns: RequiredColumns | None = None,
     prompt_length: PromptLength | None = None,
     max_prompt_length: int | None = None,
+    images: ImageInputs | None = None,
 ) -> PromptDataset:
     """Load a prompt dataset from a file, a list of dicts, or (only when asked) the Hugging Face hub.
 
@@ -747,7 +513,7 @@ def load_prompts(
             default "data.path" for a file or hub name, none for a list (pass e.g. "data.eval_path",
             "train_dataset").
         name: how row locations name a list's rows ("NAME index N"; default `field`, else "dataset").
-        on_bad_row, required_columns, prompt_length, max_prompt_length: as in `check_rows`; with
+        on_bad_row, required_columns, prompt_length, max_prompt_length, images: as in `check_rows`; with
             "skip" the bad rows are left out and listed in the dataset's `skipped`.
 
     Returns:
@@ -771,6 +537,7 @@ def load_prompts(
         prompt_length=prompt_length,
         max_prompt_length=max_prompt_length,
         on_bad_row=on_bad_row,
+        images=images,
         field=field,
         name=name,
         where=where,

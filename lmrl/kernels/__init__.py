@@ -6,7 +6,7 @@ does two of those pieces as one call each:
 
     decode_attention   rotary of the new query and key, the key / value write into the row's cache, and
                        attention over the shared prompt keys and the row's own response keys (see
-                       `lmrl.rollout.hf._SharedPromptDecoder`)
+                       `lmrl.rollout.shared_prompt_decoder.SharedPromptDecoder`)
     rms_norm           RMSNorm of a `[rows, hidden]` activation
 
 The source is compiled with `$CC` (default `cc`), `-O3 -march=native -fopenmp`, into

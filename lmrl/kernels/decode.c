@@ -7,7 +7,7 @@
  *             + [q . response_key[r, kh, j] for j <= t], times `scale`;
  *   3. out[r, h] = softmax(scores) . [prompt_value[u, kh] ; response_value[r, kh, :t + 1]].
  *
- * The same computation as lmrl.rollout.hf._SharedPromptDecoder's PyTorch path (rotary, cache writes and
+ * The same computation as lmrl.rollout.shared_prompt_decoder.SharedPromptDecoder's PyTorch path (rotary, cache writes and
  * `_attend`), as one call instead of about twenty small tensor operations per layer and step. Rows and
  * heads are split across OpenMP threads (torch's own OpenMP runtime, already loaded in the process).
  */

@@ -18,7 +18,7 @@ Two conventions hold everywhere in lmrl:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 
 from lmrl.algorithms.logprobs import token_entropy, token_logprobs
 from lmrl.models.shared_prompt import lora_base, shared_prompt_hidden
+from lmrl.models.vision import mrope_positions
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,7 @@ def model_forward_logprobs(
     chunk_size: int | None = None,
     return_entropy: bool = False,
     share_prompt: bool = False,
+    media: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens (the last T columns of `sequences`) under `model`.
 
@@ -70,13 +72,15 @@ def model_forward_logprobs(
         share_prompt: where rows share a prompt and the model allows it (Llama / Qwen2, see
             `lmrl.models.shared_prompt`), run each distinct prompt through the model once; the same
             function, less work when several completions of a prompt are scored together.
+        media: a vision-language model's processor outputs for the B rows, batched in row order
+            (`lmrl.models.vision.row_media`): passed to the forward as they are; no prompt sharing then.
 
     Returns:
         [B, T] float32 log-probs, differentiable when grad is enabled; with `return_entropy`, the
         pair (log-probs, entropies), both [B, T].
     """
     out = response_forward(model, sequences, attention_mask, num_response_tokens, temperature, chunk_size,
-                           entropy=return_entropy, share_prompt=share_prompt)
+                           entropy=return_entropy, share_prompt=share_prompt, media=media)
     return (out.logprobs, out.entropy) if return_entropy else out.logprobs
 
 
@@ -116,6 +120,7 @@ def response_forward(
     entropy: bool = False,
     hidden: bool = False,
     share_prompt: bool = False,
+    media: Mapping[str, torch.Tensor] | None = None,
 ) -> ResponseForward:
     """`model_forward_logprobs` as a record, optionally with the final hidden states it scored from (`hidden`)."""
     seq_len = sequences.shape[1]
@@ -131,6 +136,10 @@ def response_forward(
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
     positions = position_ids_from_mask(attention_mask)
+    if media:  # a Qwen2-VL-style model rotates with 3-D positions, never these 2-D ones copied to 3 axes
+        rope = mrope_positions(model, sequences, attention_mask, media)
+        positions = rope if rope is not None else positions
+    share_prompt = share_prompt and not media  # the prompt's image features come from the model's own forward
     states = shared_prompt_hidden(model, sequences, attention_mask, positions, t) if share_prompt else None  # [B, T, H]
     if states is not None:
         logits = lora_base(model).lm_head(states)  # [B, T, V]
@@ -142,6 +151,7 @@ def response_forward(
                 position_ids=positions,
                 logits_to_keep=t + 1,
                 use_cache=False,
+                **(media or {}),
             )
         # Models that ignore logits_to_keep return all S positions: keep the last T + 1 either way.
         logits = out.logits[:, -(t + 1) : -1]  # [B, T, V]

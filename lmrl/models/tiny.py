@@ -106,3 +106,151 @@ def tiny_causal_lm(
     model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval()
+
+
+IMAGE_TOKEN = "<image>"
+# messages whose content is a string or a list of text and image parts, each image part as `<image>`
+PARTS_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+def tiny_llava(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    image_size: int = 32,
+    patch_size: int = 8,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+):
+    """A randomly initialised LLaVA sized for tests: a CLIP vision tower on `image_size` images cut in
+    `patch_size` patches (CLS dropped: `(image_size / patch_size)**2` image tokens, 16 by default), a
+    two-layer MLP projector, a tiny Llama; and its processor (Pillow's CLIP image processor: no torchvision).
+
+    Returns (model, processor). The tokenizer (default: `char_tokenizer()`) gets `<image>` as a special token.
+    """
+    import torch
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = tokenizer or char_tokenizer()
+    if IMAGE_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=patch_size,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=PARTS_TEMPLATE)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=image_size, patch_size=patch_size)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+                       max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval(), processor
+
+
+class TinyQwen2VLProcessor:
+    """What `Qwen2VLProcessor` does for images, for `tiny_qwen2_vl`: transformers' own class insists on a video
+    processor, which needs torchvision (not installable beside the CPU torch here). Each image token of the
+    text becomes `<|vision_start|>`, one `<|image_pad|>` per merged patch, `<|vision_end|>`."""
+
+    image_token = "<|image_pad|>"
+
+    def __init__(self, image_processor, tokenizer) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.merge = image_processor.merge_size
+
+    def __call__(self, text: list[str], images=None, return_tensors: str = "pt"):
+        from transformers import BatchFeature
+
+        out = {}
+        if images:
+            out = dict(self.image_processor(images=images, return_tensors=return_tensors))
+            counts = iter((out["image_grid_thw"].prod(-1) // self.merge**2).tolist())
+            text = [t.replace(self.image_token, "\0") for t in text]
+            text = ["".join(part if i == 0 else f"<|vision_start|>{self.image_token * next(counts)}<|vision_end|>{part}"
+                            for i, part in enumerate(t.split("\0"))) for t in text]
+        out.update(self.tokenizer(text, return_tensors=return_tensors, padding=True))
+        return BatchFeature(out)
+
+
+def tiny_qwen2_vl(hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
+    """A randomly initialised Qwen2-VL sized for tests: a one-block vision tower on 8-pixel patches merged 2x2
+    (a 32x32 image is 4 image tokens, a 64x32 one 8), M-RoPE sections (2, 3, 3) on a tiny Qwen2 decoder;
+    and a `TinyQwen2VLProcessor` over Pillow's Qwen2-VL image processor and a char tokenizer.
+
+    Returns (model, processor).
+    """
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = char_tokenizer()
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials)))
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8, merge_size=2,
+                                      temporal_patch_size=2)
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)
+    vision = dict(depth=1, embed_dim=32, hidden_size=hidden_size, num_heads=2, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"])
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval(), TinyQwen2VLProcessor(images, tokenizer)
+
+
+def tiny_idefics3(hidden_size: int = 128, num_heads: int = 2, num_layers: int = 2, seed: int = 0):
+    """A randomly initialised Idefics3 (SmolVLM's architecture) sized for tests: a SigLIP tower on 32x32 images
+    in 8-pixel patches, pixel-shuffled 2x2 (4 image tokens each, between `<fake_token_around_image>` tokens),
+    on a tiny Llama whose head dim (64) vLLM's CPU attention supports; with transformers' own processor over
+    Pillow's Idefics3 image processor (no image splitting). vLLM's CPU build loads this architecture here.
+
+    Returns (model, processor).
+    """
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = char_tokenizer()
+    grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]  # the processor looks them up
+    specials = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>", *grid]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 32},
+                                       do_image_splitting=False)
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4)
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=hidden_size,
+                intermediate_size=2 * hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                num_key_value_heads=num_heads, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                            pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval(), processor

@@ -35,7 +35,7 @@ def decode_path(model: nn.Module, device: torch.device, cuda_graph: bool, lean: 
     """The decode path `HFGenerator` takes, and why.
 
     Returns ("cuda_graph", why) for the fixed-shape step captured in a CUDA graph; ("shared_prompt", why)
-    for `_SharedPromptDecoder` (`lean`: a Llama / Qwen2 it reproduces exactly); ("cache", why) for the
+    for `SharedPromptDecoder` (`lean`: a Llama / Qwen2 it reproduces exactly); ("cache", why) for the
     model's own forward over a preallocated (or, for sliding-window models, transformers') cache.
     """
     kernel = getattr(model.config, "_attn_implementation", None)

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import lmrl.rollout.hf as hf
+import lmrl.rollout.shared_prompt_decoder as spd
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 from lmrl.rollout import Generator, HFGenerator, Rollout, SamplingParams
-from lmrl.rollout.hf import _Linear, _onednn_weight, _sample_categorical, _SharedPromptDecoder, _truncate
+from lmrl.rollout.hf import _sample_categorical, _truncate
+from lmrl.rollout.shared_prompt_decoder import SharedPromptDecoder, _Linear, _onednn_weight
 
 TEXTS = ["hello there", "ab", "what is 2+2?", "x"]
 
@@ -346,7 +348,7 @@ def test_shared_prompt_decoder_matches_generic_path(tok, arch, monkeypatch):
     response tokens, grouped-query attention, groups split over forward
     batches (batch_size 5 with n 3) and rows leaving the batch (EOS made likely)."""
     model = gqa_model(tok, arch)
-    assert _SharedPromptDecoder.supports(model)
+    assert SharedPromptDecoder.supports(model)
     bias = torch.zeros(model.config.vocab_size)
     bias[tok.eos_token_id] = 1.5
     handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
@@ -354,7 +356,7 @@ def test_shared_prompt_decoder_matches_generic_path(tok, arch, monkeypatch):
         params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=11)
         lean = HFGenerator(model, tok, batch_size=5).generate(encode(tok), 3, params)
         expected = reference_logprobs(model, lean, 0.9)
-        monkeypatch.setattr(_SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+        monkeypatch.setattr(SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
         generic = HFGenerator(model, tok, batch_size=5).generate(encode(tok), 3, params)
     finally:
         handle.remove()
@@ -367,7 +369,7 @@ def test_shared_prompt_decoder_matches_generic_path(tok, arch, monkeypatch):
 
 def test_generic_path_greedy_matches_generate(llama, tok, monkeypatch):
     """Models the shared-prompt decoder does not know use transformers' forward with the preallocated cache."""
-    monkeypatch.setattr(_SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+    monkeypatch.setattr(SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
     rollout = HFGenerator(llama, tok).generate(
         encode(tok), 2, SamplingParams(max_new_tokens=12, temperature=0)
     )
@@ -410,11 +412,11 @@ def test_shared_prompt_decoder_only_for_known_unhooked_models(tok):
     """Hooks on the decoder layers would be bypassed by the module-by-module decode: such models take the
     generic path (and so does any other architecture)."""
     llama = tiny_causal_lm(tok, "llama")
-    assert _SharedPromptDecoder.supports(llama) and _SharedPromptDecoder.supports(
+    assert SharedPromptDecoder.supports(llama) and SharedPromptDecoder.supports(
         tiny_causal_lm(tok, "qwen2")
     )
     handle = llama.model.layers[1].register_forward_hook(lambda module, inputs, output: output * 0.5)
-    assert not _SharedPromptDecoder.supports(llama)
+    assert not SharedPromptDecoder.supports(llama)
     # the hooked model still generates what transformers generates
     rollout = HFGenerator(llama, tok).generate(
         encode(tok), 1, SamplingParams(max_new_tokens=6, temperature=0)
@@ -424,8 +426,8 @@ def test_shared_prompt_decoder_only_for_known_unhooked_models(tok):
         out = llama.generate(**enc, do_sample=False, max_new_tokens=6)
     handle.remove()
     assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
-    assert _SharedPromptDecoder.supports(llama)
-    assert not _SharedPromptDecoder.supports(torch.nn.Linear(2, 2))
+    assert SharedPromptDecoder.supports(llama)
+    assert not SharedPromptDecoder.supports(torch.nn.Linear(2, 2))
 
 
 def test_hooked_projections_and_norms_are_called_not_fused(tok, monkeypatch):
@@ -437,10 +439,10 @@ def test_hooked_projections_and_norms_are_called_not_fused(tok, monkeypatch):
                layer.mlp.up_proj.register_forward_hook(lambda m, i, o: o * 0.5),
                layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: o * 2.0)]
     try:
-        assert _SharedPromptDecoder.supports(model)
+        assert SharedPromptDecoder.supports(model)
         params = SamplingParams(max_new_tokens=12, temperature=0)
         lean = HFGenerator(model, tok).generate(encode(tok), 2, params)
-        monkeypatch.setattr(_SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+        monkeypatch.setattr(SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
         generic = HFGenerator(model, tok).generate(encode(tok), 2, params)
     finally:
         for h in handles:
@@ -454,7 +456,7 @@ def test_hooked_projections_and_norms_are_called_not_fused(tok, monkeypatch):
 @pytest.fixture
 def packing(monkeypatch):
     """oneDNN-packed weights for every size (not only large ones) with the 2 threads packing needs."""
-    monkeypatch.setattr(hf, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(spd, "PACK_MIN_ELEMENTS", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -468,14 +470,14 @@ def test_packing_only_for_large_weights_on_several_threads(monkeypatch, cpu, sma
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: nothing is ever packed")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
-    assert hf.pack_min_elements() == smallest
+    assert spd.pack_min_elements() == smallest
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         assert _Linear.of(torch.nn.Linear(256, smallest // 256), rows=64).packed is not None
         assert _Linear.of(torch.nn.Linear(256, smallest // 256 - 1), rows=64).packed is None
         assert _Linear.of(torch.nn.Linear(256, smallest // 256).to(torch.float64), rows=64).packed is None
-        monkeypatch.setattr(hf, "PACK_MIN_ELEMENTS", 2**10)
+        monkeypatch.setattr(spd, "PACK_MIN_ELEMENTS", 2**10)
         assert _Linear.of(torch.nn.Linear(32, 32), rows=64).packed is not None
         torch.set_num_threads(1)
         assert _Linear.of(torch.nn.Linear(256, smallest // 256), rows=64).packed is None
@@ -496,11 +498,11 @@ def test_gate_and_up_too_small_to_pack_stay_unpacked_when_concatenated(monkeypat
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        monkeypatch.setattr(hf, "PACK_MIN_ELEMENTS", 64 * 256)  # the concatenation's size, twice gate's
-        gated = hf._GatedMLP(mlp, rows=8)
+        monkeypatch.setattr(spd, "PACK_MIN_ELEMENTS", 64 * 256)  # the concatenation's size, twice gate's
+        gated = spd._GatedMLP(mlp, rows=8)
         assert gated.gate.packed is None and gated.gate_up is not None and gated.gate_up.packed is None
-        monkeypatch.setattr(hf, "PACK_MIN_ELEMENTS", 64 * 128)
-        gated = hf._GatedMLP(mlp, rows=8)
+        monkeypatch.setattr(spd, "PACK_MIN_ELEMENTS", 64 * 128)
+        gated = spd._GatedMLP(mlp, rows=8)
         assert gated.gate.packed is not None and gated.gate_up is None
     finally:
         torch.set_num_threads(threads)
@@ -514,7 +516,7 @@ def test_linear_with_fused_epilogues_equals_plain_ops(bias, monkeypatch, packing
     layer = torch.nn.Linear(32, 48, bias=bias)
     w, b = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
     for pack in (True, False):
-        monkeypatch.setattr(hf, "PACK_WEIGHTS", pack)
+        monkeypatch.setattr(spd, "PACK_WEIGHTS", pack)
         linear = _Linear.of(layer, rows=8)
         assert (linear.packed is not None) == (pack and torch.backends.mkldnn.is_available())
         for rows in (1, 5, 8, 13):
@@ -553,7 +555,7 @@ def test_packed_weights_sample_what_plain_matmuls_sample(tok, monkeypatch, packi
     params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3)
     packed = HFGenerator(model, tok).generate(encode(tok), 4, params)
     assert not torch.backends.mkldnn.is_available() or _onednn_weight(model.lm_head.weight.detach(), 8) is not None
-    monkeypatch.setattr(hf, "PACK_WEIGHTS", False)
+    monkeypatch.setattr(spd, "PACK_WEIGHTS", False)
     plain = HFGenerator(model, tok).generate(encode(tok), 4, params)
     assert torch.equal(packed.response_ids, plain.response_ids)
     torch.testing.assert_close(packed.logprobs, plain.logprobs, atol=1e-5, rtol=0)

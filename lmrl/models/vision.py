@@ -1,0 +1,168 @@
+"""Vision-language policies: loading one, and turning a prompt and its images into token ids plus one opaque
+bundle of processor outputs.
+
+A bundle (`Media`) is what a processor returns for one prompt besides its per-token outputs (`input_ids`,
+`attention_mask`, `mm_token_type_ids`): `pixel_values` for LLaVA, `pixel_values` and `image_grid_thw` for
+Qwen2-VL, and so on (video and audio later, the same way). It is computed once per prompt, not once per
+completion, and nothing between here and the model's forward looks inside it: `batch_media` concatenates
+the bundles of several prompts along their first dimension, as processors batch them, and the forward
+takes them as keyword arguments.
+
+Positions. LLaVA-style models take the 1-D positions of text. Qwen2-VL-style models rotate with 3-D
+(M-RoPE) positions: temporal, height and width for image tokens, and text after an image continues from
+the image's largest position. Given 2-D `position_ids` such a model silently copies them to all three
+axes (wrong for image tokens), so `mrope_positions` computes the 3-D ones with the model's own
+`get_rope_index`, for left-padded batches, in the prefill and the training forward alike; decode steps
+then pass each row's next text position, the same on every axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+Media = dict[str, torch.Tensor]
+"""One prompt's processor outputs besides its token ids, e.g. {"pixel_values": [images, 3, H, W]}."""
+
+# per-token outputs: aligned with the token ids, padded with them, never concatenated as a bundle
+_TOWERS = ("vision_tower", "visual", "vision_model")  # LLaVA, Gemma 3 / Qwen2-VL, 2.5-VL / Idefics3, SmolVLM
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+def takes_images(model: nn.Module) -> bool:
+    """A model with a vision tower (its config has a `vision_config`)."""
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def media_token_ids(model: nn.Module) -> list[int]:
+    """The placeholder tokens a vision-language model replaces with image (or video) features: a completion must
+    never hold one, or scoring it would find more placeholders than images. [] for a text model."""
+    config = getattr(model, "config", None)
+    names = ("image_token_index", "image_token_id", "video_token_index", "video_token_id")
+    ids = [getattr(config, name, None) for name in names]
+    return sorted({i for i in ids if isinstance(i, int)}) if takes_images(model) else []
+
+
+def load_vision_model(name_or_path: str, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any]:
+    """`AutoModelForImageTextToText` and `AutoProcessor` from a directory or hub id; the model in eval mode."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(name_or_path)
+    model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
+    return model.eval(), processor
+
+
+def prompt_text(processor: Any, prompt: str | list[dict[str, Any]]) -> str:
+    """A row's prompt as the text its processor takes: a string as it is; chat messages (content a string or
+    text and image parts) through the processor's chat template, which writes each image part as its token."""
+    if isinstance(prompt, str):
+        return prompt
+    if not getattr(processor, "chat_template", None):
+        raise ValueError("prompt is a list of messages but the processor has no chat template; give the model's "
+                         "processor one, or write the prompt as a string with its image token")
+    return processor.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+
+
+def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]]) -> tuple[
+        list[list[int]], list[Media | None]]:
+    """Token ids and the bundle of each prompt, each prompt processed once on its own (no padding).
+
+    Args:
+        processor: the model's processor (its tokenizer expands each image token to the image's tokens).
+        prompts: prompt texts holding the processor's image token once per image.
+        images: the PIL images of each prompt, in order ([] for a text prompt).
+
+    Returns:
+        `[len(prompt) tokens]` per prompt, and its `Media` (None for a prompt without images).
+    """
+    if len(prompts) != len(images):
+        raise ValueError(f"images: {len(images)} image lists for {len(prompts)} prompts")
+    ids, bundles = [], []
+    for text, imgs in zip(prompts, images):
+        out = processor(text=[text], images=list(imgs) or None, return_tensors="pt")
+        ids.append(out["input_ids"][0].tolist())
+        media = {k: v for k, v in out.items() if k not in _TEXT_KEYS and isinstance(v, torch.Tensor)}
+        bundles.append(media or None)
+    return ids, bundles
+
+
+def batch_media(bundles: Sequence[Media | None], device: torch.device | str | None = None) -> Media:
+    """The bundles of several prompts as one forward's keyword arguments: each key concatenated along its
+    first dimension, in prompt order; prompts without images add nothing. {} when none has images.
+
+    Where prompts differ in a later dimension (Idefics3 / SmolVLM: `[1, images, 3, H, W]` pixel values and
+    their pixel masks), the smaller ones are padded with zeros, as the processor pads a batch: an all-zero
+    image is padding to those models."""
+    present = [b for b in bundles if b]
+    if not present:
+        return {}
+    keys = set(present[0])
+    if any(set(b) != keys for b in present):
+        raise ValueError(f"media: the prompts' bundles hold different keys: {sorted({k for b in present for k in b})}")
+    out = {}
+    for key in present[0]:
+        parts = [b[key] for b in present]
+        shape = [max(sizes) for sizes in zip(*(p.shape[1:] for p in parts))]
+        parts = [p if list(p.shape[1:]) == shape else _zero_padded(p, shape) for p in parts]
+        out[key] = torch.cat(parts) if device is None else torch.cat(parts).to(device)
+    return out
+
+
+def _zero_padded(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """`x` (`[N, *rest]`) in a zero tensor of shape `[N, *shape]`, at the start of every dimension."""
+    out = x.new_zeros((x.shape[0], *shape))
+    out[(slice(None), *(slice(0, n) for n in x.shape[1:]))] = x
+    return out
+
+
+def row_media(bundles: Sequence[Media | None], prompt_index: Sequence[int] | torch.Tensor,
+              device: torch.device | str | None = None) -> Media:
+    """The forward arguments of a batch of rows (prompt + completion each) whose prompts are
+    `bundles[prompt_index[row]]`: each row brings its prompt's bundle, in row order, so that any selection of
+    rows (a micro-batch) is scored with exactly its own images."""
+    index = prompt_index.tolist() if isinstance(prompt_index, torch.Tensor) else list(prompt_index)
+    return batch_media([bundles[i] for i in index], device)
+
+
+def freeze_vision(model: nn.Module) -> list[str]:
+    """Turn off gradients of the vision tower (what `model.freeze_vision` asks for: the projector and the
+    language model train); returns the frozen parameters' names. A model without a vision tower is unchanged."""
+    inner = getattr(model, "model", model)
+    tower = next((getattr(inner, name) for name in _TOWERS if getattr(inner, name, None) is not None), None)
+    if tower is None:
+        return []
+    for p in tower.parameters():
+        p.requires_grad_(False)
+    prefix = next(n for n, m in model.named_modules() if m is tower)
+    return [f"{prefix}.{n}" for n, _ in tower.named_parameters()]
+
+
+def uses_mrope(model: nn.Module) -> bool:
+    """A Qwen2-VL-style model: 3-D rotary positions from its `get_rope_index` (`mrope_positions`)."""
+    return callable(getattr(getattr(model, "model", None), "get_rope_index", None))
+
+
+def mrope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    media: Media) -> torch.Tensor | None:
+    """`[3, B, S]` M-RoPE position ids of a left-padded batch whose images are `media` (batched in row order),
+    as the model computes them for one unpadded row (padding gets 0); None for a model with 1-D positions.
+
+    Args:
+        model: the vision-language model.
+        input_ids: `[B, S]` left-padded ids, each image's tokens in place.
+        attention_mask: `[B, S]`, 1 on real tokens.
+        media: the batch's bundles (`image_grid_thw` / `video_grid_thw` say each image's patch grid).
+    """
+    if not uses_mrope(model):
+        return None
+    config = model.config
+    kinds = torch.zeros_like(input_ids, dtype=torch.int)  # 0 text, 1 image, 2 video: what processors return
+    kinds[input_ids == config.image_token_id] = 1
+    if getattr(config, "video_token_id", None) is not None:
+        kinds[input_ids == config.video_token_id] = 2
+    positions, _ = model.model.get_rope_index(input_ids, kinds, media.get("image_grid_thw"),
+                                              media.get("video_grid_thw"), attention_mask=attention_mask)
+    return positions
