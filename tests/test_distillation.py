@@ -1,0 +1,100 @@
+"""On-policy distillation wired through a run: the teacher's log-probs in the experience, the advantage they add,
+the teacher's placement, a run with no reward function, and its metrics (the math: tests/algorithms)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmrl import algorithms as A
+from lmrl.config import load_config
+from lmrl.experience import make_experience
+from lmrl.models.shipped import SHIPPED_MODEL
+from tests.forked import lmrl
+from tests.test_experience import SCORES, rollout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_experience_adds_the_teacher_signal_to_the_group_advantage():
+    r = rollout()  # B=4 in 2 groups of 2, T=5, lengths 5, 3, 2, 4
+    teacher = torch.full((4, 5), -0.5)
+    calls = []
+
+    def teacher_fn(seqs, attn, T):
+        calls.append((seqs.shape[0], T))
+        return teacher[: seqs.shape[0]]
+
+    options = load_config(None, ["algorithm.distill_coef=0.5"]).algorithm.options_for(make_experience)
+    exp = make_experience(r, SCORES, **options, policy_logprobs=None, teacher_logprobs=teacher_fn, micro_batch_size=4)
+    plain = make_experience(r, SCORES, **options, policy_logprobs=None)
+    mask = r.response_mask
+    # the student's log-probs are the sampler's (one update per batch): A_t = A_grpo + 0.5 (teacher_t - student_t)
+    expected = plain.advantages + torch.where(mask, 0.5 * (teacher - r.logprobs), torch.zeros(()))
+    torch.testing.assert_close(exp.advantages, expected, rtol=0, atol=1e-6)
+    assert calls == [(4, 5)]
+    assert not exp.advantages[~mask].any()  # nothing on padding
+    torch.testing.assert_close(exp.info["distill_rkl"], A.masked_sum(r.logprobs - teacher, mask, dim=1))
+
+
+def test_experience_with_zero_scores_is_the_signal_alone():
+    r = rollout()
+    teacher = -torch.rand(4, 5, generator=torch.Generator().manual_seed(1))
+    options = load_config(None, []).algorithm.options_for(make_experience)
+    exp = make_experience(r, torch.zeros(4), **options, policy_logprobs=None, teacher_logprobs=lambda s, a, T: teacher)
+    torch.testing.assert_close(exp.advantages, A.distill_advantages(r.logprobs, teacher, r.response_mask))
+
+
+def test_a_teacher_makes_reward_functions_optional():
+    cfg = load_config(None, ["algorithm.teacher=tiny-addition"])
+    assert not cfg.trains_on_rewards  # the task's reward evaluates; none trains
+    assert load_config(None, ["algorithm.teacher=tiny-addition", "reward.functions=[exact_match]"]).trains_on_rewards
+    assert load_config(None, []).trains_on_rewards
+
+
+def _perturbed_copy(directory: Path, scale: float) -> None:
+    """The shipped model with every weight moved by `scale` times its tensor's std of noise (seeded)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(SHIPPED_MODEL, directory)
+    weights = load_file(directory / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    weights = {k: v + scale * v.float().std() * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_the_teacher_is_placed_like_the_reference(tmp_path):
+    from lmrl.build import load_models
+
+    _perturbed_copy(tmp_path / "teacher", 0.1)
+    cfg = load_config(None, [f"algorithm.teacher={tmp_path / 'teacher'}", "algorithm.kl_coef=0.01", "model.dropout=true"])
+    models = load_models(cfg)
+    t, ref = models.teacher, models.reference
+    assert not t.training and not any(p.requires_grad for p in t.parameters())
+    assert next(t.parameters()).dtype == next(ref.parameters()).dtype == next(models.policy.parameters()).dtype
+    assert next(t.parameters()).device == next(models.policy.parameters()).device
+    assert not torch.equal(t.lm_head.weight, models.policy.lm_head.weight)  # its own weights, not a copy
+
+
+def test_a_run_with_no_reward_function_trains_on_the_teacher_alone(tmp_path):
+    """`lmrl train` with a teacher and no reward: rc 0, distill/reverse_kl logged and finite at every step, the task
+    reward logged but not trained on (objective/scores 0), the teacher forwards counted, a final model saved."""
+    _perturbed_copy(tmp_path / "teacher", 0.3)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = lmrl("train", f"algorithm.teacher={tmp_path / 'teacher'}", "train.steps=3", "rollout.prompts_per_step=4",
+                "data.num_eval_prompts=0", "log.console=false", f"train.output_dir={tmp_path / 'run'}", cwd=tmp_path,
+                env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert math.isfinite(row["distill/reverse_kl"]) and row["distill/reverse_kl"] != 0
+        assert row["distill/teacher_logprob"] < 0
+        assert row["objective/scores"] == 0.0 and "reward/mean" in row  # logged, not trained on
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
