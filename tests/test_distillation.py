@@ -104,3 +104,36 @@ def test_a_run_with_no_reward_function_trains_on_the_teacher_alone(tmp_path):
     # measured: 0.198, 0.118, 0.104, 0.067, 0.057, 0.094, 0.053, 0.058 (the student starts 0.2 nats per token away)
     assert rkl[0] > 0.05 and sum(rkl[-3:]) / 3 < 0.6 * sum(rkl[:2]) / 2, rkl
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_a_dataset_with_no_reward_function_distils_and_resumes_exactly(tmp_path):
+    """`reward.functions=[]` with a dataset is refused without a teacher and accepted with one (nothing scores: no
+    evaluation); the teacher is frozen, so a run resumed from a checkpoint is the straight run to the bit."""
+    from lmrl import Config, Trainer
+    from lmrl.errors import ConfigError
+
+    _perturbed_copy(tmp_path / "teacher", 0.3)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(40)))
+
+    def cfg(out, steps, resume=None, teacher=True):
+        return Config(train={"steps": steps, "output_dir": str(out), "save_every": 1, "resume": resume},
+                      log={"console": False}, rollout={"prompts_per_step": 4, "group_size": 4},
+                      data={"path": str(tmp_path / "rows.jsonl"), "eval_path": str(tmp_path / "rows.jsonl")},
+                      algorithm={"teacher": str(tmp_path / "teacher") if teacher else None})
+
+    with pytest.raises(ConfigError, match="reward.functions: a dataset needs at least one reward function"):
+        Trainer(cfg(tmp_path / "none", 1, teacher=False))
+
+    def run(out, steps, resume=None):
+        trainer = Trainer(cfg(out, steps, resume))
+        assert trainer.data.eval_rows == [] and trainer.data.rewards.names == ["none"]
+        trainer.train()
+        return trainer.policy.state_dict(), trainer.forward_counts
+
+    whole, counts = run(tmp_path / "whole", 3)
+    assert counts["teacher"] == 3 and counts["reference"] == 0
+    run(tmp_path / "split", 1)
+    resumed, _ = run(tmp_path / "split", 3, resume="auto")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    start = Trainer(cfg(tmp_path / "unused", 1)).policy.state_dict()
+    assert any(not torch.equal(whole[k], start[k]) for k in whole)  # it trained
