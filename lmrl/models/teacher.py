@@ -12,7 +12,14 @@ from typing import Any
 from torch import nn
 
 from lmrl.errors import ModelError
-from lmrl.models.loading import _check_exists, _first_line, check_causal, disable_dropout, load_causal_lm, load_tokenizer
+from lmrl.models.loading import (
+    _check_exists,
+    _first_line,
+    check_causal,
+    disable_dropout,
+    load_causal_lm,
+    load_tokenizer,
+)
 
 KEY = "algorithm.teacher"
 
