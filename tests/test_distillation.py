@@ -137,3 +137,27 @@ def test_a_dataset_with_no_reward_function_distils_and_resumes_exactly(tmp_path)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     start = Trainer(cfg(tmp_path / "unused", 1)).policy.state_dict()
     assert any(not torch.equal(whole[k], start[k]) for k in whole)  # it trained
+
+
+def test_the_teachers_forward_is_the_references_chunked_one(monkeypatch):
+    """Forwards.teacher: no gradient, the run's temperature and chunk size (never the whole [B, T, V] log-softmax
+    at once), each prompt once, and the log-probs a plain forward of the teacher gives."""
+    from lmrl.models import forward as F
+    from lmrl.models.forward import Forwards, model_forward_logprobs
+    from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
+
+    policy, _ = load_shipped()
+    teacher, _ = load_shipped(SHIPPED_MODELS["tiny-calculator"])
+    seqs = torch.randint(3, 20, (4, 9), generator=torch.Generator().manual_seed(0))
+    seqs[1] = seqs[0]  # two rows of one prompt and completion
+    attn = torch.ones_like(seqs)
+    chunks = []
+    real = F.token_logprobs
+    monkeypatch.setattr(F, "token_logprobs", lambda *a, **k: chunks.append(k["chunk_size"]) or real(*a, **k))
+    f = Forwards(policy, None, None, temperature=0.7, chunk_size=3, share_prompt=True, autocast_bf16=False,
+                 shared_critic=False, teacher=teacher)
+    out = f.teacher(seqs, attn, 5)
+    assert chunks == [3] and not out.requires_grad and f.counts["teacher"] == 1
+    plain = model_forward_logprobs(teacher, seqs, attn, 5, temperature=0.7)
+    torch.testing.assert_close(out, plain, rtol=0, atol=1e-5)
+    assert not torch.allclose(out, model_forward_logprobs(policy, seqs, attn, 5, temperature=0.7))  # the teacher's
