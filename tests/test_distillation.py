@@ -80,6 +80,8 @@ def test_the_teacher_is_placed_like_the_reference(tmp_path):
     assert next(t.parameters()).dtype == next(ref.parameters()).dtype == next(models.policy.parameters()).dtype
     assert next(t.parameters()).device == next(models.policy.parameters()).device
     assert not torch.equal(t.lm_head.weight, models.policy.lm_head.weight)  # its own weights, not a copy
+    bf16 = load_models(load_config(None, [f"algorithm.teacher={tmp_path / 'teacher'}", "model.dtype=bfloat16"]))
+    assert next(bf16.teacher.parameters()).dtype == torch.bfloat16  # the policy's dtype, whatever its checkpoint's
 
 
 def test_a_run_with_no_reward_function_trains_on_the_teacher_alone(tmp_path):
@@ -104,6 +106,9 @@ def test_a_run_with_no_reward_function_trains_on_the_teacher_alone(tmp_path):
     # measured: 0.198, 0.118, 0.104, 0.067, 0.057, 0.094, 0.053, 0.058 (the student starts 0.2 nats per token away)
     assert rkl[0] > 0.05 and sum(rkl[-3:]) / 3 < 0.6 * sum(rkl[:2]) / 2, rkl
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    shutil.rmtree(tmp_path / "teacher")  # evaluating the result needs no teacher
+    evaluated = lmrl("eval", str(tmp_path / "run"), "--num-prompts", "4", cwd=tmp_path, env=env, timeout=120)
+    assert evaluated.returncode == 0 and "4 prompts of" in evaluated.stdout, evaluated.stderr[-2000:]
 
 
 def test_a_dataset_with_no_reward_function_distils_and_resumes_exactly(tmp_path):

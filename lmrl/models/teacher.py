@@ -13,6 +13,7 @@ from torch import nn
 
 from lmrl.errors import ModelError
 from lmrl.models.loading import (
+    DTYPES,
     _check_exists,
     _first_line,
     check_causal,
@@ -24,17 +25,18 @@ from lmrl.models.loading import (
 KEY = "algorithm.teacher"
 
 
-def load_teacher(path: str, policy: nn.Module, tokenizer: Any, policy_name: str, *, dtype: str, device: Any,
+def load_teacher(path: str, policy: nn.Module, tokenizer: Any, policy_name: str, *, device: Any,
                  trust_remote_code: bool = False, attn_implementation: str | None = None) -> nn.Module:
     """The teacher at `path` (a directory or hub id, shipped names already resolved), checked against the policy
-    and its tokenizer, on `device` in `dtype`, in eval mode with dropout off and every parameter frozen.
+    and its tokenizer, on `device` in the policy's dtype (as the reference, a copy of the policy, is), in eval mode
+    with dropout off and every parameter frozen.
 
     Args:
         path: where the teacher loads from.
         policy: the student, for its vocabulary size.
         tokenizer: the student's tokenizer.
         policy_name: what names the student in errors (`model.name_or_path`).
-        dtype, device, trust_remote_code, attn_implementation: the policy's (`model.*`), as the reference has them.
+        device, trust_remote_code, attn_implementation: the policy's (`model.*`), as the reference has them.
 
     Raises:
         ModelError: the path is missing or holds no model, or the teacher's vocabulary size or tokenizer differs
@@ -43,6 +45,8 @@ def load_teacher(path: str, policy: nn.Module, tokenizer: Any, policy_name: str,
     check_vocab_size(path, policy, policy_name, trust_remote_code)
     check_same_tokenizer(load_tokenizer(path, trust_remote_code=trust_remote_code, config_key=KEY), tokenizer,
                          path, policy_name)
+    policy_dtype = next(policy.parameters()).dtype
+    dtype = next((name for name, d in DTYPES.items() if d == policy_dtype), "auto")
     teacher = load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                              attn_implementation=attn_implementation, config_key=KEY)
     check_causal(teacher, config_key=KEY)
