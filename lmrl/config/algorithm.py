@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from lmrl.config.base import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Section
+from lmrl.config.base import Fraction, NonEmptyStr, NonNegativeFloat, PositiveFloat, PositiveInt, Section
 
 Advantage = Literal["grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce", "reinforce_baseline", "gae", "gpg",
                     "remax", "pass_at_k"]
@@ -81,7 +81,7 @@ class AlgorithmConfig(Section):
     """Adaptive KL controller (Ziegler et al. 2019): target KL per sequence; None = fixed kl_coef."""
     kl_horizon: PositiveInt = 10000
     """Adaptive KL controller horizon in samples."""
-    teacher: str | None = None
+    teacher: NonEmptyStr | None = None
     """On-policy distillation: a teacher model (a directory written by save_pretrained, e.g. a run's final/, or
     a shipped model's name) that scores the student's own samples; each token's advantage gains
     distill_coef x (log p_teacher - log p_student). It must share the policy's tokenizer. Loaded and placed like
