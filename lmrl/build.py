@@ -104,8 +104,8 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
     if cfg.algorithm.teacher is not None:  # placed as the reference is: the policy's device and dtype, frozen
         from lmrl.models.teacher import load_teacher
 
-        teacher = load_teacher(_resolved(cfg.algorithm.teacher), policy, tokenizer, m.name_or_path, device=device, trust_remote_code=m.trust_remote_code,
-                               attn_implementation=m.attn_implementation)
+        teacher = load_teacher(_resolved(cfg.algorithm.teacher), policy, tokenizer, m.name_or_path, device=device,
+                               trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
     critic = None
     if cfg.algorithm.needs_critic:  # from the base, before LoRA wraps (and changes) the policy's modules
         from lmrl.models.critic import PolicyValueHead, ValueModel
