@@ -206,7 +206,7 @@ BAD: dict[str, Bad] = {
                            "algorithm.teacher: cannot load the teacher './no-teacher': no such file or directory"),
     "teacher another tokenizer": Bad("train algorithm.teacher=other-tokenizer",
                                      "algorithm.teacher: the teacher's tokenizer (other-tokenizer) differs from the policy's "
-                                     "(tiny-addition): 2 of 99 tokens have other ids (first: '2' is 4 for the teacher, 5 for "
+                                     "(tiny-addition): 2 of 99 tokens have other ids (first: '1' is 5 for the teacher, 4 for "
                                      "the policy); distillation needs the student's tokenizer", real=False),
     "teacher another vocab size": Bad("train algorithm.teacher=other-vocab",
                                       "algorithm.teacher: the teacher 'other-vocab' has a vocabulary of 107 tokens, the policy "

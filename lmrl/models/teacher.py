@@ -78,9 +78,10 @@ def check_same_tokenizer(teacher_tokenizer: Any, tokenizer: Any, path: str, poli
     theirs, ours = teacher_tokenizer.get_vocab(), tokenizer.get_vocab()
     if theirs == ours:
         return
-    differ = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])
-    token, _ = differ[0]
-    ids = len({t for t, _ in differ})
+    differ = {t for t in theirs.keys() | ours.keys() if theirs.get(t) != ours.get(t)}
+    none = float("inf")  # the first by the policy's id, a token only the teacher has after every other
+    token = min(differ, key=lambda t: (ours.get(t, none), theirs.get(t, none), t))
+    ids = len(differ)
     raise ModelError(f"{KEY}: the teacher's tokenizer ({path}) differs from the policy's ({policy_name}): {ids} of "
                      f"{max(len(theirs), len(ours))} tokens have other ids (first: {token!r} is {theirs.get(token)} for "
                      f"the teacher, {ours.get(token)} for the policy); distillation needs the student's tokenizer")
