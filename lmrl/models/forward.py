@@ -208,7 +208,7 @@ class Forwards:
         self.temperature, self.chunk_size, self.share_prompt = temperature, chunk_size, share_prompt
         self.autocast_bf16 = autocast_bf16
         self.shared_critic = critic is not None and shared_critic
-        self.counts = {"policy": 0, "reference": 0, "critic": 0, "teacher": 0}
+        self.counts = {"policy": 0, "reference": 0, "critic": 0} | ({"teacher": 0} if teacher is not None else {})
 
     def policy(self, seqs: torch.Tensor, attn: torch.Tensor, T: int, grad: bool = False,
                hidden: bool = False) -> ResponseForward:
