@@ -166,3 +166,23 @@ def test_the_teachers_forward_is_the_references_chunked_one(monkeypatch):
     plain = model_forward_logprobs(teacher, seqs, attn, 5, temperature=0.7)
     torch.testing.assert_close(out, plain, rtol=0, atol=1e-5)
     assert not torch.allclose(out, model_forward_logprobs(policy, seqs, attn, 5, temperature=0.7))  # the teacher's
+
+
+def test_a_lora_student_distils_from_a_whole_teacher(tmp_path):
+    """With LoRA adapters on the student, the teacher is its own whole model (the adapters' base is the reference, not
+    the teacher): a step moves the adapters only, with the teacher's signal in the advantages."""
+    pytest.importorskip("peft")
+    from lmrl import Config, Trainer
+
+    cfg = Config(train={"steps": 1, "output_dir": str(tmp_path / "run")}, log={"console": False},
+                 rollout={"prompts_per_step": 4, "group_size": 4}, data={"num_eval_prompts": 0},
+                 algorithm={"teacher": "tiny-calculator"},
+                 model={"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
+    trainer = Trainer(cfg)
+    assert not any(p.requires_grad for p in trainer.models.teacher.parameters())
+    assert not hasattr(trainer.models.teacher, "peft_config")  # not wrapped: LoRA is the student's
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    step = trainer.train_step(1)
+    assert math.isfinite(step["distill/reverse_kl"]) and step["distill/reverse_kl"] > 0.01  # another model's verdict
+    moved = {k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved and all("lora_" in k for k in moved)
