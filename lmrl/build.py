@@ -50,6 +50,7 @@ class Models:
     sampler: nn.Module | None = None  # a copy of the policy in another dtype that generates (rollout.dtype)
     # a LoRA run's reference: the policy's base with its adapters disabled, no second copy of the weights
     reference_is_base: bool = False
+    teacher: nn.Module | None = None  # on-policy distillation's frozen teacher (algorithm.teacher)
 
     @property
     def has_reference(self) -> bool:
@@ -99,6 +100,12 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
     # LoRA never changes the base weights: the reference is the policy with its adapters disabled. Otherwise
     # it is a frozen copy, taken before training starts.
     reference = reference_model(policy) if cfg.needs_reference and not lora else None
+    teacher = None
+    if cfg.algorithm.teacher is not None:  # placed as the reference is: the policy's device and dtype, frozen
+        from lmrl.models.teacher import load_teacher
+
+        teacher = load_teacher(_resolved(cfg.algorithm.teacher), policy, tokenizer, m.name_or_path, device=device,
+                               trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
     critic = None
     if cfg.algorithm.needs_critic:  # from the base, before LoRA wraps (and changes) the policy's modules
         from lmrl.models.critic import PolicyValueHead, ValueModel
@@ -118,7 +125,7 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
         policy = apply_lora(policy, m.lora)
     policy.train()
     return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype) if cfg.samples_with_copy else None,
-                  reference_is_base=lora and cfg.needs_reference)
+                  reference_is_base=lora and cfg.needs_reference, teacher=teacher)
 
 
 @dataclass
@@ -218,7 +225,7 @@ def _shard_models(cfg: Config, world: Any, models: Models, notes: list[str]) -> 
     if mode == "ddp":
         return world, {}
     world = dataclasses.replace(world, sharded=True)
-    named = {"policy": models.policy, "reference": models.reference, "critic": models.critic}
+    named = {"policy": models.policy, "reference": models.reference, "critic": models.critic, "teacher": models.teacher}
     units = {name: shard(m, world, bf16=cfg.train.autocast_bf16) for name, m in named.items() if m is not None}
     notes.append("fsdp: the shared-prompt forward and the fast decoder with its C kernels step aside (they "
                  "bypass the decoder layers' forward, where FSDP gathers a layer's weights); generation "
@@ -397,7 +404,7 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
         train_rows = from_file(d.path, d.split, "data.path")
     if stream is not None:
         stream.peek(cfg.rollout.prompts_per_step)  # the first step's rows, checked before a model loads
-    if d.num_eval_prompts == 0:
+    if d.num_eval_prompts == 0 or rewards.names == [NO_REWARD]:  # nothing to score held-out completions with
         eval_rows = []
     elif eval_rows is not None:  # a stream is read only as far as the evaluation needs
         eval_rows = _split(eval_rows, d.eval_split, "eval_dataset", "data.eval_split")
@@ -440,6 +447,7 @@ def _left_out(source: str, bad: list[Any], kept: int) -> str:
 
 def _reward_set(cfg: Config, reward_fns: Any, task: Any):
     from lmrl.rewards import RewardRecipes, RewardSet
+    from lmrl.rewards.core import WeightedReward
 
     if reward_fns is None:
         from lmrl.rewards import reward_recipes_from_config, reward_set_from_config
@@ -453,6 +461,8 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
             reward_fns = list(task.reward_funcs) + ([reward_set_from_config(["env"]).rewards[0].fn] if cfg.env.name else [])
         elif cfg.env.name is not None:  # the environment's own reward
             reward_fns = reward_set_from_config(["env"])
+        elif not cfg.trains_on_rewards:  # distillation alone: the teacher's signal trains, nothing scores
+            reward_fns = [WeightedReward(no_reward, 1.0, NO_REWARD)]
         else:
             raise ConfigError("reward.functions: a dataset needs at least one reward function, "
                               "e.g. reward.functions=[math]")
@@ -490,6 +500,14 @@ def _reward_of(entry: Any) -> Any:
             return reward_set_from_config([entry]).rewards[0]
         return RewardModelScorer.from_pretrained(entry, name=Path(entry).name or "reward_model")
     return entry
+
+
+NO_REWARD = "none"
+
+
+def no_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """The reward of a distillation run that names none (`Config.trains_on_rewards`): 0 for every completion."""
+    return [0.0] * len(completions)
 
 
 def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any:

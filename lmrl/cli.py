@@ -372,6 +372,8 @@ def _eval_config(args) -> tuple[dict, str]:
         raw["model"] = {**raw.get("model", {}), "name_or_path": args.model or str(run / "final"), "lora": None}
         for section in ("train", "optim"):
             raw.pop(section, None)  # the run's steps, output directory and optimizer play no part here
+        if (raw.get("algorithm") or {}).get("teacher"):  # nor a distillation's teacher: not loaded, not needed
+            raw["algorithm"] = {**raw["algorithm"], "teacher": None}
         source = f"{args.run}'s held-out prompts"
     else:
         raw = {"model": {"name_or_path": args.model or "tiny-addition"}}

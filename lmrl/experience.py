@@ -6,6 +6,7 @@ Data flow (one step):
       -> old / reference log-probs and values: micro-batched no-grad forwards, each skipped when unused
       -> KL in the reward (k1, per token or per sequence) when the algorithm asks for it
       -> advantages by the estimator's name (ADVANTAGE_ESTIMATORS), optional batch whitening
+      -> on-policy distillation: + distill_coef x (teacher - student log-prob) on each token, when a teacher scores
       -> Experience: every tensor aligned to response tokens [B, T]
 
 Everything here is plain tensors, models and keyword arguments (named as the config fields they come from,
@@ -256,6 +257,8 @@ def make_experience(
     policy_logprobs: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None,
     ref_logprobs: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     critic_values: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    teacher_logprobs: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    distill_coef: float = 1.0,
     kl_coef: float = 0.0,
     micro_batch_size: int = 64,
     loss_mask: torch.Tensor | None = None,
@@ -283,6 +286,9 @@ def make_experience(
             log-probs (`old_logprobs=None`), and with `tis_cap` its truncated IS weights against
             the sampling log-probs (`rollout_logprobs`). A second forward here could not change anything.
         ref_logprobs / critic_values: same shape contract; None skips that forward.
+        teacher_logprobs: the teacher's log-probs of the response tokens (on-policy distillation), same shape
+            contract; each token's advantage gains `distill_coef` x (teacher - student log-prob), after the
+            estimator's advantages (and their whitening). The student's are the old log-probs, else the sampler's.
         loss_mask: [B] bool, False drops a whole completion from the loss (e.g. truncated ones).
         world: the ranks sharing the batch, this rollout being one rank's share (`lmrl.distributed`).
         baseline: [B / G] rewards of each prompt's greedy completion (advantage=remax).
@@ -309,6 +315,9 @@ def make_experience(
                              kl_level=kl_level, values=values, world=world, baseline=baseline)
     if adv.relu_zeroed is not None:
         info["relu_zeroed"] = adv.relu_zeroed
+    teacher = _forward(teacher_logprobs, rollout, micro_batch_size, world)
+    if teacher is not None:  # on-policy distillation: the teacher's verdict on each sampled token
+        adv.advantages = adv.advantages + _distill_signal(rollout, old, teacher, mask, info, distill_coef)
     # 5. each group's clip-filter-like weight on its rows
     if clip_filter_like_weight is not None:
         weights = _times_clip_filter(weights, rewards, mask, info, rollout.group_size, clip_filter_like_weight, world)
@@ -399,6 +408,17 @@ def _kl_and_rewards(rollout: Rollout, scores: torch.Tensor, mask: torch.Tensor, 
     if reward_minus_kl_coef:  # TapeAgents: the reward minus the sequence's k3 KL, before advantages
         rewards = info["reward_minus_kl"] = scores - reward_minus_kl_coef * info["kl_k3"].to(scores.dtype)
     return kl, rewards
+
+
+def _distill_signal(rollout: Rollout, old: torch.Tensor | None, teacher: torch.Tensor, mask: torch.Tensor,
+                    info: dict[str, torch.Tensor], coef: float) -> torch.Tensor:
+    """[B, T] on-policy distillation's per-token advantage (`lmrl.algorithms.distill_advantages`); adds each row's
+    summed reverse KL and teacher log-prob to `info` (metrics: distill/*)."""
+    student = old if old is not None else rollout.logprobs.float()
+    rkl = A.distill_reverse_kl(student, teacher, mask)
+    info["distill_rkl"] = rkl.sum(1)
+    info["distill_teacher_logp"] = A.masked_sum(teacher, mask, dim=1)
+    return A.distill_advantages(student, teacher, mask, coef).to(torch.float32)
 
 
 def _times_clip_filter(weights: torch.Tensor | None, rewards: torch.Tensor, mask: torch.Tensor,

@@ -100,7 +100,7 @@ class Trainer:
         self.forwards = Forwards(self.policy, self.models.reference, self.models.critic,
                                  temperature=cfg.rollout.temperature, chunk_size=cfg.train.logprob_chunk_size,
                                  share_prompt=cfg.train.share_prompt, autocast_bf16=cfg.train.autocast_bf16,
-                                 shared_critic=cfg.model.shared_critic)
+                                 shared_critic=cfg.model.shared_critic, teacher=self.models.teacher)
         self.collector = Collector(cfg, self.data, sampler, self.generator, self.tokenizer, self.env, self.world,
                                    self._generation_weights(), self.log.warn)
         self.updater = Updater(cfg, self.forwards, self.optimizer, self.scheduler, self.kl, self.world,
@@ -274,11 +274,14 @@ class Trainer:
         """3. A scored rollout (this rank's share of the batch) -> Experience: old / reference log-probs, values,
         KL, advantages."""
         cfg, f = self.cfg, self.forwards
+        # distillation alone: the task's reward is logged (and evaluates), the teacher's signal alone trains
+        scores = c.scores if cfg.trains_on_rewards else torch.zeros_like(c.scores)
         return make_experience(
-            c.rollout, c.scores, **cfg.algorithm.options_for(make_experience),
+            c.rollout, scores, **cfg.algorithm.options_for(make_experience),
             policy_logprobs=f.policy_logprobs if needs_old_logprobs(cfg.algorithm) else None,
             ref_logprobs=f.reference if self.models.has_reference else None,
             critic_values=f.critic if self.models.critic is not None else None,
+            teacher_logprobs=f.teacher if self.models.teacher is not None else None,
             kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep,
             info=c.per_function, world=self.world, baseline=c.baseline,
         )

@@ -56,6 +56,9 @@ VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_
             "ppo-shared": ["algorithm=ppo", "model.shared_critic=true"],
             # DAPO with dynamic sampling: one round keeps 3 groups of 8 (seed 0), split 1 + 2 over 2 ranks, and
             # micro-batches of one group, so that the ranks make different numbers of forwards
+            # on-policy distillation: the teacher (the shipped calculator model: the same tokenizer, other weights)
+            # scores each rank's share; its per-token signal joins GRPO's advantage
+            "grpo-distill": ["algorithm=grpo", "algorithm.teacher=tiny-calculator"],
             "dapo": ["algorithm=dapo", "algorithm.max_sampling_rounds=1", "train.seed=0", "optim.micro_batch_size=4",
                      "train.share_prompt=false"]}
 # train.share_prompt=false where ranks batch rows differently than one process does (uneven shares; FSDP, under
@@ -63,7 +66,7 @@ VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_
 # AdamW's first step, lr * g / (|g| + eps), turns 1e-7 of rounding in a near-zero gradient into 1e-5 of weight
 # "<name>-fsdp": the same with the models sharded by FSDP2 (train.parallel=fsdp)
 VARIANTS |= {f"{name}-fsdp": [*VARIANTS.get(name, [f"algorithm={name}"]), "train.parallel=fsdp", "train.share_prompt=false"]
-             for name in ("grpo", "rloo", "ppo", "dapo", "grpo-checkpointing", "ppo-shared")}
+             for name in ("grpo", "rloo", "ppo", "dapo", "grpo-checkpointing", "ppo-shared", "grpo-distill")}
 
 
 def full_state(module) -> dict[str, torch.Tensor]:
@@ -91,7 +94,8 @@ def main(out: Path, algorithms: list[str]) -> None:
         if trainer.models.critic is not None:
             params |= {f"critic.{k}": v for k, v in full_state(trainer.models.critic).items()}
         if trainer.world.main:
-            torch.save({"params": params, "groups": len(c.rows), "sharded": trainer.world.sharded}, out / f"{name}.pt")
+            torch.save({"params": params, "groups": len(c.rows), "sharded": trainer.world.sharded,
+                        "units": sorted(trainer.units)}, out / f"{name}.pt")
 
 
 if __name__ == "__main__":

@@ -205,6 +205,16 @@ BAD: dict[str, Bad] = {
     "output_dir under a file": Bad("train train.output_dir=rows.jsonl/run", "train.output_dir: rows.jsonl/run cannot be created: ", real=False),
     "no CUDA here": Bad("train model.device=cuda", "model.device: 'cuda' asked for, but this machine has no CUDA device; use model.device=cpu", real=False),
     "eval NaN weights": Bad("eval --model nan-model", "model: nan-model has non-finite weights (NaN or inf); refusing to train or evaluate it"),
+    "teacher missing": Bad("train algorithm.teacher=./no-teacher",
+                           "algorithm.teacher: cannot load the teacher './no-teacher': no such file or directory"),
+    "teacher another tokenizer": Bad("train algorithm.teacher=other-tokenizer",
+                                     "algorithm.teacher: the teacher's tokenizer (other-tokenizer) differs from the policy's "
+                                     "(tiny-addition): 2 of 99 tokens have other ids (first: '1' is 5 for the teacher, 4 for "
+                                     "the policy); distillation needs the student's tokenizer", real=False),
+    "teacher another vocab size": Bad("train algorithm.teacher=other-vocab",
+                                      "algorithm.teacher: the teacher 'other-vocab' has a vocabulary of 107 tokens, the policy "
+                                      "'tiny-addition' 99: distillation compares their log-probs of the same token ids; use a "
+                                      "teacher with the policy's tokenizer", real=False),
     "rollout cannot fit": Bad("train rollout.prompts_per_step=100000000", "rollout: a step generates 800000000 sequences", real=False),
     # --- rewards: a value that is not a finite real number, a failure, an exit: the function, completion, value
     "reward inf": Bad(f"train {QUICK} reward.functions=[rewards.py:inf_reward]",
@@ -349,6 +359,22 @@ def _not_causal_models(cwd: Path) -> None:
         tok.save_pretrained(cwd / name)
 
 
+def _teachers(cwd: Path) -> None:
+    """Teachers a distillation cannot use: the shipped model with two token ids swapped in its tokenizer, and with
+    8 more rows of embeddings (the same tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(SHIPPED_MODEL, cwd / "other-tokenizer")
+    spec = json.loads((cwd / "other-tokenizer" / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["1"], vocab["2"] = vocab["2"], vocab["1"]
+    (cwd / "other-tokenizer" / "tokenizer.json").write_text(json.dumps(spec))
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL)
+    model.resize_token_embeddings(model.config.vocab_size + 8, mean_resizing=False)
+    model.save_pretrained(cwd / "other-vocab")
+    AutoTokenizer.from_pretrained(SHIPPED_MODEL).save_pretrained(cwd / "other-vocab")
+
+
 def _args(case: str, bad: Bad, url: str) -> list[str]:
     """The row's arguments after `lmrl`; a train row writes to out/<case> without a console."""
     args = shlex.split(bad.args.replace("{url}", url))
@@ -385,6 +411,7 @@ def ran(tmp_path_factory):
         (cwd / name).write_text(text)
     _nan_model(cwd / "nan-model")
     _not_causal_models(cwd)
+    _teachers(cwd)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Scorer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"

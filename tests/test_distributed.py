@@ -23,11 +23,12 @@ DRIVER = ROOT / "tests" / "dist_driver.py"
 # GAE and batch whitening; reinforce_pp: whitening across the batch of both ranks; GRPO with LoRA adapters and
 # with gradient checkpointing; DAPO with dynamic sampling keeping groups that split unevenly over the ranks; batch
 # statistics of the issue-19 options (grpo-batch-std, gpg); RLOO with LoRA (the reference: adapters disabled); PPO
-# with its value head on the policy's backbone (model.shared_critic); then
-# the models sharded by FSDP2 (tests/dist_driver.py)
+# with its value head on the policy's backbone (model.shared_critic); GRPO with a teacher (on-policy distillation);
+# then the models sharded by FSDP2, the teacher too (tests/dist_driver.py)
 ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpointing", "dapo", "grpo-batch-std",
-              "gpg", "rloo-lora", "ppo-shared",
-              "grpo-fsdp", "rloo-fsdp", "ppo-fsdp", "dapo-fsdp", "grpo-checkpointing-fsdp", "ppo-shared-fsdp"]
+              "gpg", "rloo-lora", "ppo-shared", "grpo-distill",
+              "grpo-fsdp", "rloo-fsdp", "ppo-fsdp", "dapo-fsdp", "grpo-checkpointing-fsdp", "ppo-shared-fsdp",
+              "grpo-distill-fsdp"]
 
 
 def _run(cmd: list[str], out: Path, batches: Path | None = None) -> None:
@@ -50,6 +51,8 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path):
     for name in ALGORITHMS:
         one_process, two_ranks = torch.load(one / f"{name}.pt"), torch.load(two / f"{name}.pt")
         assert not one_process["sharded"] and two_ranks["sharded"] == name.endswith("-fsdp"), name
+        if name == "grpo-distill-fsdp":  # the teacher is sharded as the reference is
+            assert two_ranks["units"] == ["policy", "teacher"], two_ranks["units"]
         assert one_process["groups"] == two_ranks["groups"] == (3 if name.startswith("dapo") else 8), name
         a, b = one_process["params"], two_ranks["params"]
         assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == name.startswith("ppo")

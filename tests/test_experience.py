@@ -25,21 +25,22 @@ def adv_options(*overrides):
     """compute_advantages' keyword arguments as a config with these overrides gives them."""
     options = algo(*overrides).options_for(make_experience)
     make_experience_only = ("kl_estimator", "kl_clamp", "tis_cap", "tis_mode", "tis_low", "entropy_top_fraction",
-                            "reward_minus_kl_coef", "clip_filter_like_weight")
+                            "reward_minus_kl_coef", "clip_filter_like_weight", "distill_coef")
     return {k: v for k, v in options.items() if k not in make_experience_only}
 
 
 # the AlgorithmConfig fields make_experience takes (kl_coef aside: the trainer passes its KL controller's value)
 EXPERIENCE_OPTIONS = ("advantage", "gamma", "lam", "whiten_advantages", "whiten_std", "use_advantages",
                       "relu_log_p_weights", "pass_k", "kl_in", "kl_level", "kl_estimator", "kl_clamp", "tis_cap",
-                      "tis_mode", "tis_low", "entropy_top_fraction", "reward_minus_kl_coef", "clip_filter_like_weight")
+                      "tis_mode", "tis_low", "entropy_top_fraction", "reward_minus_kl_coef", "clip_filter_like_weight",
+                      "distill_coef")
 
 
 @pytest.mark.parametrize("name", ["grpo", "ppo", "dapo"])
-def test_options_for_make_experience_are_its_18_algorithm_fields(name):
+def test_options_for_make_experience_are_its_19_algorithm_fields(name):
     cfg = algo(f"algorithm={name}", "rollout.dtype=bfloat16")
     options = cfg.options_for(make_experience)
-    assert sorted(options) == sorted(EXPERIENCE_OPTIONS) and len(options) == 18
+    assert sorted(options) == sorted(EXPERIENCE_OPTIONS) and len(options) == 19
     assert options == {k: getattr(cfg, k) for k in EXPERIENCE_OPTIONS}
 
 

@@ -21,6 +21,7 @@ from lmrl.algorithms.advantages import (
     rloo_advantages,
 )
 from lmrl.algorithms.aggregation import AGGREGATION_MODES, aggregate_loss, loss_normalizer
+from lmrl.algorithms.distillation import distill_advantages, distill_reverse_kl
 from lmrl.algorithms.importance import masked_is_weights, truncated_is_weights
 from lmrl.algorithms.kl import (
     KL_CLAMPS,
@@ -64,6 +65,8 @@ __all__ = [
     "reinforce_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
+    "distill_advantages",
+    "distill_reverse_kl",
     "KL_CLAMPS",
     "KL_ESTIMATORS",
     "KLController",

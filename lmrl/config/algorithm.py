@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from lmrl.config.base import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Section
+from lmrl.config.base import Fraction, NonEmptyStr, NonNegativeFloat, PositiveFloat, PositiveInt, Section
 
 Advantage = Literal["grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce", "reinforce_baseline", "gae", "gpg",
                     "remax", "pass_at_k"]
@@ -81,6 +81,15 @@ class AlgorithmConfig(Section):
     """Adaptive KL controller (Ziegler et al. 2019): target KL per sequence; None = fixed kl_coef."""
     kl_horizon: PositiveInt = 10000
     """Adaptive KL controller horizon in samples."""
+    teacher: NonEmptyStr | None = None
+    """On-policy distillation: a teacher model (a directory written by save_pretrained, e.g. a run's final/, or
+    a shipped model's name) that scores the student's own samples; each token's advantage gains
+    distill_coef x (log p_teacher - log p_student). It must share the policy's tokenizer. Loaded and placed like
+    the reference model, frozen. With no reward.functions (and no recipes or environment) no reward trains the
+    policy: the signal alone (a built-in task's reward still scores the held-out evaluation). Metric:
+    distill/reverse_kl."""
+    distill_coef: NonNegativeFloat = 1.0
+    """Weight of the teacher's per-token signal in the advantage (algorithm.teacher)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (0 = none)."""
     entropy_top_fraction: Annotated[float, Field(gt=0, le=1)] | None = None

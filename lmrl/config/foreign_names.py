@@ -38,6 +38,8 @@ FLAT_NAMES: dict[str, tuple[str, str, str]] = {
     "gradient_accumulation_steps": ("TRL", "optim.micro_batch_size",
                                     "lmrl accumulates by itself: micro_batch_size only bounds memory"),
     "max_steps": ("TRL", "train.steps", ""),
+    "teacher_model_name_or_path": ("TRL", "algorithm.teacher", "TRL's GKDTrainer; lmrl distils on-policy with the "
+                                   "reverse KL (GKD's lmbda=1, beta=1), estimated on the sampled tokens"),
     "num_train_epochs": ("TRL", "train.steps", "lmrl counts steps, not epochs"),
     "seed": ("TRL", "train.seed", ""),
     "output_dir": ("TRL", "train.output_dir", ""),

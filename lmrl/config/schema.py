@@ -149,6 +149,12 @@ class Config(Section):
         return (env.max_tokens or env.max_turns * r.max_new_tokens) if multi_turn else r.max_new_tokens
 
     @property
+    def trains_on_rewards(self) -> bool:
+        """False for a distillation run that names no reward: the teacher's signal alone trains the policy."""
+        r = self.reward
+        return self.algorithm.teacher is None or bool(r.functions or r.recipes or self.env.name)
+
+    @property
     def needs_reference(self) -> bool:
         """The reference model is loaded only when a KL term can use it."""
         a = self.algorithm

@@ -18,6 +18,7 @@ STEP_LINE = [
     ("objective/scores", "reward", "{:.3f}"),
     ("eval/accuracy", "eval acc", "{:.1%}"),
     ("objective/kl", "kl", "{:.4f}"),
+    ("distill/reverse_kl", "rkl", "{:.4f}"),  # on-policy distillation: per token, toward 0 as the student learns
     ("policy/entropy_avg", "entropy", "{:.3f}"),
     ("policy/clipfrac_avg", "clipfrac", "{:.3f}"),
     ("loss/policy_avg", "loss", "{:+.4f}"),

@@ -41,6 +41,10 @@ def _option_metrics(exp: Any) -> dict[str, float]:
         out["val/tis_masked_frac"] = exp.info["tis_masked"].sum().item() / real
         out["val/sampler_kl"] = exp.info["sampler_kl"].mean().item()
         out["val/sampler_logprob_diff"] = exp.info["sampler_diff"].mean().item()
+    if "distill_rkl" in exp.info:  # on-policy distillation: how far the student's samples are from the teacher's liking
+        out["distill/reverse_kl"] = exp.info["distill_rkl"].sum().item() / real
+        out["distill/reverse_kl_seq"] = exp.info["distill_rkl"].mean().item()
+        out["distill/teacher_logprob"] = exp.info["distill_teacher_logp"].sum().item() / real
     if "entropy" in exp.info:
         out["objective/entropy"] = exp.info["entropy"].mean().item()
     return out

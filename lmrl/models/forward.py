@@ -207,15 +207,18 @@ class Forwards:
         share_prompt: run each distinct prompt of a batch once (`lmrl.models.shared_prompt`).
         autocast_bf16: forwards under bf16 autocast.
         shared_critic: the critic is a head on the policy's own hidden states.
+        teacher: on-policy distillation's frozen teacher (`lmrl.models.teacher`), or None.
     """
 
     def __init__(self, policy: nn.Module, reference: nn.Module | None, critic: nn.Module | None, *, temperature: float,
-                 chunk_size: int | None, share_prompt: bool, autocast_bf16: bool, shared_critic: bool):
+                 chunk_size: int | None, share_prompt: bool, autocast_bf16: bool, shared_critic: bool,
+                 teacher: nn.Module | None = None):
         self.policy_model, self.reference_model, self.critic_model = policy, reference, critic
+        self.teacher_model = teacher
         self.temperature, self.chunk_size, self.share_prompt = temperature, chunk_size, share_prompt
         self.autocast_bf16 = autocast_bf16
         self.shared_critic = critic is not None and shared_critic
-        self.counts = {"policy": 0, "reference": 0, "critic": 0}
+        self.counts = {"policy": 0, "reference": 0, "critic": 0} | ({"teacher": 0} if teacher is not None else {})
 
     def policy(self, seqs: torch.Tensor, attn: torch.Tensor, T: int, grad: bool = False,
                hidden: bool = False) -> ResponseForward:
@@ -235,6 +238,14 @@ class Forwards:
         self.counts["reference"] += 1
         with torch.no_grad(), self.autocast(), self._reference() as reference:
             return model_forward_logprobs(reference, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
+                                          share_prompt=self.share_prompt)
+
+    def teacher(self, seqs: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
+        """`[b, T]` log-probs of the response tokens under the teacher, no gradient: the reference's forward (the
+        same temperature, chunks and shared prompts), through another model."""
+        self.counts["teacher"] += 1
+        with torch.no_grad(), self.autocast():
+            return model_forward_logprobs(self.teacher_model, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
                                           share_prompt=self.share_prompt)
 
     @contextlib.contextmanager
