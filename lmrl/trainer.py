@@ -49,8 +49,8 @@ from lmrl.logging import Console
 from lmrl.logging.metrics import experience_metrics, grpo_trainer_names, prompt_text
 from lmrl.logging.run_log import RunLog
 from lmrl.models.forward import Forwards
-from lmrl.rollout import HFGenerator, RemoteGenerator
 from lmrl.rewards.core import learned_scores
+from lmrl.rollout import HFGenerator, RemoteGenerator
 from lmrl.update import Updater, needs_old_logprobs
 
 __all__ = ["Collected", "TrainResult", "Trainer"]
