@@ -28,9 +28,10 @@ must be within --tolerance (1e-5: float32 rounding).
 
 How it measures: each trainer runs in a fresh subprocess, one after the other (never at the same time), the first
 trainer alternating from seed to seed.
-    s/step     mean wall time of steps 2..N (step 1 is warm-up): the forward of 2B rows, the loss, the backward and the
-               optimizer step, with each trainer's own batching and per-step bookkeeping. lmrl: its `time/step`
-               metric; TRL: a callback from on_step_begin to on_step_end.
+    s/step     wall time from the end of step 1 to the end of step N, over N - 1 (step 1 is warm-up): everything each
+               trainer's loop does per step: batching, the forward, the loss, the backward, the optimizer step, its
+               metrics and logging at its defaults (lmrl: metrics.jsonl every step; TRL: logging_steps=10). lmrl:
+               the `time` of its metrics rows; TRL: a callback's clock at on_step_end.
     pairs/s    B / s/step.
     train s    the whole train() call: TRL's includes its dataloader set-up and logging; lmrl's its final pass over
                the training pairs for reward_stats.json and the save of final/, which TRL's does not do.
@@ -72,6 +73,7 @@ class Settings:
     lr: float
     threads: int
     seed: int
+    share_prompt: bool = True  # lmrl's train.share_prompt (--plain: false, the batch TRL runs)
 
 
 @dataclass
@@ -79,13 +81,14 @@ class RunResult:
     """What one trainer's subprocess reports."""
 
     trainer: str
-    step_seconds: list[float]
+    step_ends: list[float]  # wall-clock time at the end of each step (its metrics logged)
     losses: list[float]
     train_seconds: float
 
     @property
     def steady_seconds(self) -> float:
-        return statistics.fmean(self.step_seconds[1:] or self.step_seconds)
+        """Seconds per step from the end of step 1 to the end of the last: everything the loop does per step."""
+        return (self.step_ends[-1] - self.step_ends[0]) / (len(self.step_ends) - 1)
 
 
 # --------------------------------------------------------------------------------------- shared pieces
@@ -131,7 +134,7 @@ def lmrl_trainer(s: Settings, out: str, steps: int):
 
     cfg = {"model": {"name_or_path": s.init_dir, "device": "cpu"},
            "train": {"output_dir": out, "batch_size": s.batch_size, "steps": steps, "seed": s.seed, "threads": s.threads,
-                     "overwrite": True},
+                     "overwrite": True, "share_prompt": s.share_prompt},
            "optim": {"lr": s.lr, "weight_decay": 0.0, "warmup_steps": 0, "max_grad_norm": 1.0},
            "log": {"console": False}}  # metrics.jsonl every step, as by default
     return RewardTrainer(cfg, train_pairs=make_pairs(s.pairs, s.seed))
@@ -161,8 +164,7 @@ def run_lmrl(s: Settings, out: str) -> RunResult:
     tic = time.perf_counter()
     result = trainer.train()
     train_seconds = time.perf_counter() - tic
-    return RunResult("lmrl", [r["time/step"] for r in result.history], [r["rm/loss"] for r in result.history],
-                     train_seconds)
+    return RunResult("lmrl", [r["time"] for r in result.history], [r["rm/loss"] for r in result.history], train_seconds)
 
 
 def run_trl(s: Settings, out: str) -> RunResult:
@@ -170,13 +172,10 @@ def run_trl(s: Settings, out: str) -> RunResult:
 
     class Timer(TrainerCallback):
         def __init__(self):
-            self.seconds, self.losses, self.t = [], [], 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
+            self.ends, self.losses = [], []
 
         def on_step_end(self, args, state, control, **kw):
-            self.seconds.append(time.perf_counter() - self.t)
+            self.ends.append(time.time())
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -187,7 +186,7 @@ def run_trl(s: Settings, out: str) -> RunResult:
     trainer = trl_trainer(s, out, s.steps, encoded, [timer])
     tic = time.perf_counter()
     trainer.train()
-    return RunResult("trl", timer.seconds, timer.losses, time.perf_counter() - tic)
+    return RunResult("trl", timer.ends, timer.losses, time.perf_counter() - tic)
 
 
 def same_loss(s: Settings, out: str) -> dict[str, float]:
@@ -295,6 +294,8 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-5,
                         help="the largest |loss difference| and relative gradient difference accepted on the first batch")
     parser.add_argument("--quick", action="store_true", help="the shipped model, 12 steps")
+    parser.add_argument("--plain", action="store_true",
+                        help="lmrl with train.share_prompt=false: the same right-padded batch as TRL's, nothing shared")
     parser.add_argument("--record", nargs="?", const="train-rm-vs-trl", metavar="NAME",
                         help="write the table to benchmarks/results/NAME.MACHINE.json")
     parser.add_argument("--child", choices=[*RUNNERS, "check"], help=argparse.SUPPRESS)
@@ -314,12 +315,14 @@ def main() -> None:
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-          f"threads {args.threads}, {os.cpu_count()} CPUs; {args.steps} steps of {args.batch_size} pairs")
+          f"threads {args.threads}, {os.cpu_count()} CPUs; {args.steps} steps of {args.batch_size} pairs; lmrl "
+          f"train.share_prompt={str(not args.plain).lower()}")
     rows, failed = [], []
     for model in args.models:
         with tempfile.TemporaryDirectory() as init_dir:
             build_start_model(model, args.seed, init_dir)
-            base = Settings(init_dir, args.pairs, args.steps, args.batch_size, args.lr, args.threads, args.seed)
+            base = Settings(init_dir, args.pairs, args.steps, args.batch_size, args.lr, args.threads, args.seed,
+                            not args.plain)
             check = run_child("check", base)
             ok = check["loss_diff"] <= args.tolerance and check["grad_rel_diff"] <= args.tolerance and check["same_ids"]
             print(f"[{model}] same loss: first batch of {args.batch_size} pairs ({check['rows']} rows x "
@@ -348,8 +351,8 @@ def main() -> None:
         from recording import record
 
         seeds = f"seed {args.seed}" if args.seeds == 1 else f"means over seeds {args.seed}-{args.seed + args.seeds - 1}"
-        record(args.record, table_columns(), rows, note=f"float32; {args.steps} steps; {args.threads} thread(s); {seeds}; pairs/s from the mean step "
-                       "time of steps 2..N.")
+        record(args.record, table_columns(), rows, note=f"float32; lmrl train.share_prompt={str(not args.plain).lower()}; {args.steps} steps; {args.threads} thread(s); {seeds}; pairs/s from the wall time of "
+                       "steps 2..N.")
     if failed:
         sys.exit(f"the two losses differ beyond --tolerance={args.tolerance:g} on: {', '.join(failed)}")
 

@@ -334,8 +334,8 @@ def test_train_rm_vs_trl_pairs_and_table():
         assert p["chosen"] == str(a + b) and p["rejected"] != p["chosen"] and int(p["rejected"]) >= 0
     assert make_pairs(50, seed=0) == pairs and make_pairs(50, seed=1) != pairs
     s = Settings("-", 50, 3, 32, 1e-4, 1, 0)
-    runs = [{"lmrl": RunResult("lmrl", [1.0, 0.04, 0.04], [0.7], 1.5), "trl": RunResult("trl", [1.0, 0.08, 0.08], [0.7], 1.2)},
-            {"lmrl": RunResult("lmrl", [1.0, 0.05, 0.05], [0.7], 1.5), "trl": RunResult("trl", [1.0, 0.08, 0.08], [0.7], 1.2)}]
+    runs = [{"lmrl": RunResult("lmrl", [1.0, 1.04, 1.08], [0.7], 1.5), "trl": RunResult("trl", [5.0, 5.08, 5.16], [0.7], 1.2)},
+            {"lmrl": RunResult("lmrl", [1.0, 1.05, 1.10], [0.7], 1.5), "trl": RunResult("trl", [9.0, 9.08, 9.16], [0.7], 1.2)}]
     row = ratio_row("shipped", s, runs, {"loss_diff": 0.0, "grad_rel_diff": 6.7e-7})
     assert row["ratio"] == pytest.approx(0.08 / 0.045) and row["per_seed"] == "2.00, 1.60"
     lines = _rendered(table_columns(), [row])
