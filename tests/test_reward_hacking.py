@@ -91,6 +91,14 @@ def verifier_names(*overrides: str) -> list[str] | None:
     return None if data.verifier is None else data.verifier.names
 
 
+def test_reward_models_and_judges_are_learned_verifiers_are_not():
+    from lmrl.rewards import JudgeScorer, RewardModelScorer, exact_match_reward
+    from lmrl.rewards.core import is_learned
+
+    assert is_learned(RewardModelScorer) and is_learned(JudgeScorer)
+    assert not is_learned(exact_match_reward()) and not is_learned(lambda completions, **kw: [0.0])
+
+
 def test_a_learned_reward_on_a_task_is_verified_by_the_tasks_reward(reward_model_dir):
     rm = f"reward.functions=[{{fn: reward_model, path: {reward_model_dir}}}]"
     assert verifier_names(rm) == ["exact_match_reward"]
