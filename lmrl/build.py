@@ -345,6 +345,7 @@ class Data:
     skipped: list[str] = field(default_factory=list)  # one line per source whose bad rows were left out
     longest_prompt: int = 0  # tokens (of a stream: of the rows read so far)
     train_stream: Any = None  # lmrl.data.PromptStream: rows read as training goes (train_rows is then empty)
+    verifier: Any = None  # lmrl.rewards.RewardSet: verifies held-out answers beside a learned reward (reward.verifier)
 
 
 def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, train_rows=None, eval_rows=None) -> Data:
@@ -365,6 +366,7 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
 
         task = get_task(d.task)
     rewards = _reward_set(cfg, reward_fns, task)
+    verifier = _verifier(cfg, rewards, task)
     longest = 0
 
     def lengths(prompts: list[Any]) -> list[int]:
@@ -378,16 +380,20 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     check = dict(prompt_column=d.prompt_column, required_columns=needed, prompt_length=lengths,
                  max_prompt_length=cfg.rollout.max_prompt_length, on_bad_row=d.on_bad_row,
                  images=_image_inputs(cfg))
+    eval_check = check  # held-out rows need the verifier's columns too (with recipes: checked as it scores)
+    if verifier is not None and not isinstance(rewards, RewardRecipes):
+        both = {c: list(dict.fromkeys([*needed.get(c, []), *names])) for c, names in required_columns(verifier).items()}
+        eval_check = check | {"required_columns": needed | both}
     skipped: list[str] = []  # one warning line per source that had bad rows left out
 
-    def checked(rows, source: str) -> list[dict[str, Any]]:
-        out = check_rows(rows, field=source, **check)
+    def checked(rows, source: str, held_out: bool = False) -> list[dict[str, Any]]:
+        out = check_rows(rows, field=source, **(eval_check if held_out else check))
         if out.skipped:
             skipped.append(_left_out(source, out.skipped, len(out.rows)))
         return list(out.rows)
 
-    def from_file(path: str, split: str, source: str) -> list[dict[str, Any]]:
-        dataset = load_prompts(path, split=split, field=source, **check)
+    def from_file(path: str, split: str, source: str, held_out: bool = False) -> list[dict[str, Any]]:
+        dataset = load_prompts(path, split=split, field=source, **(eval_check if held_out else check))
         if dataset.skipped:
             skipped.append(_left_out(source, dataset.skipped, len(dataset)))
         return list(dataset)
@@ -408,17 +414,17 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
         eval_rows = []
     elif eval_rows is not None:  # a stream is read only as far as the evaluation needs
         eval_rows = _split(eval_rows, d.eval_split, "eval_dataset", "data.eval_split")
-        eval_rows = checked(list(itertools.islice(eval_rows, d.num_eval_prompts)), "eval_dataset")
+        eval_rows = checked(list(itertools.islice(eval_rows, d.num_eval_prompts)), "eval_dataset", True)
     elif task is not None:
-        eval_rows = checked(task.eval_prompts()[: d.num_eval_prompts], f"data.task={task.name}")
+        eval_rows = checked(task.eval_prompts()[: d.num_eval_prompts], f"data.task={task.name}", True)
     elif d.eval_path is not None and d.streaming:  # read only as far as the evaluation needs
         eval_rows = checked(list(itertools.islice(open_stream(d.eval_path, d.eval_split, "data.eval_path"),
-                                                  d.num_eval_prompts)), "data.eval_path")
+                                                  d.num_eval_prompts)), "data.eval_path", True)
     elif d.eval_path is not None:
-        eval_rows = from_file(d.eval_path, d.eval_split, "data.eval_path")[: d.num_eval_prompts]
+        eval_rows = from_file(d.eval_path, d.eval_split, "data.eval_path", True)[: d.num_eval_prompts]
     else:
         eval_rows = []
-    return Data(train_rows, eval_rows, rewards, getattr(task, "name", None), skipped, longest, stream)
+    return Data(train_rows, eval_rows, rewards, getattr(task, "name", None), skipped, longest, stream, verifier)
 
 
 def _image_inputs(cfg: Config) -> Any:
@@ -474,6 +480,19 @@ def _reward_set(cfg: Config, reward_fns: Any, task: Any):
         return RewardSet.of(reward_fns.rewards, cfg.reward.weights)
     entries = reward_fns if isinstance(reward_fns, (list, tuple)) else [reward_fns]
     return RewardSet.of([_reward_of(entry) for entry in entries], cfg.reward.weights)
+
+
+def _verifier(cfg: Config, rewards: Any, task: Any):
+    """The functions that verify held-out answers beside a learned reward (reward.verifier): as configured, else the
+    task's own reward when a learned function is among the run's; None when there is none to verify with."""
+    from lmrl.rewards import RewardSet, reward_set_from_config
+    from lmrl.rewards.core import is_learned
+
+    if cfg.reward.verifier is not None:
+        return reward_set_from_config(cfg.reward.verifier, key="reward.verifier") if cfg.reward.verifier else None
+    if task is not None and any(is_learned(r.fn) for r in rewards.rewards):
+        return RewardSet.of(list(task.reward_funcs))
+    return None
 
 
 def _reward_of(entry: Any) -> Any:

@@ -191,19 +191,25 @@ class Collector:
                 rollout = episodes.rollout
         return rollout, self._score(rows, rollout, episodes)
 
-    def _score(self, rows: list[dict[str, Any]], rollout: Rollout, episodes) -> Any:
+    def verify(self, rows: list[dict[str, Any]], rollout: Rollout) -> Any:
+        """The verifier's scores of a rollout's completions (reward.verifier, `lmrl.build.Data.verifier`): what a
+        learned reward is checked against on held-out prompts."""
+        return self._score(rows, rollout, None, self.data.verifier)
+
+    def _score(self, rows: list[dict[str, Any]], rollout: Rollout, episodes, rewards: Any = None) -> Any:
         """The rewards of a rollout's completions, with their rows' columns (and the episodes' own rewards)."""
         cfg, col = self.cfg, self.cfg.data.prompt_column
+        rewards = self.data.rewards if rewards is None else rewards
         expanded = [rows[int(i)] for i in rollout.prompt_index]
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != col}
         if episodes is not None:
             columns["env_reward"] = episodes.rewards
-        kills = _sandbox_kills(self.data.rewards)
-        out = score_rewards(self.data.rewards, [row[col] for row in expanded], rollout.texts, columns,
+        kills = _sandbox_kills(rewards)
+        out = score_rewards(rewards, [row[col] for row in expanded], rollout.texts, columns,
                             completion_ids=[ids_[m].tolist() for ids_, m in zip(rollout.response_ids, rollout.response_mask)],
                             finished=rollout.finished.tolist(), timeout=cfg.reward.timeout, on_error=cfg.reward.on_error,
                             trainer_state=TrainerState(self.global_step, cfg.train.steps))
-        for name, count in _sandbox_kills(self.data.rewards).items():
+        for name, count in _sandbox_kills(rewards).items():
             out.metrics[f"reward/{name}/sandbox_kills"] = float(count - kills[name])
         if episodes is not None:
             out.metrics.update(episodes.metrics)

@@ -23,6 +23,12 @@
   took (`val/sampler_probe_diff`, `lmrl.async_rollouts`) is held to the same limit.
   `val/sampler_kl` past `guard.sampler_kl_warn` is warned once.
 
+- reward hacking: a run whose reward is learned (a reward model, a judge) and whose evaluation verifies held-out
+  answers (reward.verifier) logs `eval/learned_reward` beside `eval/accuracy`; when, against the evaluation
+  `guard.hacking_window` evaluations before, the learned reward rose while the verified accuracy fell by at least
+  `guard.hacking_drop` (`reward_hacking`), the policy is finding what the learned reward scores wrongly. Warned once
+  and recorded as `guard/reward_hacking`; the run goes on.
+
 `Guards.check` returns the warnings to print and raises `RunError` to stop; its state is part of a
 checkpoint, so a resumed run counts on from where it was.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from lmrl.errors import RunError
@@ -61,6 +68,8 @@ class Guards:
         self.best_eval: float | None = None
         self.best_recent: float | None = None
         self.recent: deque[float] = deque(maxlen=RECENT)
+        self.evals: list[tuple[int, float, float]] = []  # (step, eval/learned_reward, eval/accuracy)
+        self.warned_hacking = False
 
     def check(self, step: int, metrics: dict[str, float]) -> list[str]:
         """Update the counters with one step's metrics (adding `guard/*` to them); return warning lines."""
@@ -88,6 +97,8 @@ class Guards:
 
         warnings += self._empty(step, metrics)
         warnings += self._sampler(step, metrics)
+
+        warnings += self._hacking(step, metrics)
 
         metrics["guard/collapse"] = 0.0
         line = self._collapse(step, metrics)
@@ -151,9 +162,28 @@ class Guards:
         return []
 
     def record_eval(self, metrics: dict[str, float]) -> None:
-        """The evaluation before the first step: the first best the collapse check compares against."""
+        """The evaluation before the first step: the first best the collapse check compares against, and the first
+        evaluation the reward-hacking check looks back to."""
         if _finite(acc := metrics.get("eval/accuracy")):
             self.best_eval = acc if self.best_eval is None else max(self.best_eval, acc)
+            if _finite(learned := metrics.get("eval/learned_reward")):
+                self.evals.append((0, learned, acc))
+
+    def _hacking(self, step: int, m: dict[str, float]) -> list[str]:
+        """The reward-hacking check at a step that evaluated with a verifier (`reward_hacking`)."""
+        learned, acc = m.get("eval/learned_reward"), m.get("eval/accuracy")
+        if not (_finite(learned) and _finite(acc)):
+            return []
+        self.evals.append((step, learned, acc))
+        line = reward_hacking(self.evals, self.cfg.hacking_window, self.cfg.hacking_drop)
+        m["guard/reward_hacking"] = float(line is not None)
+        if line is None or self.warned_hacking:
+            return []
+        self.warned_hacking = True
+        return [f"step {step}: {line} (guard.hacking_drop={self.cfg.hacking_drop:g}, guard.hacking_window="
+                f"{self.cfg.hacking_window}): the policy is finding what the learned reward scores wrongly; keep the "
+                "checkpoint with the best eval/accuracy, raise algorithm.kl_coef, or train the reward model again on "
+                "pairs from the current policy's samples (docs/rewards.md, the whole loop on a laptop)"]
 
     def _nonfinite_cause(self, m: dict[str, float]) -> str:
         bad = lambda key: key in m and not _finite(m[key])  # noqa: E731
@@ -195,14 +225,31 @@ class Guards:
                 "empty_in_a_row": self.empty_in_a_row, "unsignalled_in_a_row": self.unsignalled_in_a_row,
                 "warned_empty": self.warned_empty, "warned_unsignalled": self.warned_unsignalled,
                 "warned_collapse": self.warned_collapse, "best_eval": self.best_eval,
-                "best_recent": self.best_recent, "recent": list(self.recent), "warned_sampler_kl": self.warned_sampler_kl}
+                "best_recent": self.best_recent, "recent": list(self.recent), "warned_sampler_kl": self.warned_sampler_kl,
+                "evals": [list(e) for e in self.evals], "warned_hacking": self.warned_hacking}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             if k == "recent":
                 self.recent = deque(v, maxlen=RECENT)
+            elif k == "evals":
+                self.evals = [tuple(e) for e in v]
             elif hasattr(self, k):
                 setattr(self, k, v)
+
+
+def reward_hacking(evals: Sequence[tuple[int, float, float]], window: int, drop: float) -> str | None:
+    """The reward-hacking rule, over the evaluations so far, oldest first, each (step, learned reward, verified
+    accuracy): against the evaluation `window` evaluations before the last (the first when there are fewer), the
+    learned reward rose (strictly) and the accuracy fell by at least `drop` (absolute). Returns the line that says
+    so, or None."""
+    if len(evals) < 2:
+        return None
+    (s0, r0, a0), (s1, r1, a1) = evals[max(0, len(evals) - 1 - window)], evals[-1]
+    if not (r1 > r0 and a0 - a1 >= drop - 1e-9):  # (1e-9: 0.4 - 0.3 is 0.09999999999999998 in floats)
+        return None
+    return (f"the learned reward may be hacked: eval/learned_reward rose from {r0:.4g} to {r1:.4g} between steps {s0} "
+            f"and {s1} while the verified eval/accuracy fell from {a0:.4g} to {a1:.4g}")
 
 
 def _finite(x: Any) -> bool:

@@ -7,8 +7,9 @@ A step, as TRL's RewardTrainer takes it, with these departures:
 
 1. The model is `AutoModelForSequenceClassification(num_labels=1)` of any causal LM (a new score head, drawn
    with train.seed) or of a reward model; `pad_token_id` is set so that it pools each row's last real token.
-2. Each pair is rendered, tokenized and cut exactly as `RewardModelScorer` scores (`lmrl.data.pairs`), right
-   padded, chosen and rejected in one forward: the trained model is asked the very ids it learned on.
+2. Each pair is rendered, tokenized and cut exactly as `RewardModelScorer` scores (`lmrl.data.pairs`), chosen and
+   rejected in one forward: the trained model is asked the very ids it learned on. The tokens a pair's two sides start
+   with are computed once for both (train.share_prompt, Llama / Qwen2), not twice as in TRL's right-padded batch.
 3. The loss and metrics are `lmrl.algorithms.bradley_terry_loss` / `preference_metrics`; micro-batches of one
    step divide by the step's pair count, so gradient accumulation equals one big batch.
 4. The order of pairs is a pure function of (seed, step), so a resumed run trains on what the interrupted
@@ -59,6 +60,7 @@ from lmrl.models.loading import (
     quiet_progress_bars,
     resolve_device,
 )
+from lmrl.models.shared_prompt import shared_prefix_rewards
 from lmrl.models.shipped import SHIPPED_MODELS
 from lmrl.rewards.reward_model import encode_scored, pad_right
 
@@ -112,7 +114,9 @@ class RewardTrainer:
         # 4. the optimizer and schedule
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
+        # one fused kernel per parameter (as lmrl.build.make_optimizer, and TRL's default adamw_torch_fused)
+        fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, fused=fused or None)
         warm = o.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)))
         self.per_step = t.batch_size * t.gradient_accumulation_steps
@@ -125,11 +129,14 @@ class RewardTrainer:
 
     # ------------------------------------------------------------------------------------ the model's rewards
     def rewards(self, chosen: list[list[int]], rejected: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[b] rewards of the chosen and the rejected sides: one right-padded forward of the 2b sequences."""
-        input_ids, attention_mask = pad_right([*chosen, *rejected], self.pad_id)  # [2b, L]
-        logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                            use_cache=False).logits
-        scores = logits.view(-1)  # [2b, 1] -> [2b]
+        """[b] rewards of the chosen and the rejected sides: one forward of the 2b sequences, each pair's common start
+        computed once (train.share_prompt, where the model allows), else right-padded whole."""
+        scores = shared_prefix_rewards(self.model, chosen, rejected) if self.cfg.train.share_prompt else None  # [2b]
+        if scores is None:
+            input_ids, attention_mask = pad_right([*chosen, *rejected], self.pad_id)  # [2b, L]
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                use_cache=False).logits
+            scores = logits.view(-1)  # [2b, 1] -> [2b]
         return scores[: len(chosen)], scores[len(chosen) :]
 
     @torch.no_grad()

@@ -49,6 +49,7 @@ from lmrl.logging import Console
 from lmrl.logging.metrics import experience_metrics, grpo_trainer_names, prompt_text
 from lmrl.logging.run_log import RunLog
 from lmrl.models.forward import Forwards
+from lmrl.rewards.core import learned_scores
 from lmrl.rollout import HFGenerator, RemoteGenerator
 from lmrl.update import Updater, needs_old_logprobs
 
@@ -303,23 +304,26 @@ class Trainer:
     # ------------------------------------------------------------------------------ evaluate, save
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions of the held-out prompts: mean reward, and accuracy = fraction scoring > 0. Several
-        ranks evaluate a share of the prompts each, and the means are over all of them."""
+        """Greedy completions of the held-out prompts: mean reward, and accuracy = fraction scoring > 0 (under
+        reward.verifier when the run has one: then `eval/learned_reward` is the learned functions' mean beside it).
+        Several ranks evaluate a share of the prompts each, and the means are over all of them."""
         rows = self.data.eval_rows[self.world.rank::self.world.size]
-        sums = torch.zeros(4, dtype=torch.float64)
+        sums = torch.zeros(5, dtype=torch.float64)
         if not rows:  # every rank gathers the sharded weights for generation, even one without prompts
             with full_weights(self.units.get("policy", [])):
                 pass
         else:
             rollout, out = self.generate_and_score(rows, 1, temperature=0.0)
             scores = out.scores.double().cpu()
-            sums = torch.tensor([scores.sum(), (scores > 0).sum(), rollout.lengths.double().sum().item(), len(rows)],
-                                dtype=torch.float64)
-        reward, correct, length, n = self.world.sum(sums).tolist()
+            verified = scores if self.data.verifier is None else self.collector.verify(rows, rollout).scores.double().cpu()
+            sums = torch.tensor([scores.sum(), (verified > 0).sum(), rollout.lengths.double().sum().item(), len(rows),
+                                 learned_scores(self.data.rewards, out).sum()], dtype=torch.float64)
+        reward, correct, length, n, learned = self.world.sum(sums).tolist()
         if n == 0:
             raise DataError("evaluate: no held-out prompts (give eval_dataset, data.eval_path or a task, and "
                             "data.num_eval_prompts > 0)")
-        return {"eval/reward": reward / n, "eval/accuracy": correct / n, "eval/response_length": length / n}
+        verified = {} if self.data.verifier is None else {"eval/learned_reward": learned / n}
+        return {"eval/reward": reward / n, "eval/accuracy": correct / n, **verified, "eval/response_length": length / n}
 
     @torch.no_grad()
     def pass_at_k(self, k: int, temperature: float = 1.0) -> float:

@@ -340,3 +340,30 @@ def test_a_record_names_the_machine_from_its_cpu_or_from_lmrl_machine(tmp_path, 
     other = next(name for name in CPUS if name not in (machine, "unknown"))
     monkeypatch.setenv("LMRL_MACHINE", other)
     assert recording.record("gains", columns, rows, out_dir=tmp_path).name == f"gains.{other}.json"
+
+
+def test_train_rm_vs_trl_pairs_and_table():
+    _figures()
+    from benchmarks.train_rm_vs_trl import RunResult, Settings, make_pairs, ratio_row, table_columns
+
+    pairs = make_pairs(50, seed=0)
+    for p in pairs:
+        a, b = map(int, p["prompt"].rstrip("=").split("+"))
+        assert p["chosen"] == str(a + b) and p["rejected"] != p["chosen"] and int(p["rejected"]) >= 0
+    assert make_pairs(50, seed=0) == pairs and make_pairs(50, seed=1) != pairs
+    s = Settings("-", 50, 3, 32, 1e-4, 1, 0)
+    runs = [{"lmrl": RunResult("lmrl", [1.0, 1.04, 1.08], [0.7], 1.5), "trl": RunResult("trl", [5.0, 5.08, 5.16], [0.7], 1.2)},
+            {"lmrl": RunResult("lmrl", [1.0, 1.05, 1.10], [0.7], 1.5), "trl": RunResult("trl", [9.0, 9.08, 9.16], [0.7], 1.2)}]
+    row = ratio_row("shipped", s, runs, {"loss_diff": 0.0, "grad_rel_diff": 6.7e-7})
+    assert row["ratio"] == pytest.approx(0.08 / 0.045) and row["per_seed"] == "2.00, 1.60"
+    lines = _rendered(table_columns(), [row])
+    assert lines[2] == "| shipped | 32 | 711 | 400 | **1.78x** (2.00, 1.60) | 1.5; 1.2 | 0e+00 / 7e-07 |"
+
+
+def test_train_rm_vs_trl_quick_run_when_trl_is_installed():
+    pytest.importorskip("trl")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_rm_vs_trl.py"), "--quick", "--steps", "4"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"same loss: .* the same ids in both: True\): .* tolerance 1e-05: ok", out.stdout), out.stdout
+    assert re.search(r"shipped: pairs/s lmrl \d+, TRL \d+: \d+\.\d\dx", out.stdout), out.stdout

@@ -97,6 +97,11 @@ class RMTrainConfig(Section):
     """Train into an output directory that already holds a run, replacing it."""
     threads: PositiveInt | None = None
     """torch's CPU threads (None: torch's default)."""
+    share_prompt: bool = True
+    """Compute the tokens a pair's two sides start with (the prompt, and any common start of the two answers) once for
+    both, on a Llama / Qwen2 reward model (`lmrl.models.shared_prompt.shared_prefix_rewards`): the same rewards and
+    gradients as two whole forwards, to float rounding; false: one right-padded forward of every chosen and rejected
+    sequence, as TRL's."""
 
 
 class RMOptimConfig(Section):

@@ -194,6 +194,12 @@ class RewardConfig(Section):
     None = no clipping)."""
     normalize: bool = False
     """Normalise scores to mean 0, std 1 over the batch (REINFORCE++)."""
+    verifier: list[str | dict[str, Any]] | None = None
+    """Functions that verify held-out answers (written as in `functions`, e.g. [math] or [{fn: exact_match}]), for a
+    run whose reward is learned (reward_model, judge): each evaluation then logs `eval/accuracy` as the fraction the
+    verifier scores > 0 and `eval/learned_reward` (the learned functions' mean score) beside it, and
+    guard.hacking_drop warns when the one rises while the other falls. None: the task's own reward when the reward
+    is learned and data.task gives the prompts; []: no verifier (eval/accuracy is the run's reward > 0)."""
 
     @field_validator("clip", mode="before")
     @classmethod
@@ -346,6 +352,13 @@ class GuardConfig(Section):
     samples. None: 0.001 when both compute in float32 (a synced engine differs by ~1e-6 there), 0.1 otherwise."""
     sampler_kl_warn: PositiveFloat = 0.05
     """`val/sampler_kl` above this (the sampler drifting from the trainer on later steps) is warned once."""
+    hacking_drop: Annotated[float, Field(gt=0, le=1)] = 0.1
+    """The reward-hacking warning, for a run whose reward is learned and whose evaluation verifies (reward.verifier):
+    warned once, and `guard/reward_hacking` is 1 at each evaluation where, against the evaluation guard.hacking_window
+    evaluations before it (the first when fewer), `eval/learned_reward` rose while `eval/accuracy` fell by at least
+    this much (absolute: 0.1 is 10 points; the accuracy of 200 held-out prompts moves ~3 points by chance)."""
+    hacking_window: PositiveInt = 3
+    """Evaluations back that the reward-hacking warning compares with (3: 30 steps at train.eval_every=10)."""
     sync_probe_every: NonNegativeInt = 10
     """The sync check of an asynchronous run (train.async_steps), whose batches a policy a version or more behind
     sampled: every this many steps, the weights the trainer publishes are checked once the generator process has

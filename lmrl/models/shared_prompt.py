@@ -95,16 +95,17 @@ def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_ma
 
 
 def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                         position_ids: torch.Tensor, num_response_tokens: int) -> torch.Tensor | None:
+                         position_ids: torch.Tensor, num_response_tokens: int, last: bool = False) -> torch.Tensor | None:
     """`[B, T, H]` final hidden states (after the last norm, as `last_hidden_state`) at columns S-T-1 .. S-2,
-    the positions just before each response token, computed with each distinct prompt once. `model` is a
+    the positions just before each response token, computed with each distinct prompt once; with `last`,
+    `[B, T + 1, H]` at columns S-T-1 .. S-1 (a reward model pools the last real token's). `model` is a
     causal LM or its decoder stack (`decoder_stack`). None when `supports` is False or no two rows share a
     prompt."""
     num_rows, seq_len = sequences.shape
     p = seq_len - num_response_tokens
     # the last response token scores nothing and no other position attends to it: it is left out, and
-    # the response part runs on the t = T - 1 columns before it
-    t = num_response_tokens - 1
+    # the response part runs on the t = T - 1 columns before it (unless `last` asks for its hidden state)
+    t = num_response_tokens - (0 if last else 1)
     model = lora_base(model)
     if t < 1 or not supports(model):
         return None
@@ -162,8 +163,50 @@ def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_ma
     prompt_hidden = hidden[:split].view(num_prompts, p, -1)
     response_hidden = hidden[split:].view(num_rows, t, -1)
     # column S-T-1 (the prompt's last, always a real token) scores response token 0; column S-T-1+j token j
-    scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden], dim=1)  # [B, T, H]
+    scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden], dim=1)  # [B, T, H] ([B, T + 1, H]: last)
     return inner.norm(scoring)
+
+
+PAIR_MODELS = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification")
+
+
+def shared_prefix_rewards(model: nn.Module, chosen: list[list[int]], rejected: list[list[int]]) -> torch.Tensor | None:
+    """`[2b]` rewards of a reward model (one output, pooled at each row's last real token) for b chosen then b
+    rejected sequences, with the tokens each pair shares at its start (the prompt, and any common start of the two
+    answers) computed once: what the pair's two forwards of the plain batch compute twice. None when the model is
+    not a Llama / Qwen2 sequence classifier `supports` covers, or a pair shares no first token: call the model."""
+    base = lora_base(model)
+    backbone = getattr(base, "model", None)
+    if type(base).__name__ not in PAIR_MODELS or backbone is None:
+        return None
+    shared = [min(_common(c, r), len(c) - 1, len(r) - 1) for c, r in zip(chosen, rejected)]  # each keeps a token
+    if not shared or min(shared) < 1:
+        return None
+    rows = [(seq, n) for seqs in (chosen, rejected) for seq, n in zip(seqs, shared)]
+    p, t = max(shared), max(len(seq) - n for seq, n in rows)
+    device = next(model.parameters()).device
+    sequences = torch.zeros(len(rows), p + t, dtype=torch.long)
+    mask = torch.zeros(len(rows), p + t, dtype=torch.long)
+    for i, (seq, n) in enumerate(rows):  # [2b, P + T]: the shared start left-padded to P, the rest right-padded
+        sequences[i, p - n : p - n + len(seq)] = torch.tensor(seq)
+        mask[i, p - n : p - n + len(seq)] = 1
+    sequences, mask = sequences.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = shared_prompt_hidden(backbone, sequences, mask, positions, t, last=True)  # [2b, T + 1, H]
+    if hidden is None:
+        return None
+    ends = torch.tensor([len(seq) - n for seq, n in rows], device=device)  # index T' of the row's last real token
+    return base.score(hidden[torch.arange(len(rows), device=device), ends]).view(-1)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the common start of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor,

@@ -135,6 +135,21 @@ def reward_name(fn: Callable[..., Any]) -> str:
     return str(name or type(fn).__name__)
 
 
+def is_learned(fn: Callable[..., Any]) -> bool:
+    """True for a reward another model computes (`RewardModelScorer`, `JudgeScorer`, or any function with
+    `learned = True`): a score the policy can raise without being right, so held-out evaluation verifies beside it."""
+    return bool(getattr(fn, "learned", False))
+
+
+def learned_scores(rewards: Any, out: Any) -> Any:
+    """[N] float64: the weighted sum of the learned functions' scores in `out` (a `RewardOutput` of `rewards`), None
+    counting 0; the whole weighted score when no function is learned (a verifier set beside a plain reward)."""
+    learned = [r for r in rewards.rewards if is_learned(r.fn)]
+    if not learned:
+        return out.scores.double().cpu()
+    return sum(r.weight * out.per_function[r.name].double().cpu().nan_to_num(0.0) for r in learned)
+
+
 def is_async_reward(fn: Callable[..., Any]) -> bool:
     """True for `async def` functions and objects whose `__call__` is `async def`."""
     if inspect.iscoroutinefunction(fn):

@@ -94,6 +94,8 @@ class JudgeScorer:
         name: the metric name (`reward/<name>/...`) and the sample table's column `<name>/text`.
     """
 
+    learned = True  # `lmrl.rewards.core.is_learned`: evaluation verifies beside it
+
     def __init__(
         self, url: str, model: str, template: str, *, api: str = "chat", reader: str = "regex",
         pattern: str = DEFAULT_PATTERN, scale: Sequence[float] = (0, 10), yes: Sequence[str] = ("yes",),

@@ -95,6 +95,8 @@ class RewardModelScorer:
             mean and std).
     """
 
+    learned = True  # `lmrl.rewards.core.is_learned`: evaluation verifies beside it
+
     def __init__(
         self,
         model: torch.nn.Module,

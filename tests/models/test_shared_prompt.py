@@ -3,6 +3,8 @@ each distinct prompt run once; and it steps aside wherever it would not be exact
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -196,3 +198,58 @@ def test_critic_values_and_gradients_equal_its_plain_forward(arch, device):
         # float32 rounding in a sum grows with the tensor's scale (the embedding's gradient reaches ~70 here):
         # an element near 0 of such a tensor differs by a few 1e-6 between two summation orders
         torch.testing.assert_close(got, want, atol=1e-6 + 1e-7 * want.abs().max().item(), rtol=1e-4)
+
+
+# ------------------------------------------------------------------------ a reward model's pairs
+PAIRS = [  # (chosen, rejected): prompts of several lengths, answers that share a first token or not, one a prefix
+    ([5, 6, 7, 20, 21], [5, 6, 7, 22]),
+    ([8, 9, 30, 31, 32], [8, 9, 30, 33]),  # a common start past the prompt
+    ([4, 10, 11, 12, 13, 14, 25], [4, 10, 11, 12, 13, 14, 25, 26]),  # rejected = chosen + one token
+    ([5, 6, 7, 20, 21], [5, 6, 7, 24, 21, 9]),  # the same prompt as the first pair
+]
+
+
+def seqcls_of(arch: str, kv_heads: int = 4):
+    from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
+
+    causal = model_of(arch, kv_heads, pad_token_id=0)
+    cls = {"llama": LlamaForSequenceClassification, "qwen2": Qwen2ForSequenceClassification}[arch]
+    torch.manual_seed(1)
+    config = copy.deepcopy(causal.config)
+    config.num_labels = 1
+    model = cls(config).train()
+    model.model.load_state_dict(causal.model.state_dict())
+    return model
+
+
+@pytest.mark.parametrize(("arch", "kv_heads"), [("llama", 4), ("llama", 2), ("qwen2", 1)])
+def test_pair_rewards_with_a_shared_start_equal_two_whole_forwards(arch, kv_heads):
+    from lmrl.rewards.reward_model import pad_right
+
+    model = seqcls_of(arch, kv_heads)
+    chosen, rejected = [c for c, _ in PAIRS], [r for _, r in PAIRS]
+    weights = torch.linspace(0.5, 1.5, 2 * len(PAIRS))
+
+    def rewards_and_grads(shared: bool):
+        model.zero_grad(set_to_none=True)
+        if shared:
+            out = shared_prompt.shared_prefix_rewards(model, chosen, rejected)
+        else:
+            ids, mask = pad_right([*chosen, *rejected], 0)
+            out = model(input_ids=ids, attention_mask=mask).logits.view(-1)
+        (out * weights).sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain, shared = rewards_and_grads(False), rewards_and_grads(True)
+    torch.testing.assert_close(shared[0], plain[0], atol=2e-6, rtol=0)
+    assert len(shared[1]) == len(plain[1])
+    for got, want in zip(shared[1], plain[1]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+def test_pair_rewards_step_aside_where_they_would_not_be_exact():
+    model = seqcls_of("llama")
+    assert shared_prompt.shared_prefix_rewards(model, [[5, 6]], [[7, 6]]) is None  # no common first token
+    assert shared_prompt.shared_prefix_rewards(model_of("llama"), [[5, 6]], [[5, 7]]) is None  # not a classifier
+    model.gradient_checkpointing_enable()
+    assert shared_prompt.shared_prefix_rewards(model, [[5, 6]], [[5, 7]]) is None

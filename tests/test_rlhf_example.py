@@ -1,0 +1,41 @@
+"""examples/rlhf/make_pairs.py, the first stage of the RLHF loop, as a user runs it: pairs from the shipped model's own
+samples, the task's verifier deciding which side is right, the held-out sums never used."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lmrl.data.tasks import get_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_pairs(tmp_path: Path, *args: str) -> tuple[list[dict], str]:
+    out = tmp_path / "pairs.jsonl"
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "rlhf" / "make_pairs.py"), "--out", str(out),
+                           "--prompts", "24", "--samples", "6", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in out.read_text().splitlines()], done.stderr
+
+
+def test_pairs_from_the_models_own_samples_judged_by_the_verifier(tmp_path):
+    task = get_task("addition")
+    answers = {r["prompt"]: r["answer"] for r in task.train_prompts()[:24]}
+    held_out = {r["prompt"] for r in task.eval_prompts()}
+    pairs, said = make_pairs(tmp_path)
+    assert 0 < len(pairs) <= 24 and len({p["prompt"] for p in pairs}) == len(pairs)  # one per prompt
+    for p in pairs:
+        assert p["prompt"] in answers and p["prompt"] not in held_out
+        assert p["chosen"] == answers[p["prompt"]]  # a right sample, or the reference: the verifier's right answer
+        assert p["rejected"] != answers[p["prompt"]] and p["rejected"]
+    assert f"tiny-addition: {len(pairs)} pairs from 24 prompts x 6 samples" in said
+    every, _ = make_pairs(tmp_path, "--every-wrong", "--append", str(tmp_path / "pairs.jsonl"))
+    assert every[: len(pairs)] == pairs  # the earlier round's pairs first
+    new = every[len(pairs):]
+    assert len(new) > len(pairs) and {p["prompt"] for p in new} == {p["prompt"] for p in pairs}
+    assert len({(p["prompt"], p["rejected"]) for p in new}) == len(new)  # each distinct wrong sample once
