@@ -1,0 +1,91 @@
+"""env.name=agent: episodes driven by a program written elsewhere through the recording gateway, token-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmrl.envs.agent import AgentEnvironment
+from lmrl.errors import RunError
+from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
+from lmrl.rollout.base import SamplingParams
+from lmrl.rollout.hf import HFGenerator
+from lmrl.rollout.multiturn import generate_episodes
+
+AGENT = Path(__file__).with_name("calc_agent.py")
+ROWS = [{"prompt": "47+85+36=", "answer": "168"}, {"prompt": "12+30+41=", "answer": "83"}]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model, tok = load_shipped(SHIPPED_MODELS["tiny-calculator"])
+    return HFGenerator(model, tok, seed=0), tok
+
+
+def run(policy, tmp_path, mode="ok", on_error="fail", timeout=60.0, n=2):
+    gen, tok = policy
+    os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
+    try:
+        env = AgentEnvironment(f"{sys.executable} {AGENT}", timeout=timeout, on_error=on_error)
+        prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
+        params = SamplingParams(max_new_tokens=24, temperature=1.0, stop=[], seed=0)
+        return generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96)
+    finally:
+        del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
+
+
+def test_the_tokens_trained_on_are_the_tokens_the_agent_was_sampled_after_a_tool_result_too(policy, tmp_path):
+    episodes = run(policy, tmp_path)
+    log = {}
+    for line in (tmp_path / "log.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        log.setdefault(entry["prompt"], []).append(entry)
+    r = episodes.rollout
+    assert episodes.metrics["agent/failures"] == 0 and episodes.metrics["agent/retokenized_tokens"] == 0
+    assert r.response_attention is not None  # the tool results are attended, not trained on
+    for i in range(len(r.texts)):
+        trained = r.response_ids[i][r.response_mask[i]].tolist()
+        candidates = [sum(e["turns"], []) for e in log[ROWS[i // 2]["prompt"]]]
+        assert trained in candidates  # byte for byte: the sampled ids, nothing re-tokenized
+        assert episodes.turns[i] == 2 and r.texts[i] in [e["text"][len(ROWS[i // 2]["prompt"]):]
+                                                          for e in log[ROWS[i // 2]["prompt"]]]
+        observed = r.response_ids[i][r.response_attention[i] & ~r.response_mask[i]].tolist()
+        assert observed and (r.logprobs[i][~r.response_mask[i]] == 0).all()
+    assert all(x in (0.0, 1.0) for x in episodes.rewards)
+
+
+def test_an_agent_that_rewrites_the_models_text_is_cut_there_and_counted(policy, tmp_path):
+    episodes = run(policy, tmp_path, mode="edit")
+    r = episodes.rollout
+    assert episodes.metrics["agent/retokenized_tokens"] > 0
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    second_turns = [e["turns"][1] for e in log]
+    for i in range(len(r.texts)):  # the rewritten text is attended only; the second turn is still trained on
+        trained = r.response_ids[i][r.response_mask[i]].tolist()
+        assert any(trained[len(trained) - len(t):] == t for t in second_turns)
+        assert "<calc>1+1</calc>" in r.texts[i]
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("crash", "exited with status 1: agent: something broke"),
+    ("noreward", "exited without reporting a reward"),
+    ("nan", "reported a reward of NaN, not a finite number"),
+    ("hang", "ran past env.timeout=3s and was killed"),
+])
+def test_a_failing_agent_is_one_line_or_a_counted_failure_never_a_hang(policy, tmp_path, mode, message):
+    with pytest.raises(RunError, match="episode 0 .*" + message.replace("(", r"\(")):
+        run(policy, tmp_path, mode=mode, timeout=3.0, n=1)
+    episodes = run(policy, tmp_path, mode=mode, on_error="zero", timeout=3.0, n=1)
+    assert episodes.metrics["agent/failures"] == 2 and episodes.rewards == [0.0, 0.0]
+    assert not episodes.rollout.response_mask.any()  # nothing of a failed episode is trained on
+
+
+def test_a_command_that_cannot_start_is_one_line(policy, tmp_path):
+    gen, tok = policy
+    env = AgentEnvironment("no-such-agent-program --x")
+    with pytest.raises(RunError, match="env.command: cannot start 'no-such-agent-program'"):
+        generate_episodes(gen, tok, [[5, 6]], ROWS[:1], 1, SamplingParams(max_new_tokens=4), env, max_turns=2)
