@@ -89,3 +89,28 @@ def test_a_command_that_cannot_start_is_one_line(policy, tmp_path):
     env = AgentEnvironment("no-such-agent-program --x")
     with pytest.raises(RunError, match="env.command: cannot start 'no-such-agent-program'"):
         generate_episodes(gen, tok, [[5, 6]], ROWS[:1], 1, SamplingParams(max_new_tokens=4), env, max_turns=2)
+
+
+def test_a_key_reaches_only_its_own_episode(policy):
+    import httpx
+
+    from lmrl.envs.agent import Gateway, _Episode, _Segment
+
+    gen, tok = policy
+    gateway = Gateway(gen, tok)
+    try:
+        seg = lambda: _Segment([5, 6], [0.0, 0.0], False, "47", "47")  # noqa: E731
+        gateway.episodes = {"a": _Episode(0, "key-a", ROWS[0], [seg()], SamplingParams(max_new_tokens=4), 2, 8),
+                            "b": _Episode(1, "key-b", ROWS[0], [seg()], SamplingParams(max_new_tokens=4), 2, 8)}
+        post = lambda eid, key, body: httpx.post(f"{gateway.episode_url(eid)}/lmrl/reward", json=body,  # noqa: E731
+                                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+        assert post("a", "key-b", {"reward": 1.0}).status_code == 403
+        assert post("a", None, {"reward": 1.0}).status_code == 401
+        assert post("a", "key-x", {"reward": 1.0}).status_code == 401
+        assert gateway.episodes["a"].reward is None  # none of them reached it
+        answer = post("a", "key-a", {"reward": 1.0})
+        assert answer.status_code == 200 and gateway.episodes["a"].reward == 1.0 and gateway.episodes["b"].reward is None
+        assert httpx.post(f"{gateway.url}/v1/completions", json={}).status_code == 404  # no episode, no policy
+    finally:
+        gateway.shutdown()
+
