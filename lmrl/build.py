@@ -532,7 +532,7 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
     if cfg.env.name == "agent":
         from lmrl.envs.agent import AgentEnvironment
 
-        return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error)
+        return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
     try:
         return load_function(cfg.env.name, "environment", ("tools", "agent"))
     except ConfigError as e:

@@ -383,6 +383,8 @@ class EnvConfig(Section):
     """The agent program of env.name=agent, e.g. "python my_agent.py" (split as a shell would, run without one)."""
     timeout: PositiveFloat = 120.0
     """Seconds one agent episode may run (env.name=agent) before it is killed and counted as failed."""
+    max_parallel: PositiveInt = 32
+    """Most agent programs running at once (env.name=agent); the rest of the batch waits its turn."""
     max_turns: PositiveInt = 4
     """Most model turns per episode."""
     max_tokens: PositiveInt | None = None

@@ -239,14 +239,17 @@ class AgentEnvironment:
         command: the agent's command line (split as a shell would; run without a shell).
         timeout: seconds one episode's program may run before it is killed and the episode fails.
         on_error: "fail": a failed episode stops the run with one line; "zero": it is counted and scores 0.
+        max_parallel: the most programs running at once (an evaluation of 500 prompts starts them in turn).
         cwd: where the program runs (the current directory by default).
     """
 
-    def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", cwd: str | None = None):
+    def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
+                 cwd: str | None = None):
         self.argv = shlex.split(command)
         if not self.argv:
             raise ValueError("env.command: empty")
         self.command, self.timeout, self.on_error, self.cwd = command, timeout, on_error, cwd
+        self.max_parallel = max_parallel
         self._gateway: Gateway | None = None
 
     def __call__(self, row: Mapping[str, Any]) -> Any:
@@ -289,33 +292,49 @@ class AgentEnvironment:
         return self._episodes(ordered, prompts, n, generator)
 
     def _run(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
-        procs = {}
-        for eid, e in episodes.items():
-            env = {**os.environ, "OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
-                   "LMRL_ROW": json.dumps(dict(e.row), default=str)}
-            stderr = tempfile.TemporaryFile()
-            try:
-                proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
-            except OSError as err:
-                for p, _, _ in procs.values():
-                    _kill(p)
-                raise RunError(f"env.command: cannot start {self.argv[0]!r}: {err.strerror or err}") from None
-            procs[eid] = (proc, stderr, e)
-        deadline = time.monotonic() + self.timeout
-        for proc, stderr, e in procs.values():
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0))
-            except subprocess.TimeoutExpired:
+        """Every episode's program, at most `max_parallel` at a time, each killed at its own `timeout`."""
+        waiting, running = list(episodes.items()), []
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.max_parallel:
+                    eid, e = waiting.pop(0)
+                    running.append((self._start(gateway, eid, e), time.monotonic() + self.timeout, e))
+                time.sleep(0.01)
+                still = []
+                for proc, deadline, e in running:
+                    if proc.poll() is None and time.monotonic() < deadline:
+                        still.append((proc, deadline, e))
+                    else:
+                        self._end(proc, e)
+                running = still
+        finally:
+            for proc, _, _ in running:
                 _kill(proc)
-                e.error = e.error or f"ran past env.timeout={self.timeout:g}s and was killed"
-            stderr.seek(0)
-            lines = stderr.read().decode(errors="replace").strip().splitlines()
-            stderr.close()
-            if e.error is None and proc.returncode != 0:
-                e.error = f"exited with status {proc.returncode}" + (f": {lines[-1][:300]}" if lines else "")
-            if e.error is None and e.reward is None:
-                e.error = "exited without reporting a reward (POST $OPENAI_BASE_URL/lmrl/reward {\"reward\": x})"
+
+    def _start(self, gateway: Gateway, eid: str, e: _Episode) -> subprocess.Popen:
+        env = {**os.environ, "OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
+               "LMRL_ROW": json.dumps(dict(e.row), default=str)}
+        try:
+            stderr = tempfile.TemporaryFile()
+            proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=stderr, start_new_session=True)
+            proc.stderr_file = stderr  # type: ignore[attr-defined]
+        except OSError as err:
+            raise RunError(f"env.command: cannot start {self.argv[0]!r}: {err.strerror or err}") from None
+        return proc
+
+    def _end(self, proc: subprocess.Popen, e: _Episode) -> None:
+        if proc.poll() is None:
+            _kill(proc)
+            e.error = e.error or f"ran past env.timeout={self.timeout:g}s and was killed"
+        stderr = proc.stderr_file
+        stderr.seek(0)
+        lines = stderr.read().decode(errors="replace").strip().splitlines()
+        stderr.close()
+        if e.error is None and proc.returncode != 0:
+            e.error = f"exited with status {proc.returncode}" + (f": {lines[-1][:300]}" if lines else "")
+        if e.error is None and e.reward is None:
+            e.error = "exited without reporting a reward (POST $OPENAI_BASE_URL/lmrl/reward {\"reward\": x})"
 
     def _episodes(self, ordered: list[_Episode], prompts: list[list[int]], n: int, generator: Any) -> Episodes:
         pad = int(getattr(generator, "pad_token_id", 0))
