@@ -114,3 +114,18 @@ def test_a_key_reaches_only_its_own_episode(policy):
     finally:
         gateway.shutdown()
 
+
+
+def test_lmrl_train_runs_on_an_agent_written_elsewhere(tmp_path):
+    from tests.forked import lmrl
+
+    out = lmrl("train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
+               f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4",
+               "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_every=0",
+               "data.num_eval_prompts=2", f"train.output_dir={tmp_path / 'run'}", "log.console=false",
+               cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "env/turns" in r]
+    assert len(steps) == 2 and all(r["agent/failures"] == 0 and r["env/turns"] == 2 for r in steps)
+    assert all(r["agent/retokenized_tokens"] == 0 and r["env/observation_tokens"] > 0 for r in steps)
