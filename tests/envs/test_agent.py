@@ -129,3 +129,16 @@ def test_lmrl_train_runs_on_an_agent_written_elsewhere(tmp_path):
     steps = [r for r in rows if "env/turns" in r]
     assert len(steps) == 2 and all(r["agent/failures"] == 0 and r["env/turns"] == 2 for r in steps)
     assert all(r["agent/retokenized_tokens"] == 0 and r["env/observation_tokens"] > 0 for r in steps)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.name=agent"], 'env.command: the "agent" environment needs env.command, e.g. env.command="python my_agent.py"'),
+    (["env.command=python x.py"], "env.command: env.command is for env.name=agent"),
+])
+def test_the_agent_environment_config_is_checked_in_one_line(overrides, message):
+    from lmrl.config import load_config
+    from lmrl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value) == message
