@@ -116,19 +116,24 @@ def test_a_key_reaches_only_its_own_episode(policy):
 
 
 
-def test_lmrl_train_runs_on_an_agent_written_elsewhere(tmp_path):
+def test_lmrl_train_runs_on_an_agent_written_elsewhere_and_resumes(tmp_path):
     from tests.forked import lmrl
 
-    out = lmrl("train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
-               f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4",
-               "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_every=0",
-               "data.num_eval_prompts=2", f"train.output_dir={tmp_path / 'run'}", "log.console=false",
-               cwd=tmp_path, timeout=240)
+    args = ["train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
+            f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
+            "data.num_eval_prompts=2", f"train.output_dir={tmp_path / 'run'}", "log.console=false"]
+    out = lmrl(*args, "train.steps=2", cwd=tmp_path, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "env/turns" in r]
     assert len(steps) == 2 and all(r["agent/failures"] == 0 and r["env/turns"] == 2 for r in steps)
     assert all(r["agent/retokenized_tokens"] == 0 and r["env/observation_tokens"] > 0 for r in steps)
+    out = lmrl(*args, "train.steps=3", "train.resume=auto", cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "env/turns" in r] == [1, 2, 3]  # step 3 came from the checkpoint of step 2
+    assert [r for r in rows if "env/turns" in r][-1]["agent/failures"] == 0
 
 
 @pytest.mark.parametrize("overrides, message", [
