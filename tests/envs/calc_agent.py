@@ -21,6 +21,18 @@ if mode == "hang":
 row = json.loads(os.environ["LMRL_ROW"])
 client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from lmrl
 text, turns = row["prompt"], []
+if mode == "chat":  # the same two turns as chat messages, the tool result a user turn
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for turn in range(2):
+        choice = client.chat.completions.create(model="policy", messages=messages, max_tokens=12).choices[0]
+        turns.append(choice.model_extra["token_ids"])
+        messages += [{"role": "assistant", "content": choice.message.content}]
+        if turn == 0:
+            messages += [{"role": "user", "content": "=" + str(sum(int(t) for t in row["prompt"].rstrip("=").split("+")))}]
+    with open(os.environ["AGENT_LOG"], "a") as f:
+        f.write(json.dumps({"prompt": row["prompt"], "turns": turns, "text": ""}) + "\n")
+    client.post("/lmrl/reward", body={"reward": 0.5}, cast_to=object)
+    sys.exit(0)
 for turn in range(2):
     choice = client.completions.create(model="policy", prompt=text, max_tokens=24, stop=["</calc>"]).choices[0]
     turns.append(choice.model_extra["token_ids"])

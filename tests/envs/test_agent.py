@@ -147,3 +147,29 @@ def test_the_agent_environment_config_is_checked_in_one_line(overrides, message)
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert str(info.value) == message
+
+
+def test_a_chat_agent_on_a_bpe_tokenizer_trains_on_exactly_the_sampled_tokens(tmp_path):
+    from lmrl.models.prompt_encoding import encode_prompts
+    from lmrl.models.tiny import bpe_chat_tokenizer, tiny_causal_lm
+
+    tok = bpe_chat_tokenizer([r["prompt"] + " =168 the sum is 83" for r in ROWS] * 20, vocab_size=300)
+    gen = HFGenerator(tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0), tok, seed=0)
+    prompts = encode_prompts(tok, [[{"role": "user", "content": r["prompt"]}] for r in ROWS], 64, use_chat_template=True)
+    os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = "chat", str(tmp_path / "log.jsonl")
+    try:
+        episodes = generate_episodes(gen, tok, prompts, ROWS, 1, SamplingParams(max_new_tokens=12, seed=0),
+                                     AgentEnvironment(f"{sys.executable} {AGENT}", timeout=60), max_turns=2,
+                                     max_tokens=96)
+    finally:
+        del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
+    log = {json.loads(line)["prompt"]: json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()}
+    r = episodes.rollout
+    naive = 0  # what re-tokenizing the text the agent saw would have trained on instead
+    for i, row in enumerate(ROWS):
+        trained = r.response_ids[i][r.response_mask[i]].tolist()
+        assert trained == sum(log[row["prompt"]]["turns"], [])
+        for turn in log[row["prompt"]]["turns"]:
+            naive += tok(tok.decode(turn, skip_special_tokens=True), add_special_tokens=False)["input_ids"] != turn
+    assert naive > 0  # the case that matters: this tokenizer does not give back the sampled ids
+    assert episodes.metrics["agent/retokenized_tokens"] == 0 and episodes.rewards == [0.5, 0.5]
