@@ -530,7 +530,7 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
         tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits(), builtins=("python",))
         return ToolEnvironment(tools, cfg.env.tool_call_pattern or HERMES_PATTERN, cfg.env.response_format)
     if cfg.env.name == "agent":
-        from lmrl.envs.agent import AgentEnvironment
+        from lmrl.rollout.agent import AgentEnvironment
 
         return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
     try:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lmrl.envs.agent import AgentEnvironment
 from lmrl.errors import RunError
 from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
+from lmrl.rollout.agent import AgentEnvironment
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes
@@ -94,7 +94,7 @@ def test_a_command_that_cannot_start_is_one_line(policy, tmp_path):
 def test_a_key_reaches_only_its_own_episode(policy):
     import httpx
 
-    from lmrl.envs.agent import Gateway, _Episode, _Segment
+    from lmrl.rollout.agent import Gateway, _Episode, _Segment
 
     gen, tok = policy
     gateway = Gateway(gen, tok)

@@ -1,4 +1,4 @@
-"""An environment whose episodes are driven by a program written elsewhere (`env.name=agent`).
+"""An environment whose episodes are driven by a program written elsewhere (`env.name=agent`): the recording gateway.
 
     env.name=agent env.command="python my_agent.py" env.timeout=60
 
@@ -27,6 +27,7 @@ reports a non-finite one, or outlives `env.timeout` (it and its children are kil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -314,12 +315,13 @@ class AgentEnvironment:
     def _start(self, gateway: Gateway, eid: str, e: _Episode) -> subprocess.Popen:
         env = {**os.environ, "OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
                "LMRL_ROW": json.dumps(dict(e.row), default=str)}
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in _end, once the program is done
         try:
-            stderr = tempfile.TemporaryFile()
             proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=stderr, start_new_session=True)
             proc.stderr_file = stderr  # type: ignore[attr-defined]
         except OSError as err:
+            stderr.close()
             raise RunError(f"env.command: cannot start {self.argv[0]!r}: {err.strerror or err}") from None
         return proc
 
@@ -375,8 +377,6 @@ class AgentEnvironment:
 
 def _kill(proc: subprocess.Popen) -> None:
     """The program and everything it started (its own session)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
