@@ -548,8 +548,12 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
     if cfg.env.name == "tools":
         tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits(), builtins=("python",))
         return ToolEnvironment(tools, cfg.env.tool_call_pattern or HERMES_PATTERN, cfg.env.response_format)
+    if cfg.env.name == "agent":
+        from lmrl.rollout.agent import AgentEnvironment
+
+        return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
     try:
-        return load_function(cfg.env.name, "environment", ("tools",))
+        return load_function(cfg.env.name, "environment", ("tools", "agent"))
     except ConfigError as e:
         raise ConfigError(f"env.name: {e}") from e
 

@@ -390,7 +390,14 @@ class EnvConfig(Section):
     name: NonEmptyStr | None = None
     """None: one completion per prompt (no environment). "tools": the built-in tool environment (the model
     calls `env.tools`; a turn without a tool call ends the episode). "file.py:Class" or "module:Class": your
-    environment, called with each dataset row to start an episode."""
+    environment, called with each dataset row to start an episode. "agent": each episode is a run of
+    `env.command`, a program that talks to lmrl's gateway with an OpenAI client (docs/agents.md)."""
+    command: NonEmptyStr | None = None
+    """The agent program of env.name=agent, e.g. "python my_agent.py" (split as a shell would, run without one)."""
+    timeout: PositiveFloat = 120.0
+    """Seconds one agent episode may run (env.name=agent) before it is killed and counted as failed."""
+    max_parallel: PositiveInt = 32
+    """Most agent programs running at once (env.name=agent); the rest of the batch waits its turn."""
     max_turns: PositiveInt = 4
     """Most model turns per episode."""
     max_tokens: PositiveInt | None = None
@@ -432,6 +439,10 @@ class EnvConfig(Section):
             raise ValueError('tools: the "tools" environment needs at least one tool, e.g. env.tools=[python]')
         if self.tools and self.name != "tools":
             raise ValueError("tools: tools are for env.name=tools")
+        if self.name == "agent" and not self.command:
+            raise ValueError('command: the "agent" environment needs env.command, e.g. env.command="python my_agent.py"')
+        if self.command and self.name != "agent":
+            raise ValueError("command: env.command is for env.name=agent")
         return self
 
 

@@ -95,6 +95,8 @@ def generate_episodes(
     """
     if max_turns < 1:
         raise ValueError(f"max_turns: must be >= 1, got {max_turns!r}")
+    if hasattr(env, "run_episodes"):  # its episodes are driven by a program of its own (`lmrl.rollout.agent`)
+        return env.run_episodes(generator, tokenizer, prompts, rows, n, params, max_turns, max_tokens)
     extra_stop = [s for s in getattr(env, "stop", None) or [] if s not in params.stop]
     if extra_stop:  # the environment's turn ends (a tool call's closing tag) on top of the rollout's
         params = dataclasses.replace(params, stop=[*params.stop, *extra_stop])

@@ -1,0 +1,382 @@
+"""An environment whose episodes are driven by a program written elsewhere (`env.name=agent`): the recording gateway.
+
+    env.name=agent env.command="python my_agent.py" env.timeout=60
+
+For each episode lmrl starts the command with, in its environment:
+
+    OPENAI_BASE_URL   the episode's own endpoint, http://127.0.0.1:PORT/episodes/ID/v1
+    OPENAI_API_KEY    the episode's key (the official `openai` client reads both variables)
+    LMRL_ROW          the dataset row, as JSON
+
+The agent calls `/v1/completions` (the prompt so far, as text) or `/v1/chat/completions` (the messages so
+far) and ends by reporting the episode's reward: `POST {OPENAI_BASE_URL}/lmrl/reward {"reward": 1.0}` with its
+key (`client.post("/lmrl/reward", body={"reward": 1.0}, cast_to=object)`), then exits 0.
+
+The gateway (`Gateway`) serves the live policy, requests of all episodes batched into shared generator calls
+(`lmrl.rollout.batcher`), and records per episode exactly the token ids it sampled and their log-probs. When
+the agent sends the conversation so far, the gateway matches it against the episode's own record (the prompt,
+the sampled tokens, the observations it already tokenized) and tokenizes only what is new: tool results, user
+turns, a chat template's markup. The model's output is never tokenized again. Where the agent changed the
+model's earlier text, the record is cut at the first token that no longer matches; the dropped sampled tokens
+are counted (`agent/retokenized_tokens`) and the agent's version of that text is attended but never trained on.
+
+An episode fails (counted in `agent/failures`, logged, nothing of it trained on, reward 0; with
+`reward.on_error=fail` the run stops with one line) when its program exits non-zero, exits without a reward,
+reports a non-finite one, or outlives `env.timeout` (it and its children are killed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmrl.errors import RunError
+from lmrl.rollout.base import Generator, Rollout, SamplingParams
+from lmrl.rollout.multiturn import Episodes, _metrics
+from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
+
+
+@dataclass
+class _Segment:
+    """A run of the episode's tokens: the prompt, a sampled turn (trained on) or an observation (attended only)."""
+
+    ids: list[int]
+    logps: list[float]
+    trained: bool
+    text: str
+    """As the agent sees it in a completion (special tokens skipped)."""
+    raw: str
+    """As a chat template renders it (special tokens kept)."""
+
+
+@dataclass
+class _Episode:
+    index: int
+    key: str
+    row: Mapping[str, Any]
+    segments: list[_Segment]
+    params: SamplingParams
+    max_turns: int
+    budget: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    turns: int = 0
+    finished: bool = False
+    reward: float | None = None
+    retokenized: int = 0
+    error: str | None = None
+
+    def known(self, chat: bool) -> str:
+        return "".join(s.raw if chat else s.text for s in self.segments)
+
+    def response_length(self) -> int:
+        return sum(len(s.ids) for s in self.segments[1:])
+
+
+class Gateway(GenerationServer):
+    """The live policy at one OpenAI-compatible endpoint per episode (module docstring); loopback only."""
+
+    def __init__(self, generator: Generator, tokenizer: Any, name: str = "lmrl-policy"):
+        super().__init__(generator, tokenizer, name, host="127.0.0.1", port=0)
+        self.RequestHandlerClass = _GatewayHandler
+        self.episodes: dict[str, _Episode] = {}
+        threading.Thread(target=self.serve_forever, name="lmrl-gateway", daemon=True).start()
+
+    def episode_url(self, episode_id: str) -> str:
+        return f"{self.url}/episodes/{episode_id}/v1"
+
+    def complete(self, episode: _Episode, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        """One model turn of `episode`: the agent's conversation matched to the record, the new part tokenized."""
+        if _given(body, "n", 1) != 1:
+            raise ValueError("n: an episode is one sequence; the gateway samples n=1")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else _list(stop, "stop")
+        with episode.lock:
+            if episode.reward is not None:
+                raise Refused(409, "episode: its reward was reported; it takes no more requests", "episode_over")
+            if episode.turns >= episode.max_turns:
+                raise Refused(400, f"episode: {episode.turns} model turns taken, env.max_turns={episode.max_turns}",
+                              "episode_budget")
+            self._extend(episode, self._conversation(body, chat), chat)
+            room = int(min(episode.budget - episode.response_length(), episode.params.max_new_tokens))
+            if room < 1:
+                raise Refused(400, f"episode: its {episode.budget:g} response tokens are spent (env.max_tokens)",
+                              "episode_budget")
+            asked = _integer(_given(body, "max_tokens", _given(body, "max_completion_tokens", room)), "max_tokens", 0, "")
+            # the run's own sampling (the log-probs the trainer assumes); unseeded, so episodes share calls
+            params = dataclasses.replace(episode.params, max_new_tokens=min(asked, room), seed=None,
+                                         stop=[*episode.params.stop, *[s for s in stop if s not in episode.params.stop]])
+            context = [t for s in episode.segments for t in s.ids]
+            rows = self.batcher.generate([context], 1, params)
+            ids, logps = rows.tokens[0], rows.logprobs[0]
+            raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+            episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw))
+            episode.turns += 1
+            episode.finished = rows.finished[0]
+        text = rows.texts[0]
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if rows.finished[0] else "length", "token_ids": ids}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{episode.index}-{episode.turns}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.name, "choices": [choice],
+                "usage": {"prompt_tokens": len(context), "completion_tokens": len(ids), "total_tokens": len(context) + len(ids)}}
+
+    def _conversation(self, body: dict[str, Any], chat: bool) -> str:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ValueError("messages: expected a non-empty list of {role, content}")
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      tools=body.get("tools"))
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError("prompt: the gateway takes the conversation so far as one string")
+        return prompt
+
+    def _extend(self, episode: _Episode, text: str, chat: bool) -> None:
+        """Match `text` to the episode's record; cut the record where they part; tokenize only the rest."""
+        known = episode.known(chat)
+        if not text.startswith(known):
+            prompt = episode.segments[0].raw if chat else episode.segments[0].text
+            if not text.startswith(prompt):
+                raise Refused(400, "episode: the conversation does not start with the row's prompt "
+                              f"({prompt[:60]!r}); the agent must send its prompt as given", "prompt_changed")
+            kept, at = [episode.segments[0]], len(prompt)
+            for seg in episode.segments[1:]:
+                whole = seg.raw if chat else seg.text
+                if text.startswith(whole, at):
+                    kept.append(seg)
+                    at += len(whole)
+                    continue
+                k = 0  # the longest run of this segment's tokens the agent kept as they were
+                while k < len(seg.ids) and text.startswith(self._decode(seg.ids[:k + 1], chat), at):
+                    k += 1
+                if k and seg.trained:
+                    part = self._decode(seg.ids[:k], chat)
+                    kept.append(_Segment(seg.ids[:k], seg.logps[:k], True, part, part))
+                    at += len(part)
+                break
+            dropped = sum(len(s.ids) for s in episode.segments if s.trained) - sum(len(s.ids) for s in kept if s.trained)
+            episode.retokenized += dropped
+            episode.segments, known = kept, text[:at]
+        new = text[len(known):]
+        if new:
+            ids = self.tokenizer(new, add_special_tokens=False)["input_ids"]
+            episode.segments.append(_Segment(ids, [0.0] * len(ids), False, new, new))
+
+    def _decode(self, ids: list[int], chat: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=not chat)
+
+    def report(self, episode: _Episode, body: dict[str, Any]) -> dict[str, Any]:
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+            with episode.lock:
+                episode.error = f"reported a reward of {json.dumps(reward)[:40]}, not a finite number"
+            raise ValueError(f"reward: expected a finite number, got {json.dumps(reward)[:40]}")
+        with episode.lock:
+            episode.reward = float(reward)
+        return {"ok": True}
+
+
+class _GatewayHandler(_Handler):
+    """Requests under /episodes/ID/v1/..., each with that episode's key (another episode's: 403)."""
+
+    server: Gateway
+    episode: _Episode
+    route: str
+
+    def _authorize(self) -> None:
+        parts = self.path.split("/", 3)  # "", "episodes", ID, "v1/..."
+        if len(parts) < 4 or parts[1] != "episodes" or parts[2] not in self.server.episodes:
+            raise Refused(404, f"no such episode: {self.path[:80]} (the gateway serves /episodes/ID/v1/...)")
+        episode = self.server.episodes[parts[2]]
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if not _same(token, episode.key):
+            if any(_same(token, e.key) for e in self.server.episodes.values()):
+                raise Refused(403, "authorization: this key belongs to another episode", "wrong_episode")
+            raise Refused(401, "authorization: a missing or wrong key: send the episode's OPENAI_API_KEY", "invalid_api_key")
+        self.episode, self.route = episode, "/" + parts[3]
+
+    def _get(self) -> dict[str, Any]:
+        if self.route == "/v1/models":
+            return {"object": "list", "data": [{"id": self.server.name, "object": "model", "created": 0, "owned_by": "lmrl"}]}
+        raise Refused(404, f"no such endpoint: GET {self.route}")
+
+    def _post(self) -> dict[str, Any]:
+        if self.route not in ("/v1/completions", "/v1/chat/completions", "/v1/lmrl/reward"):
+            raise Refused(404, f"no such endpoint: POST {self.route}")
+        with self.server.batcher.incoming():
+            request = json.loads(self._body(self.server.limits.max_body_bytes).read(1 << 62) or b"{}")
+            if not isinstance(request, dict):
+                raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
+            if self.route == "/v1/lmrl/reward":
+                return self.server.report(self.episode, request)
+            return self.server.complete(self.episode, request, chat=self.route.endswith("chat/completions"))
+
+
+class AgentEnvironment:
+    """`env.name=agent`: each episode is one run of `command` against the gateway (module docstring).
+
+    Args:
+        command: the agent's command line (split as a shell would; run without a shell).
+        timeout: seconds one episode's program may run before it is killed and the episode fails.
+        on_error: "fail": a failed episode stops the run with one line; "zero": it is counted and scores 0.
+        max_parallel: the most programs running at once (an evaluation of 500 prompts starts them in turn).
+        cwd: where the program runs (the current directory by default).
+    """
+
+    def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
+                 cwd: str | None = None):
+        self.argv = shlex.split(command)
+        if not self.argv:
+            raise ValueError("env.command: empty")
+        self.command, self.timeout, self.on_error, self.cwd = command, timeout, on_error, cwd
+        self.max_parallel = max_parallel
+        self._gateway: Gateway | None = None
+
+    def __call__(self, row: Mapping[str, Any]) -> Any:
+        raise RunError("env.name=agent: its episodes are run by its own program, not step by step")
+
+    def gateway(self, generator: Generator, tokenizer: Any) -> Gateway:
+        if self._gateway is None or self._gateway.generator is not generator:
+            if self._gateway is not None:
+                self._gateway.shutdown()
+            self._gateway = Gateway(generator, tokenizer)
+        return self._gateway
+
+    def run_episodes(self, generator: Generator, tokenizer: Any, prompts: list[list[int]],
+                     rows: Sequence[Mapping[str, Any]], n: int, params: SamplingParams, max_turns: int,
+                     max_tokens: int | None) -> Episodes:
+        """`n` episodes per prompt, every episode's program at once; what `generate_episodes` returns."""
+        gateway = self.gateway(generator, tokenizer)
+        budget = max_tokens if max_tokens is not None else max_turns * params.max_new_tokens
+        episodes: dict[str, _Episode] = {}
+        for i in range(len(prompts) * n):
+            p = prompts[i // n]
+            seg = _Segment(list(p), [0.0] * len(p), False, tokenizer.decode(p, skip_special_tokens=True),
+                           tokenizer.decode(p, skip_special_tokens=False))
+            episodes[secrets.token_hex(8)] = _Episode(i, "lmrl-ep-" + secrets.token_urlsafe(24), rows[i // n], [seg],
+                                                      params, max_turns, budget)
+        gateway.episodes.update(episodes)
+        try:
+            self._run(gateway, episodes)
+        finally:
+            for eid in episodes:
+                gateway.episodes.pop(eid, None)
+        ordered = sorted(episodes.values(), key=lambda e: e.index)
+        failed = [e for e in ordered if e.error is not None]
+        if failed and self.on_error == "fail":
+            e = failed[0]
+            raise RunError(f"env.command: episode {e.index} (row {e.index // n}) {e.error} ({len(failed)} of "
+                           f"{len(ordered)} episodes failed; reward.on_error=zero counts them and goes on)")
+        for e in failed:
+            print(f"lmrl: env.command: episode {e.index} failed: {e.error}", file=sys.stderr)
+        return self._episodes(ordered, prompts, n, generator)
+
+    def _run(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
+        """Every episode's program, at most `max_parallel` at a time, each killed at its own `timeout`."""
+        waiting, running = list(episodes.items()), []
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.max_parallel:
+                    eid, e = waiting.pop(0)
+                    running.append((self._start(gateway, eid, e), time.monotonic() + self.timeout, e))
+                time.sleep(0.01)
+                still = []
+                for proc, deadline, e in running:
+                    if proc.poll() is None and time.monotonic() < deadline:
+                        still.append((proc, deadline, e))
+                    else:
+                        self._end(proc, e)
+                running = still
+        finally:
+            for proc, _, _ in running:
+                _kill(proc)
+
+    def _start(self, gateway: Gateway, eid: str, e: _Episode) -> subprocess.Popen:
+        env = {**os.environ, "OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
+               "LMRL_ROW": json.dumps(dict(e.row), default=str)}
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in _end, once the program is done
+        try:
+            proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=stderr, start_new_session=True)
+            proc.stderr_file = stderr  # type: ignore[attr-defined]
+        except OSError as err:
+            stderr.close()
+            raise RunError(f"env.command: cannot start {self.argv[0]!r}: {err.strerror or err}") from None
+        return proc
+
+    def _end(self, proc: subprocess.Popen, e: _Episode) -> None:
+        if proc.poll() is None:
+            _kill(proc)
+            e.error = e.error or f"ran past env.timeout={self.timeout:g}s and was killed"
+        stderr = proc.stderr_file
+        stderr.seek(0)
+        lines = stderr.read().decode(errors="replace").strip().splitlines()
+        stderr.close()
+        if e.error is None and proc.returncode != 0:
+            e.error = f"exited with status {proc.returncode}" + (f": {lines[-1][:300]}" if lines else "")
+        if e.error is None and e.reward is None:
+            e.error = "exited without reporting a reward (POST $OPENAI_BASE_URL/lmrl/reward {\"reward\": x})"
+
+    def _episodes(self, ordered: list[_Episode], prompts: list[list[int]], n: int, generator: Any) -> Episodes:
+        pad = int(getattr(generator, "pad_token_id", 0))
+        ids, logps, trained, texts, finished, rewards, turns = [], [], [], [], [], [], []
+        for e in ordered:
+            segs = e.segments[1:] if e.error is None else []
+            ids.append([t for s in segs for t in s.ids])
+            logps.append([lp for s in segs for lp in s.logps])
+            trained.append([s.trained for s in segs for _ in s.ids])
+            texts.append("".join(s.text for s in segs))
+            finished.append(bool(e.finished) and e.error is None)
+            rewards.append(e.reward if e.error is None else 0.0)
+            turns.append(e.turns)
+        width, plen = max(1, max(len(x) for x in ids)), max(len(p) for p in prompts)
+        B = len(ordered)
+        prompt_ids = torch.full((B, plen), pad, dtype=torch.long)
+        prompt_mask = torch.zeros(B, plen, dtype=torch.bool)
+        response_ids = torch.full((B, width), pad, dtype=torch.long)
+        logprobs = torch.zeros(B, width)
+        mask = torch.zeros(B, width, dtype=torch.bool)
+        attention = torch.zeros(B, width, dtype=torch.bool)
+        for i in range(B):
+            p, k = prompts[i // n], len(ids[i])
+            prompt_ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
+            prompt_mask[i, plen - len(p):] = True
+            response_ids[i, :k] = torch.tensor(ids[i], dtype=torch.long)
+            logprobs[i, :k] = torch.tensor(logps[i])
+            mask[i, :k] = torch.tensor(trained[i], dtype=torch.bool)
+            attention[i, :k] = True
+        rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, logprobs, texts,
+                          torch.tensor(finished, dtype=torch.bool), torch.arange(B) // n,
+                          attention if bool((attention & ~mask).any()) else None)
+        metrics = _metrics(ids, trained, turns, {})
+        metrics["agent/retokenized_tokens"] = float(sum(e.retokenized for e in ordered))
+        metrics["agent/failures"] = float(sum(e.error is not None for e in ordered))
+        return Episodes(rollout, rewards, turns, metrics)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """The program and everything it started (its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -1,0 +1,61 @@
+"""An agent written elsewhere: the calculator task over the official `openai` client (tests/envs/test_agent.py).
+
+It asks for a turn, runs any `<calc>a+b</calc>` the model wrote (or, if none, tells it the sum anyway, so every
+episode has a tool result), asks for the answer, and reports the reward. AGENT_MODE picks a misbehaviour; AGENT_LOG,
+when set, gets one JSON line per episode: the token ids of each turn as the gateway returned them.
+"""
+
+import json
+import os
+import re
+import sys
+import time
+
+from openai import OpenAI
+
+mode = os.environ.get("AGENT_MODE", "ok")
+if mode == "crash":
+    sys.exit("agent: something broke")
+if mode == "hang":
+    time.sleep(600)
+row = json.loads(os.environ["LMRL_ROW"])
+client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from lmrl
+text, turns = row["prompt"], []
+if mode == "chat":  # the same two turns as chat messages, the tool result a user turn
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for turn in range(2):
+        choice = client.chat.completions.create(model="policy", messages=messages, max_tokens=12).choices[0]
+        turns.append(choice.model_extra["token_ids"])
+        messages += [{"role": "assistant", "content": choice.message.content}]
+        if turn == 0:
+            messages += [{"role": "user", "content": "=" + str(sum(int(t) for t in row["prompt"].rstrip("=").split("+")))}]
+    with open(os.environ["AGENT_LOG"], "a") as f:
+        f.write(json.dumps({"prompt": row["prompt"], "turns": turns, "text": ""}) + "\n")
+    client.post("/lmrl/reward", body={"reward": 0.5}, cast_to=object)
+    sys.exit(0)
+for turn in range(2):
+    choice = client.completions.create(model="policy", prompt=text, max_tokens=24, stop=["</calc>"]).choices[0]
+    turns.append(choice.model_extra["token_ids"])
+    said = choice.text
+    if mode == "edit" and turn == 0:
+        said = "<calc>1+1</calc>"  # the agent rewrites what the model said
+    text += said
+    if turn == 1:
+        break
+    match = re.search(r"<calc>([^<>]*)</calc>", said)
+    terms = (match.group(1) if match else row["prompt"].rstrip("=")).split("+")
+    total = sum(int(t) for t in terms if t.strip().isdigit())
+    text += f"={total}\n"  # the tool result: new text the gateway tokenizes as an observation
+answer = text.rsplit("\n", 1)[-1].strip()
+reward = float(answer == row["answer"])
+if os.environ.get("AGENT_LOG"):
+    with open(os.environ["AGENT_LOG"], "a") as f:
+        f.write(json.dumps({"prompt": row["prompt"], "turns": turns, "text": text}) + "\n")
+if mode == "nan":  # what a careless agent in another language sends; Python's JSON writes NaN too
+    import urllib.request
+
+    request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/lmrl/reward", data=b'{"reward": NaN}',
+                                     headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    urllib.request.urlopen(request)
+elif mode != "noreward":
+    client.post("/lmrl/reward", body={"reward": reward}, cast_to=object)

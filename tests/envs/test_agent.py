@@ -1,0 +1,175 @@
+"""env.name=agent: episodes driven by a program written elsewhere through the recording gateway, token-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmrl.errors import RunError
+from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
+from lmrl.rollout.agent import AgentEnvironment
+from lmrl.rollout.base import SamplingParams
+from lmrl.rollout.hf import HFGenerator
+from lmrl.rollout.multiturn import generate_episodes
+
+AGENT = Path(__file__).with_name("calc_agent.py")
+ROWS = [{"prompt": "47+85+36=", "answer": "168"}, {"prompt": "12+30+41=", "answer": "83"}]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model, tok = load_shipped(SHIPPED_MODELS["tiny-calculator"])
+    return HFGenerator(model, tok, seed=0), tok
+
+
+def run(policy, tmp_path, mode="ok", on_error="fail", timeout=60.0, n=2):
+    gen, tok = policy
+    os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
+    try:
+        env = AgentEnvironment(f"{sys.executable} {AGENT}", timeout=timeout, on_error=on_error)
+        prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
+        params = SamplingParams(max_new_tokens=24, temperature=1.0, stop=[], seed=0)
+        return generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96)
+    finally:
+        del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
+
+
+def test_the_tokens_trained_on_are_the_tokens_the_agent_was_sampled_after_a_tool_result_too(policy, tmp_path):
+    episodes = run(policy, tmp_path)
+    log = {}
+    for line in (tmp_path / "log.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        log.setdefault(entry["prompt"], []).append(entry)
+    r = episodes.rollout
+    assert episodes.metrics["agent/failures"] == 0 and episodes.metrics["agent/retokenized_tokens"] == 0
+    assert r.response_attention is not None  # the tool results are attended, not trained on
+    for i in range(len(r.texts)):
+        trained = r.response_ids[i][r.response_mask[i]].tolist()
+        candidates = [sum(e["turns"], []) for e in log[ROWS[i // 2]["prompt"]]]
+        assert trained in candidates  # byte for byte: the sampled ids, nothing re-tokenized
+        assert episodes.turns[i] == 2 and r.texts[i] in [e["text"][len(ROWS[i // 2]["prompt"]):]
+                                                          for e in log[ROWS[i // 2]["prompt"]]]
+        observed = r.response_ids[i][r.response_attention[i] & ~r.response_mask[i]].tolist()
+        assert observed and (r.logprobs[i][~r.response_mask[i]] == 0).all()
+    assert all(x in (0.0, 1.0) for x in episodes.rewards)
+
+
+def test_an_agent_that_rewrites_the_models_text_is_cut_there_and_counted(policy, tmp_path):
+    episodes = run(policy, tmp_path, mode="edit")
+    r = episodes.rollout
+    assert episodes.metrics["agent/retokenized_tokens"] > 0
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    second_turns = [e["turns"][1] for e in log]
+    for i in range(len(r.texts)):  # the rewritten text is attended only; the second turn is still trained on
+        trained = r.response_ids[i][r.response_mask[i]].tolist()
+        assert any(trained[len(trained) - len(t):] == t for t in second_turns)
+        assert "<calc>1+1</calc>" in r.texts[i]
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("crash", "exited with status 1: agent: something broke"),
+    ("noreward", "exited without reporting a reward"),
+    ("nan", "reported a reward of NaN, not a finite number"),
+    ("hang", "ran past env.timeout=3s and was killed"),
+])
+def test_a_failing_agent_is_one_line_or_a_counted_failure_never_a_hang(policy, tmp_path, mode, message):
+    with pytest.raises(RunError, match="episode 0 .*" + message.replace("(", r"\(")):
+        run(policy, tmp_path, mode=mode, timeout=3.0, n=1)
+    episodes = run(policy, tmp_path, mode=mode, on_error="zero", timeout=3.0, n=1)
+    assert episodes.metrics["agent/failures"] == 2 and episodes.rewards == [0.0, 0.0]
+    assert not episodes.rollout.response_mask.any()  # nothing of a failed episode is trained on
+
+
+def test_a_command_that_cannot_start_is_one_line(policy, tmp_path):
+    gen, tok = policy
+    env = AgentEnvironment("no-such-agent-program --x")
+    with pytest.raises(RunError, match="env.command: cannot start 'no-such-agent-program'"):
+        generate_episodes(gen, tok, [[5, 6]], ROWS[:1], 1, SamplingParams(max_new_tokens=4), env, max_turns=2)
+
+
+def test_a_key_reaches_only_its_own_episode(policy):
+    import httpx
+
+    from lmrl.rollout.agent import Gateway, _Episode, _Segment
+
+    gen, tok = policy
+    gateway = Gateway(gen, tok)
+    try:
+        seg = lambda: _Segment([5, 6], [0.0, 0.0], False, "47", "47")  # noqa: E731
+        gateway.episodes = {"a": _Episode(0, "key-a", ROWS[0], [seg()], SamplingParams(max_new_tokens=4), 2, 8),
+                            "b": _Episode(1, "key-b", ROWS[0], [seg()], SamplingParams(max_new_tokens=4), 2, 8)}
+        post = lambda eid, key, body: httpx.post(f"{gateway.episode_url(eid)}/lmrl/reward", json=body,  # noqa: E731
+                                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+        assert post("a", "key-b", {"reward": 1.0}).status_code == 403
+        assert post("a", None, {"reward": 1.0}).status_code == 401
+        assert post("a", "key-x", {"reward": 1.0}).status_code == 401
+        assert gateway.episodes["a"].reward is None  # none of them reached it
+        answer = post("a", "key-a", {"reward": 1.0})
+        assert answer.status_code == 200 and gateway.episodes["a"].reward == 1.0 and gateway.episodes["b"].reward is None
+        assert httpx.post(f"{gateway.url}/v1/completions", json={}).status_code == 404  # no episode, no policy
+    finally:
+        gateway.shutdown()
+
+
+
+def test_lmrl_train_runs_on_an_agent_written_elsewhere_and_resumes(tmp_path):
+    from tests.forked import lmrl
+
+    args = ["train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
+            f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
+            "data.num_eval_prompts=2", f"train.output_dir={tmp_path / 'run'}", "log.console=false"]
+    out = lmrl(*args, "train.steps=2", cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "env/turns" in r]
+    assert len(steps) == 2 and all(r["agent/failures"] == 0 and r["env/turns"] == 2 for r in steps)
+    assert all(r["agent/retokenized_tokens"] == 0 and r["env/observation_tokens"] > 0 for r in steps)
+    out = lmrl(*args, "train.steps=3", "train.resume=auto", cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "env/turns" in r] == [1, 2, 3]  # step 3 came from the checkpoint of step 2
+    assert [r for r in rows if "env/turns" in r][-1]["agent/failures"] == 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.name=agent"], 'env.command: the "agent" environment needs env.command, e.g. env.command="python my_agent.py"'),
+    (["env.command=python x.py"], "env.command: env.command is for env.name=agent"),
+])
+def test_the_agent_environment_config_is_checked_in_one_line(overrides, message):
+    from lmrl.config import load_config
+    from lmrl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value) == message
+
+
+def test_a_chat_agent_on_a_bpe_tokenizer_trains_on_exactly_the_sampled_tokens(tmp_path):
+    from lmrl.models.prompt_encoding import encode_prompts
+    from lmrl.models.tiny import bpe_chat_tokenizer, tiny_causal_lm
+
+    tok = bpe_chat_tokenizer([r["prompt"] + " =168 the sum is 83" for r in ROWS] * 20, vocab_size=300)
+    gen = HFGenerator(tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0), tok, seed=0)
+    prompts = encode_prompts(tok, [[{"role": "user", "content": r["prompt"]}] for r in ROWS], 64, use_chat_template=True)
+    os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = "chat", str(tmp_path / "log.jsonl")
+    try:
+        episodes = generate_episodes(gen, tok, prompts, ROWS, 1, SamplingParams(max_new_tokens=12, seed=0),
+                                     AgentEnvironment(f"{sys.executable} {AGENT}", timeout=60), max_turns=2,
+                                     max_tokens=96)
+    finally:
+        del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
+    log = {json.loads(line)["prompt"]: json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()}
+    r = episodes.rollout
+    naive = 0  # what re-tokenizing the text the agent saw would have trained on instead
+    for i, row in enumerate(ROWS):
+        trained = r.response_ids[i][r.response_mask[i]].tolist()
+        assert trained == sum(log[row["prompt"]]["turns"], [])
+        for turn in log[row["prompt"]]["turns"]:
+            naive += tok(tok.decode(turn, skip_special_tokens=True), add_special_tokens=False)["input_ids"] != turn
+    assert naive > 0  # the case that matters: this tokenizer does not give back the sampled ids
+    assert episodes.metrics["agent/retokenized_tokens"] == 0 and episodes.rewards == [0.5, 0.5]
