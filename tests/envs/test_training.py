@@ -88,7 +88,7 @@ def test_an_environment_spec_that_does_not_load_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize(("override", "line"), [
-    ("env.name=tool", "env.name: environment 'tool': expected a built-in name ['tools'], "),
+    ("env.name=tool", "env.name: environment 'tool': expected a built-in name ['agent', 'tools'], "),
     ("env.tools=[pyhton]", "env.tools[0]: tool spec 'pyhton': expected a built-in name ['python'], "),
 ])
 def test_a_misspelt_builtin_environment_or_tool_is_told_its_own_builtins(tmp_path, override, line):
