@@ -166,3 +166,21 @@ def mrope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     positions, _ = model.model.get_rope_index(input_ids, kinds, media.get("image_grid_thw"),
                                               media.get("video_grid_thw"), attention_mask=attention_mask)
     return positions
+
+
+def is_vision_model(name_or_path: str) -> bool:
+    """A model directory (or cached hub id) whose config has a `vision_config`: a vision-language model, loaded with
+    `load_vision_model`. False where the config cannot be read here (a text model's loading then says why)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError):
+        return False
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_token(processor: Any) -> str | None:
+    """The placeholder a string prompt writes once per image (`<image>` for LLaVA), as the processor names it."""
+    token = getattr(processor, "image_token", None)
+    return token if isinstance(token, str) else None

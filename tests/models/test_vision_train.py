@@ -1,0 +1,92 @@
+"""`lmrl train` with a vision-language policy, end to end: a tiny LLaVA built here, a JSONL + PNG dataset drawn
+here (one image, two images and none in one batch), trained through the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+REWARD = "def reward(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
+
+
+def _dataset(tmp: Path) -> Path:
+    """A saved tiny LLaVA and its processor, and a JSONL whose rows hold one image, two, or none."""
+    from PIL import Image
+
+    from lmrl.models.tiny import tiny_llava
+
+    model, processor = tiny_llava()
+    model.save_pretrained(tmp / "model")
+    processor.save_pretrained(tmp / "model")
+    (tmp / "imgs").mkdir()
+    rows = []
+    for i in range(6):
+        Image.new("RGB", (32, 32), (40 * i, 200 - 30 * i, 90)).save(tmp / "imgs" / f"{i}.png")
+        if i % 3 == 0:
+            rows.append({"prompt": "<image> what?", "image": f"imgs/{i}.png"})
+        elif i % 3 == 1:
+            rows.append({"prompt": "no image: 1+"})
+        else:
+            rows.append({"prompt": "<image><image> which?", "images": [f"imgs/{i}.png", f"imgs/{i - 1}.png"]})
+    (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "rw.py").write_text(REWARD)
+    return tmp
+
+
+def _train(tmp: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
+    args = [f"model.name_or_path={tmp / 'model'}", f"data.path={tmp / 'data.jsonl'}",
+            f"reward.functions=[{tmp / 'rw.py'}:reward]", "rollout.prompts_per_step=3", "rollout.group_size=4",
+            "rollout.max_new_tokens=6", "model.device=cpu", "algorithm.tis_cap=2.0", "optim.lr=1e-3",
+            "data.num_eval_prompts=0", f"train.output_dir={tmp / out}", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lmrl", "train", *args], capture_output=True, text=True, env=env,
+                          cwd=tmp, timeout=300)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return _dataset(tmp_path_factory.mktemp("vision-train"))
+
+
+def test_llava_trains_through_the_cli(data):
+    run = _train(data, "run", "train.steps=3")
+    assert run.returncode == 0, run.stderr[-2000:]
+    history = [json.loads(line) for line in (data / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [h for h in history if "loss" in h]
+    assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps)
+    kl = [h["val/sampler_kl"] for h in steps if "val/sampler_kl" in h]
+    assert kl and all(abs(v) < 1e-4 for v in kl), kl  # the sampler and the trainer score with the same images
+    before, after = _weights(data / "model"), _weights(data / "run" / "final")
+    vision = [k for k in before if "vision_tower" in k]
+    language = [k for k in before if "language_model" in k]
+    assert vision and language
+    assert all(torch.equal(before[k], after[k]) for k in vision)  # model.freeze_vision (default true)
+    assert any(not torch.equal(before[k], after[k]) for k in language)
+    # the saved run is a model transformers loads with its processor
+    assert (data / "run" / "final" / "processor_config.json").exists()
+
+
+@pytest.mark.parametrize("override, words", [
+    ("algorithm.advantage=gae", "a critic"),
+    ("train.async_steps=1", "train.async_steps"),
+    ("rollout.backend=vllm", "rollout.backend=vllm"),
+])
+def test_what_images_cannot_do_is_refused_in_one_line(data, override, words):
+    run = _train(data, "refused", "train.steps=1", override)
+    assert run.returncode == 2, run.stderr[-2000:]
+    line = run.stderr.strip().splitlines()[-1]
+    assert words in line and "vision-language policy" in line and "Loading weights" not in run.stderr, run.stderr
