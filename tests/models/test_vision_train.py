@@ -90,3 +90,25 @@ def test_what_images_cannot_do_is_refused_in_one_line(data, override, words):
     assert run.returncode == 2, run.stderr[-2000:]
     line = run.stderr.strip().splitlines()[-1]
     assert words in line and "vision-language policy" in line and "Loading weights" not in run.stderr, run.stderr
+
+
+def test_a_resumed_image_run_equals_an_uninterrupted_one(data):
+    """Stopped after step 2 (its checkpoint) and resumed to step 4: the same losses and the same final weights as
+    four steps in one go, so the images a resumed step scores are the ones the uninterrupted step scored."""
+    straight = _train(data, "straight", "train.steps=4")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    first = _train(data, "resumed", "train.steps=2", "train.save_every=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = _train(data, "resumed", "train.steps=4", "train.save_every=2", "train.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resum" in (resumed.stdout + resumed.stderr).lower()
+
+    def losses(out: str) -> dict[int, float]:
+        rows = [json.loads(line) for line in (data / out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    a, b = losses("straight"), losses("resumed")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert all(a[k] == pytest.approx(b[k], abs=1e-6) for k in a), (a, b)
+    end, again = _weights(data / "straight" / "final"), _weights(data / "resumed" / "final")
+    assert all(torch.allclose(end[k], again[k], atol=1e-6) for k in end)
