@@ -257,6 +257,10 @@ class Trainer:
         k = min(self.cfg.log.num_samples, len(exp))
         prompts = [prompt_text(c.rows[int(i)][self.cfg.data.prompt_column]) for i in exp.group_index[:k]]
         extra = {name: values[:k] for name, values in c.extra_columns.items()}
+        if self.models.processor is not None:  # which images each sample's prompt showed
+            from lmrl.data.images import image_refs
+
+            extra["images"] = [image_refs(c.rows[int(i)]) for i in exp.group_index[:k]]
         self.log.samples(step, prompts, c.rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist(), extra)
 
     # ------------------------------------------------------------------------------ the step's stages

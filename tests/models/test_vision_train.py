@@ -31,11 +31,11 @@ def _dataset(tmp: Path) -> Path:
     for i in range(6):
         Image.new("RGB", (32, 32), (40 * i, 200 - 30 * i, 90)).save(tmp / "imgs" / f"{i}.png")
         if i % 3 == 0:
-            rows.append({"prompt": "<image> what?", "image": f"imgs/{i}.png"})
+            rows.append({"prompt": f"<image> what {i}?", "image": f"imgs/{i}.png"})
         elif i % 3 == 1:
-            rows.append({"prompt": "no image: 1+"})
+            rows.append({"prompt": f"no image: {i}+"})
         else:
-            rows.append({"prompt": "<image><image> which?", "images": [f"imgs/{i}.png", f"imgs/{i - 1}.png"]})
+            rows.append({"prompt": f"<image><image> which {i}?", "images": [f"imgs/{i}.png", f"imgs/{i - 1}.png"]})
     (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp / "rw.py").write_text(REWARD)
     return tmp
@@ -63,7 +63,7 @@ def data(tmp_path_factory) -> Path:
 
 
 def test_llava_trains_through_the_cli(data):
-    run = _train(data, "run", "train.steps=3")
+    run = _train(data, "run", "train.steps=3", "log.samples_every=1", "log.num_samples=12")
     assert run.returncode == 0, run.stderr[-2000:]
     history = [json.loads(line) for line in (data / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [h for h in history if "loss" in h]
@@ -76,6 +76,12 @@ def test_llava_trains_through_the_cli(data):
     assert vision and language
     assert all(torch.equal(before[k], after[k]) for k in vision)  # model.freeze_vision (default true)
     assert any(not torch.equal(before[k], after[k]) for k in language)
+    # samples.jsonl names the images each sample's prompt showed: its row's, in order
+    shown = {r["prompt"]: [str(data / p) for p in r.get("images", [r["image"]] if "image" in r else [])]
+             for r in map(json.loads, (data / "data.jsonl").read_text().splitlines())}
+    samples = [json.loads(line) for line in (data / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 36 and {len(s["images"]) for s in samples} == {0, 1, 2}
+    assert all(s["images"] == shown[s["prompt"]] for s in samples)
     # the saved run is a model transformers loads with its processor
     assert (data / "run" / "final" / "processor_config.json").exists()
 
