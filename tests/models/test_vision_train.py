@@ -118,3 +118,46 @@ def test_a_resumed_image_run_equals_an_uninterrupted_one(data):
     assert all(a[k] == pytest.approx(b[k], abs=1e-6) for k in a), (a, b)
     end, again = _weights(data / "straight" / "final"), _weights(data / "resumed" / "final")
     assert all(torch.allclose(end[k], again[k], atol=1e-6) for k in end)
+
+
+def test_padding_side_cannot_change_a_score():
+    """A row's log-probs are the same scored alone or left-padded beside a longer prompt, and whatever padding side
+    the processor's tokenizer was saved with (TRL #5785: right padding silently moved the image context)."""
+    from PIL import Image
+
+    from lmrl.data.images import ImageInputs, open_image, row_images
+    from lmrl.data.row_checks import check_rows
+    from lmrl.models.forward import model_forward_logprobs
+    from lmrl.models.tiny import tiny_llava
+    from lmrl.models.vision import row_media
+    from lmrl.collect import prompt_media
+    from lmrl.rollout import HFGenerator, SamplingParams
+
+    model, processor = tiny_llava()
+    rows = check_rows([{"prompt": "<image> red?", "image": Image.new("RGB", (32, 32), (200, 30, 30))},
+                       {"prompt": "<image><image> a much longer prompt, which pads the first one on the left",
+                        "images": [Image.new("RGB", (32, 32), (0, 90, 0)), Image.new("RGB", (32, 32), (9, 9, 90))]}],
+                      images=ImageInputs(image_token="<image>")).rows
+    assert all(open_image(v) for r in rows for v in row_images(r))
+
+    processor.tokenizer.padding_side = "right"
+    right = prompt_media(processor, [r["prompt"] for r in rows], rows)
+    processor.tokenizer.padding_side = "left"
+    ids, media = prompt_media(processor, [r["prompt"] for r in rows], rows)
+    assert ids == right[0] and all(torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(media, right[1]))
+    assert len(ids[1]) > len(ids[0]) + 20  # the first prompt is left-padded by 20+ tokens in their batch
+
+    out = HFGenerator(model, processor.tokenizer).generate(
+        ids, 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3), media=media)
+    seqs = torch.cat([out.prompt_ids, out.response_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.response_mask], 1).long()
+    T = out.response_ids.shape[1]
+    with torch.no_grad():
+        batched = model_forward_logprobs(model, seqs, mask, T, media=row_media(media, out.prompt_index))
+        assert (out.logprobs - batched)[out.response_mask].abs().max() < 1e-5  # the sampler's scores: the trainer's
+        for row in (0, 1):  # the first prompt's rows, scored again without any padding
+            real = mask[row].bool()
+            alone = model_forward_logprobs(model, seqs[row][real][None], torch.ones(1, int(real.sum()), dtype=torch.long),
+                                           int(out.response_mask[row].sum()), media=row_media(media, [0]))
+            n = alone.shape[1]
+            assert n > 0 and torch.allclose(batched[row, :n], alone[0], atol=1e-5), row
