@@ -472,8 +472,8 @@ _NOT_WITH_IMAGES = (
     (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
     (lambda c: c.env.name is not None, "env.name: multi-turn environments are not supported with a vision-language policy"),
     (lambda c: c.algorithm.teacher is not None, "algorithm.teacher is not supported with a vision-language policy"),
-    (lambda c: c.model.lora is not None or adapter_base(c.model.name_or_path) is not None,
-     "model.lora is not supported with a vision-language policy yet"),
+    (lambda c: adapter_base(c.model.name_or_path) is not None,
+     "a LoRA adapter directory as model.name_or_path is not supported with a vision-language policy yet"),
 )
 
 

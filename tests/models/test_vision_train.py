@@ -161,3 +161,19 @@ def test_padding_side_cannot_change_a_score():
                                            int(out.response_mask[row].sum()), media=row_media(media, [0]))
             n = alone.shape[1]
             assert n > 0 and torch.allclose(batched[row, :n], alone[0], atol=1e-5), row
+
+
+def test_lora_adapts_the_language_model_alone(data):
+    """model.lora on a vision-language policy: `all-linear` adapters on the language model only; the merged saved
+    model changes there and nowhere else; the reference (the base, adapters off) scores with the images too."""
+    run = _train(data, "lora", "train.steps=2", "model.lora={r: 4}", "algorithm.kl_coef=0.1", "optim.lr=1e-2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(data / "lora" / "final" / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(".language_model." in k for k in adapter)
+    before, after = _weights(data / "model"), _weights(data / "lora" / "final")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("language_model" in k for k in changed)
+    rows = [json.loads(line) for line in (data / "lora" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["objective/kl"]) for r in rows if "objective/kl" in r)
