@@ -447,7 +447,9 @@ def _image_inputs(cfg: Config) -> Any:
     name = f"model.name_or_path={cfg.model.name_or_path}"
     if not vision_policy(cfg):
         return ImageInputs(image_token=None, model=name)
-    check_vision_run(cfg)
+    from lmrl.models.vision import refuse_unsupported
+
+    refuse_unsupported(cfg)
     return ImageInputs(image_token=image_token(_processor(cfg)), model=name)
 
 
@@ -462,26 +464,6 @@ def _processor(cfg: Config) -> Any:
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(policy_path(cfg))
-
-
-# what a run with a vision-language policy cannot do yet: (is it asked for, the line that refuses it)
-_NOT_WITH_IMAGES = (
-    (lambda c: c.algorithm.needs_critic, "a critic (algorithm.advantage=gae, PPO) is not supported with a vision-language policy"),
-    (lambda c: c.train.async_steps > 0, "train.async_steps is not supported with a vision-language policy; use 0"),
-    (lambda c: c.rollout.backend != "lmrl", "rollout.backend={} is not supported with a vision-language policy; use lmrl"),
-    (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
-    (lambda c: c.env.name is not None, "env.name: multi-turn environments are not supported with a vision-language policy"),
-    (lambda c: c.algorithm.teacher is not None, "algorithm.teacher is not supported with a vision-language policy"),
-    (lambda c: adapter_base(c.model.name_or_path) is not None,
-     "a LoRA adapter directory as model.name_or_path is not supported with a vision-language policy yet"),
-)
-
-
-def check_vision_run(cfg: Config) -> None:
-    """Refuse, in one line and before a model loads, what a vision-language policy cannot do yet."""
-    for asked, line in _NOT_WITH_IMAGES:
-        if asked(cfg):
-            raise ConfigError(f"model.name_or_path={cfg.model.name_or_path}: " + line.format(cfg.rollout.backend))
 
 
 def _split(dataset: Any, split: str, source: str, key: str) -> Any:

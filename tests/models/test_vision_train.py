@@ -125,12 +125,12 @@ def test_padding_side_cannot_change_a_score():
     the processor's tokenizer was saved with (TRL #5785: right padding silently moved the image context)."""
     from PIL import Image
 
+    from lmrl.collect import prompt_media
     from lmrl.data.images import ImageInputs, open_image, row_images
     from lmrl.data.row_checks import check_rows
     from lmrl.models.forward import model_forward_logprobs
     from lmrl.models.tiny import tiny_llava
     from lmrl.models.vision import row_media
-    from lmrl.collect import prompt_media
     from lmrl.rollout import HFGenerator, SamplingParams
 
     model, processor = tiny_llava()
