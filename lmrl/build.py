@@ -51,6 +51,7 @@ class Models:
     # a LoRA run's reference: the policy's base with its adapters disabled, no second copy of the weights
     reference_is_base: bool = False
     teacher: nn.Module | None = None  # on-policy distillation's frozen teacher (algorithm.teacher)
+    processor: Any = None  # a vision-language policy's processor (its tokenizer is `tokenizer`)
 
     @property
     def has_reference(self) -> bool:
@@ -71,6 +72,8 @@ def _resolved(path: str) -> str:
 
 
 def load_policy_tokenizer(cfg: Config) -> Any:
+    if vision_policy(cfg):
+        return _processor(cfg).tokenizer
     return load_tokenizer(policy_path(cfg), trust_remote_code=cfg.model.trust_remote_code)
 
 
@@ -78,7 +81,15 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
     """Policy and tokenizer (given, shipped or loaded), and the reference / critic only when used."""
     m = cfg.model
     device = resolve_device(m.device)
-    if policy is None:
+    processor = None
+    if policy is None and vision_policy(cfg):  # images in the prompt: the model's own class and processor
+        from lmrl.models.vision import load_vision_model
+
+        policy, processor = load_vision_model(policy_path(cfg), dtype=DTYPES[m.dtype])
+        policy.to(device)
+        tokenizer = processor.tokenizer
+        tokenizer.padding_side = "left"
+    elif policy is None:
         path = policy_path(cfg)
         tokenizer = tokenizer or load_tokenizer(path, trust_remote_code=m.trust_remote_code)
         policy = load_causal_lm(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code,
@@ -92,7 +103,12 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
             policy.set_attn_implementation(m.attn_implementation)
         if m.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
-    check_causal(policy)
+    if processor is None:
+        check_causal(policy)
+    elif m.freeze_vision:
+        from lmrl.models.vision import freeze_vision
+
+        freeze_vision(policy)
     if not m.dropout:  # the trained forward computes the sampler's distribution (the reference and critic copy it)
         disable_dropout(policy)
     adapter = adapter_base(m.name_or_path) is not None  # an adapter to train on (its own r, alpha, modules)
@@ -125,7 +141,7 @@ def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = N
         policy = apply_lora(policy, m.lora)
     policy.train()
     return Models(policy, tokenizer, reference, critic, sampler_copy(policy, cfg.rollout.dtype) if cfg.samples_with_copy else None,
-                  reference_is_base=lora and cfg.needs_reference, teacher=teacher)
+                  reference_is_base=lora and cfg.needs_reference, teacher=teacher, processor=processor)
 
 
 @dataclass
@@ -428,12 +444,32 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
 
 
 def _image_inputs(cfg: Config) -> Any:
-    """What the policy takes besides text, for the row checks (`lmrl.data.images.ImageInputs`). Every model
-    lmrl loads today is a causal LM, so a row with an image is refused naming the model; vision-language
-    policies (issue 41) will give their processor's image token here."""
+    """What the policy takes besides text, for the row checks (`lmrl.data.images.ImageInputs`): a
+    vision-language policy's image token (what it cannot do with images refused here, before it loads); a text
+    model takes none, so a row with an image is refused naming the model."""
     from lmrl.data.images import ImageInputs
+    from lmrl.models.vision import image_token
 
-    return ImageInputs(image_token=None, model=f"model.name_or_path={cfg.model.name_or_path}")
+    name = f"model.name_or_path={cfg.model.name_or_path}"
+    if not vision_policy(cfg):
+        return ImageInputs(image_token=None, model=name)
+    from lmrl.models.vision import refuse_unsupported
+
+    refuse_unsupported(cfg)
+    return ImageInputs(image_token=image_token(_processor(cfg)), model=name)
+
+
+def vision_policy(cfg: Config) -> bool:
+    """model.name_or_path is a vision-language model (its config has a vision tower)."""
+    from lmrl.models.vision import is_vision_model
+
+    return is_vision_model(policy_path(cfg))
+
+
+def _processor(cfg: Config) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(policy_path(cfg))
 
 
 def _split(dataset: Any, split: str, source: str, key: str) -> Any:

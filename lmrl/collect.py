@@ -60,10 +60,13 @@ class Collector:
             generator's weights for a batch: the sampler copy synced, sharded weights gathered, autocast
             (`generation_weights`); or the weights pushed to a generator that holds its own (`PushedWeights`).
         warn: prints a warning line.
+        processor: a vision-language policy's processor, or None for a text policy.
     """
 
     def __init__(self, cfg, data, sampler, generator, tokenizer, env, world: World,
-                 weights: Callable[[int], contextlib.AbstractContextManager], warn: Callable[[str], None]):
+                 weights: Callable[[int], contextlib.AbstractContextManager], warn: Callable[[str], None],
+                 processor: Any = None):
+        self.processor = processor  # a vision-language policy's: prompts become ids and one bundle of media each
         self.cfg, self.data, self.sampler, self.generator, self.tokenizer = cfg, data, sampler, generator, tokenizer
         self.env, self.world, self.weights, self.warn = env, world, weights, warn
         self.global_step = 0  # optimizer steps done: what reward functions read as trainer_state.global_step
@@ -116,6 +119,8 @@ class Collector:
             first = torch.arange(G)
             parts, rows_kept = [(select_rollout(rollout, first), scores[first], {k: v[first] for k, v in per_fn.items()}, {})], rows[:1]
             parts[0][0].prompt_index = torch.zeros(G, dtype=torch.long)
+            if rollout.media is not None:
+                parts[0][0].media = rollout.media[:1]
         sync = getattr(self.weights, "take_seconds", None)
         if sync is not None:  # a generator that holds its own weights took the policy's
             metrics["time/weight_sync"] = sync()
@@ -144,6 +149,8 @@ class Collector:
         per_fn = {k: v[index] for k, v in per_fn.items()}
         extra = {k: [v[int(i)] for i in index] for k, v in extra.items()}
         rollout.prompt_index = torch.arange(len(rows)).repeat_interleave(G)
+        if rollout.media is not None:  # the kept prompts' bundles, renumbered as their rows are
+            rollout.media = [rollout.media[int(i)] for i in chosen]
         return (rollout, scores, per_fn, extra), rows, count, int((~ok).sum())
 
     def _shaped(self, parts: list[tuple], rows: list[dict[str, Any]], metrics: dict[str, float],
@@ -176,14 +183,21 @@ class Collector:
         cfg, col = self.cfg, self.cfg.data.prompt_column
         prompts = [row[col] for row in rows]
         tools = getattr(getattr(self.env, "tools", None), "schemas", None)  # chat prompts list the tools
-        ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length, use_chat_template=cfg.model.chat_template,
-                             tools=tools)
+        media = None
+        if self.processor is not None:  # each prompt's images processed once, whatever n
+            ids, media = prompt_media(self.processor, prompts, rows)
+        else:
+            ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length,
+                                 use_chat_template=cfg.model.chat_template, tools=tools)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                 temperature=cfg.rollout.temperature if temperature is None else temperature,
                                 stop=list(cfg.rollout.stop), seed=seed)
         episodes = None
         with self.weights(self.global_step):
-            if self.env is None:
+            if media is not None:
+                rollout = self.generator.generate(ids, n, params, media=media)
+                rollout.media = media
+            elif self.env is None:
                 rollout = self.generator.generate(ids, n, params)
             else:  # multi-turn: every live episode's next turn in one batch, observations out of the loss
                 episodes = generate_episodes(self.generator, self.tokenizer, ids, rows, n, params, self.env,
@@ -265,6 +279,17 @@ class PushedWeights:
         """Seconds spent syncing since the last call (`time/weight_sync`)."""
         seconds, self.seconds = self.seconds, 0.0
         return seconds
+
+
+def prompt_media(processor: Any, prompts: list[Any], rows: list[dict[str, Any]]) -> tuple[list[list[int]], list]:
+    """A vision-language policy's prompt ids and media bundles (`lmrl.models.vision.encode_with_media`): each
+    row's prompt as its processor writes it, with the row's images opened in order."""
+    from lmrl.data.images import open_image, row_images
+    from lmrl.models.vision import encode_with_media, prompt_text
+
+    texts = [prompt_text(processor, p) for p in prompts]
+    images = [[open_image(v).convert("RGB") for v in row_images(row)] for row in rows]
+    return encode_with_media(processor, texts, images)
 
 
 def _sandbox_kills(rewards) -> dict[str, int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +52,16 @@ class Experience:
     # the update weighs each token by min(exp(old - sampler), cap) from its own forward
     rollout_logprobs: torch.Tensor | None = None
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] tensors: lengths, finished, ...
+    # a vision-language policy's bundle of each prompt, indexed by group_index (a list: `select` keeps it whole)
+    media: list | None = None
+
+    def row_media(self) -> dict[str, torch.Tensor] | None:
+        """The forward arguments of these rows' images (`lmrl.models.vision.row_media`); None for text."""
+        if self.media is None:
+            return None
+        from lmrl.models.vision import row_media
+
+        return row_media(self.media, self.group_index, self.sequences.device)
 
     @property
     def num_response_tokens(self) -> int:
@@ -209,13 +220,23 @@ def batched_forward(
     num_response_tokens: int,
     micro_batch_size: int,
     world: World = ONE_PROCESS,
+    media: tuple[list, torch.Tensor] | None = None,
 ) -> list:
     """`fn(sequences, attention_mask, T)` over micro-batches, no grad; the list of per-micro-batch results.
-    With sharded models a rank makes as many forwards as the busiest rank (`World.calls`)."""
+    With sharded models a rank makes as many forwards as the busiest rank (`World.calls`). `media`: a
+    vision-language policy's (bundles per prompt, [B] prompt index): each micro-batch gets `media=` its rows'."""
+    from lmrl.models.vision import row_media
+
     starts = range(0, sequences.shape[0], micro_batch_size)
+
+    def images(i: int) -> dict[str, Any]:
+        if media is None:
+            return {}
+        return {"media": row_media(media[0], media[1][i : i + micro_batch_size], sequences.device)}
+
     with torch.no_grad():
-        outs = [fn(sequences[i : i + micro_batch_size], attention_mask[i : i + micro_batch_size], num_response_tokens)
-                for i in starts]
+        outs = [fn(sequences[i : i + micro_batch_size], attention_mask[i : i + micro_batch_size], num_response_tokens,
+                   **images(i)) for i in starts]
         for _ in range(world.calls(len(starts)) - len(starts)):
             fn(*idle_batch(sequences.device))
     return outs
@@ -343,7 +364,12 @@ def make_experience(
         # one update per batch: the update's own forward reweighs against the sampling log-probs
         rollout_logprobs=rollout.logprobs.float() if old is None and tis_cap is not None else None,
         info=info,
+        media=rollout.media,
     )
+
+
+def _media(rollout: Rollout) -> tuple[list, torch.Tensor] | None:
+    return None if rollout.media is None else (rollout.media, rollout.prompt_index)
 
 
 def _policy_forward(
@@ -356,7 +382,7 @@ def _policy_forward(
     if fn is None:
         return None, None
     seqs, T = rollout.sequences, rollout.response_ids.shape[1]
-    outs = batched_forward(fn, seqs, rollout.attention_mask, T, micro_batch_size, world)
+    outs = batched_forward(fn, seqs, rollout.attention_mask, T, micro_batch_size, world, media=_media(rollout))
     return _cat([o[0] for o in outs], seqs, T), _cat([o[1] for o in outs], seqs, T)
 
 
@@ -387,7 +413,8 @@ def _forward(fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | Non
     if fn is None:
         return None
     seqs, T = rollout.sequences, rollout.response_ids.shape[1]
-    return _cat(batched_forward(fn, seqs, rollout.attention_mask, T, micro_batch_size, world), seqs, T)
+    return _cat(batched_forward(fn, seqs, rollout.attention_mask, T, micro_batch_size, world, media=_media(rollout)),
+                seqs, T)
 
 
 def _kl_and_rewards(rollout: Rollout, scores: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None,

@@ -103,14 +103,14 @@ class Trainer:
                                  share_prompt=cfg.train.share_prompt, autocast_bf16=cfg.train.autocast_bf16,
                                  shared_critic=cfg.model.shared_critic, teacher=self.models.teacher)
         self.collector = Collector(cfg, self.data, sampler, self.generator, self.tokenizer, self.env, self.world,
-                                   self._generation_weights(), self.log.warn)
+                                   self._generation_weights(), self.log.warn, processor=self.models.processor)
         self.updater = Updater(cfg, self.forwards, self.optimizer, self.scheduler, self.kl, self.world,
                                self.units.get("policy", []) + self.units.get("critic", []), self.minibatch_rng)
         trained = {"policy": self.policy} | ({"critic": self.models.critic} if self.models.critic is not None else {})
         self.lifecycle = RunLifecycle(cfg, self.world, self.log, self.result, modules=trained, optimizer=self.optimizer,
                                       states={"scheduler": self.scheduler, "kl": self.kl, "guards": self.guards},
                                       generators={"minibatch": self.minibatch_rng, "sampler": self.generator._rng},
-                                      tokenizer=self.tokenizer, files={"async_batches": self.rollouts} if self.rollouts else {})
+                                      tokenizer=self.models.processor or self.tokenizer, files={"async_batches": self.rollouts} if self.rollouts else {})
 
     def _generation_weights(self):
         """How the generator gets the policy's weights before a batch (`lmrl.collect`): it reads them in place, or
@@ -258,6 +258,10 @@ class Trainer:
         k = min(self.cfg.log.num_samples, len(exp))
         prompts = [prompt_text(c.rows[int(i)][self.cfg.data.prompt_column]) for i in exp.group_index[:k]]
         extra = {name: values[:k] for name, values in c.extra_columns.items()}
+        if self.models.processor is not None:  # which images each sample's prompt showed
+            from lmrl.data.images import image_refs
+
+            extra["images"] = [image_refs(c.rows[int(i)]) for i in exp.group_index[:k]]
         self.log.samples(step, prompts, c.rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist(), extra)
 
     # ------------------------------------------------------------------------------ the step's stages

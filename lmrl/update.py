@@ -155,7 +155,8 @@ class Updater:
         the value loss) with its gradient, and its metrics; `share`: its fraction of the minibatch's rows."""
         a = self.cfg.algorithm
         T, kl_in_loss = micro.num_response_tokens, micro.ref_logprobs is not None and a.kl_in == "loss"
-        out = self.forwards.policy(micro.sequences, micro.attention_mask, T, grad=True, hidden=self.forwards.shared_critic)
+        out = self.forwards.policy(micro.sequences, micro.attention_mask, T, grad=True, hidden=self.forwards.shared_critic,
+                                   media=micro.row_media())
         logp, entropy = out.logprobs, out.entropy
         old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach().float()
         weights, stats = self._weights(micro, old)

@@ -63,6 +63,9 @@ class ModelConfig(Section):
     attn_implementation: str | None = None
     """transformers' attention kernel for training forwards: "eager", "sdpa", "flash_attention_2", ...
     (None: transformers' choice). On CPU with bfloat16 autocast, "eager" trains faster than "sdpa"."""
+    freeze_vision: bool = True
+    """A vision-language policy: keep its vision tower's weights as they are (the projector and the language
+    model train). Ignored for a text model."""
 
 
 class DataConfig(Section):

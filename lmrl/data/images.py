@@ -173,3 +173,23 @@ def _text_only_problem(prompt: Any, model: str) -> str | None:
             return (f"prompt message {k}: content parts are for a vision-language model; "
                     f"give {model} the text as a string")
     return None
+
+
+def image_refs(row: Mapping[str, Any]) -> list[str]:
+    """How `samples.jsonl` names the images a row's prompt showed: a path as the row gives it (made absolute when
+    the file was read), else `sha256:` and the first 16 hex digits of the image's bytes (of its RGB pixels for a
+    PIL image), so a person can tell which image a sample saw."""
+    import hashlib
+
+    from PIL import Image
+
+    out = []
+    for value in row_images(row):
+        if isinstance(value, Mapping):
+            value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+        if isinstance(value, (str, os.PathLike)):
+            out.append(os.fspath(value))
+            continue
+        data = value.convert("RGB").tobytes() if isinstance(value, Image.Image) else bytes(value)
+        out.append("sha256:" + hashlib.sha256(data).hexdigest()[:16])
+    return out

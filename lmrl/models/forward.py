@@ -221,24 +221,27 @@ class Forwards:
         self.counts = {"policy": 0, "reference": 0, "critic": 0} | ({"teacher": 0} if teacher is not None else {})
 
     def policy(self, seqs: torch.Tensor, attn: torch.Tensor, T: int, grad: bool = False,
-               hidden: bool = False) -> ResponseForward:
-        """Log-probs and entropies of the `[b, T]` response tokens; with `hidden`, the hidden states too."""
+               hidden: bool = False, media: Mapping[str, torch.Tensor] | None = None) -> ResponseForward:
+        """Log-probs and entropies of the `[b, T]` response tokens; with `hidden`, the hidden states too. `media`:
+        the rows' images, for a vision-language policy (`lmrl.models.vision.row_media`)."""
         self.counts["policy"] += 1
         with torch.set_grad_enabled(grad), self.autocast():
             return response_forward(self.policy_model, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
-                                    entropy=True, hidden=hidden, share_prompt=self.share_prompt)
+                                    entropy=True, hidden=hidden, share_prompt=self.share_prompt, media=media)
 
-    def policy_logprobs(self, seqs: torch.Tensor, attn: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def policy_logprobs(self, seqs: torch.Tensor, attn: torch.Tensor, T: int,
+                        media: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`(log-probs, entropies)`, `[b, T]` each, no gradient: the old log-probs `make_experience` asks for."""
-        out = self.policy(seqs, attn, T)
+        out = self.policy(seqs, attn, T, media=media)
         return out.logprobs, out.entropy
 
-    def reference(self, seqs: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
+    def reference(self, seqs: torch.Tensor, attn: torch.Tensor, T: int,
+                  media: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """`[b, T]` log-probs of the response tokens under the reference model, no gradient."""
         self.counts["reference"] += 1
         with torch.no_grad(), self.autocast(), self._reference() as reference:
             return model_forward_logprobs(reference, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
-                                          share_prompt=self.share_prompt)
+                                          share_prompt=self.share_prompt, media=media)
 
     def teacher(self, seqs: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
         """`[b, T]` log-probs of the response tokens under the teacher, no gradient: the reference's forward (the

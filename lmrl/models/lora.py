@@ -66,14 +66,22 @@ def quiet_peft() -> Iterator[None]:
         yield
 
 
+# a vision-language model's parts that `all-linear` leaves alone: LoRA targets its language model
+VISION_MODULES = r".*(vision_tower|visual|vision_model|multi_modal_projector|connector)\..*"
+
+
 def apply_lora(policy: nn.Module, lora, task_type: str = "CAUSAL_LM") -> nn.Module:
     """`policy` wrapped with new LoRA adapters as `model.lora` (r, alpha, dropout, target modules) sets them.
-    `task_type="SEQ_CLS"` (a reward model) also trains the score head in full and saves it with the adapters."""
+    `task_type="SEQ_CLS"` (a reward model) also trains the score head in full and saves it with the adapters.
+    A vision-language model's `all-linear` adapters go on its language model only (not the vision tower or
+    the projector); named target modules are taken as they are."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
         raise ImportError("model.lora needs peft: pip install 'lmrl[peft]'") from e
+    vision = getattr(policy.config, "vision_config", None) is not None
     peft_cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=lora.target_modules, task_type=task_type)
+                          target_modules=lora.target_modules, task_type=task_type,
+                          exclude_modules=VISION_MODULES if vision and lora.target_modules == "all-linear" else None)
     with quiet_peft():
         return get_peft_model(policy, peft_cfg)

@@ -166,3 +166,50 @@ def mrope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     positions, _ = model.model.get_rope_index(input_ids, kinds, media.get("image_grid_thw"),
                                               media.get("video_grid_thw"), attention_mask=attention_mask)
     return positions
+
+
+def is_vision_model(name_or_path: str) -> bool:
+    """A model directory (or cached hub id) whose config has a `vision_config`: a vision-language model, loaded with
+    `load_vision_model`. False where the config cannot be read here (a text model's loading then says why)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError):
+        return False
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_token(processor: Any) -> str | None:
+    """The placeholder a string prompt writes once per image (`<image>` for LLaVA), as the processor names it."""
+    token = getattr(processor, "image_token", None)
+    return token if isinstance(token, str) else None
+
+
+# what a run with a vision-language policy cannot do yet: (is it asked for by the run's config, the line that
+# refuses it)
+_NOT_WITH_IMAGES = (
+    (lambda c: c.algorithm.needs_critic, "a critic (algorithm.advantage=gae, PPO) is not supported with a vision-language policy"),
+    (lambda c: c.train.async_steps > 0, "train.async_steps is not supported with a vision-language policy; use 0"),
+    (lambda c: c.rollout.backend != "lmrl", "rollout.backend={} is not supported with a vision-language policy; use lmrl"),
+    (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
+    (lambda c: c.env.name is not None, "env.name: multi-turn environments are not supported with a vision-language policy"),
+    (lambda c: c.algorithm.teacher is not None, "algorithm.teacher is not supported with a vision-language policy"),
+    (lambda c: _adapter_dir(c.model.name_or_path),
+     "a LoRA adapter directory as model.name_or_path is not supported with a vision-language policy yet"),
+)
+
+
+def _adapter_dir(name_or_path: str) -> bool:
+    from lmrl.models.lora import adapter_base
+
+    return adapter_base(name_or_path) is not None
+
+
+def refuse_unsupported(cfg: Any) -> None:
+    """Refuse, in one line and before a model loads, what a vision-language policy cannot do yet."""
+    from lmrl.errors import ConfigError
+
+    for asked, line in _NOT_WITH_IMAGES:
+        if asked(cfg):
+            raise ConfigError(f"model.name_or_path={cfg.model.name_or_path}: " + line.format(cfg.rollout.backend))

@@ -90,6 +90,8 @@ class Rollout:
         response_attention: `[B, T]` True on every real response token, the model's and the
             environment's observations (multi-turn, `lmrl.rollout.multiturn`); None: `response_mask`,
             as in a single-turn rollout. Observation tokens are attended to but not trained on.
+        media: a vision-language policy's bundle of each prompt (`lmrl.models.vision.Media`, None for a prompt
+            without images), indexed by `prompt_index`; None for a text policy.
     """
 
     prompt_ids: torch.Tensor
@@ -101,6 +103,7 @@ class Rollout:
     finished: torch.Tensor
     prompt_index: torch.Tensor
     response_attention: torch.Tensor | None = None
+    media: list | None = None
 
     @property
     def sequences(self) -> torch.Tensor:

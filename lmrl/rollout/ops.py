@@ -43,7 +43,15 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         response_attention=None if all(r.response_attention is None for r in rollouts) else torch.cat(
             [pad(r.response_mask if r.response_attention is None else r.response_attention, T, False, False)
              for r in rollouts]),
+        media=None if all(r.media is None for r in rollouts) else [  # follows the prompt_index offsets above
+            m for r in rollouts for m in _media(r)],
     )
+
+
+def _media(r: Rollout) -> list:
+    """A rollout's bundles, one per prompt index up to its largest (None for a text rollout's prompts)."""
+    count = int(r.prompt_index.max()) + 1 if len(r.prompt_index) else 0
+    return list(r.media[:count]) if r.media is not None else [None] * count
 
 
 def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
@@ -63,6 +71,7 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
         finished=r.finished[index],
         prompt_index=r.prompt_index[index],
         response_attention=None if attention is None else attention[:, :T],
+        media=r.media,  # indexed by prompt_index, which keeps its values
     )
 
 
