@@ -126,7 +126,7 @@ def test_checker_catches_a_machine_without_a_date():
 # Figures come from one place: benchmarks/results/*.json, written by the benchmarks' --record and rendered into
 # the pages' `<!-- figure: ... -->` regions by scripts/figures.py.
 
-COMMANDS = ("python benchmarks/", "lmrl ", "make ", "torchrun ")  # what a recorded figure's command may be
+COMMANDS = ("python benchmarks/", "lmrl ", "make ", "torchrun ", "bash examples/")  # what a recorded figure's command may be
 RESULT_KEYS = {"name", "command", "machine", "date", "commit", "versions", "note", "columns", "rows", "values"}
 
 
