@@ -71,21 +71,26 @@ def _resolved(path: str) -> str:
     return path
 
 
-def load_policy_tokenizer(cfg: Config) -> Any:
-    if vision_policy(cfg):
-        return _processor(cfg).tokenizer
-    return load_tokenizer(policy_path(cfg), trust_remote_code=cfg.model.trust_remote_code)
+def load_processor(cfg: Config) -> Any:
+    """The processor of a vision-language policy (model.name_or_path's config has a vision tower), loaded once per
+    run and passed down (its tokenizer is the policy's); None for a text policy."""
+    from lmrl.models.vision import is_vision_model
+
+    if not is_vision_model(path := policy_path(cfg)):
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path)
 
 
-def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = None) -> Models:
+def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = None, processor: Any = None) -> Models:
     """Policy and tokenizer (given, shipped or loaded), and the reference / critic only when used."""
     m = cfg.model
     device = resolve_device(m.device)
-    processor = None
-    if policy is None and vision_policy(cfg):  # images in the prompt: the model's own class and processor
+    if policy is None and (processor := processor or load_processor(cfg)) is not None:  # images in the prompt
         from lmrl.models.vision import load_vision_model
 
-        policy, processor = load_vision_model(policy_path(cfg), dtype=DTYPES[m.dtype])
+        policy, processor = load_vision_model(policy_path(cfg), dtype=DTYPES[m.dtype], processor=processor)
         policy.to(device)
         tokenizer = processor.tokenizer
         tokenizer.padding_side = "left"
@@ -182,11 +187,14 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
     device = resolve_device(cfg.model.device)
     if model is not None and tokenizer is None:
         raise ValueError("tokenizer: pass the tokenizer together with a policy model")
-    tokenizer = tokenizer or load_policy_tokenizer(cfg)
+    processor = load_processor(cfg)  # a vision-language policy's, loaded once here (None for text)
+    if tokenizer is None:
+        tokenizer = processor.tokenizer if processor is not None else load_tokenizer(
+            policy_path(cfg), trust_remote_code=cfg.model.trust_remote_code)
     inputs = Inputs(cfg, reward_funcs, train_dataset, env)
-    environment, data, reward_funcs = load_inputs(inputs, tokenizer, eval_dataset)
+    environment, data, reward_funcs = load_inputs(inputs, tokenizer, eval_dataset, processor)
     cfg = recorded_config(cfg, reward_funcs, train_dataset, eval_dataset, data)  # what lmrl_config.yaml records
-    models = load_models(cfg, model, tokenizer)
+    models = load_models(cfg, model, tokenizer, processor)
     if not all_finite([models.policy]):
         raise ModelError(f"model: {cfg.model.name_or_path if model is None else 'the given model'} has non-finite "
                          "weights (NaN or inf); refusing to train or evaluate it")
@@ -218,15 +226,17 @@ class Inputs:
     env: Any = None
 
 
-def load_inputs(inputs: Inputs, tokenizer: Any, eval_dataset: Any = None) -> tuple[Any, Data, Any]:
+def load_inputs(inputs: Inputs, tokenizer: Any, eval_dataset: Any = None, processor: Any = None) -> tuple[Any, Data, Any]:
     """The environment and the data (prompts, reward functions) of `inputs`; returns them with the reward
-    functions used (an environment passed alone scores with its own rewards: "env")."""
+    functions used (an environment passed alone scores with its own rewards: "env"). `processor`: a
+    vision-language policy's (loaded here when not given)."""
     cfg, env, reward_funcs, train_dataset = inputs.cfg, inputs.env, inputs.reward_funcs, inputs.train_dataset
     environment = make_environment(cfg, env, use_task=train_dataset is None)  # a built-in task may bring its own
     if (env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions
             and not cfg.reward.recipes):
         reward_funcs = ["env"]
-    return environment, load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset), reward_funcs
+    data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset, processor=processor)
+    return environment, data, reward_funcs
 
 
 def _shard_models(cfg: Config, world: Any, models: Models, notes: list[str]) -> tuple[Any, dict[str, list[nn.Module]]]:
@@ -364,7 +374,8 @@ class Data:
     verifier: Any = None  # lmrl.rewards.RewardSet: verifies held-out answers beside a learned reward (reward.verifier)
 
 
-def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, train_rows=None, eval_rows=None) -> Data:
+def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, train_rows=None, eval_rows=None,
+              processor: Any = None) -> Data:
     """Prompts (a built-in task or a dataset) and reward functions (given, configured, or the task's).
 
     Every row is checked here, before a model loads (`lmrl.data.check_rows`): its prompt, the prompt's
@@ -373,7 +384,9 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     """
     from lmrl.data.prompts import PromptStream, is_stream, load_prompts, open_stream
     from lmrl.data.row_checks import check_rows
+    from lmrl.models.vision import image_inputs
     from lmrl.rewards import RewardRecipes, required_columns
+    from lmrl.rewards.core import NO_REWARD
 
     d = cfg.data
     task, stream = None, None
@@ -395,7 +408,7 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     needed = rewards.row_columns if isinstance(rewards, RewardRecipes) else required_columns(rewards)
     check = dict(prompt_column=d.prompt_column, required_columns=needed, prompt_length=lengths,
                  max_prompt_length=cfg.rollout.max_prompt_length, on_bad_row=d.on_bad_row,
-                 images=_image_inputs(cfg))
+                 images=image_inputs(cfg, processor or load_processor(cfg)))
     eval_check = check  # held-out rows need the verifier's columns too (with recipes: checked as it scores)
     if verifier is not None and not isinstance(rewards, RewardRecipes):
         both = {c: list(dict.fromkeys([*needed.get(c, []), *names])) for c, names in required_columns(verifier).items()}
@@ -443,35 +456,6 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     return Data(train_rows, eval_rows, rewards, getattr(task, "name", None), skipped, longest, stream, verifier)
 
 
-def _image_inputs(cfg: Config) -> Any:
-    """What the policy takes besides text, for the row checks (`lmrl.data.images.ImageInputs`): a
-    vision-language policy's image token (what it cannot do with images refused here, before it loads); a text
-    model takes none, so a row with an image is refused naming the model."""
-    from lmrl.data.images import ImageInputs
-    from lmrl.models.vision import image_token
-
-    name = f"model.name_or_path={cfg.model.name_or_path}"
-    if not vision_policy(cfg):
-        return ImageInputs(image_token=None, model=name)
-    from lmrl.models.vision import refuse_unsupported
-
-    refuse_unsupported(cfg)
-    return ImageInputs(image_token=image_token(_processor(cfg)), model=name)
-
-
-def vision_policy(cfg: Config) -> bool:
-    """model.name_or_path is a vision-language model (its config has a vision tower)."""
-    from lmrl.models.vision import is_vision_model
-
-    return is_vision_model(policy_path(cfg))
-
-
-def _processor(cfg: Config) -> Any:
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(policy_path(cfg))
-
-
 def _split(dataset: Any, split: str, source: str, key: str) -> Any:
     """A `datasets.DatasetDict` (a dict of datasets) gives its `split`; anything else is rows already."""
     if not (isinstance(dataset, dict) and dataset and all(hasattr(v, "column_names") for v in dataset.values())):
@@ -489,7 +473,7 @@ def _left_out(source: str, bad: list[Any], kept: int) -> str:
 
 def _reward_set(cfg: Config, reward_fns: Any, task: Any):
     from lmrl.rewards import RewardRecipes, RewardSet
-    from lmrl.rewards.core import WeightedReward
+    from lmrl.rewards.core import NO_REWARD, WeightedReward, no_reward
 
     if reward_fns is None:
         from lmrl.rewards import reward_recipes_from_config, reward_set_from_config
@@ -555,14 +539,6 @@ def _reward_of(entry: Any) -> Any:
             return reward_set_from_config([entry]).rewards[0]
         return RewardModelScorer.from_pretrained(entry, name=Path(entry).name or "reward_model")
     return entry
-
-
-NO_REWARD = "none"
-
-
-def no_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """The reward of a distillation run that names none (`Config.trains_on_rewards`): 0 for every completion."""
-    return [0.0] * len(completions)
 
 
 def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any:

@@ -46,11 +46,12 @@ def media_token_ids(model: nn.Module) -> list[int]:
     return sorted({i for i in ids if isinstance(i, int)}) if takes_images(model) else []
 
 
-def load_vision_model(name_or_path: str, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any]:
-    """`AutoModelForImageTextToText` and `AutoProcessor` from a directory or hub id; the model in eval mode."""
+def load_vision_model(name_or_path: str, dtype: torch.dtype | None = None, processor: Any = None) -> tuple[nn.Module, Any]:
+    """`AutoModelForImageTextToText` and `AutoProcessor` (unless given) from a directory or hub id; the model in
+    eval mode."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(name_or_path)
+    processor = processor or AutoProcessor.from_pretrained(name_or_path)
     model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
     return model.eval(), processor
 
@@ -184,6 +185,19 @@ def image_token(processor: Any) -> str | None:
     """The placeholder a string prompt writes once per image (`<image>` for LLaVA), as the processor names it."""
     token = getattr(processor, "image_token", None)
     return token if isinstance(token, str) else None
+
+
+def image_inputs(cfg: Any, processor: Any) -> Any:
+    """What the policy takes besides text, for the row checks (`lmrl.data.images.ImageInputs`): a vision-language
+    policy's image token (what it cannot do with images refused here, before it loads); a text model (no
+    processor) takes none, so a row with an image is refused naming the model."""
+    from lmrl.data.images import ImageInputs
+
+    name = f"model.name_or_path={cfg.model.name_or_path}"
+    if processor is None:
+        return ImageInputs(image_token=None, model=name)
+    refuse_unsupported(cfg)
+    return ImageInputs(image_token=image_token(processor), model=name)
 
 
 # what a run with a vision-language policy cannot do yet: (is it asked for by the run's config, the line that

@@ -181,6 +181,14 @@ class WeightedReward:
         self.name = self.name or reward_name(self.fn)
 
 
+NO_REWARD = "none"
+
+
+def no_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """The reward of a distillation run that names none (`Config.trains_on_rewards`): 0 for every completion."""
+    return [0.0] * len(completions)
+
+
 @dataclass
 class RewardSet:
     """Several reward functions with weights; names must be unique (they key the metrics)."""
