@@ -382,9 +382,9 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
     length in `tokenizer` tokens, and the columns the reward functions need. A bad row stops the run
     naming its file and line, or is left out under data.on_bad_row=skip.
     """
+    from lmrl.data.images import image_inputs
     from lmrl.data.prompts import PromptStream, is_stream, load_prompts, open_stream
     from lmrl.data.row_checks import check_rows
-    from lmrl.models.vision import image_inputs
     from lmrl.rewards import RewardRecipes, required_columns
     from lmrl.rewards.core import NO_REWARD
 

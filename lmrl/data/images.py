@@ -193,3 +193,16 @@ def image_refs(row: Mapping[str, Any]) -> list[str]:
         data = value.convert("RGB").tobytes() if isinstance(value, Image.Image) else bytes(value)
         out.append("sha256:" + hashlib.sha256(data).hexdigest()[:16])
     return out
+
+
+def image_inputs(cfg: Any, processor: Any) -> ImageInputs:
+    """What the policy takes besides text, for the row checks: a vision-language
+    policy's image token (what it cannot do with images refused here, before it loads); a text model (no
+    processor) takes none, so a row with an image is refused naming the model."""
+    from lmrl.models.vision import image_token, refuse_unsupported
+
+    name = f"model.name_or_path={cfg.model.name_or_path}"
+    if processor is None:
+        return ImageInputs(image_token=None, model=name)
+    refuse_unsupported(cfg)
+    return ImageInputs(image_token=image_token(processor), model=name)

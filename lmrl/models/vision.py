@@ -187,19 +187,6 @@ def image_token(processor: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
-def image_inputs(cfg: Any, processor: Any) -> Any:
-    """What the policy takes besides text, for the row checks (`lmrl.data.images.ImageInputs`): a vision-language
-    policy's image token (what it cannot do with images refused here, before it loads); a text model (no
-    processor) takes none, so a row with an image is refused naming the model."""
-    from lmrl.data.images import ImageInputs
-
-    name = f"model.name_or_path={cfg.model.name_or_path}"
-    if processor is None:
-        return ImageInputs(image_token=None, model=name)
-    refuse_unsupported(cfg)
-    return ImageInputs(image_token=image_token(processor), model=name)
-
-
 # what a run with a vision-language policy cannot do yet: (is it asked for by the run's config, the line that
 # refuses it)
 _NOT_WITH_IMAGES = (
