@@ -6,6 +6,9 @@
 - unscored: a step where no reward function scored any completion (every value None) trains on
   nothing; warned once with the functions' names, counted (`guard/unscored_steps`), and
   `max_unscored_steps` in a row stop the run.
+- failed: under reward.on_error=zero a failure scores 0; a function that failed for every completion it was called
+  on (`reward/<name>/failed_frac` = 1: a judge answering garbage, an endpoint down) trains on zeros, so it is
+  warned once, and `max_failed_steps` such steps in a row stop the run.
 - empty: a step whose every completion was left out of the loss (reward.drop_truncated with every
   completion cut at rollout.max_new_tokens) learns nothing; warned once with the cause (`guard/empty_update`),
   and `max_empty_steps` in a row stop the run. A step whose groups all scored alike (no learning signal:
@@ -70,6 +73,8 @@ class Guards:
         self.recent: deque[float] = deque(maxlen=RECENT)
         self.evals: list[tuple[int, float, float]] = []  # (step, eval/learned_reward, eval/accuracy)
         self.warned_hacking = False
+        self.failed_in_a_row: dict[str, int] = {}  # reward function -> steps in a row it failed for every completion
+        self.warned_failed = False
 
     def check(self, step: int, metrics: dict[str, float]) -> list[str]:
         """Update the counters with one step's metrics (adding `guard/*` to them); return warning lines."""
@@ -95,6 +100,7 @@ class Guards:
                            f"scored any completion (guard.max_unscored_steps={self.cfg.max_unscored_steps}); "
                            "check that the functions' columns and answer format match the dataset")
 
+        warnings += self._failed(step, metrics)
         warnings += self._empty(step, metrics)
         warnings += self._sampler(step, metrics)
 
@@ -107,6 +113,25 @@ class Guards:
             if not self.warned_collapse:
                 self.warned_collapse = True
                 warnings.append(line)
+        return warnings
+
+    def _failed(self, step: int, m: dict[str, float]) -> list[str]:
+        """Reward functions that failed for every completion they were called on (scored 0 under
+        reward.on_error=zero): warned once, and `max_failed_steps` steps in a row stop the run."""
+        limit, warnings = self.cfg.max_failed_steps, []
+        for name in self.reward_names:
+            frac = m.get(f"reward/{name}/failed_frac")
+            if frac is None:  # not called this step (no completion of its recipe): the count holds
+                continue
+            n = self.failed_in_a_row[name] = self.failed_in_a_row.get(name, 0) + 1 if frac >= 1.0 else 0
+            if n and not self.warned_failed:
+                self.warned_failed = True
+                warnings.append(f"step {step}: reward function {name!r} failed for every completion, which "
+                                "reward.on_error=zero scores 0 (its error is on stderr)")
+            if n >= limit:
+                raise RunError(f"step {step}: {n} steps in a row where reward function {name!r} failed for every "
+                               f"completion (guard.max_failed_steps={limit}); its scores are all the 0 of "
+                               "reward.on_error=zero, so the run would train on nothing; fix the function or its endpoint")
         return warnings
 
     def _empty(self, step: int, m: dict[str, float]) -> list[str]:
@@ -226,7 +251,8 @@ class Guards:
                 "warned_empty": self.warned_empty, "warned_unsignalled": self.warned_unsignalled,
                 "warned_collapse": self.warned_collapse, "best_eval": self.best_eval,
                 "best_recent": self.best_recent, "recent": list(self.recent), "warned_sampler_kl": self.warned_sampler_kl,
-                "evals": [list(e) for e in self.evals], "warned_hacking": self.warned_hacking}
+                "evals": [list(e) for e in self.evals], "warned_hacking": self.warned_hacking,
+                "failed_in_a_row": dict(self.failed_in_a_row), "warned_failed": self.warned_failed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():

@@ -247,6 +247,10 @@ def late_inf(prompts, completions, **kw):
 
 def never(prompts, completions, **kw):
     return [None] * len(completions)
+
+def garbage(prompts, completions, **kw):  # a judge whose every answer has no score in it
+    from lmrl.rewards.core import Failed
+    return [Failed("the judge's answer has no score in it: 'I cannot rate this'")] * len(completions)
 '''
 
 
@@ -310,6 +314,33 @@ def test_batches_no_reward_function_scores_warn_once_then_stop(tmp_path):
         "lmrl: error: step 3: 3 steps in a row where no reward function (never) scored any completion "
         "(guard.max_unscored_steps=3); check that the functions' columns and answer format match the dataset")
     assert [r["guard/unscored_steps"] for r in metric_rows(out)[1:]] == [1.0, 2.0, 3.0]
+
+
+def test_a_reward_failing_for_every_completion_under_on_error_zero_warns_once_then_stops(tmp_path):
+    (tmp_path / "rw.py").write_text(REWARDS)
+    out = tmp_path / "run"
+    stopped = lmrl_train(out, *SMALL, "train.steps=10", "log.console=true", "reward.on_error=zero",
+                         f"reward.functions=[{tmp_path / 'rw.py'}:garbage]")
+    assert stopped.returncode == 1
+    assert stopped.stdout.count("reward function 'garbage' failed for every completion, which") == 1
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        "lmrl: error: step 3: 3 steps in a row where reward function 'garbage' failed for every completion "
+        "(guard.max_failed_steps=3); its scores are all the 0 of reward.on_error=zero, so the run would train on "
+        "nothing; fix the function or its endpoint")
+    assert [r["reward/garbage/failed_frac"] for r in metric_rows(out)[1:]] == [1.0, 1.0, 1.0]
+
+
+def test_failed_steps_must_be_in_a_row_and_a_function_not_called_keeps_its_count():
+    g = _guards(max_failed_steps=2)
+    assert g.check(1, {"reward/f/failed_frac": 1.0})[0].startswith("step 1: reward function 'f' failed for every")
+    assert g.check(2, {"reward/f/failed_frac": 0.5}) == []  # some scored: the count starts again
+    assert g.check(3, {"reward/f/failed_frac": 1.0}) == []  # warned once
+    assert g.check(4, {}) == []  # not called (no completion of its recipe): neither counts nor resets
+    state = g.state_dict()
+    g = _guards(max_failed_steps=2)
+    g.load_state_dict(state)  # a resumed run counts on
+    with pytest.raises(RunError, match=r"^step 5: 2 steps in a row where reward function 'f' failed for every"):
+        g.check(5, {"reward/f/failed_frac": 1.0})
 
 
 def _guards(**kw):

@@ -337,6 +337,10 @@ class GuardConfig(Section):
     the run stops, keeping its last good checkpoint."""
     max_unscored_steps: PositiveInt = 3
     """Steps in a row where no reward function scored any completion (all None) before the run stops."""
+    max_failed_steps: PositiveInt = 3
+    """Steps in a row where a reward function failed for every completion it was called on (a judge that answers
+    garbage or cannot be reached, under reward.on_error=zero, which scores those completions 0) before the run stops;
+    the first such step is warned."""
     max_empty_steps: PositiveInt = 3
     """Steps in a row whose update had nothing to learn from because every completion was left out of the
     loss (reward.drop_truncated with every completion truncated) before the run stops."""

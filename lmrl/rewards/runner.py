@@ -68,9 +68,10 @@ class RewardOutput:
             such as 1e39 overflows float32 to inf; cast where a lower precision is wanted.
         per_function: name -> [N] float64 raw (unweighted) scores, NaN where the function returned None
             (and, with RewardRecipes, at the completions outside its recipes).
-        metrics: `reward/<name>/mean|std|none_frac|errors|seconds` (over the completions the function
+        metrics: `reward/<name>/mean|std|none_frac|errors|failed_frac|seconds` (over the completions the function
             was called on; none when it was called on none; `errors` counts failures: 1 for a failed call,
-            one per completion it returned `Failed` for), `reward/mean|std`, `reward/all_none_frac`,
+            one per completion it returned `Failed` for; `failed_frac`: the fraction of its completions that
+            failed, 1 for a failed call), `reward/mean|std`, `reward/all_none_frac`,
             as Python floats. mean/std are over the non-None values (population std); NaN when a
             function returned None for every sample. With RewardRecipes also, per recipe,
             `reward/recipe/<label>/frac` (its share of the batch) and `reward/recipe/<label>/mean`
@@ -502,6 +503,7 @@ def _combine(routing: _Routing, results: dict[str, tuple[Any, BaseException | No
         applicable |= present
         count = 1 if error is not None else len(failed)
         metrics.update(_function_metrics(r.name, values[index], present[index], count, seconds))
+        metrics[f"reward/{r.name}/failed_frac"] = 1.0 if error is not None else len(failed) / len(rows)
 
     overflow = ~torch.isfinite(total)
     if overflow.any():  # each reward is finite, but weights times rewards summed can still overflow

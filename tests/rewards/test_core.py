@@ -156,8 +156,8 @@ def test_failing_function_fail_and_zero_policies():
     out = score([length_fn, boom], PROMPTS, COMPLETIONS, weights=[1.0, 5.0], on_error="zero")
     torch.testing.assert_close(out.scores, f64([1.0, 2.0, 3.0]))
     torch.testing.assert_close(out.per_function["boom"], f64([0.0, 0.0, 0.0]))
-    assert out.metrics["reward/boom/errors"] == 1.0
-    assert out.metrics["reward/length_fn/errors"] == 0.0
+    assert out.metrics["reward/boom/errors"] == 1.0 and out.metrics["reward/boom/failed_frac"] == 1.0
+    assert out.metrics["reward/length_fn/errors"] == 0.0 and out.metrics["reward/length_fn/failed_frac"] == 0.0
 
 
 def test_async_functions_run_concurrently():
@@ -619,6 +619,7 @@ def test_a_function_can_fail_one_completion_and_keep_the_others():
 
     out = score([picky], ["p"] * 4, ["ab", "?", "abc", "?"], on_error="zero")
     assert out.scores.tolist() == [2.0, 0.0, 3.0, 0.0] and out.metrics["reward/picky/errors"] == 2.0
+    assert out.metrics["reward/picky/failed_frac"] == 0.5  # what guard.max_failed_steps watches
     assert out.errors == {"picky": "reward function 'picky' failed on completion 1: cannot read '?' (and 1 more)"}
     assert out.metrics["reward/picky/mean"] == pytest.approx(5 / 4)  # the failed ones count as the 0 they score
     with pytest.raises(RewardError, match=r"^reward function 'picky' failed on completion 1: cannot read '\?'$"):
@@ -629,3 +630,4 @@ def test_a_function_can_fail_one_completion_and_keep_the_others():
         score(recipes, ["p"] * 3, ["ab", "x", "?"], {"kind": ["a", "b", "a"]})
     out = score(recipes, ["p"] * 3, ["ab", "x", "?"], {"kind": ["a", "b", "a"]}, on_error="zero")
     assert out.scores.tolist() == [2.0, 1.0, 0.0] and out.metrics["reward/picky/errors"] == 1.0
+    assert out.metrics["reward/picky/failed_frac"] == 0.5  # of the completions it was called on
