@@ -15,7 +15,7 @@ Two readers of the answer:
   text, a number on the judge's `scale` (default [0, 10]) mapped to [0, 1];
 - `yes_no`: P(yes) / (P(yes) + P(no)) over the first generated token, from the endpoint's log-probs of that
   token and of its `top_logprobs` alternatives (the tokens, stripped and lower-cased, that are in `yes` or
-  `no`). An endpoint that gives only the sampled token's log-prob (`lmrl serve`) gives 1 or 0.
+  `no`). An endpoint that gives only the sampled token's log-prob gives 1 or 0 (`lmrl serve` gives alternatives).
 
 An answer with no score in it, a score outside the scale, a first token neither yes nor no, is that
 completion's `Failed` (`lmrl.rewards.core`): `reward.on_error` decides, never a silent 0. An endpoint that

@@ -6,8 +6,10 @@
     GET  /health                 {"version": policy version of the weights it holds, "model": its name}
     GET  /v1/models              the OpenAI model list (one model)
     POST /v1/completions         OpenAI completions: prompt (text or token ids), max_tokens, temperature, top_p,
-                                 n, stop, seed, logprobs; each choice also carries its `token_ids`
+                                 n, stop, seed, logprobs (a number: that many alternatives per token);
+                                 each choice also carries its `token_ids`
     POST /v1/chat/completions    OpenAI chat completions: messages rendered with the tokenizer's chat template
+                                 (logprobs, top_logprobs as OpenAI: alternatives at temperature 1)
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags
     POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`frames`)
 
@@ -154,6 +156,16 @@ class ModelGenerator:
         return sequence_logprobs(self.model, prompt, response)
 
     @torch.no_grad()
+    def top_logprobs(self, prompt: list[int], response: list[int], k: int) -> list[list[tuple[int, float]]]:
+        """The `k` most likely tokens and their log-probs at temperature 1 at each position of `response` after
+        `prompt` (what an OpenAI client's `top_logprobs` asks for), from one forward over the sequence."""
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([[*prompt, *response]], device=device)
+        logits = self.model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()  # [T, V]: one row, a short response
+        values, tokens = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        return [list(zip(t.tolist(), v.tolist())) for t, v in zip(tokens, values)]
+
+    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Weights under checkpoint names (`export_weights`), written into the model's own layout."""
         if self._layout is None:
@@ -287,18 +299,22 @@ class GenerationServer(ThreadingHTTPServer):
         params.validate()
         self._check(prompts, n, params.max_new_tokens, "max_tokens")
         rows = self.batcher.generate(prompts, n, params)
+        k = _top_logprobs(body, chat)
         choices = []
         for i, (text, ids, logps) in enumerate(zip(rows.texts, rows.tokens, rows.logprobs)):
             tokens = [self.tokenizer.decode([t]) for t in ids]
+            top = self._alternatives(prompts[i // n], ids, k)
             reason = "stop" if rows.finished[i] else "length"
             choice: dict[str, Any] = {"index": i, "finish_reason": reason, "token_ids": ids}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
-                choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                                  for t, lp in zip(tokens, logps)]} if body.get("logprobs") else None
+                choice["logprobs"] = {"content": [
+                    {"token": t, "logprob": lp, "bytes": None,
+                     "top_logprobs": [{"token": a, "logprob": alp, "bytes": None} for a, alp in alts.items()]}
+                    for t, lp, alts in zip(tokens, logps, top)]} if body.get("logprobs") else None
             else:
                 choice["text"] = text
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": logps, "top_logprobs": None,
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": logps, "top_logprobs": top if k else None,
                                       "text_offset": []} if body.get("logprobs") is not None else None
             choices.append(choice)
         prompt_tokens = n * sum(map(len, prompts))
@@ -308,6 +324,19 @@ class GenerationServer(ThreadingHTTPServer):
                 "model": self.name, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
+
+    def _alternatives(self, prompt: list[int], response: list[int], k: int) -> list[dict[str, float]]:
+        """Per response token, its `k` likeliest alternatives as {text: log-prob} ({} each when k is 0), from the
+        generator's forward over the sampled sequence, between generations (a weight push in between would be
+        scored with the new weights)."""
+        if not k or not response:
+            return [{} for _ in response]
+        if not hasattr(self.generator, "top_logprobs"):
+            raise ValueError(f"top_logprobs: this server's generator ({type(self.generator).__name__}) does not "
+                             "give alternatives; ask for logprobs without them")
+        with self.lock:
+            top = self.generator.top_logprobs(prompt, response, k)
+        return [{self.tokenizer.decode([t]): lp for t, lp in position} for position in top]
 
     def _prompts(self, body: dict[str, Any], chat: bool) -> list[list[int]]:
         longest = self.limits.max_prompt_length
@@ -365,6 +394,23 @@ def _integer(value: Any, key: str, most: int, option: str, low: int | None = 1) 
     if most and value > most:
         raise ValueError(f"{key}: {value} is more than this server allows ({most}; {option})")
     return value
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API allows
+
+
+def _top_logprobs(body: dict[str, Any], chat: bool) -> int:
+    """How many alternatives per token a request asks for: chat's `top_logprobs` (with `logprobs: true`), the
+    completions API's `logprobs` number; 0 for none."""
+    if chat:
+        asked = body.get("top_logprobs") if body.get("logprobs") else None
+        return 0 if asked is None else _integer(asked, "top_logprobs", MAX_TOP_LOGPROBS, "OpenAI's limit", low=0)
+    asked = body.get("logprobs")
+    if asked is None or asked is False:
+        return 0
+    if asked is True:  # not the completions API's type, but meant as "the sampled token's"
+        return 0
+    return _integer(asked, "logprobs", MAX_TOP_LOGPROBS, "OpenAI's limit", low=0)
 
 
 def _number(value: Any, key: str) -> float:

@@ -194,6 +194,21 @@ class VLLMGenerator:
                                 use_tqdm=False)[0]
         return torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids))])
 
+    def top_logprobs(self, prompt: list[int], response: list[int], k: int) -> list[list[tuple[int, float]]]:
+        """The `k` most likely tokens and their log-probs at temperature 1 at each position of `response` after
+        `prompt`, from the engine's prompt log-probs over the whole sequence (`lmrl serve`'s `top_logprobs`)."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_open()
+        self.wake_up()
+        ids = [*prompt, *response]
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                                self._sampling_params(max_tokens=1, prompt_logprobs=k, temperature=1.0),
+                                use_tqdm=False)[0]
+        ranked = (sorted(out.prompt_logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:k]
+                  for i in range(len(prompt), len(ids)))  # the sampled token's own entry may be one more than k
+        return [[(t, lp.logprob) for t, lp in position] for position in ranked]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the policy's weights into the engine in place, one tensor at a time (`RemoteGenerator`)."""
         self._check_open()

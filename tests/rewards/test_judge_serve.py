@@ -74,8 +74,9 @@ def test_the_regex_reader_scores_what_the_server_answers_and_counts_the_rest(jud
 
 
 def test_the_yes_no_reader_is_the_probability_in_the_servers_logprobs(judge_server):
-    """`lmrl serve` gives the sampled first token's log-prob and no alternatives: P(yes)/(P(yes)+P(no)) over what
-    it gave is 1 for a yes, 0 for a no; any other first token is the completion's failure."""
+    """`lmrl serve` gives the first token's 20 likeliest alternatives (`logprobs: 20`, the model's distribution at
+    temperature 1): P(yes)/(P(yes)+P(no)) over them is a probability strictly between 0 and 1, what the answer's
+    own alternatives give."""
     fn = resolve_reward("judge", url=judge_server + "/v1", model="tiny-addition", api="completions", api_key_env=KEY,
                         template="{completion}=", reader="yes_no", yes=["1"], no=["2", "9"],
                         temperature=1.0, params={"seed": 5})
@@ -85,14 +86,17 @@ def test_the_yes_no_reader_is_the_probability_in_the_servers_logprobs(judge_serv
         body = fn.request("p", s, {})
         assert body["max_tokens"] == 1 and body["logprobs"] == 20 and body["seed"] == 5
         logprobs = ask(judge_server, body)["logprobs"]
-        token, lp = logprobs["tokens"][0], logprobs["token_logprobs"][0]
-        p_yes = math.exp(lp) if token == "1" else 0.0
-        p_no = math.exp(lp) if token in ("2", "9") else 0.0
+        token, lp, [top] = logprobs["tokens"][0], logprobs["token_logprobs"][0], logprobs["top_logprobs"]
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and sum(map(math.exp, values)) <= 1 + 1e-5
+        assert top[token] == pytest.approx(lp, abs=1e-5)  # sampled at temperature 1: its own entry, the same value
+        p_yes = sum(math.exp(v) for t, v in top.items() if t == "1")
+        p_no = sum(math.exp(v) for t, v in top.items() if t in ("2", "9"))
         expected.append(p_yes / (p_yes + p_no) if p_yes + p_no else 0.0)
         garbage += p_yes + p_no == 0
-    assert out.scores.tolist() == pytest.approx(expected, abs=1e-12)
-    assert out.metrics["reward/judge/errors"] == garbage and garbage < len(SUMS)
-    assert all(0.0 <= v <= 1.0 for v in out.scores.tolist())
+    assert out.scores.tolist() == pytest.approx(expected, abs=1e-9)
+    assert out.metrics["reward/judge/errors"] == garbage == 0
+    assert all(0.0 < v < 1.0 for v in out.scores.tolist())  # a probability, not the 1 or 0 of the sampled token
 
 
 def test_the_example_trains_two_steps_against_a_served_judge(judge_server, tmp_path):

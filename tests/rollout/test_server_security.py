@@ -295,3 +295,38 @@ def test_a_server_the_run_starts_has_keys_of_its_own_passed_by_environment():
         assert rollout.response_ids.shape[0] == 2
     finally:
         generator.close()
+
+
+def test_top_logprobs_are_the_models_likeliest_tokens_in_openais_shapes():
+    """Chat `logprobs: true, top_logprobs: k` and completions `logprobs: k`, read with the official client: each
+    position's k alternatives are the top k of the model's own log-softmax there (a forward by hand), likeliest
+    first; more than 20 is one line."""
+    import openai
+    from lmrl.models.shipped import load_shipped
+    from lmrl.rollout.server import ModelGenerator
+
+    model, tokenizer = load_shipped()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    server = GenerationServer(ModelGenerator(model, tokenizer), tokenizer, "m", max_prompt_length=64)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    try:
+        chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "12+7="}], max_tokens=3,
+                                              temperature=0, logprobs=True, top_logprobs=4)
+        text = client.completions.create(model="m", prompt="12+7=", max_tokens=3, temperature=0, logprobs=4)
+        status, answer = call(server.url, "POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "1+1="}], "logprobs": True, "top_logprobs": 21}, key=None)
+    finally:
+        server.shutdown()
+    choice = chat.choices[0]
+    ids = tokenizer("12+7=")["input_ids"] + [int(i) for i in choice.model_extra["token_ids"]]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    for position, entry in enumerate(choice.logprobs.content):
+        want = expected[len(ids) - len(choice.logprobs.content) - 1 + position].topk(4)
+        assert [tokenizer.decode([int(t)]) for t in want.indices] == [a.token for a in entry.top_logprobs]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(want.values.tolist(), abs=1e-5)
+    assert [list(top) for top in text.choices[0].logprobs.top_logprobs] == [
+        [a.token for a in entry.top_logprobs] for entry in choice.logprobs.content]  # the same model, both APIs
+    assert status == 400 and answer["error"]["message"] == (
+        "top_logprobs: 21 is more than this server allows (20; OpenAI's limit)")

@@ -134,6 +134,12 @@ def test_engine_logprobs_are_the_trainers_at_the_sampling_temperature(shipped):
     mask = rollout.response_mask
     assert mask.sum() > 12
     assert torch.allclose(rollout.logprobs[mask], trainer[mask], atol=1e-4), (rollout.logprobs - trainer)[mask].abs().max()
+    # `lmrl serve`'s top_logprobs through the engine: the k likeliest tokens of the trainer's distribution at temperature 1
+    response = rollout.response_ids[0][mask[0]].tolist()
+    top = engine.top_logprobs(prompts[0], response, 3)
+    full = torch.log_softmax(logits[0, -T - 1:-1], -1)[: len(response)].topk(3)
+    assert [[t for t, _ in p] for p in top] == full.indices.tolist()
+    assert torch.allclose(torch.tensor([[v for _, v in p] for p in top]), full.values, atol=1e-4)
 
 
 def engine_run(tmp_path, *overrides):
