@@ -183,9 +183,11 @@ class Collector:
         cfg, col = self.cfg, self.cfg.data.prompt_column
         prompts = [row[col] for row in rows]
         tools = getattr(getattr(self.env, "tools", None), "schemas", None)  # chat prompts list the tools
-        media = None
+        media, images = None, None
         if self.processor is not None:  # each prompt's images processed once, whatever n
-            ids, media = prompt_media(self.processor, prompts, rows)
+            ids, media, images = prompt_media(self.processor, prompts, rows)
+            if not getattr(self.generator, "processes_images", False):  # vLLM does, its own way; lmrl's decode takes
+                images = None  # the bundles
         else:
             ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length,
                                  use_chat_template=cfg.model.chat_template, tools=tools)
@@ -194,7 +196,10 @@ class Collector:
                                 stop=list(cfg.rollout.stop), seed=seed)
         episodes = None
         with self.weights(self.global_step):
-            if media is not None:
+            if images is not None:  # the engine processes the images; the trainer's forward takes the bundles
+                rollout = self.generator.generate(ids, n, params, images=images)
+                rollout.media = media
+            elif media is not None:
                 rollout = self.generator.generate(ids, n, params, media=media)
                 rollout.media = media
             elif self.env is None:
@@ -281,15 +286,18 @@ class PushedWeights:
         return seconds
 
 
-def prompt_media(processor: Any, prompts: list[Any], rows: list[dict[str, Any]]) -> tuple[list[list[int]], list]:
+def prompt_media(processor: Any, prompts: list[Any], rows: list[dict[str, Any]]) -> tuple[list[list[int]], list, list]:
     """A vision-language policy's prompt ids and media bundles (`lmrl.models.vision.encode_with_media`): each
-    row's prompt as its processor writes it, with the row's images opened in order."""
+    row's prompt as its processor writes it, with the row's images opened in order; and each prompt as an engine
+    that processes images itself takes it (`lmrl.models.vision.ImagePrompt`, for vLLM)."""
     from lmrl.data.images import open_image, row_images
     from lmrl.models.vision import encode_with_media, prompt_text
+    from lmrl.models.vision import image_prompts as unexpanded
 
     texts = [prompt_text(processor, p) for p in prompts]
     images = [[open_image(v).convert("RGB") for v in row_images(row)] for row in rows]
-    return encode_with_media(processor, texts, images)
+    ids, media = encode_with_media(processor, texts, images)
+    return ids, media, unexpanded(processor, texts, images)
 
 
 def _sandbox_kills(rewards) -> dict[str, int]:

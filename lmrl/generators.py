@@ -33,7 +33,7 @@ def make_generator(cfg: Config, models: Models, env: Any, device: torch.device, 
                            cuda_graph=r.cuda_graph)
     base = getattr(models.policy, "module", models.policy)
     base = base.get_base_model() if hasattr(base, "peft_config") else base
-    return _holding_generator(cfg, base, models.tokenizer, env, device)
+    return _holding_generator(cfg, base, models.tokenizer, env, device, processor=models.processor)
 
 
 def process_generator(cfg: Config, skeleton: Any, tokenizer: Any, env: Any, device: torch.device):
@@ -54,13 +54,13 @@ def process_generator(cfg: Config, skeleton: Any, tokenizer: Any, env: Any, devi
     return ModelGenerator(model.eval(), tokenizer, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size)
 
 
-def _holding_generator(cfg: Config, base: Any, tokenizer: Any, env: Any, device: torch.device):
+def _holding_generator(cfg: Config, base: Any, tokenizer: Any, env: Any, device: torch.device, processor: Any = None):
     """A vLLM engine in this process, or a generation server (at rollout.vllm.server_url, or started here), for the
-    model `base` (its `config` and `generation_config` are read)."""
+    model `base` (its `config` and `generation_config` are read); `processor`: a vision-language model's."""
     r = cfg.rollout
     completion = cfg.completion_budget(multi_turn=env is not None)  # an env object counts, not only env.name
     if r.backend == "vllm":
-        return _engine(cfg, base, tokenizer, r.max_prompt_length + completion, device)
+        return _engine(cfg, base, tokenizer, r.max_prompt_length + completion, device, processor)
     from lmrl.rollout.remote import ServerGenerator
 
     if r.vllm.server_url is not None:
@@ -83,9 +83,9 @@ def _holding_generator(cfg: Config, base: Any, tokenizer: Any, env: Any, device:
     return ServerGenerator.start(args, tokenizer, timeout=r.vllm.timeout, seed=cfg.train.seed)
 
 
-def _engine(cfg: Config, model: nn.Module, tokenizer: Any, longest: int, device: torch.device):
+def _engine(cfg: Config, model: nn.Module, tokenizer: Any, longest: int, device: torch.device, processor: Any = None):
     """A vLLM engine for `model`, holding rows of `longest` tokens (rollout.vllm.max_model_len when set), within
-    the model's positions."""
+    the model's positions; given a vision-language model's `processor`, it takes images."""
     from lmrl.rollout.vllm_engine import VLLMGenerator, refuse_on_this_build
 
     refuse_on_this_build(model.config, device.type, cfg.rollout.backend)
@@ -95,7 +95,7 @@ def _engine(cfg: Config, model: nn.Module, tokenizer: Any, longest: int, device:
     return VLLMGenerator(model.config, tokenizer, dtype=cfg.rollout.dtype or cfg.model.dtype, max_model_len=max_model_len,
                          seed=cfg.train.seed, eos_token_ids=resolve_eos(model, tokenizer, None), device=device.type,
                          gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
-                         sleep=v.sleep, enforce_eager=v.enforce_eager)
+                         sleep=v.sleep, enforce_eager=v.enforce_eager, processor=processor)
 
 
 @dataclass

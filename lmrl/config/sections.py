@@ -108,8 +108,9 @@ class VLLMConfig(Section):
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.3
     """On a GPU, the share of its memory the engine takes for weights and KV cache, in (0, 1]; training
     needs the rest. Ignored on a CPU (cpu_kv_cache_gb)."""
-    cpu_kv_cache_gb: PositiveFloat = 1.0
-    """On a CPU, the GiB the engine sets aside for its KV cache."""
+    cpu_kv_cache_gb: PositiveInt = 1
+    """On a CPU, the GiB the engine sets aside for its KV cache: a whole number (vLLM's VLLM_CPU_KVCACHE_SPACE;
+    0.25 failed inside the engine's start-up)."""
     sleep: bool = True
     """On a GPU, release the engine's memory (KV cache, weights) while the policy trains and take it back
     before the next generation (vLLM's sleep mode). A CPU has no such mode: ignored there."""

@@ -19,6 +19,7 @@ then pass each row's next text position, the same on every axis.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,6 +89,20 @@ def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[S
         media = {k: v for k, v in out.items() if k not in _TEXT_KEYS and isinstance(v, torch.Tensor)}
         bundles.append(media or None)
     return ids, bundles
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt as an engine that processes images itself takes it (vLLM's `multi_modal_data`): it expands each
+    image token with its own processor, which must give the ids `encode_with_media` gave (the engine checks)."""
+
+    ids: list[int]  # the prompt's token ids with each image token once, before a processor expands it
+    images: list[Any]  # its PIL images, in order
+
+
+def image_prompts(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]]) -> list[ImagePrompt]:
+    """Each prompt text tokenized as the processor's tokenizer writes it before expanding the images, with them."""
+    return [ImagePrompt(processor.tokenizer(text)["input_ids"], list(imgs)) for text, imgs in zip(prompts, images)]
 
 
 def batch_media(bundles: Sequence[Media | None], device: torch.device | str | None = None) -> Media:
@@ -192,7 +207,8 @@ def image_token(processor: Any) -> str | None:
 _NOT_WITH_IMAGES = (
     (lambda c: c.algorithm.needs_critic, "a critic (algorithm.advantage=gae, PPO) is not supported with a vision-language policy"),
     (lambda c: c.train.async_steps > 0, "train.async_steps is not supported with a vision-language policy; use 0"),
-    (lambda c: c.rollout.backend != "lmrl", "rollout.backend={} is not supported with a vision-language policy; use lmrl"),
+    (lambda c: c.rollout.backend not in ("lmrl", "vllm"),
+     "rollout.backend={} is not supported with a vision-language policy; use lmrl or vllm"),
     (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
     (lambda c: c.env.name is not None, "env.name: multi-turn environments are not supported with a vision-language policy"),
     (lambda c: c.algorithm.teacher is not None, "algorithm.teacher is not supported with a vision-language policy"),

@@ -103,13 +103,16 @@ class VLLMGenerator:
         cpu_kv_cache_gb: the GiB of its KV cache on a CPU.
         sleep: on a GPU, release the engine's memory between generations (`sleep` / `wake_up`).
         enforce_eager: no CUDA graphs (always eager on a CPU).
+        processor: a vision-language model's processor (saved beside the config): the engine then takes images
+            (`generate(images=...)`), which it processes itself, at most `images_per_prompt` per prompt.
     """
 
     _live: VLLMGenerator | None = None  # vLLM keeps one engine's parallel state per process: the newest one's
 
     def __init__(self, config: Any, tokenizer: Any, *, dtype: str, max_model_len: int, seed: int = 0,
                  eos_token_ids: list[int] | None = None, device: str = "cpu", gpu_memory_utilization: float = 0.3,
-                 cpu_kv_cache_gb: float = 1.0, sleep: bool = False, enforce_eager: bool = False) -> None:
+                 cpu_kv_cache_gb: int = 1, sleep: bool = False, enforce_eager: bool = False, processor: Any = None,
+                 images_per_prompt: int = 8) -> None:
         vllm = require_vllm()
         if VLLMGenerator._live is not None:  # a second engine would share (and, closed, tear down) the first's state
             VLLMGenerator._live.close()
@@ -123,10 +126,14 @@ class VLLMGenerator:
         self._rng = torch.Generator().manual_seed(seed)
         self._sleeps = sleep and self.device.type == "cuda"
         self._asleep = False
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gb:g}")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
         self._dir = tempfile.mkdtemp(prefix="lmrl-vllm-")
         config.save_pretrained(self._dir)
         tokenizer.save_pretrained(self._dir)
+        self.processes_images = processor is not None  # the collector then passes images, not processed bundles
+        if processor is not None:
+            processor.save_pretrained(self._dir)
+        images = {"limit_mm_per_prompt": {"image": images_per_prompt}} if processor is not None else {}
         with _threads_kept(), _classes_kept():
             try:
                 self.llm = vllm.LLM(model=self._dir, tokenizer=self._dir, dtype=dtype, max_model_len=max_model_len,
@@ -135,7 +142,7 @@ class VLLMGenerator:
                                     gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleeps,
                                     enable_prefix_caching=False,
                                     # vLLM-CPU cannot rewind a seeded request's generator after a partial prefill
-                                    enable_chunked_prefill=self.device.type == "cuda")
+                                    enable_chunked_prefill=self.device.type == "cuda", **images)
                 self._sampling_params = vllm.SamplingParams
                 self.generate([[0]], 1, SamplingParams(max_new_tokens=1, temperature=0.0))  # kernels fail here, not later
             except Exception as e:  # noqa: BLE001 - one line naming the model, not vLLM's start-up traceback
@@ -145,11 +152,14 @@ class VLLMGenerator:
                                  f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]})") from e
         VLLMGenerator._live = self
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 images: list[Any] | None = None) -> Rollout:
         """Sample `n` completions per prompt with the weights last loaded (`Generator.generate`). A seed makes the
-        call reproducible: prompt i samples with seed + i, whatever else shares the engine's batch."""
-        from vllm.inputs import TokensPrompt
+        call reproducible: prompt i samples with seed + i, whatever else shares the engine's batch.
 
+        `images`: a vision-language model's prompts as the engine takes them (`lmrl.models.vision.ImagePrompt`, one
+        per prompt: its ids before the images are expanded, and the images); the engine's processor must expand
+        them to `prompts` (the policy processor's ids, which the trainer scores), or the call fails in one line."""
         params.validate()
         self._check_open()
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -165,12 +175,14 @@ class VLLMGenerator:
                                           detokenize=bool(params.stop))
                     for i in range(len(prompts)) for _ in range(n // per_request)]
         self.wake_up()
-        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n // per_request)]
+        inputs = [prompt for prompt in self._inputs(prompts, images) for _ in range(n // per_request)]
         try:
             outputs = self.llm.generate(inputs, requests, use_tqdm=False)
         except Exception as e:  # noqa: BLE001 - one line, not the engine's internals
             raise RunError(f"rollout.backend: the vLLM engine failed while generating ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:300]})") from e
+        if images is not None:
+            _check_expanded(prompts, [out.prompt_token_ids for out in outputs[:: n // per_request]])
         tokens, logprobs, finished = [], [], []
         for out in outputs:
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -180,6 +192,18 @@ class VLLMGenerator:
                 finished.append(c.finish_reason == "stop")
         return rollout_from_tokens(prompts, n, tokens, logprobs, finished, self.tokenizer, list(params.stop),
                                    self.pad_token_id, self.device)
+
+    def _inputs(self, prompts: list[list[int]], images: list[Any] | None) -> list[Any]:
+        from vllm.inputs import TokensPrompt
+
+        if images is None:
+            return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        if not self.processes_images:
+            raise ValueError("images: this engine was built without the model's processor")
+        if len(images) != len(prompts):
+            raise ValueError(f"images: {len(images)} image prompts for {len(prompts)} prompts")
+        return [TokensPrompt(prompt_token_ids=list(p.ids), multi_modal_data={"image": p.images}) if p.images
+                else TokensPrompt(prompt_token_ids=list(p.ids)) for p in images]
 
     def score(self, prompt: list[int], response: list[int]) -> torch.Tensor:
         """[T] log softmax(logits)[token] of the `response` tokens after `prompt`, at temperature 1, from the engine's
@@ -314,3 +338,14 @@ def _classes_kept() -> Iterator[None]:
             for key, value in attributes.items():
                 if now.get(key) is not value and key not in ("__dict__", "__weakref__"):
                     setattr(cls, key, value)
+
+
+def _check_expanded(expected: list[list[int]], engine: list[list[int]]) -> None:
+    """The engine's processor expanded each prompt's images to the policy processor's ids: the tokens the trainer
+    scores the completions after, with the same image features in the same places."""
+    for i, (ours, theirs) in enumerate(zip(expected, engine)):
+        if list(theirs) != list(ours):
+            at = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise RunError(f"rollout.backend=vllm: the engine's processor wrote prompt {i} with its images as "
+                           f"{len(theirs)} tokens, the policy's processor as {len(ours)} (first difference at token "
+                           f"{at}); the processors' image settings differ, so the trainer would score other prompts")

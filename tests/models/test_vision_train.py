@@ -17,13 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 REWARD = "def reward(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
 
 
-def _dataset(tmp: Path) -> Path:
-    """A saved tiny LLaVA and its processor, and a JSONL whose rows hold one image, two, or none."""
+def _dataset(tmp: Path, build=None) -> Path:
+    """A saved tiny LLaVA (or what `build` returns) and its processor, and a JSONL whose rows hold one image, two,
+    or none."""
     from PIL import Image
 
     from lmrl.models.tiny import tiny_llava
 
-    model, processor = tiny_llava()
+    model, processor = (build or tiny_llava)()
     model.save_pretrained(tmp / "model")
     processor.save_pretrained(tmp / "model")
     (tmp / "imgs").mkdir()
@@ -89,7 +90,7 @@ def test_llava_trains_through_the_cli(data):
 @pytest.mark.parametrize("override, words", [
     ("algorithm.advantage=gae", "a critic"),
     ("train.async_steps=1", "train.async_steps"),
-    ("rollout.backend=vllm", "rollout.backend=vllm"),
+    ("rollout.backend=vllm-server", "rollout.backend=vllm-server"),
 ])
 def test_what_images_cannot_do_is_refused_in_one_line(data, override, words):
     run = _train(data, "refused", "train.steps=1", override)
@@ -141,9 +142,9 @@ def test_padding_side_cannot_change_a_score():
     assert all(open_image(v) for r in rows for v in row_images(r))
 
     processor.tokenizer.padding_side = "right"
-    right = prompt_media(processor, [r["prompt"] for r in rows], rows)
+    right = prompt_media(processor, [r["prompt"] for r in rows], rows)[:2]
     processor.tokenizer.padding_side = "left"
-    ids, media = prompt_media(processor, [r["prompt"] for r in rows], rows)
+    ids, media, _ = prompt_media(processor, [r["prompt"] for r in rows], rows)
     assert ids == right[0] and all(torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(media, right[1]))
     assert len(ids[1]) > len(ids[0]) + 20  # the first prompt is left-padded by 20+ tokens in their batch
 
@@ -177,3 +178,21 @@ def test_lora_adapts_the_language_model_alone(data):
     assert changed and all("language_model" in k for k in changed)
     rows = [json.loads(line) for line in (data / "lora" / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["objective/kl"]) for r in rows if "objective/kl" in r)
+
+
+def test_an_idefics3_policy_samples_through_the_vllm_engine(tmp_path):
+    """rollout.backend=vllm with images: the engine gets each prompt's unexpanded ids and its images
+    (`multi_modal_data`), expands them with its own processor to the policy processor's ids (checked), and samples
+    with the weights of every step: its log-probs are the trainer's (the sync check's `val/sampler_logprob_diff`,
+    float32 on the CPU). vLLM's CPU build loads Idefics3 (SmolVLM's architecture) here, not LLaVA."""
+    from lmrl.models.tiny import tiny_idefics3
+
+    data = _dataset(tmp_path, tiny_idefics3)
+    run = _train(data, "run", "train.steps=2", "rollout.backend=vllm")
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = [h for h in map(json.loads, (data / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
+    assert len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
+    assert all(h["val/sampler_logprob_diff"] < 1e-4 for h in steps), [h["val/sampler_logprob_diff"] for h in steps]
+    before, after = _weights(data / "model"), _weights(data / "run" / "final")
+    assert all(torch.equal(before[k], after[k]) for k in before if "vision_model" in k)  # frozen
+    assert any(not torch.equal(before[k], after[k]) for k in before if "text_model" in k)  # step 2 sampled with these
