@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,13 @@ class ImageInputs:
         image_token: the processor's image placeholder in string prompts (e.g. "<image>"); None: the model
             is text-only, and a row with an image (or an image part in its messages) is a bad row.
         model: how a message names the model (e.g. "model.name_or_path=tiny").
+        image_tokens: the tokens a row's images add to its prompt beyond their placeholders, as the processor
+            expands them (counted into the prompt's length); None: not counted.
     """
 
     image_token: str | None
     model: str = "the model"
+    image_tokens: Callable[[list[Any]], int] | None = None
 
     @property
     def takes_images(self) -> bool:
@@ -205,4 +208,11 @@ def image_inputs(cfg: Any, processor: Any) -> ImageInputs:
     if processor is None:
         return ImageInputs(image_token=None, model=name)
     refuse_unsupported(cfg)
-    return ImageInputs(image_token=image_token(processor), model=name)
+    token = image_token(processor)
+
+    def added(images: list[Any]) -> int:  # the row's images processed once here, as the collector will
+        text = token * len(images)
+        out = processor(text=[text], images=[open_image(v).convert("RGB") for v in images], return_tensors="pt")
+        return len(out["input_ids"][0]) - len(processor.tokenizer(text)["input_ids"])
+
+    return ImageInputs(image_token=token, model=name, image_tokens=added)

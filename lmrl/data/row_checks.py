@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from lmrl.data.images import ImageInputs, image_problem
+from lmrl.data.images import ImageInputs, image_problem, row_images
 from lmrl.errors import DataError
 
 ON_BAD_ROW = ("fail", "skip")
@@ -167,9 +167,12 @@ def _too_long(
     prompt_column: str,
     prompt_length: PromptLength,
     max_prompt_length: int,
+    images: ImageInputs | None = None,
 ) -> list[tuple[int, str]]:
-    """(index, problem) of the rows among `indices` whose prompt has more than `max_prompt_length` tokens, or
-    that `prompt_length` refuses (a ValueError: e.g. a list of messages and a tokenizer without a chat template)."""
+    """(index, problem) of the rows among `indices` whose prompt has more than `max_prompt_length` tokens (its
+    images' tokens counted, as the processor expands them, where `images` says how), or that `prompt_length`
+    refuses (a ValueError: e.g. a list of messages and a tokenizer without a chat template)."""
+    counted = images.image_tokens if images is not None else None
     out = []
     for start in range(0, len(indices), _LENGTH_BATCH):
         chunk = indices[start : start + _LENGTH_BATCH]
@@ -179,11 +182,13 @@ def _too_long(
             lengths = [_length_or_problem(prompt_length, rows[i][prompt_column]) for i in chunk]
         if len(lengths) != len(chunk):
             raise ValueError(f"prompt_length: returned {len(lengths)} lengths for {len(chunk)} prompts")
-        out += [
-            (i, n if isinstance(n, str) else f"prompt is {n} tokens, longer than rollout.max_prompt_length={max_prompt_length}")
-            for i, n in zip(chunk, lengths)
-            if isinstance(n, str) or n > max_prompt_length
-        ]
+        for i, n in zip(chunk, lengths):
+            shown = row_images(rows[i]) if counted is not None and not isinstance(n, str) else []
+            n = n + counted(shown) if shown else n
+            if isinstance(n, str) or n > max_prompt_length:
+                what = " with its images" if shown else ""
+                out.append((i, n if isinstance(n, str) else
+                            f"prompt is {n} tokens{what}, longer than rollout.max_prompt_length={max_prompt_length}"))
     return out
 
 
@@ -303,7 +308,7 @@ def check_rows(
         else:
             bad.append((i, problem))
     if prompt_length is not None and good:
-        too_long = _too_long(rows, good, prompt_column, prompt_length, max_prompt_length)
+        too_long = _too_long(rows, good, prompt_column, prompt_length, max_prompt_length, images)
         if too_long:
             dropped = {i for i, _ in too_long}
             good = [i for i in good if i not in dropped]

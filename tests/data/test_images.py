@@ -178,3 +178,28 @@ def test_pil_images_and_bytes_in_a_list_of_rows():
     out = check_rows(rows, images=LLAVA)
     assert [open_image(v).getpixel((1, 0))[0] for v in row_images(out.rows[0])] == [10, 20]
     assert placeholders([{"role": "user", "content": "see <image>"}], "<image>") == 1  # the token in a string message
+
+
+def test_a_prompts_length_counts_its_images_tokens_as_the_processor_expands_them():
+    """rollout.max_prompt_length holds the prompt the model will see: each image token expanded (16 tokens for a
+    32x32 image in the tiny LLaVA), not the text alone; a text row as long as the image row's text passes."""
+    from lmrl.config import load_config
+    from lmrl.data.images import image_inputs
+    from lmrl.models.tiny import tiny_llava
+
+    _, processor = tiny_llava()
+    inputs = image_inputs(load_config(None, []), processor)
+    text = len(processor.tokenizer("<image> red?")["input_ids"])
+    assert inputs.image_tokens([Image.new("RGB", (32, 32))]) == 15  # 16 image tokens in the placeholder's place
+    rows = [{"prompt": "<image> red?", "image": Image.new("RGB", (32, 32), (200, 0, 0))}, {"prompt": "a long text prompt"}]
+
+    def lengths(prompts):
+        return [len(processor.tokenizer(p)["input_ids"]) for p in prompts]
+
+    out = check_rows(rows, prompt_length=lengths, max_prompt_length=text + 14, images=inputs, on_bad_row="skip")
+    assert out.rows == [rows[1]]
+    assert lengths([rows[1]["prompt"]])[0] > text  # longer text than the image row's, and kept
+    [bad] = out.skipped
+    assert bad.problem == (f"prompt is {text + 15} tokens with its images, longer than "
+                           f"rollout.max_prompt_length={text + 14}")
+    assert check_rows(rows[:1], prompt_length=lengths, max_prompt_length=text + 15, images=inputs).rows == rows[:1]
