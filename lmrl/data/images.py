@@ -209,10 +209,17 @@ def image_inputs(cfg: Any, processor: Any) -> ImageInputs:
         return ImageInputs(image_token=None, model=name)
     refuse_unsupported(cfg)
     token = image_token(processor)
+    known: dict[tuple[tuple[int, int], ...], int] = {}  # image sizes -> tokens added
 
-    def added(images: list[Any]) -> int:  # the row's images processed once here, as the collector will
-        text = token * len(images)
-        out = processor(text=[text], images=[open_image(v).convert("RGB") for v in images], return_tensors="pt")
-        return len(out["input_ids"][0]) - len(processor.tokenizer(text)["input_ids"])
+    def added(images: list[Any]) -> int:
+        """Processed as the collector will, once per distinct list of image sizes: how many tokens an image
+        becomes depends on its size alone in the processors of LLaVA, Qwen2-VL and Idefics3."""
+        opened = [open_image(v).convert("RGB") for v in images]
+        sizes = tuple(image.size for image in opened)
+        if sizes not in known:
+            text = token * len(opened)
+            out = processor(text=[text], images=opened, return_tensors="pt")
+            known[sizes] = len(out["input_ids"][0]) - len(processor.tokenizer(text)["input_ids"])
+        return known[sizes]
 
     return ImageInputs(image_token=token, model=name, image_tokens=added)
