@@ -358,3 +358,18 @@ def test_train_rm_vs_trl_pairs_and_table():
     assert row["ratio"] == pytest.approx(0.08 / 0.045) and row["per_seed"] == "2.00, 1.60"
     lines = _rendered(table_columns(), [row])
     assert lines[2] == "| shipped | 32 | 711 | 400 | **1.78x** (2.00, 1.60) | 1.5; 1.2 | 0e+00 / 7e-07 |"
+
+
+def test_vision_benchmarks_lmrl_side_trains_the_tiny_llava_from_chat_rows_with_images(tmp_path):
+    """benchmarks/vision_vs_trl.py's lmrl run (TRL is in the bench extra, not here): two steps of the tiny LLaVA
+    whose EOS it cannot sample, on the vision task's rows as chat messages with an image part; every completion
+    runs to max_new_tokens, the equal work the comparison rests on."""
+    from benchmarks import vision_vs_trl as bench
+
+    bench.build_start_model(32, 1, 0, str(tmp_path / "init"))
+    s = bench.Settings(init_dir=str(tmp_path / "init"), steps=2, seed=0, threads=1, prompts_per_step=2,
+                       group_size=2, max_new_tokens=6, rows=8)
+    bench.LENGTHS.clear()
+    times = bench.run_lmrl(s, str(tmp_path / "out"))
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert len(bench.LENGTHS) == 8 and max(bench.LENGTHS) <= 6 and sum(bench.LENGTHS) > 8  # none ended at EOS early

@@ -302,6 +302,7 @@ def test_top_logprobs_are_the_models_likeliest_tokens_in_openais_shapes():
     position's k alternatives are the top k of the model's own log-softmax there (a forward by hand), likeliest
     first; more than 20 is one line."""
     import openai
+
     from lmrl.models.shipped import load_shipped
     from lmrl.rollout.server import ModelGenerator
 
