@@ -83,6 +83,11 @@ def load_processor(cfg: Config) -> Any:
     return AutoProcessor.from_pretrained(path)
 
 
+def _is_processor(tokenizer: Any) -> bool:
+    """A multimodal processor (its tokenizer and an image processor) where a tokenizer is expected."""
+    return hasattr(tokenizer, "tokenizer") and hasattr(tokenizer, "image_processor")
+
+
 def load_models(cfg: Config, policy: nn.Module | None = None, tokenizer: Any = None, processor: Any = None) -> Models:
     """Policy and tokenizer (given, shipped or loaded), and the reference / critic only when used."""
     m = cfg.model
@@ -187,7 +192,10 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
     device = resolve_device(cfg.model.device)
     if model is not None and tokenizer is None:
         raise ValueError("tokenizer: pass the tokenizer together with a policy model")
-    processor = load_processor(cfg)  # a vision-language policy's, loaded once here (None for text)
+    if model is not None and _is_processor(tokenizer):  # a vision-language model passed with its processor (as TRL's
+        processor, tokenizer = tokenizer, tokenizer.tokenizer  # processing_class takes it)
+    else:
+        processor = load_processor(cfg)  # a vision-language policy's, loaded once here (None for text)
     if tokenizer is None:
         tokenizer = processor.tokenizer if processor is not None else load_tokenizer(
             policy_path(cfg), trust_remote_code=cfg.model.trust_remote_code)

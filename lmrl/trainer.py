@@ -66,7 +66,8 @@ class TrainResult:
 class Trainer:
     """RL post-training of one causal LM. Give a Config; optionally the model, tokenizer, reward functions
     and prompt rows directly (as with TRL's GRPOTrainer): those override the config's (`reward_funcs` may also
-    be `lmrl.rewards.RewardRecipes`: functions per data label). `env` (an
+    be `lmrl.rewards.RewardRecipes`: functions per data label; `tokenizer` may be a vision-language model's
+    processor, as TRL's `processing_class`). `env` (an
     `lmrl.envs` Environment) makes every rollout a multi-turn episode, as `env.name` does."""
 
     def __init__(self, cfg: Config, *, model=None, tokenizer=None, reward_funcs=None, train_dataset=None,

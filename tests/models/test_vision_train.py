@@ -196,3 +196,26 @@ def test_an_idefics3_policy_samples_through_the_vllm_engine(tmp_path):
     before, after = _weights(data / "model"), _weights(data / "run" / "final")
     assert all(torch.equal(before[k], after[k]) for k in before if "vision_model" in k)  # frozen
     assert any(not torch.equal(before[k], after[k]) for k in before if "text_model" in k)  # step 2 sampled with these
+
+
+def test_a_vision_model_and_its_processor_passed_from_python(tmp_path):
+    """`Trainer(model=vlm, tokenizer=processor)` (TRL's `processing_class` may be a processor): image rows in
+    memory train with the model's images, the vision tower frozen, the sampler and trainer agreeing."""
+    from PIL import Image
+
+    from lmrl import Trainer
+    from lmrl.config import load_config
+    from lmrl.models.tiny import tiny_llava
+
+    model, processor = tiny_llava(seed=1)
+    tower = {k: v.clone() for k, v in model.state_dict().items() if "vision_tower" in k}
+    rows = [{"prompt": f"<image> what {i}?", "image": Image.new("RGB", (32, 32), (30 * i, 90, 9))} for i in range(4)]
+    cfg = load_config(None, ["train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4",
+                             "rollout.max_new_tokens=4", "data.num_eval_prompts=0", "optim.lr=1e-3", "algorithm.tis_cap=2.0",
+                             f"train.output_dir={tmp_path}", "log.console=false"])
+    reward = lambda completions, **kw: [float(sum(map(ord, c)) % 2) for c in completions]  # noqa: E731
+    trainer = Trainer(cfg, model=model, tokenizer=processor, reward_funcs=[reward], train_dataset=rows)
+    history = trainer.train().history
+    assert len(history) == 2 and all(abs(h["val/sampler_kl"]) < 1e-4 for h in history)
+    assert trainer.models.processor is processor
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())
