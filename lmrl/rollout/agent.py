@@ -48,6 +48,7 @@ import torch
 
 from lmrl.errors import RunError
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
+from lmrl.rollout.batcher import thread_precision
 from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
 
@@ -277,6 +278,7 @@ class AgentEnvironment:
             episodes[secrets.token_hex(8)] = _Episode(i, "lmrl-ep-" + secrets.token_urlsafe(24), rows[i // n], [seg],
                                                       params, max_turns, budget)
         gateway.episodes.update(episodes)
+        gateway.batcher.precision = thread_precision()  # the trainer's autocast, as its own rollouts get
         try:
             self._run(gateway, episodes)
         finally:

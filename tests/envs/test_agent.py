@@ -77,9 +77,10 @@ def test_an_agent_that_rewrites_the_models_text_is_cut_there_and_counted(policy,
     ("hang", "ran past env.timeout=3s and was killed"),
 ])
 def test_a_failing_agent_is_one_line_or_a_counted_failure_never_a_hang(policy, tmp_path, mode, message):
+    timeout = 3.0 if mode == "hang" else 60.0  # the others end on their own (in seconds; more on a loaded machine)
     with pytest.raises(RunError, match="episode 0 .*" + message.replace("(", r"\(")):
-        run(policy, tmp_path, mode=mode, timeout=3.0, n=1)
-    episodes = run(policy, tmp_path, mode=mode, on_error="zero", timeout=3.0, n=1)
+        run(policy, tmp_path, mode=mode, timeout=timeout, n=1)
+    episodes = run(policy, tmp_path, mode=mode, on_error="zero", timeout=timeout, n=1)
     assert episodes.metrics["agent/failures"] == 2 and episodes.rewards == [0.0, 0.0]
     assert not episodes.rollout.response_mask.any()  # nothing of a failed episode is trained on
 
@@ -173,3 +174,21 @@ def test_a_chat_agent_on_a_bpe_tokenizer_trains_on_exactly_the_sampled_tokens(tm
             naive += tok(tok.decode(turn, skip_special_tokens=True), add_special_tokens=False)["input_ids"] != turn
     assert naive > 0  # the case that matters: this tokenizer does not give back the sampled ids
     assert episodes.metrics["agent/retokenized_tokens"] == 0 and episodes.rewards == [0.5, 0.5]
+
+
+def test_the_gateway_samples_under_the_autocast_of_the_trainers_thread(policy, tmp_path):
+    import torch
+
+    gen, tok = policy
+    seen = []
+
+    class Recording:  # the policy's decode, noting the autocast each call of the gateway's batcher runs under
+        pad_token_id = gen.pad_token_id
+
+        def generate(self, prompts, n, params):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return gen.generate(prompts, n, params)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what the trainer's rollouts run under with train.autocast_bf16
+        run((Recording(), tok), tmp_path, n=1)
+    assert seen and set(seen) == {(True, torch.bfloat16)}  # every call, the first turns of both rows shared or not
