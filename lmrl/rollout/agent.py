@@ -23,6 +23,13 @@ are counted (`agent/retokenized_tokens`) and the agent's version of that text is
 An episode fails (counted in `agent/failures`, logged, nothing of it trained on, reward 0; with
 `reward.on_error=fail` the run stops with one line) when its program exits non-zero, exits without a reward,
 reports a non-finite one, or outlives `env.timeout` (it and its children are killed).
+
+`env.agent_mode=batch` starts the command once for all the episodes of a call (a step's batch, an evaluation)
+instead, which saves a program's start-up per episode (a Python interpreter importing `openai` is about half a
+second). Its environment has LMRL_EPISODES, the path of a JSONL file (readable by the trainer's user only) with a
+line per episode: {"index", "base_url", "api_key", "row"}; it runs them as it likes (threads, asyncio), each against
+its own base URL with its own key, reports each reward at that episode's /lmrl/reward, and exits 0, within
+`env.timeout` for the whole batch. The per-episode keys stay: one episode's key reaches only its own episode.
 """
 
 from __future__ import annotations
@@ -243,15 +250,19 @@ class AgentEnvironment:
         on_error: "fail": a failed episode stops the run with one line; "zero": it is counted and scores 0.
         max_parallel: the most programs running at once (an evaluation of 500 prompts starts them in turn).
         cwd: where the program runs (the current directory by default).
+        mode: "episode": a run of the command per episode; "batch": one run for all the episodes of a call, each
+            episode's URL, key and row in the file LMRL_EPISODES names (module docstring); `timeout` is the batch's.
     """
 
     def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
-                 cwd: str | None = None):
+                 cwd: str | None = None, mode: str = "episode"):
         self.argv = shlex.split(command)
         if not self.argv:
             raise ValueError("env.command: empty")
+        if mode not in ("episode", "batch"):
+            raise ValueError(f"env.agent_mode: expected 'episode' or 'batch', got {mode!r}")
         self.command, self.timeout, self.on_error, self.cwd = command, timeout, on_error, cwd
-        self.max_parallel = max_parallel
+        self.max_parallel, self.mode = max_parallel, mode
         self._gateway: Gateway | None = None
 
     def __call__(self, row: Mapping[str, Any]) -> Any:
@@ -280,7 +291,7 @@ class AgentEnvironment:
         gateway.episodes.update(episodes)
         gateway.batcher.precision = thread_precision()  # the trainer's autocast, as its own rollouts get
         try:
-            self._run(gateway, episodes)
+            (self._run_batch if self.mode == "batch" else self._run)(gateway, episodes)
         finally:
             for eid in episodes:
                 gateway.episodes.pop(eid, None)
@@ -301,7 +312,9 @@ class AgentEnvironment:
             while waiting or running:
                 while waiting and len(running) < self.max_parallel:
                     eid, e = waiting.pop(0)
-                    running.append((self._start(gateway, eid, e), time.monotonic() + self.timeout, e))
+                    given = {"OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
+                             "LMRL_ROW": json.dumps(dict(e.row), default=str)}
+                    running.append((self._start(given), time.monotonic() + self.timeout, e))
                 time.sleep(0.01)
                 still = []
                 for proc, deadline, e in running:
@@ -314,9 +327,37 @@ class AgentEnvironment:
             for proc, _, _ in running:
                 _kill(proc)
 
-    def _start(self, gateway: Gateway, eid: str, e: _Episode) -> subprocess.Popen:
-        env = {**os.environ, "OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
-               "LMRL_ROW": json.dumps(dict(e.row), default=str)}
+    def _run_batch(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
+        """One run of the command for all `episodes` (env.agent_mode=batch), killed at `timeout`."""
+        with tempfile.TemporaryDirectory(prefix="lmrl-episodes-") as folder:  # mode 0700: the keys are in it
+            path = os.path.join(folder, "episodes.jsonl")
+            with open(path, "w") as f:
+                for eid, e in episodes.items():
+                    f.write(json.dumps({"index": e.index, "base_url": gateway.episode_url(eid), "api_key": e.key,
+                                        "row": dict(e.row)}, default=str) + "\n")
+            # no OPENAI_* of the trainer's own: a client made without arguments must not reach another endpoint
+            proc = self._start({"LMRL_EPISODES": path}, drop=("OPENAI_BASE_URL", "OPENAI_API_KEY"))
+            deadline = time.monotonic() + self.timeout
+            try:
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                late = proc.poll() is None
+                if late:
+                    _kill(proc)
+        stderr = proc.stderr_file
+        stderr.seek(0)
+        lines = stderr.read().decode(errors="replace").strip().splitlines()
+        stderr.close()
+        why = (f"the batch's program ran past env.timeout={self.timeout:g}s and was killed" if late else
+               f"the batch's program exited with status {proc.returncode}" + (f": {lines[-1][:300]}" if lines else "")
+               if proc.returncode != 0 else None)
+        for e in episodes.values():  # an episode whose reward came in is kept, whatever the program did after
+            if e.error is None and e.reward is None:
+                e.error = why or "had no reward reported (POST its base_url + /lmrl/reward {\"reward\": x})"
+
+    def _start(self, given: dict[str, str], drop: Sequence[str] = ()) -> subprocess.Popen:
+        env = {**{k: v for k, v in os.environ.items() if k not in drop}, **given}
         stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in _end, once the program is done
         try:
             proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
