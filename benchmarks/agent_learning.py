@@ -33,7 +33,7 @@ def agent() -> None:
     """The agent program (env.agent_mode=batch): every episode of the file LMRL_EPISODES names, in threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from openai import OpenAI
+    from openai import BadRequestError, OpenAI
 
     with open(os.environ["LMRL_EPISODES"]) as f:
         specs = [json.loads(line) for line in f]
@@ -43,7 +43,10 @@ def agent() -> None:
         client = shared.with_options(base_url=spec["base_url"], api_key=spec["api_key"])  # one connection pool
         text = spec["row"]["prompt"]
         for turn in range(2):
-            said = client.completions.create(model="policy", prompt=text, stop=["</calc>"]).choices[0].text
+            try:
+                said = client.completions.create(model="policy", prompt=text, stop=["</calc>"]).choices[0].text
+            except BadRequestError:  # the episode's tokens are spent (a long error line): it ends, as the built-in's
+                break
             text += said
             call = CALC.search(said)
             if call is None or turn == 1:
