@@ -401,10 +401,10 @@ class EnvConfig(Section):
     """Seconds one agent episode may run (env.name=agent) before it is killed and counted as failed."""
     max_parallel: PositiveInt = 32
     """Most agent programs running at once (env.name=agent); the rest of the batch waits its turn."""
-    agent_mode: Literal["episode", "batch"] = "episode"
+    agent_mode: Literal["episode", "batch", "persistent"] = "episode"
     """env.name=agent: "episode" starts env.command once per episode; "batch" once per batch of episodes (a step's,
-    an evaluation's), every episode's base URL, key and row in the JSONL file $LMRL_EPISODES names; env.timeout is
-    then the batch's."""
+    an evaluation's), every episode's base URL, key and row in the JSONL file $LMRL_EPISODES names; "persistent"
+    once per run, each batch's file path a line on its stdin. env.timeout is then the batch's."""
     max_turns: PositiveInt = 4
     """Most model turns per episode."""
     max_tokens: PositiveInt | None = None

@@ -198,14 +198,19 @@ def test_the_gateway_samples_under_the_autocast_of_the_trainers_thread(policy, t
 BATCH_AGENT = Path(__file__).with_name("calc_agent_batch.py")
 
 
-def run_batch(policy, tmp_path, mode="ok", on_error="zero", n=2):
+def run_batch(policy, tmp_path, mode="ok", on_error="zero", n=2, agent_mode="batch"):
     gen, tok = policy
     os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
     try:
-        env = AgentEnvironment(f"{sys.executable} {BATCH_AGENT}", timeout=60, on_error=on_error, mode="batch")
+        env = AgentEnvironment(f"{sys.executable} {BATCH_AGENT}", timeout=60, on_error=on_error, mode=agent_mode)
         prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
         params = SamplingParams(max_new_tokens=24, temperature=1.0, stop=[], seed=0)
-        return generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96)
+        out = generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96)
+        if agent_mode == "persistent":  # the same program takes a second batch
+            out = (out, generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96),
+                   env._program.pid)
+            env.close()
+        return out
     finally:
         del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
 
@@ -232,7 +237,9 @@ def test_a_batch_programs_failures_fail_the_episodes_it_left_without_a_reward(po
     assert episodes.metrics["agent/failures"] == 4 and episodes.rewards == [0.0] * 4
 
 
-def test_lmrl_train_runs_a_batch_agent_once_per_step_and_trains_on_the_tokens_it_was_served(tmp_path):
+@pytest.mark.parametrize("agent_mode, programs", [("batch", 2), ("persistent", 1)])
+def test_lmrl_train_runs_a_batch_agent_once_per_step_or_run_and_trains_on_the_tokens_it_was_served(tmp_path, agent_mode,
+                                                                                                  programs):
     from tests.forked import lmrl
 
     (tmp_path / "ids.py").write_text(  # a reward function that notes the ids the trainer trains on, and adds nothing
@@ -242,7 +249,7 @@ def test_lmrl_train_runs_a_batch_agent_once_per_step_and_trains_on_the_tokens_it
         "    return [0.0] * len(completions)\n")
     env = {**os.environ, "AGENT_LOG": str(tmp_path / "agent.jsonl"), "IDS_LOG": str(tmp_path / "ids.jsonl")}
     out = lmrl("train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
-               f"env.command={sys.executable} {BATCH_AGENT}", "env.agent_mode=batch", "env.timeout=120",
+               f"env.command={sys.executable} {BATCH_AGENT}", f"env.agent_mode={agent_mode}", "env.timeout=120",
                "reward.functions=[env,ids.py:ids]", "rollout.prompts_per_step=2", "rollout.group_size=2",
                "train.eval_every=0", "data.num_eval_prompts=0", "train.steps=2", f"train.output_dir={tmp_path / 'run'}",
                "log.console=false",
@@ -250,9 +257,24 @@ def test_lmrl_train_runs_a_batch_agent_once_per_step_and_trains_on_the_tokens_it
     assert out.returncode == 0, out.stderr[-2000:]
     served = [json.loads(line) for line in (tmp_path / "agent.jsonl").read_text().splitlines()]
     trained = [json.loads(line) for line in (tmp_path / "ids.jsonl").read_text().splitlines()]
-    assert len(served) == 8 and len(trained) == 2  # one program per step ran its four episodes
+    assert len(served) == 8 and len(trained) == 2  # four episodes a step
+    assert len({e["pid"] for e in served}) == programs  # a program per step, or one for the run
     for step, ids in enumerate(trained):
         by_index = {e["index"]: sum(e["turns"], []) for e in served[4 * step: 4 * step + 4]}
         assert ids == [by_index[i] for i in range(4)]  # byte for byte, episode by episode
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["agent/failures"] for r in rows if "env/turns" in r] == [0.0, 0.0]
+
+
+def test_a_persistent_program_takes_batch_after_batch_on_its_stdin_and_ends_with_the_run(policy, tmp_path):
+    first, second, pid = run_batch(policy, tmp_path, agent_mode="persistent")
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 8 and first.metrics["agent/failures"] == second.metrics["agent/failures"] == 0
+    for episodes, served in ((first, log[:4]), (second, log[4:])):
+        by_index = {e["index"]: sum(e["turns"], []) for e in served}
+        r = episodes.rollout
+        assert [r.response_ids[i][r.response_mask[i]].tolist() for i in range(4)] == [by_index[i] for i in range(4)]
+    with pytest.raises(ProcessLookupError):  # it ended at the end of its stdin
+        os.kill(pid, 0)
+    first, second, _ = run_batch(policy, tmp_path, mode="crash", agent_mode="persistent")
+    assert first.metrics["agent/failures"] == 3 and second.metrics["agent/failures"] == 3  # started again, crashed again
