@@ -357,6 +357,8 @@ class AgentEnvironment:
         over when each episode has its reward, the program exited, or `timeout` passed (the program is then killed;
         the next batch starts it again)."""
         if self._program is None or self._program.poll() is not None:
+            if self._program is not None:  # it ended in an earlier batch (and was told there)
+                self._program.stderr_file.close()
             self._folder = self._folder or tempfile.mkdtemp(prefix="lmrl-episodes-")  # mode 0700
             self._program = self._start({}, drop=_OPENAI, stdin=True)
         proc, path = self._program, _episodes_file(gateway, episodes, self._folder)
