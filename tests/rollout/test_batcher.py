@@ -230,3 +230,30 @@ def test_32_concurrent_openai_clients_take_at_most_1_5x_one_request_with_n_32(tm
     finally:
         process.terminate()
         process.wait(30)
+
+
+class Slow(Recording):
+    """Each call takes `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.release.set()
+
+    def generate(self, prompts, n, params):
+        threading.Event().wait(self.seconds)
+        return super().generate(prompts, n, params)
+
+
+def test_after_a_long_call_a_burst_spread_over_more_than_the_minimum_window_is_still_one_call():
+    generator = Slow(0.5)
+    batcher = Batcher(generator, threading.Lock())  # window 1 ms; after a 0.5 s call, a tenth of it: 50 ms
+    batcher.generate([[1]], 1, SamplingParams())
+    with ThreadPoolExecutor(4) as pool:
+        futures = []
+        for i in range(4):  # 10 ms apart: each gap ten times the 1 ms minimum
+            futures.append(pool.submit(batcher.generate, [[10 + i]], 1, SamplingParams()))
+            threading.Event().wait(0.01)
+        rows = [f.result().tokens for f in futures]
+    assert rows == [[[10 + i, 0]] for i in range(4)]
+    assert [len(prompts) for prompts, _, _ in generator.calls] == [1, 4]
