@@ -25,8 +25,7 @@ An episode fails (counted in `agent/failures`, logged, nothing of it trained on,
 reports a non-finite one, or outlives `env.timeout` (it and its children are killed).
 
 `env.agent_mode=batch` starts the command once for all the episodes of a call (a step's batch, an evaluation)
-instead, which saves a program's start-up per episode (a Python interpreter importing `openai` is about half a
-second). Its environment has LMRL_EPISODES, the path of a JSONL file (readable by the trainer's user only) with a
+instead, which saves a program's start-up per episode (a Python interpreter, importing `openai`). Its environment has LMRL_EPISODES, the path of a JSONL file (readable by the trainer's user only) with a
 line per episode: {"index", "base_url", "api_key", "row"}; it runs them as it likes (threads, asyncio), each against
 its own base URL with its own key, reports each reward at that episode's /lmrl/reward, and exits 0, within
 `env.timeout` for the whole batch. The per-episode keys stay: one episode's key reaches only its own episode.
