@@ -358,3 +358,13 @@ def test_train_rm_vs_trl_pairs_and_table():
     assert row["ratio"] == pytest.approx(0.08 / 0.045) and row["per_seed"] == "2.00, 1.60"
     lines = _rendered(table_columns(), [row])
     assert lines[2] == "| shipped | 32 | 711 | 400 | **1.78x** (2.00, 1.60) | 1.5; 1.2 | 0e+00 / 7e-07 |"
+
+
+def test_agent_learning_benchmark_rows_read_as_the_agents_page_shows_them():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from agent_learning import row
+
+    run = {"evals": [(0, 0.336), (10, 0.9), (40, 1.0)], "seconds": 93.2, "per_step": 2.33, "turns": 1.96}
+    out = row("built-in", run)
+    assert out.pop("gain") == pytest.approx(66.4) and out == {
+        "arm": "built-in", "start": 33.6, "end": 100.0, "last_step": 40, "seconds": 93.2, "per_step": 2.33, "turns": 1.96}
