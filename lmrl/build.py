@@ -571,7 +571,8 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
     if cfg.env.name == "agent":
         from lmrl.rollout.agent import AgentEnvironment
 
-        return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
+        return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel,
+                                mode=cfg.env.agent_mode)
     try:
         return load_function(cfg.env.name, "environment", ("tools", "agent"))
     except ConfigError as e:

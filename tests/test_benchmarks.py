@@ -373,3 +373,13 @@ def test_vision_benchmarks_lmrl_side_trains_the_tiny_llava_from_chat_rows_with_i
     times = bench.run_lmrl(s, str(tmp_path / "out"))
     assert len(times) == 2 and all(t > 0 for t in times)
     assert len(bench.LENGTHS) == 8 and max(bench.LENGTHS) <= 6 and sum(bench.LENGTHS) > 8  # none ended at EOS early
+
+
+def test_agent_learning_benchmark_rows_read_as_the_agents_page_shows_them():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from agent_learning import row
+
+    run = {"evals": [(0, 0.336), (10, 0.9), (40, 1.0)], "seconds": 93.2, "per_step": 2.33, "turns": 1.96}
+    out = row("built-in", run)
+    assert out.pop("gain") == pytest.approx(66.4) and out == {
+        "arm": "built-in", "start": 33.6, "end": 100.0, "last_step": 40, "seconds": 93.2, "per_step": 2.33, "turns": 1.96}

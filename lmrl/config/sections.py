@@ -406,6 +406,10 @@ class EnvConfig(Section):
     """Seconds one agent episode may run (env.name=agent) before it is killed and counted as failed."""
     max_parallel: PositiveInt = 32
     """Most agent programs running at once (env.name=agent); the rest of the batch waits its turn."""
+    agent_mode: Literal["episode", "batch", "persistent"] = "episode"
+    """env.name=agent: "episode" starts env.command once per episode; "batch" once per batch of episodes (a step's,
+    an evaluation's), every episode's base URL, key and row in the JSONL file $LMRL_EPISODES names; "persistent"
+    once per run, each batch's file path a line on its stdin. env.timeout is then the batch's."""
     max_turns: PositiveInt = 4
     """Most model turns per episode."""
     max_tokens: PositiveInt | None = None
@@ -451,6 +455,8 @@ class EnvConfig(Section):
             raise ValueError('command: the "agent" environment needs env.command, e.g. env.command="python my_agent.py"')
         if self.command and self.name != "agent":
             raise ValueError("command: env.command is for env.name=agent")
+        if self.agent_mode != "episode" and self.name != "agent":
+            raise ValueError("agent_mode: env.agent_mode is for env.name=agent")
         return self
 
 

@@ -23,10 +23,20 @@ are counted (`agent/retokenized_tokens`) and the agent's version of that text is
 An episode fails (counted in `agent/failures`, logged, nothing of it trained on, reward 0; with
 `reward.on_error=fail` the run stops with one line) when its program exits non-zero, exits without a reward,
 reports a non-finite one, or outlives `env.timeout` (it and its children are killed).
+
+`env.agent_mode=batch` starts the command once for all the episodes of a call (a step's batch, an evaluation)
+instead, which saves a program's start-up per episode (a Python interpreter, importing `openai`). Its environment has LMRL_EPISODES, the path of a JSONL file (readable by the trainer's user only) with a
+line per episode: {"index", "base_url", "api_key", "row"}; it runs them as it likes (threads, asyncio), each against
+its own base URL with its own key, reports each reward at that episode's /lmrl/reward, and exits 0, within
+`env.timeout` for the whole batch. The per-episode keys stay: one episode's key reaches only its own episode.
+`env.agent_mode=persistent` starts it once per run (the start-up once, not per step): each batch's file path comes
+as a line on its stdin, the batch is over once every episode has reported its reward, and at the end of its stdin
+(the run is over) the program ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -34,6 +44,7 @@ import math
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +59,7 @@ import torch
 
 from lmrl.errors import RunError
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
+from lmrl.rollout.batcher import thread_precision
 from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
 
@@ -242,15 +254,23 @@ class AgentEnvironment:
         on_error: "fail": a failed episode stops the run with one line; "zero": it is counted and scores 0.
         max_parallel: the most programs running at once (an evaluation of 500 prompts starts them in turn).
         cwd: where the program runs (the current directory by default).
+        mode: "episode": a run of the command per episode; "batch": one run for all the episodes of a call, each
+            episode's URL, key and row in the file LMRL_EPISODES names (module docstring); "persistent": one run
+            for the whole run, each call's episodes file named by a line on its stdin. `timeout` is then the call's.
     """
 
     def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
-                 cwd: str | None = None):
+                 cwd: str | None = None, mode: str = "episode"):
         self.argv = shlex.split(command)
         if not self.argv:
             raise ValueError("env.command: empty")
+        if mode not in ("episode", "batch", "persistent"):
+            raise ValueError(f"env.agent_mode: expected 'episode', 'batch' or 'persistent', got {mode!r}")
         self.command, self.timeout, self.on_error, self.cwd = command, timeout, on_error, cwd
-        self.max_parallel = max_parallel
+        self.max_parallel, self.mode = max_parallel, mode
+        self._program: subprocess.Popen | None = None  # env.agent_mode=persistent: the run's program
+        self._folder: str | None = None
+        atexit.register(self.close)
         self._gateway: Gateway | None = None
 
     def __call__(self, row: Mapping[str, Any]) -> Any:
@@ -277,8 +297,9 @@ class AgentEnvironment:
             episodes[secrets.token_hex(8)] = _Episode(i, "lmrl-ep-" + secrets.token_urlsafe(24), rows[i // n], [seg],
                                                       params, max_turns, budget)
         gateway.episodes.update(episodes)
+        gateway.batcher.precision = thread_precision()  # the trainer's autocast, as its own rollouts get
         try:
-            self._run(gateway, episodes)
+            {"batch": self._run_batch, "persistent": self._run_persistent}.get(self.mode, self._run)(gateway, episodes)
         finally:
             for eid in episodes:
                 gateway.episodes.pop(eid, None)
@@ -299,7 +320,9 @@ class AgentEnvironment:
             while waiting or running:
                 while waiting and len(running) < self.max_parallel:
                     eid, e = waiting.pop(0)
-                    running.append((self._start(gateway, eid, e), time.monotonic() + self.timeout, e))
+                    given = {"OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
+                             "LMRL_ROW": json.dumps(dict(e.row), default=str)}
+                    running.append((self._start(given), time.monotonic() + self.timeout, e))
                 time.sleep(0.01)
                 still = []
                 for proc, deadline, e in running:
@@ -312,13 +335,68 @@ class AgentEnvironment:
             for proc, _, _ in running:
                 _kill(proc)
 
-    def _start(self, gateway: Gateway, eid: str, e: _Episode) -> subprocess.Popen:
-        env = {**os.environ, "OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
-               "LMRL_ROW": json.dumps(dict(e.row), default=str)}
+    def _run_batch(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
+        """One run of the command for all `episodes` (env.agent_mode=batch), killed at `timeout`."""
+        with tempfile.TemporaryDirectory(prefix="lmrl-episodes-") as folder:  # mode 0700: the keys are in it
+            proc = self._start({"LMRL_EPISODES": _episodes_file(gateway, episodes, folder)}, drop=_OPENAI)
+            deadline = time.monotonic() + self.timeout
+            try:
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                late = proc.poll() is None
+                if late:
+                    _kill(proc)
+        _fail_unrewarded(episodes, f"the batch's program ran past env.timeout={self.timeout:g}s and was killed" if late
+                         else _exit_line("the batch's program", proc) if proc.returncode != 0 else None)
+        proc.stderr_file.close()
+
+    def _run_persistent(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
+        """The batch's episodes file to the run's program, on its stdin (env.agent_mode=persistent); the batch is
+        over when each episode has its reward, the program exited, or `timeout` passed (the program is then killed;
+        the next batch starts it again)."""
+        if self._program is None or self._program.poll() is not None:
+            if self._program is not None:  # it ended in an earlier batch (and was told there)
+                self._program.stderr_file.close()
+            self._folder = self._folder or tempfile.mkdtemp(prefix="lmrl-episodes-")  # mode 0700
+            self._program = self._start({}, drop=_OPENAI, stdin=True)
+        proc, path = self._program, _episodes_file(gateway, episodes, self._folder)
+        with contextlib.suppress(OSError):  # an exited program is told below
+            proc.stdin.write((path + "\n").encode())
+            proc.stdin.flush()
+        deadline = time.monotonic() + self.timeout
+        waiting = lambda: [e for e in episodes.values() if e.reward is None and e.error is None]  # noqa: E731
+        while waiting() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.remove(path)
+        if waiting() and proc.poll() is None:
+            _kill(proc)
+            _fail_unrewarded(episodes, f"the run's program ran past env.timeout={self.timeout:g}s for this batch and "
+                                       "was killed (it starts again for the next)")
+        elif waiting():
+            _fail_unrewarded(episodes, _exit_line("the run's program", proc))
+
+    def close(self) -> None:
+        """End the run's program (env.agent_mode=persistent: at the end of its stdin it should end itself)."""
+        if self._program is not None:
+            with contextlib.suppress(OSError):
+                self._program.stdin.close()
+            try:
+                self._program.wait(5)
+            except subprocess.TimeoutExpired:
+                _kill(self._program)
+            self._program.stderr_file.close()
+            self._program = None
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+    def _start(self, given: dict[str, str], drop: Sequence[str] = (), stdin: bool = False) -> subprocess.Popen:
+        env = {**{k: v for k, v in os.environ.items() if k not in drop}, **given}
         stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in _end, once the program is done
         try:
-            proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=stderr, start_new_session=True)
+            proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
             proc.stderr_file = stderr  # type: ignore[attr-defined]
         except OSError as err:
             stderr.close()
@@ -373,6 +451,35 @@ class AgentEnvironment:
         metrics["agent/retokenized_tokens"] = float(sum(e.retokenized for e in ordered))
         metrics["agent/failures"] = float(sum(e.error is not None for e in ordered))
         return Episodes(rollout, rewards, turns, metrics)
+
+
+_OPENAI = ("OPENAI_BASE_URL", "OPENAI_API_KEY")
+"""Not inherited by a program of several episodes: a client made without arguments must reach no other endpoint."""
+
+
+def _episodes_file(gateway: Gateway, episodes: dict[str, _Episode], folder: str) -> str:
+    """A JSONL file in `folder` (the trainer's user's only: the keys are in it), a line per episode."""
+    path = os.path.join(folder, f"episodes-{secrets.token_hex(6)}.jsonl")
+    with open(path, "w") as f:
+        for eid, e in episodes.items():
+            f.write(json.dumps({"index": e.index, "base_url": gateway.episode_url(eid), "api_key": e.key,
+                                "row": dict(e.row)}, default=str) + "\n")
+    return path
+
+
+def _exit_line(who: str, proc: subprocess.Popen) -> str:
+    """`who` exited with status N: the last line of its stderr."""
+    stderr = proc.stderr_file
+    stderr.seek(0)
+    lines = stderr.read().decode(errors="replace").strip().splitlines()
+    return f"{who} exited with status {proc.returncode}" + (f": {lines[-1][:300]}" if lines else "")
+
+
+def _fail_unrewarded(episodes: dict[str, _Episode], why: str | None) -> None:
+    """Every episode still without a reward fails with `why` (None: for not having one); the others are kept."""
+    for e in episodes.values():
+        if e.error is None and e.reward is None:
+            e.error = why or "had no reward reported (POST its base_url + /lmrl/reward {\"reward\": x})"
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -4,20 +4,34 @@ Clients that each ask one completion at the same moment (an agent framework's wo
 would otherwise run one after another, each paying the whole decode loop for a single row. The batcher queues
 them; one thread takes the oldest request and every queued request that samples alike (the same n and
 `SamplingParams`, no seed), first waiting for the rest of a burst (while a request is still being read, the
-server's handler inside `incoming`, or one came in the last `window` seconds; at most `max_wait`), runs them as one
+server's handler inside `incoming`, or one came within the window; at most `max_wait`), runs them as one
 `Generator.generate` call and hands each request its own rows. Requests arriving while a call decodes wait and
 go together into the next. A seeded request runs alone: its prompt i samples with seed + i (`call_seed`), which a
 merged call would shift; so a training run's requests (always seeded) are served exactly as before.
+
+Where the time goes, and what it does about it (32 one-completion requests against one n=32 request,
+benchmarks/serve_concurrency.py): a burst's requests reach the server over a few milliseconds, more on a loaded
+machine, so a fixed 1 ms window split bursts in two calls, the second waiting for the first: the window is a
+tenth of the last call's time (a longer decode, or a busier machine, waits longer; a split costs a whole call).
+Equal prompts of different requests (the episodes of one GRPO group, a client's retries) are one prompt with more
+completions: its prefill runs once and its decode shares the prompt's keys and values, as for one n=32 request.
+
+The thread runs calls under a precision context (`precision`, e.g. the trainer's bf16 autocast captured by
+`thread_precision` in the thread that owns the run): torch keeps autocast per thread, so without it a call made
+here would decode in float32 while the trainer's own rollouts run in bfloat16.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from lmrl.rollout.base import Generator, SamplingParams
 
@@ -57,7 +71,8 @@ class Batcher:
     Args:
         generator: what samples; only the batcher's thread calls it.
         lock: held around each call (the server also holds it to load weights between calls).
-        window: a burst has ended when no request came for this many seconds.
+        window: a burst has ended when no request came for this many seconds, or a tenth of the last call's
+            seconds where that is longer.
         max_wait: the longest a request waits for the rest of its burst.
         max_sequences: the most rows of one merged call (prompts x n); 0: no limit. A request larger than
             it alone still runs alone.
@@ -67,6 +82,9 @@ class Batcher:
                  max_sequences: int = 0):
         self.generator, self.lock, self.max_sequences = generator, lock, max_sequences
         self.window, self.max_wait = window, max_wait
+        self.precision: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """Entered around each call: the numeric context (autocast) of the run the calls sample for."""
+        self._last_call = 0.0  # seconds the last generator call took
         self._queue: list[_Request] = []
         self._ready = threading.Condition()
         self._incoming = 0  # requests being read and checked, that may come to `generate` next
@@ -110,10 +128,11 @@ class Batcher:
                 while not self._queue:
                     self._ready.wait()
             deadline, seen = time.monotonic() + self.max_wait, 0
+            window = max(self.window, 0.1 * self._last_call)  # waiting costs a tenth of a call; a split, a whole one
             with self._ready:  # the rest of a burst
                 while (self._incoming or len(self._queue) > seen) and time.monotonic() < deadline:
                     seen = len(self._queue)
-                    self._ready.wait(min(self.window, max(deadline - time.monotonic(), 0)) if not self._incoming
+                    self._ready.wait(min(window, max(deadline - time.monotonic(), 0)) if not self._incoming
                                      else max(deadline - time.monotonic(), 0))
             self._run(self._take())
 
@@ -149,10 +168,47 @@ class Batcher:
             start = end
 
     def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rows:
-        with self.lock:
-            rollout = self.generator.generate(prompts, n, params)
+        distinct, repeats, where = _shared(prompts) if params.seed is None else (prompts, 1, list(range(len(prompts))))
+        start = time.perf_counter()
+        with self.lock, self.precision():
+            rollout = self.generator.generate(distinct, n * repeats, params)
             version = getattr(self.generator, "version", -1)
+        self._last_call = time.perf_counter() - start
         lengths = rollout.response_mask.sum(1).tolist()
-        return Rows([row[:k] for row, k in zip(rollout.response_ids.tolist(), lengths)],
-                    [row[:k] for row, k in zip(rollout.logprobs.tolist(), lengths)],
-                    [bool(f) for f in rollout.finished.tolist()], list(rollout.texts), version)
+        tokens = [row[:k] for row, k in zip(rollout.response_ids.tolist(), lengths)]
+        logprobs = [row[:k] for row, k in zip(rollout.logprobs.tolist(), lengths)]
+        finished, texts = [bool(f) for f in rollout.finished.tolist()], list(rollout.texts)
+        rows = [r for w in where for r in range(w * n, w * n + n)]  # each prompt's n rows, in the asked order
+        return Rows([tokens[r] for r in rows], [logprobs[r] for r in rows], [finished[r] for r in rows],
+                    [texts[r] for r in rows], version)
+
+
+def _shared(prompts: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+    """Equal prompts as one: (prompts to generate, completions per prompt as a multiple of n, where prompt i's
+    rows start in units of n). A prompt asked k times is generated k / g times with g x n completions each, g the
+    greatest common divisor of the counts (all equal prompts: one prompt; all different: as asked)."""
+    seen: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        seen.setdefault(tuple(p), []).append(i)
+    g = math.gcd(*(len(v) for v in seen.values()))
+    distinct, where = [], [0] * len(prompts)
+    for p, positions in seen.items():
+        for j, i in enumerate(positions):
+            if j % g == 0:
+                distinct.append(list(p))
+            where[i] = (len(distinct) - 1) * g + j % g  # unit (of n rows) among the call's rows
+    return distinct, g, where
+
+
+def thread_precision() -> Callable[[], contextlib.AbstractContextManager]:
+    """The calling thread's autocast (per device type), as a context another thread can enter: torch keeps autocast
+    per thread, so a batcher's thread would otherwise sample in the weights' own dtype."""
+    on = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+
+    def enter() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for device, dtype in on:
+            stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
+        return stack
+
+    return enter

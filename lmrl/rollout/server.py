@@ -302,7 +302,7 @@ class GenerationServer(ThreadingHTTPServer):
         k = _top_logprobs(body, chat)
         choices = []
         for i, (text, ids, logps) in enumerate(zip(rows.texts, rows.tokens, rows.logprobs)):
-            tokens = [self.tokenizer.decode([t]) for t in ids]
+            tokens = [self.tokenizer.decode([t]) for t in ids] if body.get("logprobs") is not None else []  # asked only
             top = self._alternatives(prompts[i // n], ids, k)
             reason = "stop" if rows.finished[i] else "length"
             choice: dict[str, Any] = {"index": i, "finish_reason": reason, "token_ids": ids}
@@ -440,6 +440,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: GenerationServer
     protocol_version = "HTTP/1.1"
     timeout = 300  # seconds a connection may sit silent (a client that opens one and sends nothing holds a thread)
+    # TCP_NODELAY: an answer is two writes (headers, body); with Nagle's algorithm the body waits for the client's
+    # delayed ACK of the headers, 40 ms on Linux, on every request of a kept-alive connection (the openai client's)
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: a trainer's console
         pass

@@ -77,9 +77,10 @@ def test_an_agent_that_rewrites_the_models_text_is_cut_there_and_counted(policy,
     ("hang", "ran past env.timeout=3s and was killed"),
 ])
 def test_a_failing_agent_is_one_line_or_a_counted_failure_never_a_hang(policy, tmp_path, mode, message):
+    timeout = 3.0 if mode == "hang" else 60.0  # the others end on their own (in seconds; more on a loaded machine)
     with pytest.raises(RunError, match="episode 0 .*" + message.replace("(", r"\(")):
-        run(policy, tmp_path, mode=mode, timeout=3.0, n=1)
-    episodes = run(policy, tmp_path, mode=mode, on_error="zero", timeout=3.0, n=1)
+        run(policy, tmp_path, mode=mode, timeout=timeout, n=1)
+    episodes = run(policy, tmp_path, mode=mode, on_error="zero", timeout=timeout, n=1)
     assert episodes.metrics["agent/failures"] == 2 and episodes.rewards == [0.0, 0.0]
     assert not episodes.rollout.response_mask.any()  # nothing of a failed episode is trained on
 
@@ -139,6 +140,7 @@ def test_lmrl_train_runs_on_an_agent_written_elsewhere_and_resumes(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["env.name=agent"], 'env.command: the "agent" environment needs env.command, e.g. env.command="python my_agent.py"'),
     (["env.command=python x.py"], "env.command: env.command is for env.name=agent"),
+    (["env.agent_mode=batch"], "env.agent_mode: env.agent_mode is for env.name=agent"),
 ])
 def test_the_agent_environment_config_is_checked_in_one_line(overrides, message):
     from lmrl.config import load_config
@@ -173,3 +175,106 @@ def test_a_chat_agent_on_a_bpe_tokenizer_trains_on_exactly_the_sampled_tokens(tm
             naive += tok(tok.decode(turn, skip_special_tokens=True), add_special_tokens=False)["input_ids"] != turn
     assert naive > 0  # the case that matters: this tokenizer does not give back the sampled ids
     assert episodes.metrics["agent/retokenized_tokens"] == 0 and episodes.rewards == [0.5, 0.5]
+
+
+def test_the_gateway_samples_under_the_autocast_of_the_trainers_thread(policy, tmp_path):
+    import torch
+
+    gen, tok = policy
+    seen = []
+
+    class Recording:  # the policy's decode, noting the autocast each call of the gateway's batcher runs under
+        pad_token_id = gen.pad_token_id
+
+        def generate(self, prompts, n, params):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return gen.generate(prompts, n, params)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what the trainer's rollouts run under with train.autocast_bf16
+        run((Recording(), tok), tmp_path, n=1)
+    assert seen and set(seen) == {(True, torch.bfloat16)}  # every call, the first turns of both rows shared or not
+
+
+BATCH_AGENT = Path(__file__).with_name("calc_agent_batch.py")
+
+
+def run_batch(policy, tmp_path, mode="ok", on_error="zero", n=2, agent_mode="batch"):
+    gen, tok = policy
+    os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
+    try:
+        env = AgentEnvironment(f"{sys.executable} {BATCH_AGENT}", timeout=60, on_error=on_error, mode=agent_mode)
+        prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
+        params = SamplingParams(max_new_tokens=24, temperature=1.0, stop=[], seed=0)
+        out = generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96)
+        if agent_mode == "persistent":  # the same program takes a second batch
+            out = (out, generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96),
+                   env._program.pid)
+            env.close()
+        return out
+    finally:
+        del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
+
+
+def test_a_batch_program_runs_every_episode_of_a_call_and_trains_on_exactly_the_sampled_tokens(policy, tmp_path):
+    episodes = run_batch(policy, tmp_path)
+    log = {e["index"]: e for e in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines())}
+    r = episodes.rollout
+    assert sorted(log) == [0, 1, 2, 3] and episodes.metrics["agent/failures"] == 0  # one program, four episodes
+    for i in range(4):
+        assert r.response_ids[i][r.response_mask[i]].tolist() == sum(log[i]["turns"], [])  # token-exact
+        assert r.texts[i] == log[i]["text"][len(ROWS[i // 2]["prompt"]):] and episodes.turns[i] == 2
+    assert episodes.rewards == [float(log[i]["text"].rsplit("\n", 1)[-1].strip() == ROWS[i // 2]["answer"])
+                                for i in range(4)]
+
+
+def test_a_batch_programs_failures_fail_the_episodes_it_left_without_a_reward(policy, tmp_path):
+    episodes = run_batch(policy, tmp_path, mode="crash")
+    assert episodes.metrics["agent/failures"] == 3 and not episodes.rollout.response_mask[1:].any()
+    with pytest.raises(RunError, match=r"episode 1 \(row 0\) the batch's program exited with status 1: agent: "
+                                       "something broke"):
+        run_batch(policy, tmp_path, mode="crash", on_error="fail")
+    episodes = run_batch(policy, tmp_path, mode="steal")  # another episode's key reports nothing
+    assert episodes.metrics["agent/failures"] == 4 and episodes.rewards == [0.0] * 4
+
+
+@pytest.mark.parametrize("agent_mode, programs", [("batch", 2), ("persistent", 1)])
+def test_lmrl_train_runs_a_batch_agent_once_per_step_or_run_and_trains_on_the_tokens_it_was_served(tmp_path, agent_mode,
+                                                                                                  programs):
+    from tests.forked import lmrl
+
+    (tmp_path / "ids.py").write_text(  # a reward function that notes the ids the trainer trains on, and adds nothing
+        "import json, os\n\n\ndef ids(completions, completion_ids, **_):\n"
+        "    with open(os.environ['IDS_LOG'], 'a') as f:\n"
+        "        f.write(json.dumps(completion_ids) + '\\n')\n"
+        "    return [0.0] * len(completions)\n")
+    env = {**os.environ, "AGENT_LOG": str(tmp_path / "agent.jsonl"), "IDS_LOG": str(tmp_path / "ids.jsonl")}
+    out = lmrl("train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
+               f"env.command={sys.executable} {BATCH_AGENT}", f"env.agent_mode={agent_mode}", "env.timeout=120",
+               "reward.functions=[env,ids.py:ids]", "rollout.prompts_per_step=2", "rollout.group_size=2",
+               "train.eval_every=0", "data.num_eval_prompts=0", "train.steps=2", f"train.output_dir={tmp_path / 'run'}",
+               "log.console=false",
+               cwd=tmp_path, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    served = [json.loads(line) for line in (tmp_path / "agent.jsonl").read_text().splitlines()]
+    trained = [json.loads(line) for line in (tmp_path / "ids.jsonl").read_text().splitlines()]
+    assert len(served) == 8 and len(trained) == 2  # four episodes a step
+    assert len({e["pid"] for e in served}) == programs  # a program per step, or one for the run
+    for step, ids in enumerate(trained):
+        by_index = {e["index"]: sum(e["turns"], []) for e in served[4 * step: 4 * step + 4]}
+        assert ids == [by_index[i] for i in range(4)]  # byte for byte, episode by episode
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["agent/failures"] for r in rows if "env/turns" in r] == [0.0, 0.0]
+
+
+def test_a_persistent_program_takes_batch_after_batch_on_its_stdin_and_ends_with_the_run(policy, tmp_path):
+    first, second, pid = run_batch(policy, tmp_path, agent_mode="persistent")
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 8 and first.metrics["agent/failures"] == second.metrics["agent/failures"] == 0
+    for episodes, served in ((first, log[:4]), (second, log[4:])):
+        by_index = {e["index"]: sum(e["turns"], []) for e in served}
+        r = episodes.rollout
+        assert [r.response_ids[i][r.response_mask[i]].tolist() for i in range(4)] == [by_index[i] for i in range(4)]
+    with pytest.raises(ProcessLookupError):  # it ended at the end of its stdin
+        os.kill(pid, 0)
+    first, second, _ = run_batch(policy, tmp_path, mode="crash", agent_mode="persistent")
+    assert first.metrics["agent/failures"] == 3 and second.metrics["agent/failures"] == 3  # started again, crashed again

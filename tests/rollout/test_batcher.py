@@ -133,3 +133,127 @@ def test_rows_of_a_request_are_its_prompts_groups(n):
     generator.release.set()
     rows = Batcher(generator, threading.Lock()).generate([[7], [8]], n, SamplingParams())
     assert rows.tokens == [[p, j] for p in (7, 8) for j in range(n)]
+
+
+def test_equal_prompts_of_different_requests_are_one_prompt_with_more_completions():
+    generator = Recording()
+    batcher = Batcher(generator, threading.Lock())
+    params = SamplingParams(max_new_tokens=4, temperature=0.7)
+    requests = [([[7]], 1, params)] * 4 + [([[8]], 1, params)] * 2 + [([[7], [8]], 1, params)]
+    answers = burst(batcher, generator, requests)
+    prompts, n, _ = generator.calls[1]
+    # 7 asked 5 times, 8 three times: gcd 1, as asked; without the last request 7 x4 and 8 x2 share by 2
+    assert sorted(p[0] for p in prompts) == [7] * 5 + [8] * 3 and n == 1
+    generator = Recording()
+    answers = burst(Batcher(generator, threading.Lock()), generator, requests[:6])
+    prompts, n, _ = generator.calls[1]
+    assert sorted(p[0] for p in prompts) == [7, 7, 8] and n == 2  # a prefill per distinct prompt (and group)
+    rows = [a.tokens[0] for a in answers]
+    assert sorted(map(tuple, rows)) == [(7, 0), (7, 0), (7, 1), (7, 1), (8, 0), (8, 1)]  # each row handed out once
+    assert [r[0] for r in rows] == [7, 7, 7, 7, 8, 8] and all(a.texts == [f"{a.tokens[0][0]}.{a.tokens[0][1]}"]
+                                                              for a in answers)
+
+
+class Precision(Recording):
+    """Records the autocast each call runs under."""
+
+    def generate(self, prompts, n, params):
+        self.autocast = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        return super().generate(prompts, n, params)
+
+
+def test_calls_run_under_the_precision_of_the_thread_that_set_it():
+    from lmrl.rollout.batcher import thread_precision
+
+    generator = Precision()
+    generator.release.set()
+    batcher = Batcher(generator, threading.Lock())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        batcher.generate([[1]], 1, SamplingParams())  # the batcher's thread does not inherit this thread's autocast
+        assert generator.autocast[0] is False
+        batcher.precision = thread_precision()
+    batcher.generate([[1]], 1, SamplingParams())
+    assert generator.autocast == (True, torch.bfloat16)
+    batcher.precision = thread_precision()  # no autocast here
+    batcher.generate([[1]], 1, SamplingParams())
+    assert generator.autocast[0] is False
+
+
+def test_32_concurrent_openai_clients_take_at_most_1_5x_one_request_with_n_32(tmp_path):
+    """32 agents' one-completion requests, at once, against one request with n=32 of the same prompt and max_tokens,
+    through a real `lmrl serve` and the official client (each call ~1 ms of the client's CPU, ~0.5 ms of the
+    server's): a model whose decode is long against that, so that what is measured is the batching."""
+    import statistics
+    import time
+
+    from openai import OpenAI
+
+    from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
+    from tests.rollout.test_server_security import serve
+
+    tok = char_tokenizer()
+    tiny_causal_lm(tok, hidden_size=64, num_layers=2, max_position_embeddings=256).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    process, url = serve(f"model.name_or_path={tmp_path}", "rollout.max_new_tokens=192", env={"LMRL_API_KEY": "k"})
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=120)
+        ask = {"model": "m", "prompt": "12+34=", "max_tokens": 192, "temperature": 0.0}
+
+        def batched() -> tuple[float, list[list[int]]]:
+            start = time.perf_counter()
+            answer = client.completions.create(**ask, n=32)
+            return time.perf_counter() - start, [c.model_extra["token_ids"] for c in answer.choices]
+
+        def concurrent() -> tuple[float, list[list[int]]]:
+            barrier = threading.Barrier(33)
+
+            def one(_):
+                barrier.wait()
+                return client.completions.create(**ask, n=1).choices[0].model_extra["token_ids"]
+
+            with ThreadPoolExecutor(32) as pool:
+                futures = [pool.submit(one, i) for i in range(32)]
+                barrier.wait()
+                start = time.perf_counter()
+                rows = [f.result() for f in futures]
+            return time.perf_counter() - start, rows
+
+        batched(), concurrent()  # warm: the client's 32 kept-alive connections, the server's threads
+        times: dict[str, list[float]] = {"batched": [], "concurrent": []}
+        for _ in range(5):  # interleaved, so a busy moment of the machine falls on both
+            for name, measure in (("batched", batched), ("concurrent", concurrent)):
+                seconds, rows = measure()
+                times[name].append(seconds)
+                assert len(rows) == 32 and len({len(r) for r in rows}) == 1 and len(rows[0]) > 100  # the same work
+        ratio = statistics.median(times["concurrent"]) / statistics.median(times["batched"])
+        assert ratio <= 1.5, f"32 concurrent requests took {ratio:.2f}x one request with n=32: {times}"
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+class Slow(Recording):
+    """Each call takes `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.release.set()
+
+    def generate(self, prompts, n, params):
+        threading.Event().wait(self.seconds)
+        return super().generate(prompts, n, params)
+
+
+def test_after_a_long_call_a_burst_spread_over_more_than_the_minimum_window_is_still_one_call():
+    generator = Slow(0.5)
+    batcher = Batcher(generator, threading.Lock())  # window 1 ms; after a 0.5 s call, a tenth of it: 50 ms
+    batcher.generate([[1]], 1, SamplingParams())
+    with ThreadPoolExecutor(4) as pool:
+        futures = []
+        for i in range(4):  # 10 ms apart: each gap ten times the 1 ms minimum
+            futures.append(pool.submit(batcher.generate, [[10 + i]], 1, SamplingParams()))
+            threading.Event().wait(0.01)
+        rows = [f.result().tokens for f in futures]
+    assert rows == [[[10 + i, 0]] for i in range(4)]
+    assert [len(prompts) for prompts, _, _ in generator.calls] == [1, 4]

@@ -1,0 +1,131 @@
+"""Does the calculator task learn as much when an agent program written elsewhere drives its episodes as with the
+built-in environment? docs/agents.md, "An agent written elsewhere", gives the numbers.
+
+    python benchmarks/agent_learning.py                      # 40 steps per arm, seed 0
+    python benchmarks/agent_learning.py --steps 2 --eval-every 1 --num-eval 8   # a smoke run
+    python benchmarks/agent_learning.py --record             # the table in docs/agents.md
+
+Each arm is `lmrl train model.name_or_path=tiny-calculator` (its preset: GRPO, 32 prompts x 8 episodes, two turns
+at most, one thread), one after the other in subprocesses. The built-in arm runs the task's own tool environment;
+the agent arms `env.name=agent env.agent_mode=batch|persistent reward.functions=[env]` with this file as the program
+(`--agent`), started once per batch or once per run: every episode of a batch in a thread over the official
+`openai` client against its own gateway endpoint, the same tool (`<calc>a+b+c</calc>` -> `=sum` and a new line)
+and the same reward (the last line is the sum), reported to the gateway. Held-out accuracy is the task's own check,
+greedy, on --num-eval sums, in every arm. Printed per arm: held-out accuracy at step 0 and at the end, the gain in
+points, the seconds of the run and per step (evaluations included). --record [NAME] (default agent-learning)
+writes benchmarks/results/NAME.MACHINE.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CALC = re.compile(r"<calc>([^<>]*)</calc>")
+
+
+def agent() -> None:
+    """The agent program (env.agent_mode=batch): every episode of the file LMRL_EPISODES names, in threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import BadRequestError, OpenAI
+
+    shared = OpenAI(base_url="http://127.0.0.1", api_key="none", max_retries=0, timeout=600)  # each episode's below
+
+    def episode(spec: dict) -> None:
+        client = shared.with_options(base_url=spec["base_url"], api_key=spec["api_key"])  # one connection pool
+        text = spec["row"]["prompt"]
+        for turn in range(2):
+            try:
+                said = client.completions.create(model="policy", prompt=text, stop=["</calc>"]).choices[0].text
+            except BadRequestError:  # the episode's tokens are spent (a long error line): it ends, as the built-in's
+                break
+            text += said
+            call = CALC.search(said)
+            if call is None or turn == 1:
+                break
+            terms = [t.strip() for t in call.group(1).split("+")]
+            ok = all(t.isdigit() and len(t) <= 18 for t in terms)
+            text += "=" + (str(sum(int(t) for t in terms)) if ok else f"error: not a sum: {call.group(1)!r}") + "\n"
+        reward = float(text.rsplit("\n", 1)[-1].strip() == spec["row"]["answer"])
+        client.post("/lmrl/reward", body={"reward": reward}, cast_to=object)
+
+    with ThreadPoolExecutor(64) as pool:
+        # env.agent_mode=batch: the batch LMRL_EPISODES names; persistent: a batch per line of stdin
+        for path in [os.environ["LMRL_EPISODES"]] if os.environ.get("LMRL_EPISODES") else sys.stdin:
+            with open(path.strip()) as f:
+                list(pool.map(episode, [json.loads(line) for line in f]))
+
+
+def train(out: Path, steps: int, eval_every: int, num_eval: int, seed: int, *overrides: str) -> dict:
+    cmd = [sys.executable, "-m", "lmrl.cli", "train", "model.name_or_path=tiny-calculator", f"train.output_dir={out}",
+           f"train.steps={steps}", f"train.eval_every={eval_every}", f"data.num_eval_prompts={num_eval}",
+           f"train.seed={seed}", "train.threads=1", "train.max_minutes=null", "train.overwrite=true",
+           "log.console=false", "log.samples_every=0", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    steps_ = [r for r in rows if "time/step" in r]
+    return {"evals": evals, "seconds": steps_[-1]["time/elapsed"], "per_step": steps_[-1]["time/elapsed"] / len(steps_),
+            "turns": steps_[-1].get("env/turns", float("nan"))}
+
+
+def row(arm: str, run: dict) -> dict:
+    (_, start), (last, end) = run["evals"][0], run["evals"][-1]
+    return {"arm": arm, "start": 100 * start, "end": 100 * end, "gain": 100 * (end - start), "last_step": last,
+            "seconds": run["seconds"], "per_step": run["per_step"], "turns": run["turns"]}
+
+
+def main() -> None:
+    if "--agent" in sys.argv:
+        return agent()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--num-eval", type=int, default=500, help="held-out sums per evaluation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record", nargs="?", const="agent-learning", metavar="NAME",
+                   help="write the table to benchmarks/results/NAME.MACHINE.json (docs/agents.md)")
+    args = p.parse_args()
+    me = Path(__file__).resolve()
+    program = ["env.name=agent", "env.timeout=600", f"env.command={sys.executable} {me} --agent", "reward.functions=[env]"]
+    arms = {"built-in tool environment": [],
+            "agent program, a run per step (`env.agent_mode=batch`)": [*program, "env.agent_mode=batch"],
+            "agent program, one run (`env.agent_mode=persistent`)": [*program, "env.agent_mode=persistent"]}
+    rows = []
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps per arm", flush=True)
+    with tempfile.TemporaryDirectory(prefix="lmrl-agent-learning-") as tmp:
+        for i, (arm, overrides) in enumerate(arms.items()):
+            rows.append(row(arm, train(Path(tmp) / str(i), args.steps, args.eval_every, args.num_eval, args.seed,
+                                       *overrides)))
+            r = rows[-1]
+            print(f"{arm:40s} {r['start']:5.1f}% -> {r['end']:5.1f}% at step {r['last_step']} ({r['gain']:+.1f} points)"
+                  f" in {r['seconds']:.0f} s ({r['per_step']:.2f} s per step, turns {r['turns']:.2f})", flush=True)
+    if args.record:
+        sys.path.insert(0, str(me.parent))
+        from recording import Column, record
+
+        columns = [Column("arm", "episodes driven by"), Column("start", "held-out accuracy, step 0", "{:.1f}%"),
+                   Column("end", "at the end", "{:.1f}%"), Column("gain", "gain (points)", "{:+.1f}"),
+                   Column("seconds", "run", "{:.0f} s"), Column("per_step", "per step", "{:.2f} s"),
+                   Column("turns", "turns per episode at the end", "{:.2f}")]
+        values = {"gain_difference": f"{max(abs(rows[0]['gain'] - r['gain']) for r in rows[1:]):.1f} points",
+                  "time_ratio_batch": f"{rows[1]['seconds'] / rows[0]['seconds']:.2f}x",
+                  "time_ratio_persistent": f"{rows[2]['seconds'] / rows[0]['seconds']:.2f}x"}
+        record(args.record, columns, rows, values=values,
+               note=f"The shipped tiny-calculator model and its preset (GRPO, 32 prompts x 8 episodes, one thread), "
+                    f"seed {args.seed}, {args.steps} steps per arm, greedy held-out accuracy on {args.num_eval} sums "
+                    f"every {args.eval_every} steps (evaluations included in the times); load average "
+                    f"{os.getloadavg()[0]:.1f} at the end.")
+
+
+if __name__ == "__main__":
+    main()
