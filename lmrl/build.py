@@ -232,8 +232,11 @@ def load_inputs(inputs: Inputs, tokenizer: Any, eval_dataset: Any = None, proces
     vision-language policy's (loaded here when not given)."""
     cfg, env, reward_funcs, train_dataset = inputs.cfg, inputs.env, inputs.reward_funcs, inputs.train_dataset
     environment = make_environment(cfg, env, use_task=train_dataset is None)  # a built-in task may bring its own
-    if (env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions
-            and not cfg.reward.recipes):
+    own_rows = getattr(environment, "rows", None)  # a verifiers environment: its taskset is the dataset
+    if own_rows is not None and train_dataset is None and cfg.data.path is None:
+        train_dataset = own_rows()
+    scores_itself = (env is not None and cfg.env.name is None) or own_rows is not None
+    if scores_itself and reward_funcs is None and not cfg.reward.functions and not cfg.reward.recipes:
         reward_funcs = ["env"]
     data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset, processor=processor)
     return environment, data, reward_funcs
@@ -546,7 +549,7 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
     own (the calculator's tool); None: single-turn. Its tools and sandbox start here, so that a machine that
     cannot isolate code fails before a model loads."""
     if env is not None:
-        return env
+        return _verifiers_environment(cfg, env) if type(env).__module__.startswith("verifiers.") else env
     if cfg.env.name is None:
         if not use_task or cfg.data.path is not None or cfg.data.task is None:
             return None
@@ -564,10 +567,22 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
         from lmrl.rollout.agent import AgentEnvironment
 
         return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
+    if cfg.env.name.startswith("verifiers:"):
+        from lmrl.rollout.verifiers_env import load_verifiers_environment
+
+        return _verifiers_environment(cfg, load_verifiers_environment(cfg.env.name))
     try:
         return load_function(cfg.env.name, "environment", ("tools", "agent"))
     except ConfigError as e:
         raise ConfigError(f"env.name: {e}") from e
+
+
+def _verifiers_environment(cfg: Config, env: Any) -> Any:
+    """A verifiers Env (`env.name=verifiers:MODULE`, or passed as `env=`) as lmrl's environment: its taskset gives
+    the prompts, its rollout runs against the gateway, its rubric scores (`lmrl.rollout.verifiers_env`)."""
+    from lmrl.rollout.verifiers_env import VerifiersEnvironment
+
+    return VerifiersEnvironment(env, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
 
 
 def make_optimizer(cfg: Config, policy: nn.Module, critic: nn.Module | None):

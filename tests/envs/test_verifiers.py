@@ -1,0 +1,114 @@
+"""verifiers environments (`env.name=verifiers:MODULE`): the environment's tasks, its own rollout against the
+gateway, its rubric; environments the tests write themselves (tests/envs/vf_sums.py), nothing from a hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lmrl.models.shipped import SHIPPED_MODELS
+
+HERE = Path(__file__).parent
+SUMS = HERE / "vf_sums.py"
+
+
+def chat_addition_model(where: Path) -> Path:
+    """The shipped tiny-addition model with a chat template that renders messages as their bare text, so that a
+    chat harness sends it the sums it was trained on."""
+    where = where / "tiny-addition-chat"
+    shutil.copytree(SHIPPED_MODELS["tiny-addition"], where)
+    config = json.loads((where / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (where / "tokenizer_config.json").write_text(json.dumps(config))
+    return where
+
+
+def test_lmrl_train_runs_a_verifiers_environment_with_its_rubric_on_the_sampled_tokens(tmp_path):
+    from tests.forked import lmrl
+
+    model = chat_addition_model(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    out = lmrl("train", f"model.name_or_path={model}", f"env.name=verifiers:{SUMS}", "rollout.prompts_per_step=2",
+               "rollout.group_size=2", "rollout.max_new_tokens=6", "train.steps=2", "train.eval_every=0",
+               "train.threads=1", f"train.output_dir={tmp_path / 'run'}", "log.console=false",
+               "log.samples_every=1", cwd=tmp_path, timeout=240, env={**os.environ, "VF_SUMS_LOG": str(log)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "verifiers/exact" in r]
+    assert len(steps) == 2 and all(r["agent/failures"] == 0 and r["agent/retokenized_tokens"] == 0 for r in steps)
+    assert all(r["verifiers/digits"] > 0 for r in steps)  # the rubric's functions, each a metric
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 8 and all(c["ids"] for c in calls)  # 2 steps x 2 prompts x 2 episodes, one call each
+
+
+@pytest.fixture(scope="module")
+def chat_policy(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmrl.rollout.hf import HFGenerator
+
+    where = chat_addition_model(tmp_path_factory.mktemp("model"))
+    tok = AutoTokenizer.from_pretrained(where)
+    return HFGenerator(AutoModelForCausalLM.from_pretrained(where).eval(), tok, seed=0), tok
+
+
+def test_the_tokens_trained_on_are_the_tokens_the_verifiers_rollout_was_served(chat_policy, tmp_path, monkeypatch):
+    from lmrl.models.prompt_encoding import encode_prompts
+    from lmrl.rollout.base import SamplingParams
+    from lmrl.rollout.multiturn import generate_episodes
+    from lmrl.rollout.verifiers_env import VerifiersEnvironment, load_verifiers_environment
+
+    gen, tok = chat_policy
+    monkeypatch.setenv("VF_SUMS_LOG", str(tmp_path / "calls.jsonl"))
+    env = VerifiersEnvironment(load_verifiers_environment(f"verifiers:{SUMS}"))
+    rows = env.rows()
+    assert [r["prompt"] for r in rows[:1]] == [[{"role": "user", "content": "80+76="}]] and rows[0]["answer"] == "156"
+    prompts = encode_prompts(tok, [r["prompt"] for r in rows], 64, use_chat_template=True)
+    episodes = generate_episodes(gen, tok, prompts, rows, 2, SamplingParams(max_new_tokens=6), env, max_turns=2)
+    served = {}
+    for line in (tmp_path / "calls.jsonl").read_text().splitlines():
+        served.setdefault(json.loads(line)["prompt"], []).append(json.loads(line)["ids"])
+    r = episodes.rollout
+    for i, row in enumerate([row for row in rows for _ in range(2)]):
+        trained = r.response_ids[i][r.response_mask[i]].tolist()
+        assert trained in served[row["prompt"][0]["content"]]  # byte for byte what the harness got
+        text = r.texts[i].strip()
+        expected = float(text == row["answer"]) + 0.25 * float(text.isdigit())  # the rubric: exact 1, digits 0.25
+        assert episodes.rewards[i] == pytest.approx(expected)
+    assert episodes.metrics["verifiers/exact"] == pytest.approx(sum(r.texts[i].strip() == row["answer"] for i, row in
+                                                                  enumerate([row for row in rows for _ in range(2)])) / 8)
+
+
+@pytest.mark.parametrize("source, message", [
+    (None, "env.name 'verifiers:no_such_vf_module_xyz': cannot import module 'no_such_vf_module_xyz'"),
+    ("import no_such_package_xyz\n", "importing '{path}' failed: ModuleNotFoundError: No module named"),
+    ("x = 1\n", "env.name 'verifiers:{path}': no function 'load_environment' in '{path}'"),
+    ("def load_environment():\n    return 3\n", "env.name: 'verifiers:{path}': load_environment() returned a int, "
+                                               "expected a verifiers Env"),
+])
+def test_a_verifiers_module_that_does_not_load_is_one_line(tmp_path, source, message):
+    from lmrl.errors import ConfigError
+    from lmrl.rollout.verifiers_env import load_verifiers_environment
+
+    path = tmp_path / "my_env.py"
+    if source is not None:
+        path.write_text(source)
+    with pytest.raises(ConfigError) as info:
+        load_verifiers_environment(f"verifiers:{path}" if source is not None else "verifiers:no_such_vf_module_xyz")
+    assert message.format(path=path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_without_verifiers_installed_the_run_says_which_extra_to_install(tmp_path):
+    from tests.forked import script
+
+    program = tmp_path / "no_verifiers.py"
+    program.write_text("import sys\nsys.modules['verifiers'] = None\nsys.modules['verifiers.v1'] = None\n"
+                       "from lmrl.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    out = script(program, "train", f"env.name=verifiers:{SUMS}", "train.steps=1", cwd=tmp_path, timeout=120)
+    assert out.returncode != 0
+    assert "env.name: verifiers environments need the verifiers package: pip install 'lmrl[agents]'" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -1,0 +1,56 @@
+"""A verifiers environment the tests write themselves (tests/envs/test_verifiers.py): sums, one chat turn, an
+exact-match rubric. Its harness runs in-process and calls the model through verifiers' interception endpoint with
+the official `openai` client; VF_SUMS_LOG, when set, gets one JSON line per model call: the token ids it got."""
+
+import json
+import os
+
+import verifiers.v1 as vf
+from openai import AsyncOpenAI
+from verifiers.v1.runtimes import ProgramResult
+
+SUMS = [("80+76=", "156"), ("28+2=", "30"), ("12+30=", "42"), ("47+5=", "52")]
+
+
+class SumData(vf.TaskData):
+    answer: str = ""
+
+
+class SumTask(vf.Task[SumData]):
+    @vf.reward(weight=1.0)
+    async def exact(self, trace) -> float:
+        return float(str(trace.last_message.content).strip() == self.data.answer)
+
+    @vf.reward(weight=0.25)
+    async def digits(self, trace) -> float:
+        return float(str(trace.last_message.content).strip().isdigit())
+
+
+class Sums(vf.Taskset[SumTask]):
+    def load(self):
+        for prompt, answer in SUMS:
+            yield SumTask(SumData(prompt=prompt, answer=answer))
+
+
+class OneTurn(vf.Harness):
+    """One chat completion: the task's prompt as a user message."""
+
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret)
+        _, prompt = self.resolve_prompt(data)
+        reply = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": prompt}])
+        if os.environ.get("VF_SUMS_LOG"):
+            with open(os.environ["VF_SUMS_LOG"], "a") as f:
+                f.write(json.dumps({"prompt": prompt, "ids": reply.choices[0].model_extra["token_ids"]}) + "\n")
+        return ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+def load_environment():
+    config = {"taskset": {"id": __name__}, "agent": {"runtime": {"type": "subprocess"}}}
+    return vf.load_environment(vf.resolve_env_config(config))
+
+
+__all__ = ["OneTurn", "Sums"]
