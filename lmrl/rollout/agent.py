@@ -48,6 +48,7 @@ import torch
 
 from lmrl.errors import RunError
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
+from lmrl.rollout.chat_turns import Reply, parse_tool_calls, render_conversation
 from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
 
@@ -63,6 +64,8 @@ class _Segment:
     """As the agent sees it in a completion (special tokens skipped)."""
     raw: str
     """As a chat template renders it (special tokens kept)."""
+    message: dict[str, Any] | None = None
+    """A sampled turn's reply as the gateway sent it (chat): recognized when the agent sends it back."""
 
 
 @dataclass
@@ -112,7 +115,7 @@ class Gateway(GenerationServer):
             if episode.turns >= episode.max_turns:
                 raise Refused(400, f"episode: {episode.turns} model turns taken, env.max_turns={episode.max_turns}",
                               "episode_budget")
-            self._extend(episode, self._conversation(body, chat), chat)
+            self._extend(episode, self._conversation(body, chat, episode), chat)
             room = int(min(episode.budget - episode.response_length(), episode.params.max_new_tokens))
             if room < 1:
                 raise Refused(400, f"episode: its {episode.budget:g} response tokens are spent (env.max_tokens)",
@@ -125,27 +128,26 @@ class Gateway(GenerationServer):
             rows = self.batcher.generate([context], 1, params)
             ids, logps = rows.tokens[0], rows.logprobs[0]
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
-            episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw))
+            choice = _choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools"),
+                             f"call-{episode.index}-{episode.turns}")
+            episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw, choice.get("message")))
             episode.turns += 1
             episode.finished = rows.finished[0]
         text = rows.texts[0]
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if rows.finished[0] else "length", "token_ids": ids}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
+        if not chat:
             choice["text"] = text
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{episode.index}-{episode.turns}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": [choice],
                 "usage": {"prompt_tokens": len(context), "completion_tokens": len(ids), "total_tokens": len(context) + len(ids)}}
 
-    def _conversation(self, body: dict[str, Any], chat: bool) -> str:
+    def _conversation(self, body: dict[str, Any], chat: bool, episode: _Episode) -> str:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages: expected a non-empty list of {role, content}")
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      tools=body.get("tools"))
+            replies = [Reply(s.message, s.raw, self._end(s.ids)) for s in episode.segments if s.message is not None]
+            return render_conversation(self.tokenizer, messages, body.get("tools"), replies)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise ValueError("prompt: the gateway takes the conversation so far as one string")
@@ -154,6 +156,9 @@ class Gateway(GenerationServer):
     def _extend(self, episode: _Episode, text: str, chat: bool) -> None:
         """Match `text` to the episode's record; cut the record where they part; tokenize only the rest."""
         known = episode.known(chat)
+        if not text.startswith(known) and chat and not any(s.trained for s in episode.segments):
+            self._rebase(episode, text)  # before the first turn: the agent's own rendering (its tools, its system)
+            known = episode.known(chat)
         if not text.startswith(known):
             prompt = episode.segments[0].raw if chat else episode.segments[0].text
             if not text.startswith(prompt):
@@ -181,6 +186,17 @@ class Gateway(GenerationServer):
         if new:
             ids = self.tokenizer(new, add_special_tokens=False)["input_ids"]
             episode.segments.append(_Segment(ids, [0.0] * len(ids), False, new, new))
+
+    def _rebase(self, episode: _Episode, text: str) -> None:
+        """The episode's prompt becomes the agent's first chat request as rendered (the row's messages with the
+        tools it offers, a system prompt of its own): prompts are attended, never trained on."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        episode.segments = [_Segment(ids, [0.0] * len(ids), False, self._decode(ids, False), text)]
+
+    def _end(self, ids: list[int]) -> str:
+        """The closing special token of a sampled turn (its EOS), which a chat template writes after a message."""
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        return self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ids and ids[-1] in special else ""
 
     def _decode(self, ids: list[int], chat: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not chat)
@@ -350,7 +366,7 @@ class AgentEnvironment:
             finished.append(bool(e.finished) and e.error is None)
             rewards.append(e.reward if e.error is None else 0.0)
             turns.append(e.turns)
-        width, plen = max(1, max(len(x) for x in ids)), max(len(p) for p in prompts)
+        width, plen = max(1, max(len(x) for x in ids)), max(len(e.segments[0].ids) for e in ordered)
         B = len(ordered)
         prompt_ids = torch.full((B, plen), pad, dtype=torch.long)
         prompt_mask = torch.zeros(B, plen, dtype=torch.bool)
@@ -359,7 +375,7 @@ class AgentEnvironment:
         mask = torch.zeros(B, width, dtype=torch.bool)
         attention = torch.zeros(B, width, dtype=torch.bool)
         for i in range(B):
-            p, k = prompts[i // n], len(ids[i])
+            p, k = ordered[i].segments[0].ids, len(ids[i])  # the prompt as the agent rendered it (`_rebase`)
             prompt_ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
             prompt_mask[i, plen - len(p):] = True
             response_ids[i, :k] = torch.tensor(ids[i], dtype=torch.long)
@@ -373,6 +389,19 @@ class AgentEnvironment:
         metrics["agent/retokenized_tokens"] = float(sum(e.retokenized for e in ordered))
         metrics["agent/failures"] = float(sum(e.error is not None for e in ordered))
         return Episodes(rollout, rewards, turns, metrics)
+
+
+def _choice(text: str, ids: list[int], finished: bool, chat: bool, tools: Any, call_id: str) -> dict[str, Any]:
+    """One choice of a completion; a chat turn's tool calls (when the request offered tools) in `tool_calls`."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if finished else "length", "token_ids": ids}
+    if not chat:
+        return choice
+    content, calls = parse_tool_calls(text, call_id) if tools else (text, [])
+    choice["message"] = {"role": "assistant", "content": content}
+    if calls:
+        choice["message"]["tool_calls"] = calls
+        choice["finish_reason"] = "tool_calls" if finished else "length"
+    return choice
 
 
 def _kill(proc: subprocess.Popen) -> None:
