@@ -27,6 +27,53 @@ def chat_addition_model(where: Path) -> Path:
     return where
 
 
+def tool_calling_model(where: Path) -> Path:
+    """A tiny chat model with a tools template (tests/envs/test_gateway_tools.py) that learned, in 150 steps on one
+    conversation, to call `add` for "What is 2+3?" its own way and answer "5" after the tool's result."""
+    import torch
+
+    from lmrl.models.tiny import bpe_chat_tokenizer, tiny_causal_lm
+    from tests.envs.test_gateway_tools import CALL, TOOLS_TEMPLATE
+    from tests.envs.vf_tools import TOOLS
+
+    tok = bpe_chat_tokenizer([CALL, "What is 2+3? The sum is 5.", TOOLS_TEMPLATE, str(TOOLS)] * 10, vocab_size=320)
+    tok.chat_template = TOOLS_TEMPLATE
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tools=TOOLS,
+                                     add_generation_prompt=True, tokenize=False)
+    text = (prompt + CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n5<|im_end|>")
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    torch.manual_seed(0)
+    model = tiny_causal_lm(tok, hidden_size=32, num_layers=1, max_position_embeddings=512, seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05
+    model.save_pretrained(where / "tool-model")
+    tok.save_pretrained(where / "tool-model")
+    return where / "tool-model"
+
+
+def test_lmrl_train_runs_a_verifiers_tool_environment_token_exact(tmp_path):
+    from tests.forked import lmrl
+
+    model = tool_calling_model(tmp_path)
+    out = lmrl("train", f"model.name_or_path={model}", f"env.name=verifiers:{HERE / 'vf_tools.py'}",
+               "rollout.prompts_per_step=1", "rollout.group_size=4", "rollout.max_new_tokens=48", "env.max_turns=3",
+               "train.steps=2", "train.eval_every=0", "train.threads=1", f"train.output_dir={tmp_path / 'run'}",
+               "log.console=false", cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "verifiers/called_tool" in r]
+    assert len(steps) == 2 and all(r["agent/failures"] == 0 for r in steps)
+    assert all(r["agent/retokenized_tokens"] == 0 for r in steps)  # the calls trained on as sampled
+    assert max(r["verifiers/called_tool"] for r in steps) > 0 and all("verifiers/exact" in r for r in steps)
+    assert max(r["env/observation_tokens"] for r in steps) > 0  # the tool results: new tokens, attended only
+
+
 def test_lmrl_train_runs_a_verifiers_environment_with_its_rubric_on_the_sampled_tokens(tmp_path):
     from tests.forked import lmrl
 
@@ -112,3 +159,16 @@ def test_without_verifiers_installed_the_run_says_which_extra_to_install(tmp_pat
     assert out.returncode != 0
     assert "env.name: verifiers environments need the verifiers package: pip install 'lmrl[agents]'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_verifiers_env_passed_from_python_is_the_runs_tasks_and_reward(chat_policy):
+    from lmrl.build import Inputs, load_inputs
+    from lmrl.config import Config
+    from lmrl.rollout.verifiers_env import VerifiersEnvironment, load_verifiers_environment
+
+    vf_env = load_verifiers_environment(f"verifiers:{SUMS}")
+    _, tok = chat_policy
+    environment, data, reward_funcs = load_inputs(Inputs(Config(), env=vf_env), tok)
+    assert isinstance(environment, VerifiersEnvironment) and environment.env is vf_env
+    assert [r["prompt"][0]["content"] for r in data.train_rows] == ["80+76=", "28+2=", "12+30=", "47+5="]
+    assert reward_funcs == ["env"]
