@@ -51,6 +51,7 @@ from lmrl.rollout.base import Generator, Rollout, SamplingParams
 from lmrl.rollout.chat_turns import Reply, parse_tool_calls, render_conversation
 from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
+from lmrl.rollout.streaming import stream_events, wants_stream
 
 
 @dataclass
@@ -246,7 +247,9 @@ class _GatewayHandler(_Handler):
                 raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
             if self.route == "/v1/lmrl/reward":
                 return self.server.report(self.episode, request)
-            return self.server.complete(self.episode, request, chat=self.route.endswith("chat/completions"))
+            chat, stream = self.route.endswith("chat/completions"), wants_stream(request)
+            answer = self.server.complete(self.episode, request, chat=chat)
+            return stream_events(answer, chat, request) if stream else answer
 
 
 class AgentEnvironment:

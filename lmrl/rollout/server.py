@@ -8,6 +8,7 @@
     POST /v1/completions         OpenAI completions: prompt (text or token ids), max_tokens, temperature, top_p,
                                  n, stop, seed, logprobs; each choice also carries its `token_ids`
     POST /v1/chat/completions    OpenAI chat completions: messages rendered with the tokenizer's chat template
+                                 (both: `stream: true` answers with server-sent events, `lmrl.rollout.streaming`)
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags
     POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`frames`)
 
@@ -49,6 +50,7 @@ from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
 from lmrl.rollout.hf import HFGenerator
+from lmrl.rollout.streaming import Events, stream_events, wants_stream
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MAX_FRAME_HEADER = 1 << 16  # a frame's JSON header: a name, a dtype and a shape
@@ -466,7 +468,9 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
             if self.path == "/lmrl/generate":
                 return self.server.lmrl_generate(request)
-            return self.server.completions(request, chat=self.path.endswith("chat/completions"))
+            chat, stream = self.path.endswith("chat/completions"), wants_stream(request)
+            answer = self.server.completions(request, chat=chat)
+            return stream_events(answer, chat, request) if stream else answer
 
     def _weights_body(self):
         secret = self.server.weights_secret
@@ -495,9 +499,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(status, {"error": {"message": message, "type": kind, "param": None, "code": code}})
 
     def _answer(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
+        events = isinstance(body, Events)  # stream: true (`lmrl.rollout.streaming`): sent whole, its length known
+        data = body.encode() if events else json.dumps(body).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/event-stream" if events else "application/json")
         self.send_header("Content-Length", str(len(data)))
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")

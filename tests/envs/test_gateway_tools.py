@@ -72,10 +72,12 @@ def test_parse_tool_calls_gives_openai_tool_calls():
     assert parse_tool_calls("<tool_call>{bad}</tool_call>") == ("<tool_call>{bad}</tool_call>", [])  # stays text
 
 
+@pytest.mark.parametrize("stream", ["0", "1"])
 def test_a_chat_agent_with_tools_gets_tool_calls_and_trains_on_exactly_the_sampled_tokens(tool_tokenizer, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, stream):
     tok = tool_tokenizer
     monkeypatch.setenv("AGENT_LOG", str(tmp_path / "log.jsonl"))
+    monkeypatch.setenv("AGENT_STREAM", stream)  # "1": every turn streamed, put together from its chunks
     rows = [{"prompt": "What is 2+3?"}]
     prompts = [tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]}], add_generation_prompt=True,
                                        tokenize=False)]
