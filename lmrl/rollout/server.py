@@ -8,6 +8,7 @@
     POST /v1/completions         OpenAI completions: prompt (text or token ids), max_tokens, temperature, top_p,
                                  n, stop, seed, logprobs; each choice also carries its `token_ids`
     POST /v1/chat/completions    OpenAI chat completions: messages rendered with the tokenizer's chat template
+                                 and its `tools`; the model's Hermes / Qwen tool calls come back in `tool_calls`
                                  (both: `stream: true` answers with server-sent events, `lmrl.rollout.streaming`)
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags
     POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`frames`)
@@ -49,6 +50,7 @@ from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
+from lmrl.rollout.chat_turns import parse_tool_calls
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.streaming import Events, stream_events, wants_stream
 
@@ -295,7 +297,9 @@ class GenerationServer(ThreadingHTTPServer):
             reason = "stop" if rows.finished[i] else "length"
             choice: dict[str, Any] = {"index": i, "finish_reason": reason, "token_ids": ids}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                content, calls = parse_tool_calls(text, f"call-{i}") if body.get("tools") else (text, [])
+                choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                choice["finish_reason"] = "tool_calls" if calls and rows.finished[i] else reason
                 choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
                                                   for t, lp in zip(tokens, logps)]} if body.get("logprobs") else None
             else:
@@ -316,7 +320,10 @@ class GenerationServer(ThreadingHTTPServer):
         if chat:
             if not isinstance(body.get("messages"), list) or not body["messages"]:
                 raise ValueError("messages: expected a non-empty list of {role, content}")
-            return encode_prompts(self.tokenizer, [body["messages"]], longest, use_chat_template=True)
+            tools = body.get("tools") or None
+            if tools is not None and not isinstance(tools, list):
+                raise ValueError(f"tools: expected a list of tool schemas, got {_show(tools)}")
+            return encode_prompts(self.tokenizer, [body["messages"]], longest, use_chat_template=True, tools=tools)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return [prompt]

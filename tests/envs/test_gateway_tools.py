@@ -101,3 +101,30 @@ def test_a_chat_agent_with_tools_gets_tool_calls_and_trains_on_exactly_the_sampl
     naive = tok.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": [
         {"function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}], tokenize=False)
     assert CALL not in naive  # re-rendering the call would have trained on tokens the model never wrote
+
+
+def test_lmrl_serve_renders_tools_and_answers_with_tool_calls_streamed_or_not(tool_tokenizer):
+    import threading
+
+    import openai
+
+    from lmrl.rollout.server import GenerationServer
+
+    server = GenerationServer(Scripted(tool_tokenizer), tool_tokenizer, "policy")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        request = dict(model="policy", messages=[{"role": "user", "content": "What is 2+3?"}], tools=[
+            {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}], max_tokens=40)
+        choice = client.chat.completions.create(**request).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+        chunks = list(client.chat.completions.create(stream=True, **request))
+        calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+        assert [(c.function.name, c.function.arguments) for c in calls] == [("add", call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = client.chat.completions.create(**{**request, "tools": None}).choices[0]  # no tools: all text
+        assert plain.message.content == CALL and plain.message.tool_calls is None and plain.finish_reason == "stop"
+    finally:
+        server.shutdown()
