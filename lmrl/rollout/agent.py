@@ -263,6 +263,8 @@ class AgentEnvironment:
         cwd: where the program runs (the current directory by default).
     """
 
+    field = "env.command"  # what a failed episode's line names
+
     def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
                  cwd: str | None = None):
         self.argv = shlex.split(command)
@@ -305,10 +307,10 @@ class AgentEnvironment:
         failed = [e for e in ordered if e.error is not None]
         if failed and self.on_error == "fail":
             e = failed[0]
-            raise RunError(f"env.command: episode {e.index} (row {e.index // n}) {e.error} ({len(failed)} of "
+            raise RunError(f"{self.field}: episode {e.index} (row {e.index // n}) {e.error} ({len(failed)} of "
                            f"{len(ordered)} episodes failed; reward.on_error=zero counts them and goes on)")
         for e in failed:
-            print(f"lmrl: env.command: episode {e.index} failed: {e.error}", file=sys.stderr)
+            print(f"lmrl: {self.field}: episode {e.index} failed: {e.error}", file=sys.stderr)
         return self._episodes(ordered, prompts, n, generator)
 
     def _run(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:

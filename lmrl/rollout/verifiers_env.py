@@ -65,6 +65,8 @@ def load_verifiers_environment(spec: str) -> Any:
 class VerifiersEnvironment(AgentEnvironment):
     """A verifiers Env as an lmrl environment (module docstring); its `rows()` are the run's dataset."""
 
+    field = "env.name"
+
     def __init__(self, env: Any, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32):
         vf = _verifiers()
         if not isinstance(env, vf.Env):

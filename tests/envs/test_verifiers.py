@@ -172,3 +172,24 @@ def test_a_verifiers_env_passed_from_python_is_the_runs_tasks_and_reward(chat_po
     assert isinstance(environment, VerifiersEnvironment) and environment.env is vf_env
     assert [r["prompt"][0]["content"] for r in data.train_rows] == ["80+76=", "28+2=", "12+30=", "47+5="]
     assert reward_funcs == ["env"]
+
+
+def test_a_failed_verifiers_episode_is_one_line_or_a_counted_failure(chat_policy, monkeypatch):
+    from lmrl.errors import RunError
+    from lmrl.models.prompt_encoding import encode_prompts
+    from lmrl.rollout.base import SamplingParams
+    from lmrl.rollout.multiturn import generate_episodes
+    from lmrl.rollout.verifiers_env import VerifiersEnvironment, load_verifiers_environment
+
+    gen, tok = chat_policy
+    monkeypatch.setenv("VF_SUMS_BROKEN", "1")
+    vf_env = load_verifiers_environment(f"verifiers:{SUMS}")
+    rows = VerifiersEnvironment(vf_env).rows()[:1]
+    prompts = encode_prompts(tok, [r["prompt"] for r in rows], 64, use_chat_template=True)
+    with pytest.raises(RunError, match=r"^env.name: episode 0 \(row 0\) verifiers: .*the harness broke.* \(1 of 1 "
+                                       r"episodes failed; reward.on_error=zero counts them and goes on\)$"):
+        generate_episodes(gen, tok, prompts, rows, 1, SamplingParams(max_new_tokens=4), VerifiersEnvironment(vf_env), 2)
+    episodes = generate_episodes(gen, tok, prompts, rows, 2, SamplingParams(max_new_tokens=4),
+                                 VerifiersEnvironment(vf_env, on_error="zero"), 2)
+    assert episodes.metrics["agent/failures"] == 2 and episodes.rewards == [0.0, 0.0]
+    assert not episodes.rollout.response_mask.any()  # nothing of a failed episode is trained on

@@ -1,6 +1,7 @@
 """A verifiers environment the tests write themselves (tests/envs/test_verifiers.py): sums, one chat turn, an
 exact-match rubric. Its harness runs in-process and calls the model through verifiers' interception endpoint with
-the official `openai` client; VF_SUMS_LOG, when set, gets one JSON line per model call: the token ids it got."""
+the official `openai` client; VF_SUMS_LOG, when set, gets one JSON line per model call: the token ids it got.
+VF_SUMS_BROKEN=1 makes the harness raise."""
 
 import json
 import os
@@ -39,6 +40,8 @@ class OneTurn(vf.Harness):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        if os.environ.get("VF_SUMS_BROKEN"):
+            raise RuntimeError("the harness broke")
         client = AsyncOpenAI(base_url=endpoint, api_key=secret)
         _, prompt = self.resolve_prompt(data)
         reply = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": prompt}])
@@ -54,3 +57,4 @@ def load_environment():
 
 
 __all__ = ["OneTurn", "Sums"]
+
