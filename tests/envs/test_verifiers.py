@@ -103,7 +103,9 @@ def chat_policy(tmp_path_factory):
     return HFGenerator(AutoModelForCausalLM.from_pretrained(where).eval(), tok, seed=0), tok
 
 
-def test_the_tokens_trained_on_are_the_tokens_the_verifiers_rollout_was_served(chat_policy, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_tokens_trained_on_are_the_tokens_the_verifiers_rollout_was_served(chat_policy, tmp_path, monkeypatch,
+                                                                              stream):
     from lmrl.models.prompt_encoding import encode_prompts
     from lmrl.rollout.base import SamplingParams
     from lmrl.rollout.multiturn import generate_episodes
@@ -111,6 +113,8 @@ def test_the_tokens_trained_on_are_the_tokens_the_verifiers_rollout_was_served(c
 
     gen, tok = chat_policy
     monkeypatch.setenv("VF_SUMS_LOG", str(tmp_path / "calls.jsonl"))
+    if stream:  # the harness streams: verifiers relays the gateway's server-sent events
+        monkeypatch.setenv("VF_SUMS_STREAM", "1")
     env = VerifiersEnvironment(load_verifiers_environment(f"verifiers:{SUMS}"))
     rows = env.rows()
     assert [r["prompt"] for r in rows[:1]] == [[{"role": "user", "content": "80+76="}]] and rows[0]["answer"] == "156"

@@ -1,7 +1,7 @@
 """A verifiers environment the tests write themselves (tests/envs/test_verifiers.py): sums, one chat turn, an
 exact-match rubric. Its harness runs in-process and calls the model through verifiers' interception endpoint with
 the official `openai` client; VF_SUMS_LOG, when set, gets one JSON line per model call: the token ids it got.
-VF_SUMS_BROKEN=1 makes the harness raise."""
+VF_SUMS_BROKEN=1 makes the harness raise; VF_SUMS_STREAM=1 asks with `stream=True`."""
 
 import json
 import os
@@ -44,10 +44,17 @@ class OneTurn(vf.Harness):
             raise RuntimeError("the harness broke")
         client = AsyncOpenAI(base_url=endpoint, api_key=secret)
         _, prompt = self.resolve_prompt(data)
-        reply = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": prompt}])
+        messages = [{"role": "user", "content": prompt}]
+        if os.environ.get("VF_SUMS_STREAM"):  # through verifiers' relay of server-sent events
+            ids = None
+            async for chunk in await client.chat.completions.create(model=ctx.model, messages=messages, stream=True):
+                ids = (chunk.choices[0].model_extra or {}).get("token_ids") or ids if chunk.choices else ids
+        else:
+            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+            ids = reply.choices[0].model_extra["token_ids"]
         if os.environ.get("VF_SUMS_LOG"):
             with open(os.environ["VF_SUMS_LOG"], "a") as f:
-                f.write(json.dumps({"prompt": prompt, "ids": reply.choices[0].model_extra["token_ids"]}) + "\n")
+                f.write(json.dumps({"prompt": prompt, "ids": ids}) + "\n")
         return ProgramResult(exit_code=0, stdout="", stderr="")
 
 
