@@ -18,6 +18,7 @@ scoring), when no reward function scored it, or past `env.timeout`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -126,6 +127,8 @@ class VerifiersEnvironment(AgentEnvironment):
 
         async with self.env.serving():
             await asyncio.gather(*(one(eid, e) for eid, e in episodes.items()))
+        gc.collect()  # clients a harness left open close now, while their loop still runs (not on a closed one)
+        await asyncio.sleep(0.01)
 
     async def _one(self, gateway: Gateway, eid: str, e: _Episode, key_var: str) -> None:
         vf = self.vf
