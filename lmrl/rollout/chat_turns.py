@@ -81,9 +81,16 @@ def render_conversation(tokenizer: Any, messages: Sequence[Any], tools: Any, rep
 
 def _same_message(sent: dict[str, Any], ours: dict[str, Any]) -> bool:
     """The agent sent back our reply as it was: the same content (None and "" alike) and the same calls."""
-    if (sent.get("content") or None) != (ours.get("content") or None):
+    if (_text(sent.get("content")) or None) != (ours.get("content") or None):
         return False
     return _calls(sent.get("tool_calls")) == _calls(ours.get("tool_calls"))
+
+
+def _text(content: Any) -> Any:
+    """A message's content as one string where it is a list of text parts ([{"type": "text", "text": ...}])."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
 
 
 def _calls(calls: Any) -> list[tuple[Any, Any]]:

@@ -20,16 +20,16 @@ AGENT = Path(__file__).with_name("tool_agent.py")
 # ChatML with tools as Qwen2.5 renders them: the tools in a system turn, calls as <tool_call>\n{json}\n</tool_call>,
 # a tool message as a user turn holding <tool_response>
 TOOLS_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools:"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'assistant' %}<|im_start|>assistant\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
-    "{%- for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
-    "\"arguments\": {{ c['function']['arguments'] }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if tools %}<|im_start|>system\nYou may call these tools:"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # the model writes its call its own way (no new lines, "arguments" first), not as the template renders it
 CALL = '<tool_call>{"arguments": {"a": 2, "b": 3}, "name": "add"}</tool_call>'
@@ -70,6 +70,24 @@ def test_parse_tool_calls_gives_openai_tool_calls():
     assert content == "Let me add."
     assert calls == [{"id": "c-0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]
     assert parse_tool_calls("<tool_call>{bad}</tool_call>") == ("<tool_call>{bad}</tool_call>", [])  # stays text
+
+
+def test_the_gateways_own_replies_are_rendered_as_sampled_and_changed_ones_as_sent(tool_tokenizer):
+    from lmrl.rollout.chat_turns import Reply, render_conversation
+
+    tok = tool_tokenizer
+    ours = {"role": "assistant", "content": "Sure.", "tool_calls": [
+        {"id": "c-0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
+    reply = Reply(ours, "Sure." + CALL + "<|im_end|>", "<|im_end|>")
+    user = {"role": "user", "content": "What is 2+3?"}
+    tool = {"role": "tool", "tool_call_id": "c-0", "content": "5"}
+    parts = {**ours, "content": [{"type": "text", "text": "Sure."}], "tool_calls": [  # the same, sent another way
+        {"id": "c-0", "type": "function", "function": {"name": "add", "arguments": '{"b": 3, "a": 2}'}}]}
+    for sent in (ours, parts):
+        text = render_conversation(tok, [user, sent, tool], None, [reply])
+        assert "Sure." + CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5" in text
+    changed = render_conversation(tok, [user, {**ours, "content": "Hm."}, tool], None, [reply])
+    assert CALL not in changed and "Hm.<tool_call>\n" in changed  # the agent's version, as the template writes it
 
 
 @pytest.mark.parametrize("stream", ["0", "1"])
