@@ -165,17 +165,21 @@ def test_without_verifiers_installed_the_run_says_which_extra_to_install(tmp_pat
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
-def test_a_verifiers_env_passed_from_python_is_the_runs_tasks_and_reward(chat_policy):
-    from lmrl.build import Inputs, load_inputs
-    from lmrl.config import Config
+def test_a_verifiers_env_passed_from_python_trains_on_its_tasks_and_reward(tmp_path):
+    from lmrl import Config, Trainer
     from lmrl.rollout.verifiers_env import VerifiersEnvironment, load_verifiers_environment
 
     vf_env = load_verifiers_environment(f"verifiers:{SUMS}")
-    _, tok = chat_policy
-    environment, data, reward_funcs = load_inputs(Inputs(Config(), env=vf_env), tok)
-    assert isinstance(environment, VerifiersEnvironment) and environment.env is vf_env
-    assert [r["prompt"][0]["content"] for r in data.train_rows] == ["80+76=", "28+2=", "12+30=", "47+5="]
-    assert reward_funcs == ["env"]
+    cfg = Config(model={"name_or_path": str(chat_addition_model(tmp_path))}, log={"console": False},
+                 rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6},
+                 train={"steps": 1, "threads": 1, "output_dir": str(tmp_path / "run")})
+    trainer = Trainer(cfg, env=vf_env)
+    assert isinstance(trainer.env, VerifiersEnvironment) and trainer.env.env is vf_env
+    assert [r["prompt"][0]["content"] for r in trainer.data.train_rows] == ["80+76=", "28+2=", "12+30=", "47+5="]
+    trainer.train()
+    [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if "verifiers/exact" in line]
+    assert row["agent/failures"] == 0 and "reward/env_reward/mean" in row  # its rubric is the run's reward
 
 
 def test_a_failed_verifiers_episode_is_one_line_or_a_counted_failure(chat_policy, monkeypatch):
