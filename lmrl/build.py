@@ -232,10 +232,12 @@ def load_inputs(inputs: Inputs, tokenizer: Any, eval_dataset: Any = None, proces
     vision-language policy's (loaded here when not given)."""
     cfg, env, reward_funcs, train_dataset = inputs.cfg, inputs.env, inputs.reward_funcs, inputs.train_dataset
     environment = make_environment(cfg, env, use_task=train_dataset is None)  # a built-in task may bring its own
-    own_rows = getattr(environment, "rows", None)  # a verifiers environment: its taskset is the dataset
-    if own_rows is not None and train_dataset is None and cfg.data.path is None:
-        train_dataset = own_rows()
-    scores_itself = (env is not None and cfg.env.name is None) or own_rows is not None
+    from lmrl.rollout.verifiers_env import VerifiersEnvironment
+
+    verifiers = isinstance(environment, VerifiersEnvironment)  # its taskset is the dataset, its rubric the reward
+    if verifiers and train_dataset is None and cfg.data.path is None:
+        train_dataset = environment.rows()
+    scores_itself = (env is not None and cfg.env.name is None) or verifiers
     if scores_itself and reward_funcs is None and not cfg.reward.functions and not cfg.reward.recipes:
         reward_funcs = ["env"]
     data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset, processor=processor)
