@@ -99,6 +99,9 @@ class Gateway(GenerationServer):
         super().__init__(generator, tokenizer, name, host="127.0.0.1", port=0)
         self.RequestHandlerClass = _GatewayHandler
         self.episodes: dict[str, _Episode] = {}
+        # an in-process client of many episodes (verifiers': one per step) names each in its X-Session-ID header
+        self.sessions: dict[str, str] = {}  # session id -> episode id, kept by whoever runs the episodes
+        self.session_key = "lmrl-sessions-" + secrets.token_urlsafe(24)  # never handed to an agent program
         threading.Thread(target=self.serve_forever, name="lmrl-gateway", daemon=True).start()
 
     def episode_url(self, episode_id: str) -> str:
@@ -213,6 +216,9 @@ class Gateway(GenerationServer):
         return {"ok": True}
 
 
+SESSIONS = "by-session"  # /episodes/by-session/v1/...: the episode named by the X-Session-ID header
+
+
 class _GatewayHandler(_Handler):
     """Requests under /episodes/ID/v1/..., each with that episode's key (another episode's: 403)."""
 
@@ -222,6 +228,8 @@ class _GatewayHandler(_Handler):
 
     def _authorize(self) -> None:
         parts = self.path.split("/", 3)  # "", "episodes", ID, "v1/..."
+        if len(parts) == 4 and parts[1] == "episodes" and parts[2] == SESSIONS:
+            return self._authorize_session(parts[3])
         if len(parts) < 4 or parts[1] != "episodes" or parts[2] not in self.server.episodes:
             raise Refused(404, f"no such episode: {self.path[:80]} (the gateway serves /episodes/ID/v1/...)")
         episode = self.server.episodes[parts[2]]
@@ -232,6 +240,18 @@ class _GatewayHandler(_Handler):
                 raise Refused(403, "authorization: this key belongs to another episode", "wrong_episode")
             raise Refused(401, "authorization: a missing or wrong key: send the episode's OPENAI_API_KEY", "invalid_api_key")
         self.episode, self.route = episode, "/" + parts[3]
+
+    def _authorize_session(self, route: str) -> None:
+        """/episodes/by-session/v1/...: the gateway's session key, and an X-Session-ID its `sessions` map to a live
+        episode (`lmrl.rollout.verifiers_env`: one HTTP client per step instead of one per episode)."""
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if not _same(token.strip() if scheme.lower() == "bearer" else "", self.server.session_key):
+            raise Refused(401, "authorization: a missing or wrong key: send the episode's OPENAI_API_KEY", "invalid_api_key")
+        eid = self.server.sessions.get(self.headers.get("X-Session-ID", ""))
+        if eid is None or eid not in self.server.episodes:
+            raise Refused(404, f"no such session: {self.headers.get('X-Session-ID', '')[:40]!r} (X-Session-ID names "
+                          "a live episode's session)")
+        self.episode, self.route = self.server.episodes[eid], "/" + route
 
     def _get(self) -> dict[str, Any]:
         if self.route == "/v1/models":

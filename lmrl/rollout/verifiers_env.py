@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmrl.errors import ConfigError
-from lmrl.rollout.agent import AgentEnvironment, Gateway, _Episode
+from lmrl.rollout.agent import SESSIONS, AgentEnvironment, Gateway, _Episode
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.multiturn import Episodes
 from lmrl.user_code import load_function
@@ -109,34 +109,40 @@ class VerifiersEnvironment(AgentEnvironment):
         return episodes
 
     def _run(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
-        """Every episode through the environment's own rollout, against its endpoint on the gateway."""
-        keys = {eid: f"LMRL_VERIFIERS_KEY_{eid}" for eid in episodes}
-        os.environ.update({keys[eid]: e.key for eid, e in episodes.items()})  # verifiers reads a key by variable
+        """Every episode through the environment's own rollout, against the gateway: one client config for the
+        step (verifiers builds one HTTP client per config), each request naming its episode by its trace's id
+        (`X-Session-ID`, which verifiers sends), mapped as each trace is minted."""
+        var = f"LMRL_VERIFIERS_KEY_{id(gateway)}"
+        os.environ[var] = gateway.session_key  # verifiers reads a key by variable
+        client = self.vf.EvalClientConfig(base_url=f"{gateway.url}/episodes/{SESSIONS}/v1", api_key_var=var)
         try:
-            asyncio.run(self._all(gateway, episodes, keys))
+            asyncio.run(self._all(gateway, episodes, client))
         finally:
-            for var in keys.values():
-                os.environ.pop(var, None)
+            os.environ.pop(var, None)
+            for session in [s for s, eid in gateway.sessions.items() if eid in episodes]:
+                gateway.sessions.pop(session, None)
 
-    async def _all(self, gateway: Gateway, episodes: dict[str, _Episode], keys: dict[str, str]) -> None:
+    async def _all(self, gateway: Gateway, episodes: dict[str, _Episode], client: Any) -> None:
         gate = asyncio.Semaphore(self.max_parallel)
 
         async def one(eid: str, e: _Episode) -> None:
             async with gate:
-                await self._one(gateway, eid, e, keys[eid])
+                await self._one(gateway, eid, e, client)
 
         async with self.env.serving():
             await asyncio.gather(*(one(eid, e) for eid, e in episodes.items()))
         gc.collect()  # clients a harness left open close now, while their loop still runs (not on a closed one)
         await asyncio.sleep(0.01)
 
-    async def _one(self, gateway: Gateway, eid: str, e: _Episode, key_var: str) -> None:
-        vf = self.vf
+    async def _one(self, gateway: Gateway, eid: str, e: _Episode, client: Any) -> None:
         task = self.tasks[int(e.row["vf_task"])]
-        client = vf.EvalClientConfig(base_url=gateway.episode_url(eid), api_key_var=key_var)
-        ctx = vf.ModelContext(model=gateway.name, client=client)
+        ctx = self.vf.ModelContext(model=gateway.name, client=client)
+
+        def minted(trace: Any) -> None:  # a retried agent mints a new trace: it maps to the same episode
+            gateway.sessions[trace.id] = eid
+
         try:
-            episode = await asyncio.wait_for(self.env.run_episode(task, ctx), self.timeout)
+            episode = await asyncio.wait_for(self.env.run_episode(task, ctx, on_trace=minted), self.timeout)
         except TimeoutError:
             e.error = f"ran past env.timeout={self.timeout:g}s and was stopped"
             return

@@ -201,3 +201,29 @@ def test_a_failed_verifiers_episode_is_one_line_or_a_counted_failure(chat_policy
                                  VerifiersEnvironment(vf_env, on_error="zero"), 2)
     assert episodes.metrics["agent/failures"] == 2 and episodes.rewards == [0.0, 0.0]
     assert not episodes.rollout.response_mask.any()  # nothing of a failed episode is trained on
+
+
+def test_the_session_route_takes_only_the_gateways_session_key_and_a_live_session(chat_policy):
+    import httpx
+
+    from lmrl.rollout.agent import SESSIONS, Gateway, _Episode, _Segment
+    from lmrl.rollout.base import SamplingParams
+
+    gen, tok = chat_policy
+    gateway = Gateway(gen, tok)
+    try:
+        seg = _Segment([5, 6], [0.0, 0.0], False, "47", "47")
+        gateway.episodes = {"a": _Episode(0, "key-a", {}, [seg], SamplingParams(max_new_tokens=4), 2, 8)}
+        gateway.sessions = {"trace-1": "a", "trace-gone": "b"}
+        url = f"{gateway.url}/episodes/{SESSIONS}/v1/lmrl/reward"
+
+        def post(key, session):
+            return httpx.post(url, json={"reward": 1.0}, headers={"Authorization": f"Bearer {key}",
+                                                                  "X-Session-ID": session}).status_code
+
+        assert post("key-a", "trace-1") == 401  # an episode's own key does not open the session route
+        assert post(gateway.session_key, "trace-x") == 404 and post(gateway.session_key, "trace-gone") == 404
+        assert gateway.episodes["a"].reward is None
+        assert post(gateway.session_key, "trace-1") == 200 and gateway.episodes["a"].reward == 1.0
+    finally:
+        gateway.shutdown()

@@ -3,9 +3,12 @@ exact-match rubric. Its harness runs in-process and calls the model through veri
 the official `openai` client; VF_SUMS_LOG, when set, gets one JSON line per model call: the token ids it got.
 VF_SUMS_BROKEN=1 makes the harness raise; VF_SUMS_STREAM=1 asks with `stream=True`."""
 
+import asyncio
 import json
 import os
+import weakref
 
+import httpx
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
 from verifiers.v1.runtimes import ProgramResult
@@ -33,6 +36,16 @@ class Sums(vf.Taskset[SumTask]):
             yield SumTask(SumData(prompt=prompt, answer=answer))
 
 
+_http = weakref.WeakKeyDictionary()  # one HTTP client per event loop (a step's), as a harness of many rollouts keeps
+
+
+def http_client() -> httpx.AsyncClient:
+    loop = asyncio.get_running_loop()
+    if loop not in _http:
+        _http[loop] = httpx.AsyncClient(timeout=120)
+    return _http[loop]
+
+
 class OneTurn(vf.Harness):
     """One chat completion: the task's prompt as a user message."""
 
@@ -42,7 +55,7 @@ class OneTurn(vf.Harness):
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
         if os.environ.get("VF_SUMS_BROKEN"):
             raise RuntimeError("the harness broke")
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret)
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, http_client=http_client())
         _, prompt = self.resolve_prompt(data)
         messages = [{"role": "user", "content": prompt}]
         if os.environ.get("VF_SUMS_STREAM"):  # through verifiers' relay of server-sent events
