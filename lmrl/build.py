@@ -550,8 +550,13 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
     """The multi-turn environment of `env.name`, or `env` as given (an Environment object), or the built-in task's
     own (the calculator's tool); None: single-turn. Its tools and sandbox start here, so that a machine that
     cannot isolate code fails before a model loads."""
-    if env is not None:
-        return _verifiers_environment(cfg, env) if type(env).__module__.startswith("verifiers.") else env
+    if env is not None and not type(env).__module__.startswith("verifiers."):
+        return env
+    if env is not None or (cfg.env.name or "").startswith("verifiers:"):  # a verifiers Env, given or named
+        from lmrl.rollout.verifiers_env import verifiers_environment
+
+        given = env if env is not None else cfg.env.name
+        return verifiers_environment(given, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
     if cfg.env.name is None:
         if not use_task or cfg.data.path is not None or cfg.data.task is None:
             return None
@@ -569,22 +574,10 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
         from lmrl.rollout.agent import AgentEnvironment
 
         return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
-    if cfg.env.name.startswith("verifiers:"):
-        from lmrl.rollout.verifiers_env import load_verifiers_environment
-
-        return _verifiers_environment(cfg, load_verifiers_environment(cfg.env.name))
     try:
         return load_function(cfg.env.name, "environment", ("tools", "agent"))
     except ConfigError as e:
         raise ConfigError(f"env.name: {e}") from e
-
-
-def _verifiers_environment(cfg: Config, env: Any) -> Any:
-    """A verifiers Env (`env.name=verifiers:MODULE`, or passed as `env=`) as lmrl's environment: its taskset gives
-    the prompts, its rollout runs against the gateway, its rubric scores (`lmrl.rollout.verifiers_env`)."""
-    from lmrl.rollout.verifiers_env import VerifiersEnvironment
-
-    return VerifiersEnvironment(env, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
 
 
 def make_optimizer(cfg: Config, policy: nn.Module, critic: nn.Module | None):

@@ -63,6 +63,13 @@ def load_verifiers_environment(spec: str) -> Any:
     return env
 
 
+def verifiers_environment(env: Any, timeout: float, on_error: str, max_parallel: int) -> VerifiersEnvironment:
+    """`env`, a verifiers Env or `verifiers:MODULE` (what `env.name` says), as lmrl's environment."""
+    if isinstance(env, str):
+        env = load_verifiers_environment(env)
+    return VerifiersEnvironment(env, timeout, on_error, max_parallel)
+
+
 class VerifiersEnvironment(AgentEnvironment):
     """A verifiers Env as an lmrl environment (module docstring); its `rows()` are the run's dataset."""
 
@@ -74,6 +81,9 @@ class VerifiersEnvironment(AgentEnvironment):
             raise ConfigError(f"env: expected a verifiers Env (verifiers.v1.Env), got {type(env).__name__}")
         super().__init__("verifiers", timeout, on_error, max_parallel)
         self.env, self.vf = env, vf
+        if not env.taskset.bounded:
+            raise ConfigError(f"env: the verifiers environment's taskset {type(env.taskset).__name__} is endless; "
+                              "bound it (taskset.take(n)) to train on it")
         self.tasks = list(env.taskset)
         if not self.tasks:
             raise ConfigError(f"env: the verifiers environment's taskset {type(env.taskset).__name__} has no tasks")
