@@ -47,18 +47,18 @@ def load_verifiers_environment(spec: str) -> Any:
     module = spec.removeprefix(PREFIX)
     if not module:
         raise ConfigError(f"env.name: {spec!r}: expected verifiers:MODULE, a module or file.py with load_environment()")
+    what = f"env.name: verifiers environment {spec!r}"
     vf = _verifiers()
     try:
-        load = load_function(f"{module}:load_environment", "env.name")
+        load = load_function(f"{module}:load_environment", "verifiers environment")
     except ConfigError as e:
-        raise ConfigError(str(e).replace(repr(f"{module}:load_environment"), repr(spec), 1)) from None
+        raise ConfigError("env.name: " + str(e).replace(repr(f"{module}:load_environment"), repr(spec), 1)) from None
     try:
         env = load()
     except Exception as e:  # noqa: BLE001 - the user's code: one line
-        raise ConfigError(f"env.name {spec!r}: load_environment() raised {type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:300]}") from None
+        raise ConfigError(f"{what}: load_environment() raised {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     if not isinstance(env, vf.Env):
-        raise ConfigError(f"env.name: {spec!r}: load_environment() returned a {type(env).__name__}, expected a "
+        raise ConfigError(f"{what}: load_environment() returned a value of type {type(env).__name__!r}, expected a "
                           "verifiers Env (verifiers.v1.Env, e.g. vf.load_environment(config))")
     return env
 

@@ -135,11 +135,13 @@ def test_the_tokens_trained_on_are_the_tokens_the_verifiers_rollout_was_served(c
 
 
 @pytest.mark.parametrize("source, message", [
-    (None, "env.name 'verifiers:no_such_vf_module_xyz': cannot import module 'no_such_vf_module_xyz'"),
-    ("import no_such_package_xyz\n", "importing '{path}' failed: ModuleNotFoundError: No module named"),
-    ("x = 1\n", "env.name 'verifiers:{path}': no function 'load_environment' in '{path}'"),
-    ("def load_environment():\n    return 3\n", "env.name: 'verifiers:{path}': load_environment() returned a int, "
-                                               "expected a verifiers Env"),
+    (None, "env.name: verifiers environment 'verifiers:no_such_vf_module_xyz': cannot import module "
+           "'no_such_vf_module_xyz'"),
+    ("import no_such_package_xyz\n", "env.name: verifiers environment 'verifiers:{path}': importing '{path}' failed: "
+                                     "ModuleNotFoundError: No module named"),
+    ("x = 1\n", "env.name: verifiers environment 'verifiers:{path}': no function 'load_environment' in '{path}'"),
+    ("def load_environment():\n    return 3\n", "env.name: verifiers environment 'verifiers:{path}': load_environment() "
+                                               "returned a value of type 'int', expected a verifiers Env"),
 ])
 def test_a_verifiers_module_that_does_not_load_is_one_line(tmp_path, source, message):
     from lmrl.errors import ConfigError
