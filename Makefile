@@ -10,7 +10,7 @@ STAMP := $(VENV)/.lmrl-installed
 $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_vllm.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	bash scripts/install_torch.sh $(PY)
-	$(PY) -m pip install -q -e '.[dev,docs]'
+	$(PY) -m pip install -q -e '.[dev,docs,agents]'
 	bash scripts/install_vllm.sh $(PY)
 	touch $(STAMP)
 

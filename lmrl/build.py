@@ -240,8 +240,13 @@ def load_inputs(inputs: Inputs, tokenizer: Any, eval_dataset: Any = None, proces
     vision-language policy's (loaded here when not given)."""
     cfg, env, reward_funcs, train_dataset = inputs.cfg, inputs.env, inputs.reward_funcs, inputs.train_dataset
     environment = make_environment(cfg, env, use_task=train_dataset is None)  # a built-in task may bring its own
-    if (env is not None and cfg.env.name is None and reward_funcs is None and not cfg.reward.functions
-            and not cfg.reward.recipes):
+    from lmrl.rollout.verifiers_env import VerifiersEnvironment
+
+    verifiers = isinstance(environment, VerifiersEnvironment)  # its taskset is the dataset, its rubric the reward
+    if verifiers and train_dataset is None and cfg.data.path is None:
+        train_dataset = environment.rows()
+    scores_itself = (env is not None and cfg.env.name is None) or verifiers
+    if scores_itself and reward_funcs is None and not cfg.reward.functions and not cfg.reward.recipes:
         reward_funcs = ["env"]
     data = load_data(cfg, tokenizer, reward_funcs, train_dataset, eval_dataset, processor=processor)
     return environment, data, reward_funcs
@@ -553,8 +558,13 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
     """The multi-turn environment of `env.name`, or `env` as given (an Environment object), or the built-in task's
     own (the calculator's tool); None: single-turn. Its tools and sandbox start here, so that a machine that
     cannot isolate code fails before a model loads."""
-    if env is not None:
+    if env is not None and not type(env).__module__.startswith("verifiers."):
         return env
+    if env is not None or (cfg.env.name or "").startswith("verifiers:"):  # a verifiers Env, given or named
+        from lmrl.rollout.verifiers_env import verifiers_environment
+
+        given = env if env is not None else cfg.env.name
+        return verifiers_environment(given, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
     if cfg.env.name is None:
         if not use_task or cfg.data.path is not None or cfg.data.task is None:
             return None

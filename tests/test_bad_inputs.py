@@ -143,6 +143,9 @@ BAD: dict[str, Bad] = {
                             real=False),
     "env tool missing": Bad("train env.name=tools env.tools=[nope.py:f]",
                             "env.tools[0]: tool spec 'nope.py:f': file 'nope.py' not found", real=False),
+    "verifiers module missing": Bad("train env.name=verifiers:no_such_vf_env",
+                                    "env.name: verifiers environment 'verifiers:no_such_vf_env': cannot import module "
+                                    "'no_such_vf_env': ModuleNotFoundError: No module named 'no_such_vf_env'", real=False),
     "sandbox timeout zero": Bad("train sandbox.timeout=0", "sandbox.timeout: must be > 0 (got 0)"),
     "override not YAML": Bad("train 'reward.functions=[{fn:'", "override reward.functions: value '[{fn:' is not valid YAML"),
     "field typo": Bad("train algorithm.clip_hgh=0.3", "algorithm.clip_hgh: algorithm has no field 'clip_hgh'; did you mean 'clip_high'?"),

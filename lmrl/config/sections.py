@@ -399,13 +399,15 @@ class EnvConfig(Section):
     """None: one completion per prompt (no environment). "tools": the built-in tool environment (the model
     calls `env.tools`; a turn without a tool call ends the episode). "file.py:Class" or "module:Class": your
     environment, called with each dataset row to start an episode. "agent": each episode is a run of
-    `env.command`, a program that talks to lmrl's gateway with an OpenAI client (docs/agents.md)."""
+    `env.command`, a program that talks to lmrl's gateway with an OpenAI client (docs/agents.md). "verifiers:MODULE":
+    the verifiers environment MODULE.load_environment() returns (a module or file.py; pip install 'lmrl[agents]'):
+    its tasks are the prompts, its rollout runs against the gateway, its rubric is the reward."""
     command: NonEmptyStr | None = None
     """The agent program of env.name=agent, e.g. "python my_agent.py" (split as a shell would, run without one)."""
     timeout: PositiveFloat = 120.0
-    """Seconds one agent episode may run (env.name=agent) before it is killed and counted as failed."""
+    """Seconds one agent episode may run (env.name=agent or verifiers:MODULE) before it is stopped and counted as failed."""
     max_parallel: PositiveInt = 32
-    """Most agent programs running at once (env.name=agent); the rest of the batch waits its turn."""
+    """Most agent episodes running at once (env.name=agent or verifiers:MODULE); the rest of the batch waits its turn."""
     agent_mode: Literal["episode", "batch", "persistent"] = "episode"
     """env.name=agent: "episode" starts env.command once per episode; "batch" once per batch of episodes (a step's,
     an evaluation's), every episode's base URL, key and row in the JSONL file $LMRL_EPISODES names; "persistent"

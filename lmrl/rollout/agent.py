@@ -60,8 +60,10 @@ import torch
 from lmrl.errors import RunError
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 from lmrl.rollout.batcher import thread_precision
+from lmrl.rollout.chat_turns import Reply, parse_tool_calls, render_conversation
 from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
+from lmrl.rollout.streaming import stream_events, wants_stream
 
 
 @dataclass
@@ -75,6 +77,8 @@ class _Segment:
     """As the agent sees it in a completion (special tokens skipped)."""
     raw: str
     """As a chat template renders it (special tokens kept)."""
+    message: dict[str, Any] | None = None
+    """A sampled turn's reply as the gateway sent it (chat): recognized when the agent sends it back."""
 
 
 @dataclass
@@ -107,6 +111,9 @@ class Gateway(GenerationServer):
         super().__init__(generator, tokenizer, name, host="127.0.0.1", port=0)
         self.RequestHandlerClass = _GatewayHandler
         self.episodes: dict[str, _Episode] = {}
+        # an in-process client of many episodes (verifiers': one per step) names each in its X-Session-ID header
+        self.sessions: dict[str, str] = {}  # session id -> episode id, kept by whoever runs the episodes
+        self.session_key = "lmrl-sessions-" + secrets.token_urlsafe(24)  # never handed to an agent program
         threading.Thread(target=self.serve_forever, name="lmrl-gateway", daemon=True).start()
 
     def episode_url(self, episode_id: str) -> str:
@@ -124,7 +131,7 @@ class Gateway(GenerationServer):
             if episode.turns >= episode.max_turns:
                 raise Refused(400, f"episode: {episode.turns} model turns taken, env.max_turns={episode.max_turns}",
                               "episode_budget")
-            self._extend(episode, self._conversation(body, chat), chat)
+            self._extend(episode, self._conversation(body, chat, episode), chat)
             room = int(min(episode.budget - episode.response_length(), episode.params.max_new_tokens))
             if room < 1:
                 raise Refused(400, f"episode: its {episode.budget:g} response tokens are spent (env.max_tokens)",
@@ -137,27 +144,26 @@ class Gateway(GenerationServer):
             rows = self.batcher.generate([context], 1, params)
             ids, logps = rows.tokens[0], rows.logprobs[0]
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
-            episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw))
+            choice = _choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools"),
+                             f"call-{episode.index}-{episode.turns}")
+            episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw, choice.get("message")))
             episode.turns += 1
             episode.finished = rows.finished[0]
         text = rows.texts[0]
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if rows.finished[0] else "length", "token_ids": ids}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
+        if not chat:
             choice["text"] = text
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{episode.index}-{episode.turns}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": [choice],
                 "usage": {"prompt_tokens": len(context), "completion_tokens": len(ids), "total_tokens": len(context) + len(ids)}}
 
-    def _conversation(self, body: dict[str, Any], chat: bool) -> str:
+    def _conversation(self, body: dict[str, Any], chat: bool, episode: _Episode) -> str:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages: expected a non-empty list of {role, content}")
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      tools=body.get("tools"))
+            replies = [Reply(s.message, s.raw, self._end(s.ids)) for s in episode.segments if s.message is not None]
+            return render_conversation(self.tokenizer, messages, body.get("tools"), replies)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise ValueError("prompt: the gateway takes the conversation so far as one string")
@@ -166,6 +172,9 @@ class Gateway(GenerationServer):
     def _extend(self, episode: _Episode, text: str, chat: bool) -> None:
         """Match `text` to the episode's record; cut the record where they part; tokenize only the rest."""
         known = episode.known(chat)
+        if not text.startswith(known) and chat and not any(s.trained for s in episode.segments):
+            self._rebase(episode, text)  # before the first turn: the agent's own rendering (its tools, its system)
+            known = episode.known(chat)
         if not text.startswith(known):
             prompt = episode.segments[0].raw if chat else episode.segments[0].text
             if not text.startswith(prompt):
@@ -194,6 +203,17 @@ class Gateway(GenerationServer):
             ids = self.tokenizer(new, add_special_tokens=False)["input_ids"]
             episode.segments.append(_Segment(ids, [0.0] * len(ids), False, new, new))
 
+    def _rebase(self, episode: _Episode, text: str) -> None:
+        """The episode's prompt becomes the agent's first chat request as rendered (the row's messages with the
+        tools it offers, a system prompt of its own): prompts are attended, never trained on."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        episode.segments = [_Segment(ids, [0.0] * len(ids), False, self._decode(ids, False), text)]
+
+    def _end(self, ids: list[int]) -> str:
+        """The closing special token of a sampled turn (its EOS), which a chat template writes after a message."""
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        return self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ids and ids[-1] in special else ""
+
     def _decode(self, ids: list[int], chat: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not chat)
 
@@ -208,6 +228,9 @@ class Gateway(GenerationServer):
         return {"ok": True}
 
 
+SESSIONS = "by-session"  # /episodes/by-session/v1/...: the episode named by the X-Session-ID header
+
+
 class _GatewayHandler(_Handler):
     """Requests under /episodes/ID/v1/..., each with that episode's key (another episode's: 403)."""
 
@@ -217,6 +240,8 @@ class _GatewayHandler(_Handler):
 
     def _authorize(self) -> None:
         parts = self.path.split("/", 3)  # "", "episodes", ID, "v1/..."
+        if len(parts) == 4 and parts[1] == "episodes" and parts[2] == SESSIONS:
+            return self._authorize_session(parts[3])
         if len(parts) < 4 or parts[1] != "episodes" or parts[2] not in self.server.episodes:
             raise Refused(404, f"no such episode: {self.path[:80]} (the gateway serves /episodes/ID/v1/...)")
         episode = self.server.episodes[parts[2]]
@@ -227,6 +252,18 @@ class _GatewayHandler(_Handler):
                 raise Refused(403, "authorization: this key belongs to another episode", "wrong_episode")
             raise Refused(401, "authorization: a missing or wrong key: send the episode's OPENAI_API_KEY", "invalid_api_key")
         self.episode, self.route = episode, "/" + parts[3]
+
+    def _authorize_session(self, route: str) -> None:
+        """/episodes/by-session/v1/...: the gateway's session key, and an X-Session-ID its `sessions` map to a live
+        episode (`lmrl.rollout.verifiers_env`: one HTTP client per step instead of one per episode)."""
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if not _same(token.strip() if scheme.lower() == "bearer" else "", self.server.session_key):
+            raise Refused(401, "authorization: a missing or wrong key: send the episode's OPENAI_API_KEY", "invalid_api_key")
+        eid = self.server.sessions.get(self.headers.get("X-Session-ID", ""))
+        if eid is None or eid not in self.server.episodes:
+            raise Refused(404, f"no such session: {self.headers.get('X-Session-ID', '')[:40]!r} (X-Session-ID names "
+                          "a live episode's session)")
+        self.episode, self.route = self.server.episodes[eid], "/" + route
 
     def _get(self) -> dict[str, Any]:
         if self.route == "/v1/models":
@@ -242,7 +279,9 @@ class _GatewayHandler(_Handler):
                 raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
             if self.route == "/v1/lmrl/reward":
                 return self.server.report(self.episode, request)
-            return self.server.complete(self.episode, request, chat=self.route.endswith("chat/completions"))
+            chat, stream = self.route.endswith("chat/completions"), wants_stream(request)
+            answer = self.server.complete(self.episode, request, chat=chat)
+            return stream_events(answer, chat, request) if stream else answer
 
 
 class AgentEnvironment:
@@ -258,6 +297,8 @@ class AgentEnvironment:
             episode's URL, key and row in the file LMRL_EPISODES names (module docstring); "persistent": one run
             for the whole run, each call's episodes file named by a line on its stdin. `timeout` is then the call's.
     """
+
+    field = "env.command"  # what a failed episode's line names
 
     def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
                  cwd: str | None = None, mode: str = "episode"):
@@ -307,10 +348,10 @@ class AgentEnvironment:
         failed = [e for e in ordered if e.error is not None]
         if failed and self.on_error == "fail":
             e = failed[0]
-            raise RunError(f"env.command: episode {e.index} (row {e.index // n}) {e.error} ({len(failed)} of "
+            raise RunError(f"{self.field}: episode {e.index} (row {e.index // n}) {e.error} ({len(failed)} of "
                            f"{len(ordered)} episodes failed; reward.on_error=zero counts them and goes on)")
         for e in failed:
-            print(f"lmrl: env.command: episode {e.index} failed: {e.error}", file=sys.stderr)
+            print(f"lmrl: {self.field}: episode {e.index} failed: {e.error}", file=sys.stderr)
         return self._episodes(ordered, prompts, n, generator)
 
     def _run(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
@@ -428,7 +469,7 @@ class AgentEnvironment:
             finished.append(bool(e.finished) and e.error is None)
             rewards.append(e.reward if e.error is None else 0.0)
             turns.append(e.turns)
-        width, plen = max(1, max(len(x) for x in ids)), max(len(p) for p in prompts)
+        width, plen = max(1, max(len(x) for x in ids)), max(len(e.segments[0].ids) for e in ordered)
         B = len(ordered)
         prompt_ids = torch.full((B, plen), pad, dtype=torch.long)
         prompt_mask = torch.zeros(B, plen, dtype=torch.bool)
@@ -437,7 +478,7 @@ class AgentEnvironment:
         mask = torch.zeros(B, width, dtype=torch.bool)
         attention = torch.zeros(B, width, dtype=torch.bool)
         for i in range(B):
-            p, k = prompts[i // n], len(ids[i])
+            p, k = ordered[i].segments[0].ids, len(ids[i])  # the prompt as the agent rendered it (`_rebase`)
             prompt_ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
             prompt_mask[i, plen - len(p):] = True
             response_ids[i, :k] = torch.tensor(ids[i], dtype=torch.long)
@@ -480,6 +521,19 @@ def _fail_unrewarded(episodes: dict[str, _Episode], why: str | None) -> None:
     for e in episodes.values():
         if e.error is None and e.reward is None:
             e.error = why or "had no reward reported (POST its base_url + /lmrl/reward {\"reward\": x})"
+
+
+def _choice(text: str, ids: list[int], finished: bool, chat: bool, tools: Any, call_id: str) -> dict[str, Any]:
+    """One choice of a completion; a chat turn's tool calls (when the request offered tools) in `tool_calls`."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if finished else "length", "token_ids": ids}
+    if not chat:
+        return choice
+    content, calls = parse_tool_calls(text, call_id) if tools else (text, [])
+    choice["message"] = {"role": "assistant", "content": content}
+    if calls:
+        choice["message"]["tool_calls"] = calls
+        choice["finish_reason"] = "tool_calls" if finished else "length"
+    return choice
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -9,7 +9,9 @@
                                  n, stop, seed, logprobs (a number: that many alternatives per token);
                                  each choice also carries its `token_ids`
     POST /v1/chat/completions    OpenAI chat completions: messages rendered with the tokenizer's chat template
-                                 (logprobs, top_logprobs as OpenAI: alternatives at temperature 1)
+                                 and its `tools`; the model's Hermes / Qwen tool calls come back in `tool_calls`
+                                 (logprobs and top_logprobs as OpenAI: alternatives at temperature 1)
+                                 (both: `stream: true` answers with server-sent events, `lmrl.rollout.streaming`)
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags
     POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`frames`)
 
@@ -50,7 +52,9 @@ from lmrl.models.prompt_encoding import encode_prompts
 from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
+from lmrl.rollout.chat_turns import parse_tool_calls
 from lmrl.rollout.hf import HFGenerator
+from lmrl.rollout.streaming import Events, stream_events, wants_stream
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MAX_FRAME_HEADER = 1 << 16  # a frame's JSON header: a name, a dtype and a shape
@@ -307,7 +311,9 @@ class GenerationServer(ThreadingHTTPServer):
             reason = "stop" if rows.finished[i] else "length"
             choice: dict[str, Any] = {"index": i, "finish_reason": reason, "token_ids": ids}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                content, calls = parse_tool_calls(text, f"call-{i}") if body.get("tools") else (text, [])
+                choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                choice["finish_reason"] = "tool_calls" if calls and rows.finished[i] else reason
                 choice["logprobs"] = {"content": [
                     {"token": t, "logprob": lp, "bytes": None,
                      "top_logprobs": [{"token": a, "logprob": alp, "bytes": None} for a, alp in alts.items()]}
@@ -343,7 +349,10 @@ class GenerationServer(ThreadingHTTPServer):
         if chat:
             if not isinstance(body.get("messages"), list) or not body["messages"]:
                 raise ValueError("messages: expected a non-empty list of {role, content}")
-            return encode_prompts(self.tokenizer, [body["messages"]], longest, use_chat_template=True)
+            tools = body.get("tools") or None
+            if tools is not None and not isinstance(tools, list):
+                raise ValueError(f"tools: expected a list of tool schemas, got {_show(tools)}")
+            return encode_prompts(self.tokenizer, [body["messages"]], longest, use_chat_template=True, tools=tools)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return [prompt]
@@ -515,7 +524,9 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
             if self.path == "/lmrl/generate":
                 return self.server.lmrl_generate(request)
-            return self.server.completions(request, chat=self.path.endswith("chat/completions"))
+            chat, stream = self.path.endswith("chat/completions"), wants_stream(request)
+            answer = self.server.completions(request, chat=chat)
+            return stream_events(answer, chat, request) if stream else answer
 
     def _weights_body(self):
         secret = self.server.weights_secret
@@ -544,9 +555,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(status, {"error": {"message": message, "type": kind, "param": None, "code": code}})
 
     def _answer(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
+        events = isinstance(body, Events)  # stream: true (`lmrl.rollout.streaming`): sent whole, its length known
+        data = body.encode() if events else json.dumps(body).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/event-stream" if events else "application/json")
         self.send_header("Content-Length", str(len(data)))
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
