@@ -65,7 +65,7 @@ TMP_PREFIX = ".tmp-"
 PROBE_PREFIX = f"{TMP_PREFIX}ranks-"  # `ranks_not_sharing`'s file, there for a moment
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # what makes a directory "hold a run": a new run into it must resume or overwrite
-RUN_FILES = ("lmrl_config.yaml", "metrics.jsonl", "final", "tensorboard")
+RUN_FILES = ("lmrl_config.yaml", "metrics.jsonl", "final", "best", "tensorboard")
 RUN_RECORDS = ("samples.jsonl", "report.html")  # what a run writes about itself, named after its checkpoints
 
 

@@ -288,6 +288,10 @@ class TrainConfig(Section):
     and a checkpoint when a signal or a failing reward stops the run)."""
     keep_last: PositiveInt | None = None
     """Keep only the newest this many checkpoints (None = keep all)."""
+    keep_best: bool = False
+    """Write `best/` (the model as in a checkpoint) at each evaluation whose eval/accuracy beats every earlier one,
+    the step-0 evaluation of the starting model included: early stopping on the held-out verifier, without the
+    run stopping. A run that never beats its start writes none."""
     resume: str | None = None
     """Continue a run: "auto" from the newest complete checkpoint in output_dir (starts afresh when there
     is none), or a checkpoint directory's path. Only steps, cadences, max_minutes, threads, parallel,
