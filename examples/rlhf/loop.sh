@@ -29,12 +29,13 @@ for ((r = 1; r <= ROUNDS; r++)); do
   # 2. a reward model on the shipped model's backbone (a new score head), on all of them
   lmrl train-rm data.path="$OUT/pairs-$r.jsonl" data.eval_fraction=0.05 train.epochs="$RM_EPOCHS" train.batch_size=64 \
       optim.lr=3e-4 train.threads=1 train.output_dir="$OUT/rm-$r" log.console=false
-  # 3. GRPO against it from the current policy (the shipped model's preset written out: a directory gets none)
+  # 3. GRPO against it from the current policy (the shipped model's preset written out: a directory gets none; and
+  #    its 4.5-minute limit lifted, so that a slow machine runs the same steps)
   lmrl train "reward.functions=[{fn: reward_model, path: $OUT/rm-$r/final, normalize: true}]" \
       model.name_or_path="$POLICY" algorithm.kl_coef=0.05 train.steps="$STEPS" train.eval_every=10 \
       rollout.prompts_per_step=32 rollout.group_size=8 rollout.max_new_tokens=4 optim.lr=1e-4 \
-      data.num_eval_prompts="$EVAL_PROMPTS" train.keep_best=true train.threads=1 train.output_dir="$OUT/grpo-$r" \
-      log.console=false
+      data.num_eval_prompts="$EVAL_PROMPTS" train.keep_best=true train.max_minutes=null train.threads=1 \
+      train.output_dir="$OUT/grpo-$r" log.console=false
   before=$(accuracy "$OUT/grpo-$r/metrics.jsonl" 0); after=$(accuracy "$OUT/grpo-$r/metrics.jsonl" -1)
   # the next round's pairs come from this round's policy (its mistakes, hacks included), whichever is kept
   SAMPLER="$OUT/grpo-$r/final"

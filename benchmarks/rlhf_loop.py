@@ -1,0 +1,79 @@
+"""The table of the RLHF loop's rounds (docs/rewards.md, "The whole loop on a laptop"), read from what
+examples/rlhf/loop.sh wrote: each round's pairs, its reward model's held-out pair accuracy, and its GRPO run's
+held-out accuracy (greedy exact match on the task's 500 held-out sums) at step 0, step 10 and the last step, its best
+evaluation after step 0 (what train.keep_best keeps in best/ where it beats step 0), and where the reward-hacking
+warning fired.
+
+    bash examples/rlhf/loop.sh runs/rlhf 5                  # the rounds (minutes each)
+    python benchmarks/rlhf_loop.py runs/rlhf                # their table
+    python benchmarks/rlhf_loop.py runs/rlhf --record       # merged into benchmarks/results/rlhf-loop.MACHINE.json
+
+--record merges the rounds into the file by the `run` column ("round 1", ...): the naive runs typed in there stay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recording import Column, record  # noqa: E402
+
+COLUMNS = [Column("run"), Column("reward_model", "reward model (held-out pair accuracy)"), Column("grpo", "GRPO"),
+           Column("accuracy", "held-out accuracy, step 0 -> 10 -> last"), Column("best", "best after step 0 (step)"),
+           Column("warning")]
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rounds(out: Path) -> list[dict]:
+    """One row for each round loop.sh finished in `out`."""
+    rows, earlier, names = [], 0, {}
+    for r in range(1, 1000):
+        grpo = out / f"grpo-{r}"
+        if not (grpo / "final").is_dir():
+            break
+        names[str((grpo / "final").resolve())] = f"round {r}'s policy"
+        pairs = sum(1 for line in (out / f"pairs-{r}.jsonl").read_text().splitlines() if line.strip())
+        pair_accuracy = [m["eval/accuracy"] for m in metrics(out / f"rm-{r}" / "metrics.jsonl") if "eval/accuracy" in m][-1]
+        sampler = "the shipped model" if r == 1 else f"round {r - 1}'s policy"
+        rm = (f"{pairs:,} pairs: every distinct wrong sample of {sampler}" if r == 1 else
+              f"+ {pairs - earlier:,} pairs from {sampler}") + f" ({pair_accuracy:.1%})"
+        earlier = pairs
+        config = yaml.safe_load((grpo / "lmrl_config.yaml").read_text())
+        policy = config["model"]["name_or_path"]
+        start = "the shipped model" if policy == "tiny-addition" else names.get(str(Path(policy).resolve()), policy)
+        evals = [m for m in metrics(grpo / "metrics.jsonl") if "eval/accuracy" in m]
+        shown = [evals[0], *[m for m in evals if m["step"] == 10], evals[-1]]
+        best = max(evals[1:], key=lambda m: m["eval/accuracy"])  # the first of a tie; best/ only if above step 0's
+        hacked = [m["step"] for m in evals if m.get("guard/reward_hacking") == 1.0]
+        rows.append({"run": f"round {r}", "reward_model": rm,
+                     "grpo": f"{config['train']['steps']} steps, KL {config['algorithm']['kl_coef']:g}, from {start}",
+                     "accuracy": " -> ".join(f"{m['eval/accuracy']:.1%}" for m in shown),
+                     "best": f"{best['eval/accuracy']:.1%} ({best['step']})",
+                     "warning": f"step {hacked[0]}" if hacked else "none"})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="the directory examples/rlhf/loop.sh wrote")
+    parser.add_argument("--record", action="store_true", help="merge the rows into the result file")
+    args = parser.parse_args()
+    rows = rounds(args.out)
+    if not rows:
+        raise SystemExit(f"{args.out}: no finished round (grpo-1/final) of examples/rlhf/loop.sh")
+    for row in rows:
+        print(" | ".join(str(row[c.key]) for c in COLUMNS))
+    if args.record:
+        record("rlhf-loop", COLUMNS, rows, merge_on="run")
+
+
+if __name__ == "__main__":
+    main()
