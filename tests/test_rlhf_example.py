@@ -61,3 +61,13 @@ def test_the_loop_script_runs_a_round_at_a_toy_scale(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == (f"round 1: held-out accuracy {before} -> {after}; "
                                                      f"the next round starts from {kept}")
     assert (out / "grpo-1" / "best").is_dir() == (after > before)  # train.keep_best: the better of two evaluations
+    # benchmarks/rlhf_loop.py reads the table of the docs' figure from these directories
+    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rlhf_loop.py"), str(out)], capture_output=True,
+                           text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    rm_accuracy = [r for r in map(json.loads, (out / "rm-1" / "metrics.jsonl").read_text().splitlines())
+                   if "eval/accuracy" in r][-1]["eval/accuracy"]
+    assert table.stdout.splitlines() == [
+        f"round 1 | {len(pairs):,} pairs: every distinct wrong sample of the shipped model ({rm_accuracy:.1%}) | "
+        f"3 steps, KL 0.05, from the shipped model | {before:.1%} -> {after:.1%} | {after:.1%} (3) | "
+        + ("step 3" if evals[-1].get("guard/reward_hacking") == 1.0 else "none")]
