@@ -409,7 +409,8 @@ def plan_run(cfg) -> RunPlan:
 
 
 # fields a resumed run may change: none of them can make the saved state mean something else
-RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.max_minutes",
+RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.keep_best",
+                     "train.max_minutes",
                      "train.resume", "train.overwrite", "train.threads", "train.parallel", "train.output_dir",
                      "train.generator_threads", "train.generator_device",
                      "rollout.cuda_graph", "rollout.vllm.", "reward.timeout", "log.")
