@@ -294,9 +294,9 @@ class TrainConfig(Section):
     run stopping. A run that never beats its start writes none."""
     resume: str | None = None
     """Continue a run: "auto" from the newest complete checkpoint in output_dir (starts afresh when there
-    is none), or a checkpoint directory's path. Only steps, cadences, keep_last, keep_best, max_minutes, threads, parallel,
-    output_dir, generator_threads, generator_device, rollout.cuda_graph, rollout.vllm.*, reward.timeout and log.*
-    may differ from the checkpoint's config."""
+    is none), or a checkpoint directory's path. Only steps, cadences, keep_last, keep_best, max_minutes, threads,
+    parallel, output_dir, generator_threads, generator_device, rollout.cuda_graph, rollout.vllm.*, reward.timeout and
+    log.* may differ from the checkpoint's config."""
     overwrite: bool = False
     """Start afresh in an output_dir that holds an earlier run, deleting that run's files."""
     max_minutes: PositiveFloat | None = None
