@@ -61,6 +61,22 @@ def rounds(out: Path) -> list[dict]:
     return rows
 
 
+def values(out: Path, rows: list[dict]) -> dict[str, str]:
+    """The figures the page's prose quotes: held-out accuracy of the shipped model and of the policy the loop kept
+    (loop.sh's rule: a round's last evaluation, where it beat the policy it started from), the gain, and the
+    minutes from the first round's pairs file to the last round's model."""
+    start = kept = None
+    for r in range(1, len(rows) + 1):
+        evals = [m["eval/accuracy"] for m in metrics(out / f"grpo-{r}" / "metrics.jsonl") if "eval/accuracy" in m]
+        if start is None:
+            start = kept = evals[0]
+        kept = max(kept, evals[-1])  # its step 0 is the kept policy's accuracy: kept only if it beat it
+    last = out / f"grpo-{len(rows)}" / "final"
+    minutes = (last.stat().st_mtime - (out / "pairs-1.jsonl").stat().st_mtime) / 60
+    return {"start": f"{start:.1%}", "end": f"{kept:.1%}", "gain": f"+{100 * (kept - start):.1f}",
+            "rounds": str(len(rows)), "minutes": f"{minutes:.0f}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="the directory examples/rlhf/loop.sh wrote")
@@ -71,8 +87,11 @@ def main() -> None:
         raise SystemExit(f"{args.out}: no finished round (grpo-1/final) of examples/rlhf/loop.sh")
     for row in rows:
         print(" | ".join(str(row[c.key]) for c in COLUMNS))
+    figures = values(args.out, rows)
+    print(f"{figures['rounds']} round{'s' * (len(rows) > 1)}: held-out accuracy {figures['start']} -> {figures['end']} ({figures['gain']} "
+          f"points) in {figures['minutes']} minutes")
     if args.record:
-        record("rlhf-loop", COLUMNS, rows, merge_on="run")
+        record("rlhf-loop", COLUMNS, rows, values=figures, merge_on="run")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,9 @@ def test_the_loop_script_runs_a_round_at_a_toy_scale(tmp_path):
     assert table.returncode == 0, table.stderr
     rm_accuracy = [r for r in map(json.loads, (out / "rm-1" / "metrics.jsonl").read_text().splitlines())
                    if "eval/accuracy" in r][-1]["eval/accuracy"]
-    assert table.stdout.splitlines() == [
+    *lines, summary = table.stdout.splitlines()
+    assert summary.startswith(f"1 round: held-out accuracy {before:.1%} -> {max(before, after):.1%} (+")
+    assert lines == [
         f"round 1 | {len(pairs):,} pairs: every distinct wrong sample of the shipped model ({rm_accuracy:.1%}) | "
         f"3 steps, KL 0.05, from the shipped model | {before:.1%} -> {after:.1%} | {after:.1%} (3) | "
         + ("step 3" if evals[-1].get("guard/reward_hacking") == 1.0 else "none")]
