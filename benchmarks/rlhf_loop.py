@@ -6,7 +6,11 @@ warning fired.
 
     bash examples/rlhf/loop.sh runs/rlhf 5                  # the rounds (minutes each)
     python benchmarks/rlhf_loop.py runs/rlhf                # their table
-    python benchmarks/rlhf_loop.py runs/rlhf --record       # merged into benchmarks/results/rlhf-loop.MACHINE.json
+    python benchmarks/rlhf_loop.py runs/rlhf --record --further 2000   # merged into benchmarks/results/rlhf-loop.MACHINE.json
+
+--further N also evaluates each round's policy (and the shipped model) on N sums of the task's stream that are in
+neither split (nearly all two-digit + two-digit, as most training prompts are): a check on the 500 held-out sums,
+which chose the policies and are the numbers the loop acted on.
 
 --record merges the rounds into the file by the `run` column ("round 1", ...): the naive runs typed in there stay.
 """
@@ -15,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -25,7 +32,7 @@ from recording import Column, record  # noqa: E402
 
 COLUMNS = [Column("run"), Column("reward_model", "reward model (held-out pair accuracy)"), Column("grpo", "GRPO"),
            Column("accuracy", "held-out accuracy, step 0 -> 10 -> last"), Column("best", "best after step 0 (step)"),
-           Column("warning")]
+           Column("warning"), Column("further", "further sums, last step")]
 
 
 def metrics(path: Path) -> list[dict]:
@@ -66,30 +73,63 @@ def values(out: Path, rows: list[dict]) -> dict[str, str]:
     (loop.sh's rule: a round's last evaluation, where it beat the policy it started from), the gain, and the
     minutes from the first round's pairs file to the last round's model."""
     start = kept = None
+    kept_round = 0  # the shipped model
     for r in range(1, len(rows) + 1):
         evals = [m["eval/accuracy"] for m in metrics(out / f"grpo-{r}" / "metrics.jsonl") if "eval/accuracy" in m]
         if start is None:
             start = kept = evals[0]
-        kept = max(kept, evals[-1])  # its step 0 is the kept policy's accuracy: kept only if it beat it
+        if evals[-1] > kept:  # its step 0 is the kept policy's accuracy: kept only if it beat it
+            kept, kept_round = evals[-1], r
     last = out / f"grpo-{len(rows)}" / "final"
     minutes = (last.stat().st_mtime - (out / "pairs-1.jsonl").stat().st_mtime) / 60
     return {"start": f"{start:.1%}", "end": f"{kept:.1%}", "gain": f"+{100 * (kept - start):.1f}",
-            "rounds": str(len(rows)), "minutes": f"{minutes:.0f}"}
+            "rounds": str(len(rows)), "minutes": f"{minutes:.0f}", "kept_round": str(kept_round)}
+
+
+def further_sums(n: int, path: Path) -> Path:
+    """`n` sums of the task's stream after its 4,000 training prompts: in neither split. Drawn later from a stream
+    without replacement, they are nearly all two-digit + two-digit (the held-out split has all four kinds)."""
+    from lmrl.data.tasks import get_task
+
+    rows = get_task("addition", num_train=4000 + n).train_prompts()[4000:]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def accuracy_on(model: str, data: Path, n: int) -> float:
+    """Greedy exact match of `model` on the sums in `data` (`lmrl eval`)."""
+    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "eval", "--model", model, "--data", str(data),
+                           "--reward", "exact_match", "--max-new-tokens", "4", "--num-prompts", str(n)],
+                          capture_output=True, text=True, check=True)
+    return float(re.search(r"accuracy \(greedy\) ([\d.]+)%", done.stdout).group(1)) / 100
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="the directory examples/rlhf/loop.sh wrote")
     parser.add_argument("--record", action="store_true", help="merge the rows into the result file")
+    parser.add_argument("--further", type=int, default=0, metavar="N",
+                        help="also evaluate the shipped model and each round's policy on N sums in neither split")
     args = parser.parse_args()
     rows = rounds(args.out)
     if not rows:
         raise SystemExit(f"{args.out}: no finished round (grpo-1/final) of examples/rlhf/loop.sh")
-    for row in rows:
-        print(" | ".join(str(row[c.key]) for c in COLUMNS))
     figures = values(args.out, rows)
-    print(f"{figures['rounds']} round{'s' * (len(rows) > 1)}: held-out accuracy {figures['start']} -> {figures['end']} ({figures['gain']} "
-          f"points) in {figures['minutes']} minutes")
+    if args.further:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = further_sums(args.further, Path(tmp) / "further.jsonl")
+            shipped = accuracy_on("tiny-addition", data, args.further)
+            for r, row in enumerate(rows, 1):
+                row["further"] = f"{accuracy_on(str(args.out / f'grpo-{r}' / 'final'), data, args.further):.1%}"
+        kept = int(figures["kept_round"])
+        figures |= {"further_n": f"{args.further:,}", "further_start": f"{shipped:.1%}",
+                    "further_end": rows[kept - 1]["further"] if kept else f"{shipped:.1%}"}
+    for row in rows:
+        print(" | ".join(str(row[c.key]) for c in COLUMNS if c.key in row))
+    print(f"{figures['rounds']} round{'s' * (len(rows) > 1)}: held-out accuracy {figures['start']} -> {figures['end']} "
+          f"({figures['gain']} points, round {figures['kept_round']}'s policy) in {figures['minutes']} minutes"
+          + (f"; on {figures['further_n']} further sums {figures['further_start']} -> {figures['further_end']}"
+             if args.further else ""))
     if args.record:
         record("rlhf-loop", COLUMNS, rows, values=figures, merge_on="run")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,13 +63,17 @@ def test_the_loop_script_runs_a_round_at_a_toy_scale(tmp_path):
                                                      f"the next round starts from {kept}")
     assert (out / "grpo-1" / "best").is_dir() == (after > before)  # train.keep_best: the better of two evaluations
     # benchmarks/rlhf_loop.py reads the table of the docs' figure from these directories
-    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rlhf_loop.py"), str(out)], capture_output=True,
-                           text=True, timeout=60)
+    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rlhf_loop.py"), str(out), "--further", "20"],
+                           capture_output=True, text=True, timeout=120, env=env)
     assert table.returncode == 0, table.stderr
     rm_accuracy = [r for r in map(json.loads, (out / "rm-1" / "metrics.jsonl").read_text().splitlines())
                    if "eval/accuracy" in r][-1]["eval/accuracy"]
     *lines, summary = table.stdout.splitlines()
     assert summary.startswith(f"1 round: held-out accuracy {before:.1%} -> {max(before, after):.1%} (+")
+    assert re.search(r"; on 20 further sums \d+\.\d% -> \d+\.\d%$", summary), summary
+    further = lines[0].rsplit(" | ", 1)[1]  # the round's policy on 20 sums in neither split
+    assert re.fullmatch(r"\d+\.\d%", further) and round(float(further[:-1]) * 20 / 100, 6).is_integer()
+    lines = [lines[0].rsplit(" | ", 1)[0]]
     assert lines == [
         f"round 1 | {len(pairs):,} pairs: every distinct wrong sample of the shipped model ({rm_accuracy:.1%}) | "
         f"3 steps, KL 0.05, from the shipped model | {before:.1%} -> {after:.1%} | {after:.1%} (3) | "
