@@ -70,8 +70,9 @@ def rounds(out: Path) -> list[dict]:
 
 def values(out: Path, rows: list[dict]) -> dict[str, str]:
     """The figures the page's prose quotes: held-out accuracy of the shipped model and of the policy the loop kept
-    (loop.sh's rule: a round's last evaluation, where it beat the policy it started from), the gain, and the
-    minutes from the first round's pairs file to the last round's model."""
+    (loop.sh's rule: a round's last evaluation, where it beat the policy it started from), the gain, the minutes
+    from the first round's pairs file to the last round's model, the last round's pairs, and each round's
+    evaluations between step 10 and its last (`between_R`, lowest-highest)."""
     start = kept = None
     kept_round = 0  # the shipped model
     for r in range(1, len(rows) + 1):
@@ -81,9 +82,15 @@ def values(out: Path, rows: list[dict]) -> dict[str, str]:
         if evals[-1] > kept:  # its step 0 is the kept policy's accuracy: kept only if it beat it
             kept, kept_round = evals[-1], r
     last = out / f"grpo-{len(rows)}" / "final"
+    between = {}  # each round's evaluations after step 10 and before its last: how far the last one stands out
+    for r in range(1, len(rows) + 1):
+        evals = [m["eval/accuracy"] for m in metrics(out / f"grpo-{r}" / "metrics.jsonl") if "eval/accuracy" in m]
+        middle = evals[2:-1] or evals
+        between[f"between_{r}"] = f"{min(middle):.1%}".removesuffix("%") + f"-{max(middle):.1%}"
     minutes = (last.stat().st_mtime - (out / "pairs-1.jsonl").stat().st_mtime) / 60
     return {"start": f"{start:.1%}", "end": f"{kept:.1%}", "gain": f"+{100 * (kept - start):.1f}",
-            "rounds": str(len(rows)), "minutes": f"{minutes:.0f}", "kept_round": str(kept_round)}
+            "rounds": str(len(rows)), "minutes": f"{minutes:.0f}", "kept_round": str(kept_round),
+            "pairs_last": f"{sum(1 for line in (out / f'pairs-{len(rows)}.jsonl').open() if line.strip()):,}", **between}
 
 
 def further_sums(n: int, path: Path) -> Path:

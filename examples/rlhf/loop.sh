@@ -4,7 +4,7 @@
 # against it with a KL term. A round's policy is kept only where the task's verifier says it is better than the best so
 # far (held-out exact match, eval/accuracy at its last step against its first): the next round starts from the best.
 #
-#     bash examples/rlhf/loop.sh runs/rlhf 4        # OUT ROUNDS; 2-8 minutes a round on a 2-core CPU (later rounds
+#     bash examples/rlhf/loop.sh runs/rlhf 5        # OUT ROUNDS; 2-8 minutes a round on a 2-core CPU (later rounds
 #                                                   # train their reward model on more pairs)
 #
 # Round 0 samples the shipped model. Every GRPO run is verified on the task's held-out sums (eval/accuracy beside
@@ -12,7 +12,7 @@
 # (train.keep_best). The scale (for a quick try; the documented numbers use the defaults): PROMPTS training prompts
 # sampled for pairs (4000), RM_EPOCHS (3), STEPS of GRPO a round (100), EVAL_PROMPTS held-out sums (500).
 set -euo pipefail
-OUT=${1:-runs/rlhf}; ROUNDS=${2:-4}
+OUT=${1:-runs/rlhf}; ROUNDS=${2:-5}
 PROMPTS=${PROMPTS:-4000}; RM_EPOCHS=${RM_EPOCHS:-3}; STEPS=${STEPS:-100}; EVAL_PROMPTS=${EVAL_PROMPTS:-500}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
