@@ -53,19 +53,32 @@ def rounds(out: Path) -> list[dict]:
         rm = (f"{pairs:,} pairs: every distinct wrong sample of {sampler}" if r == 1 else
               f"+ {pairs - earlier:,} pairs from {sampler}") + f" ({pair_accuracy:.1%})"
         earlier = pairs
-        config = yaml.safe_load((grpo / "lmrl_config.yaml").read_text())
-        policy = config["model"]["name_or_path"]
-        start = "the shipped model" if policy == "tiny-addition" else names.get(str(Path(policy).resolve()), policy)
-        evals = [m for m in metrics(grpo / "metrics.jsonl") if "eval/accuracy" in m]
-        shown = [evals[0], *[m for m in evals if m["step"] == 10], evals[-1]]
-        best = max(evals[1:], key=lambda m: m["eval/accuracy"])  # the first of a tie; best/ only if above step 0's
-        hacked = [m["step"] for m in evals if m.get("guard/reward_hacking") == 1.0]
-        rows.append({"run": f"round {r}", "reward_model": rm,
-                     "grpo": f"{config['train']['steps']} steps, KL {config['algorithm']['kl_coef']:g}, from {start}",
-                     "accuracy": " -> ".join(f"{m['eval/accuracy']:.1%}" for m in shown),
-                     "best": f"{best['eval/accuracy']:.1%} ({best['step']})",
-                     "warning": f"step {hacked[0]}" if hacked else "none"})
+        rows.append({"run": f"round {r}", "reward_model": rm, **grpo_cells(grpo, names)})
     return rows
+
+
+def grpo_cells(grpo: Path, names: dict[str, str]) -> dict[str, str]:
+    """A GRPO run's cells: its settings, held-out accuracy at step 0, 10 and last, best, hacking warning."""
+    config = yaml.safe_load((grpo / "lmrl_config.yaml").read_text())
+    policy = config["model"]["name_or_path"]
+    start = "the shipped model" if policy == "tiny-addition" else names.get(str(Path(policy).resolve()), policy)
+    evals = [m for m in metrics(grpo / "metrics.jsonl") if "eval/accuracy" in m]
+    shown = [evals[0], *[m for m in evals if m["step"] == 10], evals[-1]]
+    best = max(evals[1:], key=lambda m: m["eval/accuracy"])  # the first of a tie; best/ only if above step 0's
+    hacked = [m["step"] for m in evals if m.get("guard/reward_hacking") == 1.0]
+    return {"grpo": f"{config['train']['steps']} steps, KL {config['algorithm']['kl_coef']:g}, from {start}",
+            "accuracy": " -> ".join(f"{m['eval/accuracy']:.1%}" for m in shown),
+            "best": f"{best['eval/accuracy']:.1%} ({best['step']})",
+            "warning": f"step {hacked[0]}" if hacked else "none"}
+
+
+def variant(out: Path, label: str, grpo: Path, rounds_done: int) -> dict:
+    """A row for another GRPO run against one of the loop's reward models (`--variant LABEL=DIR`): not a round, so
+    not in the loop's figures."""
+    names = {str((out / f"grpo-{r}" / "final").resolve()): f"round {r}'s policy" for r in range(1, rounds_done + 1)}
+    config = yaml.safe_load((grpo / "lmrl_config.yaml").read_text())
+    rm = Path(config["reward"]["functions"][0]["path"]).parent.name  # rm-R
+    return {"run": label, "reward_model": f"round {rm.removeprefix('rm-')}'s", **grpo_cells(grpo, names)}
 
 
 def values(out: Path, rows: list[dict]) -> dict[str, str]:
@@ -117,17 +130,21 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="merge the rows into the result file")
     parser.add_argument("--further", type=int, default=0, metavar="N",
                         help="also evaluate the shipped model and each round's policy on N sums in neither split")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=DIR",
+                        help="also a row for another GRPO run against one of the loop's reward models")
     args = parser.parse_args()
     rows = rounds(args.out)
     if not rows:
         raise SystemExit(f"{args.out}: no finished round (grpo-1/final) of examples/rlhf/loop.sh")
     figures = values(args.out, rows)
+    rows += [variant(args.out, label, Path(d), len(rows)) for label, d in (v.split("=", 1) for v in args.variant)]
     if args.further:
         with tempfile.TemporaryDirectory() as tmp:
             data = further_sums(args.further, Path(tmp) / "further.jsonl")
             shipped = accuracy_on("tiny-addition", data, args.further)
-            for r, row in enumerate(rows, 1):
-                row["further"] = f"{accuracy_on(str(args.out / f'grpo-{r}' / 'final'), data, args.further):.1%}"
+            for row, grpo in zip(rows, [args.out / f"grpo-{r}" for r in range(1, int(figures["rounds"]) + 1)]
+                                 + [Path(v.split("=", 1)[1]) for v in args.variant]):
+                row["further"] = f"{accuracy_on(str(grpo / 'final'), data, args.further):.1%}"
         kept = int(figures["kept_round"])
         figures |= {"further_n": f"{args.further:,}", "further_start": f"{shipped:.1%}",
                     "further_end": rows[kept - 1]["further"] if kept else f"{shipped:.1%}"}
