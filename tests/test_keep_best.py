@@ -40,10 +40,12 @@ def test_best_is_the_best_evaluations_model_and_scores_what_the_run_logged(tmp_p
 
 def test_a_run_that_never_beats_its_start_writes_no_best(tmp_path):
     out = tmp_path / "run"
+    (out / "best").mkdir(parents=True)  # an earlier run's: train.overwrite=true removes it with the rest of that run
+    (out / "best" / "best.json").write_text('{"step": 5, "eval/accuracy": 0.9}\n')
     # lr 1e-12 changes no greedy answer: every evaluation ties the starting model's, and a tie is not better
     done = lmrl("train", "train.keep_best=true", "train.steps=2", "train.eval_every=1", "optim.lr=1e-12",
                 "rollout.prompts_per_step=4", "rollout.group_size=2", "data.num_eval_prompts=20",
-                f"train.output_dir={out}", "log.console=false", cwd=tmp_path, timeout=300)
+                f"train.output_dir={out}", "train.overwrite=true", "log.console=false", cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     assert len({r["eval/accuracy"] for r in evals_of(out)}) == 1
     assert not (out / "best").exists() and "saved to" in done.stdout and "; best " not in done.stdout
