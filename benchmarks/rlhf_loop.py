@@ -77,8 +77,9 @@ def variant(out: Path, label: str, grpo: Path, rounds_done: int) -> dict:
     not in the loop's figures."""
     names = {str((out / f"grpo-{r}" / "final").resolve()): f"round {r}'s policy" for r in range(1, rounds_done + 1)}
     config = yaml.safe_load((grpo / "lmrl_config.yaml").read_text())
-    rm = Path(config["reward"]["functions"][0]["path"]).parent.name  # rm-R
-    return {"run": label, "reward_model": f"round {rm.removeprefix('rm-')}'s", **grpo_cells(grpo, names)}
+    rm = Path(config["reward"]["functions"][0]["path"]).parent  # the reward model's run directory
+    pair_accuracy = [m["eval/accuracy"] for m in metrics(rm / "metrics.jsonl") if "eval/accuracy" in m][-1]
+    return {"run": label, "reward_model": f"{rm.name} ({pair_accuracy:.1%})", **grpo_cells(grpo, names)}
 
 
 def values(out: Path, rows: list[dict]) -> dict[str, str]:
