@@ -65,7 +65,7 @@ TMP_PREFIX = ".tmp-"
 PROBE_PREFIX = f"{TMP_PREFIX}ranks-"  # `ranks_not_sharing`'s file, there for a moment
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # what makes a directory "hold a run": a new run into it must resume or overwrite
-RUN_FILES = ("lmrl_config.yaml", "metrics.jsonl", "final", "tensorboard")
+RUN_FILES = ("lmrl_config.yaml", "metrics.jsonl", "final", "best", "tensorboard")
 RUN_RECORDS = ("samples.jsonl", "report.html")  # what a run writes about itself, named after its checkpoints
 
 
@@ -409,7 +409,8 @@ def plan_run(cfg) -> RunPlan:
 
 
 # fields a resumed run may change: none of them can make the saved state mean something else
-RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.max_minutes",
+RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.save_every", "train.keep_last", "train.keep_best",
+                     "train.max_minutes",
                      "train.resume", "train.overwrite", "train.threads", "train.parallel", "train.output_dir",
                      "train.generator_threads", "train.generator_device",
                      "rollout.cuda_graph", "rollout.vllm.", "reward.timeout", "log.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -276,8 +277,12 @@ def _train(args) -> int:
     result = trainer.train()
     if result.evals and main_rank:
         first, last = result.evals[0], result.evals[-1]
+        kept, best = "", result.output_dir / "best"
+        if cfg.train.keep_best and (best / "best.json").is_file():  # train.keep_best: the evaluation it kept
+            b = json.loads((best / "best.json").read_text())
+            kept = f"; best {b['eval/accuracy']:.1%} at step {b['step']} saved to {best}"
         print(f"held-out accuracy: {first['eval/accuracy']:.1%} -> {last['eval/accuracy']:.1%} "
-              f"in {last['time/elapsed']:.0f} s; model saved to {result.output_dir / 'final'}")
+              f"in {last['time/elapsed']:.0f} s; model saved to {result.output_dir / 'final'}{kept}")
     return 0
 
 

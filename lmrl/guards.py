@@ -207,7 +207,7 @@ class Guards:
         self.warned_hacking = True
         return [f"step {step}: {line} (guard.hacking_drop={self.cfg.hacking_drop:g}, guard.hacking_window="
                 f"{self.cfg.hacking_window}): the policy is finding what the learned reward scores wrongly; keep the "
-                "checkpoint with the best eval/accuracy, raise algorithm.kl_coef, or train the reward model again on "
+                "model of the best eval/accuracy (train.keep_best=true), raise algorithm.kl_coef, or train the reward model again on "
                 "pairs from the current policy's samples (docs/rewards.md, the whole loop on a laptop)"]
 
     def _nonfinite_cause(self, m: dict[str, float]) -> str:

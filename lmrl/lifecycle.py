@@ -178,6 +178,19 @@ class RunLifecycle:
         self.saved_step = step
         return path
 
+    def keep_best(self, step: int) -> bool:
+        """train.keep_best: write `best/` (the model files a checkpoint holds, and best.json with the step and its
+        eval/accuracy) when the evaluation just recorded beats every earlier one of the run (a resumed run's
+        included). Every rank calls it (the evaluations are the same on all); returns whether it wrote."""
+        *before, now = [e["eval/accuracy"] for e in self.result.evals]
+        if not before or not now > max(before):
+            return False
+        with self._storage("best"), atomic_directory(self.out / "best", self.world) as tmp:
+            self._save_model_files(tmp)  # with LoRA: the adapters, as a checkpoint holds them (merging ends training)
+            if self.world.main:
+                (tmp / "best.json").write_text(json.dumps({"step": step, "eval/accuracy": now}) + "\n")
+        return True
+
     def load_checkpoint(self, path: Path) -> int:
         """Restore the run from a checkpoint directory; returns its step."""
         load_model_state(path / "state", self.modules, self.optimizer)

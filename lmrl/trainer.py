@@ -196,6 +196,8 @@ class Trainer:
                 metrics.update(self.evaluate())
                 self.result.evals.append({k: v for k, v in metrics.items() if k.startswith("eval/")}
                                          | {"step": step, "time/elapsed": metrics["time/elapsed"]})
+                if cfg.train.keep_best:
+                    life.keep_best(step)
             except Exception as e:  # noqa: BLE001 - raised again below, once the step is safe
                 failed = e
         warned = []

@@ -46,6 +46,8 @@ FLAT_NAMES: dict[str, tuple[str, str, str]] = {
     "logging_steps": ("TRL", "log.every", ""),
     "save_steps": ("TRL", "train.save_every", ""),
     "save_total_limit": ("TRL", "train.keep_last", ""),
+    "load_best_model_at_end": ("TRL", "train.keep_best", "the best eval/accuracy's model is written to best/; final/ "
+                               "stays the last step's"),
     "eval_steps": ("TRL", "train.eval_every", ""),
     "resume_from_checkpoint": ("TRL", "train.resume", ""),
     "warmup_steps": ("TRL", "optim.warmup_steps", ""),

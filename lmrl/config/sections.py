@@ -289,11 +289,15 @@ class TrainConfig(Section):
     and a checkpoint when a signal or a failing reward stops the run)."""
     keep_last: PositiveInt | None = None
     """Keep only the newest this many checkpoints (None = keep all)."""
+    keep_best: bool = False
+    """Write `best/` (the model as in a checkpoint) at each evaluation whose eval/accuracy beats every earlier one,
+    the step-0 evaluation of the starting model included: early stopping on the held-out verifier, without the
+    run stopping. A run that never beats its start writes none."""
     resume: str | None = None
     """Continue a run: "auto" from the newest complete checkpoint in output_dir (starts afresh when there
-    is none), or a checkpoint directory's path. Only steps, cadences, max_minutes, threads, parallel,
-    output_dir, generator_threads, generator_device, rollout.cuda_graph, rollout.vllm.*, reward.timeout and log.*
-    may differ from the checkpoint's config."""
+    is none), or a checkpoint directory's path. Only steps, cadences, keep_last, keep_best, max_minutes, threads,
+    parallel, output_dir, generator_threads, generator_device, rollout.cuda_graph, rollout.vllm.*, reward.timeout and
+    log.* may differ from the checkpoint's config."""
     overwrite: bool = False
     """Start afresh in an output_dir that holds an earlier run, deleting that run's files."""
     max_minutes: PositiveFloat | None = None
