@@ -174,6 +174,12 @@ class TinyQwen2VLProcessor:
         self.image_processor, self.tokenizer = image_processor, tokenizer
         self.merge = image_processor.merge_size
 
+    def save_pretrained(self, directory, **kwargs) -> None:
+        """Its tokenizer and image processor, as a run saves its model's processor (AutoProcessor does not load
+        them back as one: transformers' Qwen2-VL processor wants its video processor)."""
+        self.tokenizer.save_pretrained(directory, **kwargs)
+        self.image_processor.save_pretrained(directory, **kwargs)
+
     def __call__(self, text: list[str], images=None, return_tensors: str = "pt"):
         from transformers import BatchFeature
 

@@ -198,24 +198,32 @@ def test_an_idefics3_policy_samples_through_the_vllm_engine(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before if "text_model" in k)  # step 2 sampled with these
 
 
-def test_a_vision_model_and_its_processor_passed_from_python(tmp_path):
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_a_vision_model_and_its_processor_passed_from_python(tmp_path, kind):
     """`Trainer(model=vlm, tokenizer=processor)` (TRL's `processing_class` may be a processor): image rows in
-    memory train with the model's images, the vision tower frozen, the sampler and trainer agreeing."""
+    memory (one image, two of different sizes) go through generate -> experience -> update with the model's
+    images, the vision tower frozen, the sampler and trainer agreeing; for Qwen2-VL with its 3-D (M-RoPE)
+    positions, which a 2-D `position_ids` would silently get wrong for the image tokens."""
     from PIL import Image
 
     from lmrl import Trainer
     from lmrl.config import load_config
-    from lmrl.models.tiny import tiny_llava
+    from lmrl.models.tiny import tiny_llava, tiny_qwen2_vl
 
-    model, processor = tiny_llava(seed=1)
-    tower = {k: v.clone() for k, v in model.state_dict().items() if "vision_tower" in k}
-    rows = [{"prompt": f"<image> what {i}?", "image": Image.new("RGB", (32, 32), (30 * i, 90, 9))} for i in range(4)]
+    model, processor = (tiny_llava if kind == "llava" else tiny_qwen2_vl)(seed=1)
+    token, tower_name = ("<image>", "vision_tower") if kind == "llava" else ("<|image_pad|>", "visual")
+    tower = {k: v.clone() for k, v in model.state_dict().items() if tower_name in k}
+    assert tower
+    rows = [{"prompt": f"{token} what {i}?", "image": Image.new("RGB", (32, 32), (30 * i, 90, 9))} for i in range(3)]
+    rows.append({"prompt": f"{token}{token} two?", "images": [Image.new("RGB", (32, 32), (9, 9, 99)),
+                                                            Image.new("RGB", (32, 32) if kind == "llava" else (64, 32))]})
     cfg = load_config(None, ["train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4",
                              "rollout.max_new_tokens=4", "data.num_eval_prompts=0", "optim.lr=1e-3", "algorithm.tis_cap=2.0",
                              f"train.output_dir={tmp_path}", "log.console=false"])
-    reward = lambda completions, **kw: [float(sum(map(ord, c)) % 2) for c in completions]  # noqa: E731
+    reward = lambda completions, **kw: [sum(map(ord, c)) % 7 / 7 for c in completions]  # noqa: E731
     trainer = Trainer(cfg, model=model, tokenizer=processor, reward_funcs=[reward], train_dataset=rows)
     history = trainer.train().history
     assert len(history) == 2 and all(abs(h["val/sampler_kl"]) < 1e-4 for h in history)
+    assert all(h["update/rows_skipped"] < 1 for h in history)  # each step trained
     assert trainer.models.processor is processor
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())
