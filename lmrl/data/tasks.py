@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lmrl.data.digits import DigitsBlankTask, DigitsTask
 from lmrl.errors import ConfigError
 from lmrl.rewards.core import completion_text
 
@@ -233,7 +234,7 @@ def _sum_item(terms: tuple[int, ...]) -> dict[str, str]:
 
 
 TASKS: dict[str, type] = {"addition": AdditionTask, "calculator": CalculatorTask,
-                          "calculator-notool": CalculatorNoToolTask}
+                          "calculator-notool": CalculatorNoToolTask, "digits": DigitsTask, "digits-blank": DigitsBlankTask}
 
 
 def get_task(name: str, **kwargs: Any) -> Any:
