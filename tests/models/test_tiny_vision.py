@@ -78,3 +78,17 @@ def test_lmrl_train_with_tiny_vision_runs_the_digits_task(run):
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["prompt"].startswith("<image>digit+") for s in samples)
     assert all(len(s["images"]) == 1 and s["images"][0].startswith("sha256:") for s in samples)
+
+
+def test_lmrl_eval_with_tiny_vision_and_with_the_trained_run(run):
+    """`lmrl eval --model tiny-vision` evaluates the model's own task (digits), and a run directory its run's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for args, source in ((["--model", "tiny-vision", "--num-prompts", "12", "--k", "2"], "12 prompts of task digits"),
+                         ([str(run), "--num-prompts", "12"], f"12 prompts of {run}'s held-out prompts")):
+        proc = subprocess.run([sys.executable, "-m", "lmrl", "eval", *args], capture_output=True, text=True, env=env,
+                              cwd=run.parent, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        line = proc.stdout.strip().splitlines()[-1]
+        assert line.startswith(source + ": accuracy (greedy) "), line
+        accuracy = float(line.split("accuracy (greedy) ")[1].split("%")[0])
+        assert 0.0 <= accuracy <= 100.0
