@@ -92,3 +92,29 @@ def test_lmrl_eval_with_tiny_vision_and_with_the_trained_run(run):
         assert line.startswith(source + ": accuracy (greedy) "), line
         accuracy = float(line.split("accuracy (greedy) ")[1].split("%")[0])
         assert 0.0 <= accuracy <= 100.0
+
+
+def test_the_report_shows_each_samples_image_as_a_thumbnail(run):
+    """The run keeps its in-memory images in images/ (named by samples.jsonl's sha256), and report.html embeds
+    them as PNG data URIs, each titled with its name."""
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    names = {s["images"][0] for s in samples}
+    assert {f"sha256:{p.stem}" for p in (run / "images").glob("*.png")} == names
+    page = (run / "report.html").read_text()
+    assert all(f'title="{name}"' in page for name in names)
+    assert page.count('<img class="thumb" src="data:image/png;base64,') == len(samples)
+
+
+def test_the_report_reads_image_paths_and_names_a_missing_image(tmp_path):
+    from PIL import Image
+
+    from lmrl.report import read_run, render_report
+
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "red.png")
+    rows = [{"step": 1, "prompt": "<image>?", "completion": "a", "score": 1.0, "advantage": 0.5,
+             "images": [str(tmp_path / "red.png"), "sha256:0123456789abcdef"]}]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "metrics.jsonl").write_text("")
+    page = render_report([read_run(tmp_path)])
+    assert page.count("data:image/png;base64,") == 1 and f'title="{tmp_path / "red.png"}"' in page
+    assert "sha256:0123456789abcdef" in page  # not kept here: its name, as text
