@@ -26,9 +26,9 @@ from lmrl.models.tiny import tiny_llava
 
 DEFAULT_OUT = ASSETS / "tiny-vision"
 # what ships (each a flag): small enough to stop before the model reads every digit
-DEFAULTS = SFTConfig(hidden_size=128, num_layers=2, steps=1000, batch_size=64, lr=1e-3, warmup=50)
+DEFAULTS = SFTConfig(hidden_size=128, num_layers=2, steps=350, batch_size=64, lr=1e-3, warmup=50)
 VISION_HIDDEN, VISION_LAYERS = 64, 2
-READ_STEPS = 1500
+READ_STEPS = 1000
 
 
 def encode_rows(processor, rows: list[dict]) -> tuple[list[list[int]], torch.Tensor, list[list[int]]]:
