@@ -29,6 +29,7 @@ DEFAULT_OUT = ASSETS / "tiny-vision"
 DEFAULTS = SFTConfig(hidden_size=128, num_layers=2, steps=350, batch_size=64, lr=1e-3, warmup=50)
 VISION_HIDDEN, VISION_LAYERS = 64, 2
 READ_STEPS = 1000
+SFT_ROWS = 2000  # the first training rows of the task: RL meets the rest, drawings this stage never showed
 
 
 def encode_rows(processor, rows: list[dict]) -> tuple[list[list[int]], torch.Tensor, list[list[int]]]:
@@ -91,7 +92,7 @@ def sft_vision(task: DigitsTask, config: SFTConfig, read_steps: int = 0, log_eve
     Returns (model, processor); the model is in eval mode."""
     model, processor = tiny_llava(hidden_size=config.hidden_size, num_layers=config.num_layers, seed=config.seed,
                                   vision_hidden_size=VISION_HIDDEN, vision_layers=VISION_LAYERS)
-    train, held_out = task.train_prompts(), task.eval_prompts()[:200]
+    train, held_out = task.train_prompts()[:SFT_ROWS], task.eval_prompts()[:200]
 
     def progress(model) -> str:
         m = evaluate_vision(model, processor, held_out, k=8)

@@ -81,7 +81,8 @@ class DigitsTask:
     One seeded stream of `digit_rows`: the first `num_eval` rows are the held-out split, the next `num_train` the
     training split. There are only 90 (digit, k) pairs, so both splits hold every pair; what is held out is the
     drawing (place, size and colours), which the model has not seen. A model that ignores the image can at best
-    guess the digit: about 10% exact.
+    guess the digit: about 10% exact. The shipped model was supervised on the first 2,000 training rows; RL meets
+    18,000 drawings more, so that it learns to read digits, not to remember drawings.
 
     Attributes:
         num_train: training prompts.
@@ -90,7 +91,7 @@ class DigitsTask:
         blank: every image empty (`digits-blank`): the control, where the digit cannot be seen.
     """
 
-    num_train: int = 2000
+    num_train: int = 20000
     num_eval: int = 500
     seed: int = 0
     blank: bool = False
