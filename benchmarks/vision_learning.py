@@ -1,7 +1,7 @@
 """The shipped vision model learning its task on this CPU, against the blank-image control. docs/vision.md,
 "Learning on a CPU", gives the numbers.
 
-    python benchmarks/vision_learning.py                   # both runs, tiny-vision's preset (4.5 minutes each)
+    python benchmarks/vision_learning.py                   # both runs, tiny-vision's preset (5 minutes each)
     python benchmarks/vision_learning.py --minutes 0.2     # a smoke run
     python benchmarks/vision_learning.py --record          # the table in docs/vision.md
 
@@ -48,7 +48,7 @@ def row(task: str, run: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, help="train.max_minutes of each run (default: the preset's 4.5)")
+    p.add_argument("--minutes", type=float, help="train.max_minutes of each run (default: the preset's 5)")
     p.add_argument("--out", type=Path, help="where the runs go (default: a temporary directory)")
     p.add_argument("--record", nargs="?", const="vision-learning", metavar="NAME",
                    help="write the table to benchmarks/results/NAME.MACHINE.json")
