@@ -1,5 +1,5 @@
 """Build `tiny-vision`, the vision-language model that ships with lmrl: a tiny LLaVA supervised a little on the
-digits task (`lmrl.data.digits.DigitsTask`: `<image>digit+K=` -> digit + K).
+digits task (`lmrl.data.tasks.DigitsTask`: `<image>digit+K=` -> digit + K).
 
     .venv/bin/python scripts/make_tiny_vision.py            # writes lmrl/assets/tiny-vision/
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from make_tiny_model import ASSETS, SFTConfig, supervise  # scripts/ is on the path when run as a script
 
-from lmrl.data.digits import IMAGE_TOKEN, DigitsTask
-from lmrl.data.tasks import exact_match_reward
+from lmrl.data.digits import IMAGE_TOKEN
+from lmrl.data.tasks import DigitsTask, exact_match_reward
 from lmrl.models.tiny import tiny_llava
 
 DEFAULT_OUT = ASSETS / "tiny-vision"

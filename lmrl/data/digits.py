@@ -8,17 +8,15 @@ Write it out as JSONL + PNG (the format `lmrl train data.path=...` reads, docs/v
 
 `--blank` draws every image empty: the control run, which cannot beat chance at the digit.
 
-The same rows, in memory, are the built-in task `data.task=digits` (`DigitsTask`, what the shipped `tiny-vision`
-trains on) and `data.task=digits-blank` (its blank-image control).
+The same rows, in memory, are the built-in task `data.task=digits` (`lmrl.data.tasks.DigitsTask`, what the
+shipped `tiny-vision` trains on) and `data.task=digits-blank` (its blank-image control).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,64 +64,6 @@ def digit_rows(n: int, seed: int = 0, blank: bool = False) -> list[dict[str, Any
         rows.append({"prompt": f"{IMAGE_TOKEN}digit+{k}=", "image": digit_image(digit, rng, blank),
                      "answer": str(digit + k)})
     return rows
-
-
-@functools.cache
-def _cached_rows(n: int, seed: int, blank: bool) -> tuple[dict[str, Any], ...]:
-    return tuple(digit_rows(n, seed, blank))
-
-
-@dataclass(frozen=True)
-class DigitsTask:
-    """The digit shown plus k, a built-in task (`data.task=digits`): each prompt `<image>digit+K=` carries its PIL
-    image in memory, the answer is digit + K, the reward exact match (as the addition task's).
-
-    One seeded stream of `digit_rows`: the first `num_eval` rows are the held-out split, the next `num_train` the
-    training split. There are only 90 (digit, k) pairs, so both splits hold every pair; what is held out is the
-    drawing (place, size and colours), which the model has not seen. A model that ignores the image can at best
-    guess the digit: about 10% exact. The shipped model was supervised on the first 2,000 training rows; RL meets
-    18,000 drawings more, so that it learns to read digits, not to remember drawings.
-
-    Attributes:
-        num_train: training prompts.
-        num_eval: held-out prompts.
-        seed: seed of the row stream.
-        blank: every image empty (`digits-blank`): the control, where the digit cannot be seen.
-    """
-
-    num_train: int = 20000
-    num_eval: int = 500
-    seed: int = 0
-    blank: bool = False
-
-    name = "digits"
-    max_new_tokens = 3  # up to two digits (18) and the EOS
-
-    @property
-    def reward_funcs(self) -> list[Any]:
-        from lmrl.data.tasks import exact_match_reward  # (tasks registers this class)
-
-        return [exact_match_reward]
-
-    def train_prompts(self) -> list[dict[str, Any]]:
-        """`num_train` rows `{"prompt", "image", "answer"}`, after the held-out ones in the stream."""
-        return [dict(r) for r in self._rows()[self.num_eval:]]
-
-    def eval_prompts(self) -> list[dict[str, Any]]:
-        """The held-out split: the stream's first `num_eval` rows."""
-        return [dict(r) for r in self._rows()[: self.num_eval]]
-
-    def _rows(self) -> tuple[dict[str, Any], ...]:
-        return _cached_rows(self.num_eval + self.num_train, self.seed, self.blank)
-
-
-@dataclass(frozen=True)
-class DigitsBlankTask(DigitsTask):
-    """The digits task with every image blank (`data.task=digits-blank`): the control run."""
-
-    blank: bool = True
-
-    name = "digits-blank"
 
 
 def write_digits(out: str | Path, n: int, seed: int = 0, blank: bool = False) -> Path:
