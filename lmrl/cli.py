@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("run", nargs="?", default=None,
                     help="a run directory: evaluate its final/ model with the run's own task (or data) and rewards")
     ev.add_argument("--model", default=None, help="model directory or hub id (default: the run's final/, else 'tiny-addition')")
-    ev.add_argument("--task", default=None, help="built-in task name (default: addition)")
+    ev.add_argument("--task", default=None, help="built-in task name (default: the model's own: digits for tiny-vision, calculator for tiny-calculator; else addition)")
     ev.add_argument("--data", default=None,
                     help="evaluate every row of this file (.jsonl / .json / .parquet, a save_to_disk directory, a hub name)")
     ev.add_argument("--split", default=None, help="the split of --data, when it has splits (a DatasetDict, a hub dataset)")
@@ -382,7 +382,7 @@ def _eval_config(args) -> tuple[dict, str]:
         source = f"{args.run}'s held-out prompts"
     else:
         raw = {"model": {"name_or_path": args.model or "tiny-addition"}}
-        source = f"task {args.task or 'addition'}"
+        source = f"task {args.task or _preset_task(raw['model']['name_or_path'])}"
     if args.task and (args.data or args.run):
         raise ConfigError("--task: give a task, --data or a run directory, not several")
     data = dict(raw.get("data") or {})
@@ -404,12 +404,20 @@ def _eval_config(args) -> tuple[dict, str]:
     elif args.split:
         raise ConfigError("--split: a split of --data FILE; give --data too")
     elif args.run is None:
-        data = {"task": args.task or "addition"}
+        data = {"task": args.task or _preset_task(raw["model"]["name_or_path"])}
     raw["data"] = {**data, "num_eval_prompts": args.num_prompts}
     raw["log"] = {"console": False, "jsonl": False}
     if args.max_new_tokens:
         raw["rollout"] = {**(raw.get("rollout") or {}), "max_new_tokens": args.max_new_tokens}
     return raw, source
+
+
+def _preset_task(model: str) -> str:
+    """The built-in task a shipped model is made for (its preset's data.task: `digits` for tiny-vision), else
+    addition."""
+    from lmrl.config.presets import MODEL_PRESETS
+
+    return MODEL_PRESETS.get(model, {}).get("data", {}).get("task", "addition")
 
 
 def _why_no_eval_rows(cfg) -> str:

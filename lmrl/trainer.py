@@ -264,7 +264,9 @@ class Trainer:
         if self.models.processor is not None:  # which images each sample's prompt showed
             from lmrl.data.images import image_refs
 
-            extra["images"] = [image_refs(c.rows[int(i)]) for i in exp.group_index[:k]]
+            # an in-memory image is kept in the run's images/ for the report's thumbnails (samples.jsonl names it)
+            keep = self.out / "images" if self.log.main and self.cfg.log.jsonl else None
+            extra["images"] = [image_refs(c.rows[int(i)], keep) for i in exp.group_index[:k]]
         self.log.samples(step, prompts, c.rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist(), extra)
 
     # ------------------------------------------------------------------------------ the step's stages

@@ -107,7 +107,7 @@ def sft(task: AdditionTask, config: SFTConfig, log_every: int = 0):
 def supervise(model, tokenizer, num_examples: int, batch, config: SFTConfig, log_every: int, progress) -> None:
     """`config.steps` AdamW steps (linear warm-up, gradient norm clipped at 1) on batches of `config.batch_size`
     examples drawn with replacement by a generator seeded with `config.seed`; `batch(indices)` gives their
-    (input_ids, attention_mask, labels). Every `log_every` steps prints the loss and `progress(model)`, which
+    (input_ids, attention_mask, labels), and optionally a dict of the forward's other inputs. Every `log_every` steps prints the loss and `progress(model)`, which
     evaluates (the model is put back in train mode after). Leaves the model in eval mode, its generation
     config naming the tokenizer's EOS, pad and BOS."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -116,8 +116,9 @@ def supervise(model, tokenizer, num_examples: int, batch, config: SFTConfig, log
     model.train()
     start = time.perf_counter()
     for step in range(config.steps):
-        ids, attention, labels = batch(torch.randint(num_examples, (config.batch_size,), generator=gen).tolist())
-        logits = model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
+        # a vision model's batch brings its forward's other inputs (pixel values) as a fourth element
+        ids, attention, labels, *extra = batch(torch.randint(num_examples, (config.batch_size,), generator=gen).tolist())
+        logits = model(input_ids=ids, attention_mask=attention, **(extra[0] if extra else {})).logits  # [B, L, V]
         # logits at position t predict the token at t + 1
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)

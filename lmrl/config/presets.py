@@ -90,6 +90,13 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(steps=2000, max_minutes=5.0, eval_every=50, threads=1, output_dir="runs/tiny-calculator"),
         "log": dict(every=25, samples_every=250),
     },
+    "tiny-vision": {  # a tiny LLaVA on the digits task: the digit drawn in the image plus k from the text
+        "data": dict(task="digits", num_eval_prompts=200),
+        "rollout": dict(prompts_per_step=16, group_size=8, max_new_tokens=3),
+        "optim": dict(lr=2e-4),
+        "train": dict(steps=3000, max_minutes=5.0, eval_every=20, threads=1, output_dir="runs/tiny-vision"),
+        "log": dict(every=10, samples_every=100),
+    },
 }
 
 

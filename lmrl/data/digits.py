@@ -7,6 +7,9 @@ Write it out as JSONL + PNG (the format `lmrl train data.path=...` reads, docs/v
     python -m lmrl.data.digits OUT_DIR [--rows 200] [--seed 0] [--blank]
 
 `--blank` draws every image empty: the control run, which cannot beat chance at the digit.
+
+The same rows, in memory, are the built-in task `data.task=digits` (`lmrl.data.tasks.DigitsTask`, what the
+shipped `tiny-vision` trains on) and `data.task=digits-blank` (its blank-image control).
 """
 
 from __future__ import annotations

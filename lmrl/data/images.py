@@ -178,10 +178,11 @@ def _text_only_problem(prompt: Any, model: str) -> str | None:
     return None
 
 
-def image_refs(row: Mapping[str, Any]) -> list[str]:
+def image_refs(row: Mapping[str, Any], keep: str | os.PathLike | None = None) -> list[str]:
     """How `samples.jsonl` names the images a row's prompt showed: a path as the row gives it (made absolute when
     the file was read), else `sha256:` and the first 16 hex digits of the image's bytes (of its RGB pixels for a
-    PIL image), so a person can tell which image a sample saw."""
+    PIL image), so a person can tell which image a sample saw. `keep`: a directory where each in-memory image is
+    also saved, once, as `HEX.png` (the run's `images/`, where `lmrl report` finds it for its thumbnail)."""
     import hashlib
 
     from PIL import Image
@@ -194,7 +195,11 @@ def image_refs(row: Mapping[str, Any]) -> list[str]:
             out.append(os.fspath(value))
             continue
         data = value.convert("RGB").tobytes() if isinstance(value, Image.Image) else bytes(value)
-        out.append("sha256:" + hashlib.sha256(data).hexdigest()[:16])
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        out.append("sha256:" + digest)
+        if keep is not None and not (path := Path(keep) / f"{digest}.png").exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            (value if isinstance(value, Image.Image) else open_image(value)).save(path)
     return out
 
 

@@ -125,12 +125,16 @@ def tiny_llava(
     hidden_size: int = 64,
     num_layers: int = 2,
     seed: int = 0,
+    vision_hidden_size: int = 32,
+    vision_layers: int = 1,
 ):
     """A randomly initialised LLaVA sized for tests: a CLIP vision tower on `image_size` images cut in
     `patch_size` patches (CLS dropped: `(image_size / patch_size)**2` image tokens, 16 by default), a
     two-layer MLP projector, a tiny Llama; and its processor (Pillow's CLIP image processor: no torchvision).
 
     Returns (model, processor). The tokenizer (default: `char_tokenizer()`) gets `<image>` as a special token.
+    `vision_hidden_size` and `vision_layers` size the CLIP tower (2 heads); the shipped `tiny-vision` is larger
+    than the tests' default.
     """
     import torch
     from transformers import (
@@ -148,7 +152,8 @@ def tiny_llava(
     processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=patch_size,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                chat_template=PARTS_TEMPLATE)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    vision = CLIPVisionConfig(hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
+                              num_hidden_layers=vision_layers, num_attention_heads=2,
                               image_size=image_size, patch_size=patch_size)
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,

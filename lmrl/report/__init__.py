@@ -7,10 +7,12 @@ given (their curves overlaid, one colour per run):
 - a summary: algorithm, model, steps, held-out accuracy at the start and the end, wall time;
 - plots of reward and held-out accuracy, KL, entropy, clip fraction, ratio, response length, loss,
   gradient norm, seconds per phase and throughput, each against step and against wall time;
-- the sample tables written during training (`samples.jsonl`), newest first;
+- the sample tables written during training (`samples.jsonl`), newest first, with a thumbnail of each image a
+  sample's prompt showed (read from its path, or from the run's `images/` for an in-memory image);
 - the resolved config (`lmrl_config.yaml`).
 
-It reads only what a run writes (`metrics.jsonl`, `samples.jsonl`, `lmrl_config.yaml`), so it works
+It reads only what a run writes (`metrics.jsonl`, `samples.jsonl`, `lmrl_config.yaml`, `images/`) and the image
+files samples.jsonl names, so it works
 on a finished run, an interrupted one, or one still training. Model outputs are untrusted: every
 text is HTML-escaped.
 """
@@ -212,11 +214,51 @@ def _samples(run: Run, color: str) -> str:
             "<tr>" + f"<td>{html.escape(str(row.get('prompt', '')))}</td><td class=\"completion\">"
             f"{html.escape(str(row.get('completion', '')))}</td><td>{_num(row.get('score'), '.3f')}</td>"
             f"<td>{_num(row.get('advantage'), '+.3f')}</td>"
-            + "".join(f"<td>{html.escape(str(row.get(k, '')))}</td>" for k in extra) + "</tr>"
+            + "".join(f"<td>{_images(run, row[k]) if k == 'images' else html.escape(str(row.get(k, '')))}</td>"
+                      for k in extra) + "</tr>"
             for row in rows)
         parts.append(f"<details{' open' if n == 0 else ''}><summary>step {step}</summary>"
                      f'<table class="samples"><tr>{head}</tr>{body}</table></details>')
     return "".join(parts)
+
+
+THUMBNAIL = 64  # pixels, the longer side
+
+
+def _images(run: Run, refs: Any) -> str:
+    """A sample's images (samples.jsonl's `images`: paths, or `sha256:HEX` for an image kept in the run's images/
+    as HEX.png) as small PNG thumbnails inside the page (data URIs: it stays one file), each titled with its
+    name; a name whose image is not here (moved, or never kept) is shown as text."""
+    if not isinstance(refs, list):
+        return html.escape(str(refs))
+    cells = []
+    for ref in map(str, refs):
+        path = run.directory / "images" / f"{ref[7:]}.png" if ref.startswith("sha256:") else Path(ref)
+        if not path.is_absolute():
+            path = run.directory / path
+        uri = _thumbnail(path)
+        cells.append(f'<img class="thumb" src="{uri}" title="{html.escape(ref)}" alt="{html.escape(ref)}">' if uri
+                     else html.escape(ref))
+    return " ".join(cells)
+
+
+def _thumbnail(path: Path) -> str | None:
+    """`path`'s image shrunk to fit THUMBNAIL pixels, as a `data:image/png;base64,...` URI; None where it cannot
+    be read."""
+    import base64
+    import io
+
+    try:
+        from PIL import Image
+
+        with Image.open(path) as image:
+            image = image.convert("RGB")
+            image.thumbnail((THUMBNAIL, THUMBNAIL))
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+    except (OSError, ImportError, ValueError):
+        return None
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _number(v: Any) -> bool:
@@ -254,6 +296,7 @@ svg.plot text { font: 11px sans-serif; fill: #444; }
 svg.plot text.title { font-size: 12px; font-weight: 600; fill: #222; }
 svg.plot .frame { fill: none; stroke: #999; }
 svg.plot .grid { stroke: #eee; }
+.thumb { width: 64px; height: 64px; image-rendering: pixelated; border: 1px solid #ccc; }
 .samples td { max-width: 520px; white-space: pre-wrap; word-break: break-word; font-family: ui-monospace, monospace; font-size: 12px; }
 .note, .legend { color: #555; }
 pre { background: #f7f7f7; padding: 8px; overflow-x: auto; font-size: 12px; }

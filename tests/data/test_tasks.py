@@ -76,7 +76,7 @@ def test_reward_is_one_exactly_for_the_true_sum(a, b):
 
 
 def test_get_task_and_unknown_name():
-    assert set(TASKS) == {"addition", "calculator", "calculator-notool"}
+    assert set(TASKS) == {"addition", "calculator", "calculator-notool", "digits", "digits-blank"}
     task = get_task("addition", seed=5, num_eval=10)
     assert isinstance(task, AdditionTask) and task.seed == 5 and len(task.eval_prompts()) == 10
     assert task.reward_funcs == [exact_match_reward]
