@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine (no package index there): install the wheels scripts/gpu_wheels.py put in .whl/,
-# then run the whole suite on CUDA, the GPU benchmark against TRL and the generation backends. Output goes to $OUT when it is set
+# then run the whole suite on CUDA, the GPU benchmark against TRL, the generation backends and a real-size
+# vision-language policy (benchmarks/gpu_vision.py). Output goes to $OUT when it is set
 # (the device tool brings that folder back), else to gpu-out/.
 #   here:  python scripts/gpu_wheels.py
 #   there: bash scripts/gpu_run.sh            (the device tool's run, with carry=[".whl"])
 # Each part has a time limit (seconds; default 540, so that one part fits a device call of 10 minutes): GPU_SUITE_S,
-# GPU_BENCH_S, GPU_GEN_S. The suite runs on GPU_WORKERS pytest workers (default 14), each test at most 180 s; GPU_TESTS
-# narrows it (pytest arguments; default: tests), GPU_PARTS chooses the parts (default: suite bench gen; the whole suite
+# GPU_BENCH_S, GPU_GEN_S, GPU_VISION_S. The suite runs on GPU_WORKERS pytest workers (default 14), each test at most 180 s; GPU_TESTS
+# narrows it (pytest arguments; default: tests), GPU_PARTS chooses the parts (default: suite bench gen vision; the whole suite
 # alone took more than 320 s on 8 workers of an H100 machine, 2026-11-27, so give each part a call of its own). The generation table is recorded into $OUT/results/ (copy it to
 # benchmarks/results/ and run `make figures` to show it in the docs).
 set -uo pipefail
@@ -21,8 +22,8 @@ echo /tmp/site > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["p
 nvidia-smi -L | tee "$out/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
 limit() { timeout -s INT -k 20 "$@"; }  # SIGINT first: pytest and the benchmarks print what they have
-parts=" ${GPU_PARTS:-suite bench gen} "
-suite=0 bench=0 gen=0
+parts=" ${GPU_PARTS:-suite bench gen vision} "
+suite=0 bench=0 gen=0 vision=0
 if [[ $parts == *" suite "* ]]; then
     limit "${GPU_SUITE_S:-540}" python3 -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-14}" --dist loadfile \
         --timeout 180 -rfE ${GPU_TESTS:-tests} 2>&1 | tee "$out/suite.txt"
@@ -39,5 +40,9 @@ if [[ $parts == *" gen "* ]]; then  # generation tokens/s of the backends (vLLM'
         --preset shipped 30m 100m --backends $backends --repeats 3 --record generation-gpu 2>&1 | tee "$out/generation.txt"
     gen=${PIPESTATUS[0]}
 fi
-echo "suite exit $suite, benchmark exit $bench, generation exit $gen"
-exit $(( suite || bench || gen ))
+if [[ $parts == *" vision "* ]]; then  # a Qwen2.5-VL of the 3B model's shape (random weights) through lmrl's Trainer
+    limit "${GPU_VISION_S:-540}" python3 benchmarks/gpu_vision.py 2>&1 | tee "$out/gpu_vision.txt"
+    vision=${PIPESTATUS[0]}
+fi
+echo "suite exit $suite, benchmark exit $bench, generation exit $gen, vision exit $vision"
+exit $(( suite || bench || gen || vision ))

@@ -84,6 +84,15 @@ def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
     assert line and float(line.group(1)) > 0 and float(line.group(2)) >= 1 and line.group(3) == decode, out
 
 
+def test_gpu_vision_check_runs_a_tiny_qwen2_5_vl_here():
+    """scripts/gpu_run.sh's vision part at a tiny size on the CPU: a Qwen2.5-VL (window attention in its tower,
+    M-RoPE) through lmrl's Trainer with one image and two of different sizes, the sampler agreeing with the trainer."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vision.py"), "--tiny", "--steps", "2"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Qwen2.5-VL (tiny)" in out.stdout and out.stdout.count("val/sampler_kl") == 2 and "2 steps in" in out.stdout
+
+
 def test_the_bandwidth_floor_counts_weights_once_per_step_and_the_growing_cache():
     sys.path.insert(0, str(ROOT))
     from benchmarks.gpu_vs_trl import decode_bytes
