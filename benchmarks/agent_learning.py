@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -64,14 +63,11 @@ def agent() -> None:
 
 
 def train(out: Path, steps: int, eval_every: int, num_eval: int, seed: int, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "lmrl.cli", "train", "model.name_or_path=tiny-calculator", f"train.output_dir={out}",
-           f"train.steps={steps}", f"train.eval_every={eval_every}", f"data.num_eval_prompts={num_eval}",
-           f"train.seed={seed}", "train.threads=1", "train.max_minutes=null", "train.overwrite=true",
-           "log.console=false", "log.samples_every=0", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from recording import lmrl_train_rows
+
+    rows = lmrl_train_rows(out, "model.name_or_path=tiny-calculator", f"train.steps={steps}",
+                           f"train.eval_every={eval_every}", f"data.num_eval_prompts={num_eval}", f"train.seed={seed}",
+                           "train.threads=1", "train.max_minutes=null", *overrides)
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     steps_ = [r for r in rows if "time/step" in r]
     return {"evals": evals, "seconds": steps_[-1]["time/elapsed"], "per_step": steps_[-1]["time/elapsed"] / len(steps_),

@@ -17,22 +17,16 @@ writes benchmarks/results/NAME.MACHINE.json: that table, and the values the page
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 
 def train(out: Path, *overrides: str) -> dict:
     """`lmrl train OVERRIDES` into `out`: its evaluations and per-step metrics, or the last line it printed."""
-    cmd = [sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={out}", "train.overwrite=true",
-           "log.console=false", "log.samples_every=0", "train.max_minutes=null", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from recording import lmrl_train_rows
+
+    rows = lmrl_train_rows(out, "train.max_minutes=null", *overrides)
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if "time/step" in r]
     return {"evals": evals, "steps": steps, "seconds": steps[-1]["time/elapsed"] if steps else 0.0}

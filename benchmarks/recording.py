@@ -188,3 +188,16 @@ def _without_record(command: str) -> list[str]:
         at = words.index("--record")
         del words[at : at + (2 if at + 1 < len(words) and not words[at + 1].startswith("-") else 1)]
     return words
+
+
+def lmrl_train_rows(out: Path, *args: str) -> list[dict]:
+    """`lmrl train ARGS` into `out` in a subprocess (overwriting it, no console, no samples): the rows of its
+    metrics.jsonl; on failure the command and the last line it printed."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={out}", "train.overwrite=true",
+           "log.console=false", "log.samples_every=0", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]

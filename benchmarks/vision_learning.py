@@ -17,9 +17,6 @@ benchmarks/results/NAME.MACHINE.json.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,12 +25,9 @@ RUNS = {"digits": "digits: the digit drawn", "digits-blank": "control: digits-bl
 
 def train(out: Path, *overrides: str) -> dict:
     """`lmrl train model.name_or_path=tiny-vision OVERRIDES` into `out`: its evaluations and last step's metrics."""
-    cmd = [sys.executable, "-m", "lmrl.cli", "train", "model.name_or_path=tiny-vision", f"train.output_dir={out}",
-           "train.overwrite=true", "log.console=false", "log.samples_every=0", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from recording import lmrl_train_rows
+
+    rows = lmrl_train_rows(out, "model.name_or_path=tiny-vision", *overrides)
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if "time/step" in r]
     return {"evals": evals, "steps": len(steps), "seconds": steps[-1]["time/elapsed"] if steps else 0.0}
