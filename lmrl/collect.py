@@ -185,9 +185,9 @@ class Collector:
         tools = getattr(getattr(self.env, "tools", None), "schemas", None)  # chat prompts list the tools
         media, images = None, None
         if self.processor is not None:  # each prompt's images processed once, whatever n
-            ids, media, images = prompt_media(self.processor, prompts, rows)
-            if not getattr(self.generator, "processes_images", False):  # vLLM does, its own way; lmrl's decode takes
-                images = None  # the bundles
+            # vLLM processes the images its own way; lmrl's decode takes the bundles
+            ids, media, images = prompt_media(self.processor, prompts, rows,
+                                              for_engine=getattr(self.generator, "processes_images", False))
         else:
             ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length,
                                  use_chat_template=cfg.model.chat_template, tools=tools)
@@ -286,10 +286,11 @@ class PushedWeights:
         return seconds
 
 
-def prompt_media(processor: Any, prompts: list[Any], rows: list[dict[str, Any]]) -> tuple[list[list[int]], list, list]:
+def prompt_media(processor: Any, prompts: list[Any], rows: list[dict[str, Any]],
+                 for_engine: bool = False) -> tuple[list[list[int]], list, list | None]:
     """A vision-language policy's prompt ids and media bundles (`lmrl.models.vision.encode_with_media`): each
-    row's prompt as its processor writes it, with the row's images opened in order; and each prompt as an engine
-    that processes images itself takes it (`lmrl.models.vision.ImagePrompt`, for vLLM)."""
+    row's prompt as its processor writes it, with the row's images opened in order; and, `for_engine`, each prompt
+    as an engine that processes images itself takes it (`lmrl.models.vision.ImagePrompt`, for vLLM), else None."""
     from lmrl.data.images import open_image, row_images
     from lmrl.models.vision import encode_with_media, prompt_text
     from lmrl.models.vision import image_prompts as unexpanded
@@ -297,7 +298,7 @@ def prompt_media(processor: Any, prompts: list[Any], rows: list[dict[str, Any]])
     texts = [prompt_text(processor, p) for p in prompts]
     images = [[open_image(v).convert("RGB") for v in row_images(row)] for row in rows]
     ids, media = encode_with_media(processor, texts, images)
-    return ids, media, unexpanded(processor, texts, images)
+    return ids, media, unexpanded(processor, texts, images) if for_engine else None
 
 
 def _sandbox_kills(rewards) -> dict[str, int]:

@@ -219,11 +219,11 @@ def image_inputs(cfg: Any, processor: Any) -> ImageInputs:
     def added(images: list[Any]) -> int:
         """Processed as the collector will, once per distinct list of image sizes: how many tokens an image
         becomes depends on its size alone in the processors of LLaVA, Qwen2-VL and Idefics3."""
-        opened = [open_image(v).convert("RGB") for v in images]
+        opened = [open_image(v) for v in images]
         sizes = tuple(image.size for image in opened)
         if sizes not in known:
             text = token * len(opened)
-            out = processor(text=[text], images=opened, return_tensors="pt")
+            out = processor(text=[text], images=[image.convert("RGB") for image in opened], return_tensors="pt")
             known[sizes] = len(out["input_ids"][0]) - len(processor.tokenizer(text)["input_ids"])
         return known[sizes]
 
