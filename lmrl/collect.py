@@ -119,7 +119,7 @@ class Collector:
             first = torch.arange(G)
             parts, rows_kept = [(select_rollout(rollout, first), scores[first], {k: v[first] for k, v in per_fn.items()}, {})], rows[:1]
             parts[0][0].prompt_index = torch.zeros(G, dtype=torch.long)
-            if rollout.media is not None:
+            if rollout.media is not None and rollout.media_index is None:
                 parts[0][0].media = rollout.media[:1]
         sync = getattr(self.weights, "take_seconds", None)
         if sync is not None:  # a generator that holds its own weights took the policy's
@@ -149,7 +149,7 @@ class Collector:
         per_fn = {k: v[index] for k, v in per_fn.items()}
         extra = {k: [v[int(i)] for i in index] for k, v in extra.items()}
         rollout.prompt_index = torch.arange(len(rows)).repeat_interleave(G)
-        if rollout.media is not None:  # the kept prompts' bundles, renumbered as their rows are
+        if rollout.media is not None and rollout.media_index is None:  # the kept prompts' bundles, renumbered
             rollout.media = [rollout.media[int(i)] for i in chosen]
         return (rollout, scores, per_fn, extra), rows, count, int((~ok).sum())
 
@@ -196,18 +196,19 @@ class Collector:
                                 stop=list(cfg.rollout.stop), seed=seed)
         episodes = None
         with self.weights(self.global_step):
-            if images is not None:  # the engine processes the images; the trainer's forward takes the bundles
+            if self.env is not None:  # multi-turn: every live episode's next turn in one batch, observations out of the loss
+                episodes = generate_episodes(self.generator, self.tokenizer, ids, rows, n, params, self.env,
+                                             cfg.env.max_turns, cfg.env.max_tokens or cfg.env.max_turns * params.max_new_tokens,
+                                             media=media, processor=self.processor)
+                rollout = episodes.rollout
+            elif images is not None:  # the engine processes the images; the trainer's forward takes the bundles
                 rollout = self.generator.generate(ids, n, params, images=images)
                 rollout.media = media
             elif media is not None:
                 rollout = self.generator.generate(ids, n, params, media=media)
                 rollout.media = media
-            elif self.env is None:
+            else:
                 rollout = self.generator.generate(ids, n, params)
-            else:  # multi-turn: every live episode's next turn in one batch, observations out of the loss
-                episodes = generate_episodes(self.generator, self.tokenizer, ids, rows, n, params, self.env,
-                                             cfg.env.max_turns, cfg.env.max_tokens or cfg.env.max_turns * params.max_new_tokens)
-                rollout = episodes.rollout
         return rollout, self._score(rows, rollout, episodes)
 
     def verify(self, rows: list[dict[str, Any]], rollout: Rollout) -> Any:

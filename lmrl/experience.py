@@ -54,6 +54,8 @@ class Experience:
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] tensors: lengths, finished, ...
     # a vision-language policy's bundle of each prompt, indexed by group_index (a list: `select` keeps it whole)
     media: list | None = None
+    # [B] the bundle of `media` each row shows where episodes showed images of their own (`Rollout.media_index`)
+    media_index: torch.Tensor | None = None
 
     def row_media(self) -> dict[str, torch.Tensor] | None:
         """The forward arguments of these rows' images (`lmrl.models.vision.row_media`); None for text."""
@@ -61,7 +63,8 @@ class Experience:
             return None
         from lmrl.models.vision import row_media
 
-        return row_media(self.media, self.group_index, self.sequences.device)
+        index = self.group_index if self.media_index is None else self.media_index
+        return row_media(self.media, index, self.sequences.device)
 
     @property
     def num_response_tokens(self) -> int:
@@ -224,7 +227,7 @@ def batched_forward(
 ) -> list:
     """`fn(sequences, attention_mask, T)` over micro-batches, no grad; the list of per-micro-batch results.
     With sharded models a rank makes as many forwards as the busiest rank (`World.calls`). `media`: a
-    vision-language policy's (bundles per prompt, [B] prompt index): each micro-batch gets `media=` its rows'."""
+    vision-language policy's (bundles, [B] each row's bundle): each micro-batch gets `media=` its rows'."""
     from lmrl.models.vision import row_media
 
     starts = range(0, sequences.shape[0], micro_batch_size)
@@ -365,11 +368,12 @@ def make_experience(
         rollout_logprobs=rollout.logprobs.float() if old is None and tis_cap is not None else None,
         info=info,
         media=rollout.media,
+        media_index=rollout.media_index,
     )
 
 
 def _media(rollout: Rollout) -> tuple[list, torch.Tensor] | None:
-    return None if rollout.media is None else (rollout.media, rollout.prompt_index)
+    return None if rollout.media is None else (rollout.media, rollout.media_rows)
 
 
 def _policy_forward(

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmrl.models.vision import open_image  # noqa: F401  (here since rows were first to open images)
+
 IMAGE_COLUMNS = ("image", "images")
 
 
@@ -72,22 +74,6 @@ def resolve_image_paths(row: Any, base: Path) -> Any:
     elif out.get("image") is not None:
         out["image"] = resolved(out["image"])
     return out
-
-
-def open_image(value: Any):
-    """The PIL image a row's image value holds (a path, bytes, a PIL image or `{"bytes", "path"}`), loaded."""
-    from PIL import Image
-
-    if isinstance(value, Image.Image):
-        return value
-    if isinstance(value, Mapping):
-        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        image = Image.open(io.BytesIO(value))
-    else:
-        image = Image.open(os.fspath(value))
-    image.load()
-    return image
 
 
 def placeholders(prompt: Any, image_token: str | None) -> int:

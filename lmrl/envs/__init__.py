@@ -50,12 +50,16 @@ class Step:
         reward: added to the episode's reward; None adds nothing.
         done: the episode ends after this turn.
         info: counts summed into the step's metrics (`env/<key>`), e.g. tool_calls, tool_errors.
+        images: what the observation shows, in order (PIL images, encoded bytes or paths), for a vision-language
+            policy: the observation holds the processor's image token once per image (a string) or an
+            `{"type": "image"}` part per image (chat messages); the images are the episode's from there on.
     """
 
     observation: str | list[dict[str, Any]] | None = None
     reward: float | None = None
     done: bool = False
     info: dict[str, float] = field(default_factory=dict)
+    images: list[Any] | None = None
 
 
 @runtime_checkable

@@ -185,7 +185,7 @@ class TinyQwen2VLProcessor:
         self.tokenizer.save_pretrained(directory, **kwargs)
         self.image_processor.save_pretrained(directory, **kwargs)
 
-    def __call__(self, text: list[str], images=None, return_tensors: str = "pt"):
+    def __call__(self, text: list[str], images=None, return_tensors: str = "pt", **text_kwargs):
         from transformers import BatchFeature
 
         out = {}
@@ -195,7 +195,7 @@ class TinyQwen2VLProcessor:
             text = [t.replace(self.image_token, "\0") for t in text]
             text = ["".join(part if i == 0 else f"<|vision_start|>{self.image_token * next(counts)}<|vision_end|>{part}"
                             for i, part in enumerate(t.split("\0"))) for t in text]
-        out.update(self.tokenizer(text, return_tensors=return_tensors, padding=True))
+        out.update(self.tokenizer(text, return_tensors=return_tensors, padding=True, **text_kwargs))
         return BatchFeature(out)
 
 

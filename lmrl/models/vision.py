@@ -18,7 +18,9 @@ then pass each row's next text position, the same on every axis.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import io
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,23 @@ Media = dict[str, torch.Tensor]
 # per-token outputs: aligned with the token ids, padded with them, never concatenated as a bundle
 _TOWERS = ("vision_tower", "visual", "vision_model")  # LLaVA, Gemma 3 / Qwen2-VL, 2.5-VL / Idefics3, SmolVLM
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+def open_image(value: Any):
+    """The PIL image a value holds (a path, bytes, a PIL image or a `datasets` Image's `{"bytes", "path"}`), loaded:
+    a row's images and an environment's observation images alike."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value
+    if isinstance(value, Mapping):
+        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        image = Image.open(io.BytesIO(value))
+    else:
+        image = Image.open(os.fspath(value))
+    image.load()
+    return image
 
 
 def takes_images(model: nn.Module) -> bool:
@@ -68,14 +87,15 @@ def prompt_text(processor: Any, prompt: str | list[dict[str, Any]]) -> str:
     return processor.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
 
 
-def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]]) -> tuple[
-        list[list[int]], list[Media | None]]:
+def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]],
+                      add_special_tokens: bool = True) -> tuple[list[list[int]], list[Media | None]]:
     """Token ids and the bundle of each prompt, each prompt processed once on its own (no padding).
 
     Args:
         processor: the model's processor (its tokenizer expands each image token to the image's tokens).
         prompts: prompt texts holding the processor's image token once per image.
         images: the PIL images of each prompt, in order ([] for a text prompt).
+        add_special_tokens: False for text that continues a sequence (an environment's observation): no BOS.
 
     Returns:
         `[len(prompt) tokens]` per prompt, and its `Media` (None for a prompt without images).
@@ -84,7 +104,8 @@ def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[S
         raise ValueError(f"images: {len(images)} image lists for {len(prompts)} prompts")
     ids, bundles = [], []
     for text, imgs in zip(prompts, images):
-        out = processor(text=[text], images=list(imgs) or None, return_tensors="pt")
+        extra = {} if add_special_tokens else {"add_special_tokens": False}
+        out = processor(text=[text], images=list(imgs) or None, return_tensors="pt", **extra)
         ids.append(out["input_ids"][0].tolist())
         media = {k: v for k, v in out.items() if k not in _TEXT_KEYS and isinstance(v, torch.Tensor)}
         bundles.append(media or None)
@@ -131,6 +152,38 @@ def _zero_padded(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """`x` (`[N, *rest]`) in a zero tensor of shape `[N, *shape]`, at the start of every dimension."""
     out = x.new_zeros((x.shape[0], *shape))
     out[(slice(None), *(slice(0, n) for n in x.shape[1:]))] = x
+    return out
+
+
+def join_media(parts: Sequence[Media | None]) -> Media | None:
+    """One sequence's bundles as one, in order: its prompt's, then each observation's (a multi-turn episode whose
+    environment showed images). Each key is joined along the images' dimension: the first, or the second where the
+    processor writes a prompt dimension first (Idefics3 / SmolVLM: `[1, images, 3, H, W]` pixel values, `[1, images,
+    H, W]` pixel masks), images of different sizes zero-padded as `batch_media` pads them. None when none has images."""
+    present = [p for p in parts if p]
+    if len(present) < 2:
+        return present[0] if present else None
+    if any(set(p) != set(present[0]) for p in present):
+        raise ValueError(f"media: an episode's bundles hold different keys: {sorted({k for p in present for k in p})}")
+    out = {}
+    for key, first in present[0].items():
+        dim = 1 if first.dim() == _PER_PROMPT_RANK.get(key) else 0
+        pieces = [p[key] for p in present]
+        shape = [max(sizes) for sizes in zip(*(x.shape for x in pieces))]
+        pieces = [_zero_padded_to(x, [n if d != dim else x.shape[d] for d, n in enumerate(shape)]) for x in pieces]
+        out[key] = torch.cat(pieces, dim)
+    return out
+
+
+# the rank of a key whose processor writes a prompt dimension before the images' (Idefics3 / SmolVLM)
+_PER_PROMPT_RANK = {"pixel_values": 5, "pixel_attention_mask": 4}
+
+
+def _zero_padded_to(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    if list(x.shape) == shape:
+        return x
+    out = x.new_zeros(shape)
+    out[tuple(slice(0, n) for n in x.shape)] = x
     return out
 
 
@@ -210,7 +263,8 @@ _NOT_WITH_IMAGES = (
     (lambda c: c.rollout.backend not in ("lmrl", "vllm"),
      "rollout.backend={} is not supported with a vision-language policy; use lmrl or vllm"),
     (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
-    (lambda c: c.env.name is not None, "env.name: multi-turn environments are not supported with a vision-language policy"),
+    (lambda c: c.env.name is not None and c.rollout.backend != "lmrl",
+     "env.name with rollout.backend={}: a vision-language policy's multi-turn episodes need rollout.backend=lmrl"),
     (lambda c: c.algorithm.teacher is not None, "algorithm.teacher is not supported with a vision-language policy"),
     (lambda c: _adapter_dir(c.model.name_or_path),
      "a LoRA adapter directory as model.name_or_path is not supported with a vision-language policy yet"),

@@ -92,6 +92,9 @@ class Rollout:
             as in a single-turn rollout. Observation tokens are attended to but not trained on.
         media: a vision-language policy's bundle of each prompt (`lmrl.models.vision.Media`, None for a prompt
             without images), indexed by `prompt_index`; None for a text policy.
+        media_index: `[B]` the bundle of `media` each row's sequence shows, where rows of one prompt show different
+            images (multi-turn episodes whose environment showed images: one bundle per episode, the prompt's
+            images then the observations'); None: its prompt's, `prompt_index`.
     """
 
     prompt_ids: torch.Tensor
@@ -104,6 +107,12 @@ class Rollout:
     prompt_index: torch.Tensor
     response_attention: torch.Tensor | None = None
     media: list | None = None
+    media_index: torch.Tensor | None = None
+
+    @property
+    def media_rows(self) -> torch.Tensor:
+        """`[B]` the index in `media` of each row's images: `media_index`, else `prompt_index`."""
+        return self.prompt_index if self.media_index is None else self.media_index
 
     @property
     def sequences(self) -> torch.Tensor:

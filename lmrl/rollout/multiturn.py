@@ -15,6 +15,14 @@ not of the loss (`response_mask` False, log-prob 0). The sampling log-probs of m
 those of the sequence the trainer sees: the same tokens at the same positions after the same context,
 so the ratio at the first minibatch is still 1.
 
+A vision-language policy's episodes show its prompt's images, and an environment may show more: a step's
+`images` go with its observation, whose text holds the processor's image token once per image (or chat
+messages with an `{"type": "image"}` part per image). The processor expands them in the observation's tokens
+(attended, never trained on), and from there on the episode's bundle is its prompt's images then each
+observation's, in order (`lmrl.models.vision.join_media`): every later turn's prefill and the trainer's forwards
+see the same images in the same order. Such a rollout carries one bundle per episode (`Rollout.media_index`);
+episodes that showed none keep one bundle per prompt, as a single-turn rollout.
+
 An episode ends when its step says done, after `max_turns` turns, when a turn was cut at
 `max_new_tokens` (it is then unfinished: `finished` False), or when the next turn or observation
 would exceed `max_tokens` response tokens (observations included; also unfinished).
@@ -30,6 +38,7 @@ from typing import Any
 import torch
 
 from lmrl.errors import RunError
+from lmrl.models.vision import Media, encode_with_media, image_token, join_media, open_image
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 
 # counted per episode from each Step's info; every key a step reports is averaged the same way
@@ -78,6 +87,8 @@ def generate_episodes(
     env: Any,
     max_turns: int,
     max_tokens: int | None = None,
+    media: Sequence[Media | None] | None = None,
+    processor: Any = None,
 ) -> Episodes:
     """Run `n` episodes per prompt to their end; see the module docstring.
 
@@ -92,10 +103,18 @@ def generate_episodes(
             attribute, if any, lists strings that also end a turn.
         max_turns: most model turns per episode (>= 1).
         max_tokens: most response tokens per episode, observations included; None: no limit but the turns'.
+        media: a vision-language policy's bundle of each prompt (None for a prompt without images); with
+            `processor`, every turn samples with its episode's images.
+        processor: a vision-language policy's processor: it expands the images a step shows (`Step.images`) and
+            renders chat observations; None for a text policy, whose steps may show no image.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns: must be >= 1, got {max_turns!r}")
+    views = _EpisodeMedia(media, processor, len(prompts), n, generator)
     if hasattr(env, "run_episodes"):  # its episodes are driven by a program of its own (`lmrl.rollout.agent`)
+        if views.on:
+            raise RunError("env: an environment that runs its own episodes (run_episodes) is not supported with a "
+                           "vision-language policy")
         return env.run_episodes(generator, tokenizer, prompts, rows, n, params, max_turns, max_tokens)
     extra_stop = [s for s in getattr(env, "stop", None) or [] if s not in params.stop]
     if extra_stop:  # the environment's turn ends (a tool call's closing tag) on top of the rollout's
@@ -111,14 +130,14 @@ def generate_episodes(
     rewards: list[float | None] = [None] * num_rows
     turns = [0] * num_rows
     counts: dict[str, float] = {}
-    first = generator.generate(prompts, n, params)  # turn 1: exactly the single-turn rollout
+    first = generator.generate(prompts, n, params, **views.first())  # turn 1: exactly the single-turn rollout
     active, out = list(range(num_rows)), first
     for turn in range(max_turns):
         if turn > 0:
             room = max(budget - len(ids[i]) for i in active)
             turn_params = dataclasses.replace(params, max_new_tokens=int(min(params.max_new_tokens, room)),
                                               seed=None if params.seed is None else params.seed + turn)
-            out = generator.generate([prompts[i // n] + ids[i] for i in active], 1, turn_params)
+            out = generator.generate([prompts[i // n] + ids[i] for i in active], 1, turn_params, **views.of(active))
         lengths = out.response_mask.sum(1).tolist()
         next_active = []
         for j, i in enumerate(active):
@@ -134,21 +153,15 @@ def generate_episodes(
             texts[i] += text
             turns[i] += 1
             finished[i] = bool(out.finished[j]) and not cut
-            step = episodes[i].step(text, turn_ids)
-            if not hasattr(step, "done") or not hasattr(step, "observation"):
-                raise RunError(f"env: episode.step returned a {type(step).__name__}, expected an lmrl.envs.Step")
-            if step.reward is not None:
-                rewards[i] = (rewards[i] or 0.0) + float(step.reward)
-            for key, value in (step.info or {}).items():
-                counts[key] = counts.get(key, 0.0) + float(value)
+            step = _record(episodes[i].step(text, turn_ids), i, rewards, counts)
             if step.done or not finished[i] or turn == max_turns - 1:
                 continue
-            observation = render_observation(tokenizer, step.observation or "")
-            obs_ids = tokenizer(observation, add_special_tokens=False)["input_ids"] if observation else []
+            observation, obs_ids, shown = views.observe(tokenizer, step)
             if len(ids[i]) + len(obs_ids) >= budget:  # no room for the observation and a next turn
                 finished[i] = False
                 counts["budget_cuts"] = counts.get("budget_cuts", 0.0) + 1
                 continue
+            views.add(i, shown)
             ids[i] += obs_ids
             logps[i] += [0.0] * len(obs_ids)
             trained[i] += [False] * len(obs_ids)
@@ -157,8 +170,76 @@ def generate_episodes(
         active = next_active
         if not active:
             break
-    return Episodes(_assemble(first, ids, logps, trained, texts, finished, generator),
-                    rewards, turns, _metrics(ids, trained, turns, counts))
+    rollout = _assemble(first, ids, logps, trained, texts, finished, generator)
+    rollout.media, rollout.media_index = views.of_rollout(rollout.response_ids.device)
+    return Episodes(rollout, rewards, turns, _metrics(ids, trained, turns, counts))
+
+
+def _record(step: Any, i: int, rewards: list[float | None], counts: dict[str, float]) -> Any:
+    """Episode `i`'s step, checked: its reward added to the episode's, its info to the counts."""
+    if not hasattr(step, "done") or not hasattr(step, "observation"):
+        raise RunError(f"env: episode.step returned a {type(step).__name__}, expected an lmrl.envs.Step")
+    if step.reward is not None:
+        rewards[i] = (rewards[i] or 0.0) + float(step.reward)
+    for key, value in (step.info or {}).items():
+        counts[key] = counts.get(key, 0.0) + float(value)
+    return step
+
+
+class _EpisodeMedia:
+    """Each episode's images so far, for a vision-language policy: its prompt's bundle, then each observation's
+    (`join_media`); `on` False (a text policy): every call is as it was, and a step that shows an image is refused."""
+
+    def __init__(self, media: Sequence[Media | None] | None, processor: Any, prompts: int, n: int,
+                 generator: Any) -> None:
+        self.processor, self.n = processor, n
+        self.on = processor is not None or media is not None
+        self.media = list(media) if media is not None else [None] * prompts
+        self.shown: dict[int, Media | None] = {}  # episode -> its joined bundle, once an observation showed images
+        if self.on and getattr(generator, "processes_images", False):
+            raise RunError("env: multi-turn episodes of a vision-language policy need rollout.backend=lmrl (its "
+                           "decode takes each episode's images); this generator processes images itself")
+
+    def first(self) -> dict[str, Any]:
+        return {"media": self.media} if self.on else {}
+
+    def of(self, rows: list[int]) -> dict[str, Any]:
+        """The `media` argument of a turn's call for episodes `rows`."""
+        return {"media": [self.episode(i) for i in rows]} if self.on else {}
+
+    def episode(self, i: int) -> Media | None:
+        return self.shown[i] if i in self.shown else self.media[i // self.n]
+
+    def observe(self, tokenizer: Any, step: Any) -> tuple[str, list[int], Media | None]:
+        """A step's observation as text, its token ids (each image's tokens expanded) and its images' bundle."""
+        images = list(getattr(step, "images", None) or [])
+        if images and self.processor is None:
+            raise RunError(f"env: a step returned {len(images)} image(s) but the policy is a text-only model; "
+                           "return text observations, or train a vision-language policy")
+        chat = self.processor if self.on and getattr(self.processor, "chat_template", None) else tokenizer
+        text = render_observation(chat, step.observation or "")
+        token = image_token(self.processor) if self.on else None
+        if token is not None and text.count(token) != len(images):
+            raise RunError(f"env: a step's observation holds {text.count(token)} image placeholder(s) ({token}) for "
+                           f"{len(images)} image(s) in Step.images")
+        if not images:
+            return text, tokenizer(text, add_special_tokens=False)["input_ids"] if text else [], None
+        opened = [open_image(v).convert("RGB") for v in images]
+        ids, bundles = encode_with_media(self.processor, [text], [opened], add_special_tokens=False)
+        return text, ids[0], bundles[0]
+
+    def add(self, i: int, shown: Media | None) -> None:
+        if shown is not None:
+            self.shown[i] = join_media([self.episode(i), shown])
+
+    def of_rollout(self, device: torch.device) -> tuple[list | None, torch.Tensor | None]:
+        """The rollout's `media` and `media_index`: per prompt while no episode showed an image, else per episode."""
+        if not self.on:
+            return None, None
+        if not self.shown:
+            return self.media, None
+        rows = len(self.media) * self.n
+        return [self.episode(i) for i in range(rows)], torch.arange(rows, device=device)
 
 
 def _assemble(first: Rollout, ids, logps, trained, texts, finished, generator: Any) -> Rollout:

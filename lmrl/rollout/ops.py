@@ -43,9 +43,23 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         response_attention=None if all(r.response_attention is None for r in rollouts) else torch.cat(
             [pad(r.response_mask if r.response_attention is None else r.response_attention, T, False, False)
              for r in rollouts]),
-        media=None if all(r.media is None for r in rollouts) else [  # follows the prompt_index offsets above
-            m for r in rollouts for m in _media(r)],
+        **_joined_media(rollouts),
     )
+
+
+def _joined_media(rollouts: list[Rollout]) -> dict:
+    """The `media` (and `media_index`) of joined rollouts: per prompt, following the prompt_index offsets of
+    `concat_rollouts`; per row (`media_index`) where any rollout's rows have bundles of their own."""
+    if all(r.media is None for r in rollouts):
+        return {"media": None}
+    if all(r.media_index is None for r in rollouts):
+        return {"media": [m for r in rollouts for m in _media(r)]}
+    media, index = [], []
+    for r in rollouts:
+        bundles = _media(r) if r.media_index is None else list(r.media)
+        index.append(r.media_rows + len(media))
+        media += bundles
+    return {"media": media, "media_index": torch.cat(index)}
 
 
 def _media(r: Rollout) -> list:
@@ -71,7 +85,8 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
         finished=r.finished[index],
         prompt_index=r.prompt_index[index],
         response_attention=None if attention is None else attention[:, :T],
-        media=r.media,  # indexed by prompt_index, which keeps its values
+        media=r.media,  # indexed by prompt_index (or media_index), which keeps its values
+        media_index=None if r.media_index is None else r.media_index[index],
     )
 
 

@@ -1,0 +1,173 @@
+"""Multi-turn episodes of a vision-language policy whose environment shows images: the observation's images are
+expanded in its tokens (attended, never trained on), the next turn's prefill and the trainer's forward see the
+episode's images in order, and the sampler agrees with the trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from lmrl.envs import Step
+from lmrl.errors import RunError
+from lmrl.models.forward import model_forward_logprobs
+from lmrl.models.tiny import char_tokenizer, tiny_llava, tiny_qwen2_vl
+from lmrl.models.vision import encode_with_media, freeze_vision, image_token, row_media
+from lmrl.rollout import HFGenerator, SamplingParams
+from lmrl.rollout.multiturn import generate_episodes
+
+GREEN, RED = (0, 200, 40), (200, 30, 30)
+
+
+def shows(size=(32, 32), colour=GREEN, chat=False):
+    """An environment that shows one image after the model's first turn, then ends the episode."""
+
+    class Show:
+        def __init__(self, row):
+            self.token, self.turn = row["token"], 0
+
+        def step(self, text, token_ids):
+            self.turn += 1
+            if self.turn > 1:
+                return Step(reward=1.0, done=True)
+            image = Image.new("RGB", size, colour)
+            if chat:
+                parts = [{"type": "text", "text": "look:"}, {"type": "image"}]
+                return Step(observation=[{"role": "user", "content": parts}], images=[image])
+            return Step(observation=f"\nlook: {self.token} now?", images=[image])
+
+    return Show
+
+
+def episodes(build, env, seed=0):
+    model, processor = build()
+    token = image_token(processor)
+    ids, bundles = encode_with_media(processor, [f"{token} what?", "no image: 1+1="], [[Image.new("RGB", (32, 32), RED)], []])
+    # almost every token ends a turn, so that every episode reaches its observation
+    generator = HFGenerator(model, processor.tokenizer, eos_token_id=list(range(10, 90)))
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed)
+    out = generate_episodes(generator, processor.tokenizer, ids, [{"token": token}] * 2, 3, params, env, max_turns=3,
+                            media=bundles, processor=processor)
+    return model, processor, out
+
+
+def trainer_logprobs(model, rollout, media):
+    return model_forward_logprobs(model, rollout.sequences, rollout.attention_mask.long(), rollout.response_ids.shape[1],
+                                  media=row_media(media, rollout.media_rows))
+
+
+@pytest.mark.parametrize("build, size", [(tiny_llava, (32, 32)), (tiny_qwen2_vl, (64, 32))])
+def test_an_image_an_environment_shows_is_seen_by_the_next_turn_and_the_trainer(build, size):
+    model, processor, out = episodes(build, shows(size))
+    rollout = out.rollout
+    assert out.turns == [2] * 6 and rollout.media_index.tolist() == list(range(6))  # one bundle per episode
+    images = [int(m["image_grid_thw"].shape[0]) if "image_grid_thw" in m else int(m["pixel_values"].shape[0])
+              for m in rollout.media]
+    assert images == [2, 2, 2, 1, 1, 1]  # the prompt's image, then the observation's; the text prompt's: its own
+    image_id = model.config.image_token_id if hasattr(model.config, "image_token_id") else model.config.image_token_index
+    shown = rollout.response_ids == image_id
+    assert shown.any() and not (shown & rollout.response_mask).any()  # attended, never trained on
+    assert rollout.attention_mask[:, -rollout.response_ids.shape[1]:][shown].all()
+    with torch.no_grad():
+        trained = trainer_logprobs(model, rollout, rollout.media)
+    assert (rollout.logprobs - trained)[rollout.response_mask].abs().max() < 1e-4
+    # the second turns depend on the observation's image: another one scores them differently
+    _, _, other = episodes(build, shows(size, colour=(0, 0, 250)))
+    second = rollout.response_mask & shown.cumsum(1).bool()
+    with torch.no_grad():
+        swapped = trainer_logprobs(model, rollout, other.rollout.media)
+    assert (swapped - trained)[second].abs().max() > 1e-4
+    # gradients: finite in the language model, none in the frozen tower
+    frozen = set(freeze_vision(model))
+    model.train()
+    loss = -(trainer_logprobs(model, rollout, rollout.media) * rollout.response_mask).sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert frozen and all(grads[n] is None for n in frozen)
+    assert all(torch.isfinite(g).all() for n, g in grads.items() if g is not None)
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "language_model" in n)
+
+
+def test_a_chat_observation_with_an_image_part_and_episodes_that_show_none():
+    _, processor, out = episodes(tiny_llava, shows(chat=True))
+    assert "look:" in out.rollout.texts[0] and all(m["pixel_values"].shape[0] >= 1 for m in out.rollout.media)
+
+    class Quiet:  # shows no image: the rollout keeps one bundle per prompt, as a single-turn one
+        def __init__(self, row):
+            self.turn = 0
+
+        def step(self, text, token_ids):
+            self.turn += 1
+            return Step(observation="\nagain:", done=self.turn > 1)
+
+    _, _, quiet = episodes(tiny_llava, Quiet)
+    assert quiet.rollout.media_index is None and len(quiet.rollout.media) == 2 and quiet.rollout.media[1] is None
+
+
+def test_what_cannot_be_shown_is_refused_in_one_line():
+    from tests.rollout.test_hf_generator import scrambled_model
+
+    tok = char_tokenizer()
+    text_model = HFGenerator(scrambled_model(tok, "llama", seed=3), tok, eos_token_id=list(range(10, 90)))
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, seed=0)
+    with pytest.raises(RunError, match=r"^env: a step returned 1 image\(s\) but the policy is a text-only model"):
+        generate_episodes(text_model, tok, [[12, 13]], [{"token": "<image>"}], 1, params, shows(), max_turns=2)
+
+    class Unmarked(shows()):  # an image without its placeholder
+        def step(self, text, token_ids):
+            return Step(observation="look", images=[Image.new("RGB", (32, 32))])
+
+    with pytest.raises(RunError, match=r"^env: a step's observation holds 0 image placeholder\(s\) \(<image>\) for 1"):
+        episodes(tiny_llava, Unmarked)
+
+
+def test_a_vision_policy_with_an_image_environment_trains_through_the_cli(tmp_path):
+    from tests.models.test_vision_train import _dataset, _train, _weights
+
+    data = _dataset(tmp_path)
+    (data / "show.py").write_text(
+        "from PIL import Image\nfrom lmrl.envs import Step\n\n\nclass Show:\n    def __init__(self, row):\n"
+        "        self.turn = 0\n\n    def step(self, text, token_ids):\n        self.turn += 1\n"
+        "        if self.turn > 1:\n            return Step(reward=float(len(text) % 2), done=True)\n"
+        "        return Step(observation=' and <image>?', images=[Image.new('RGB', (32, 32), (0, 9 * self.turn, 99))])\n")
+    run = _train(data, "env", "train.steps=2", f"env.name={data / 'show.py'}:Show", "env.max_turns=2", "env.max_tokens=40",
+                 "rollout.max_new_tokens=3", "rollout.stop=[a,e,i,o,u,' ',s,t,n,r,l,d,h,c,m,p,g,w,y]")
+    assert run.returncode == 0, run.stderr[-2000:]
+    steps = [h for h in map(json.loads, (data / "env" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
+    assert len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
+    assert all(h["env/observation_tokens"] > 0 for h in steps)  # episodes saw the environment's image
+    assert all(h["val/sampler_logprob_diff"] < 1e-4 for h in steps), [h["val/sampler_logprob_diff"] for h in steps]
+    before, after = _weights(data / "model"), _weights(data / "env" / "final")
+    assert all(torch.equal(before[k], after[k]) for k in before if "vision_tower" in k)
+    assert any(not torch.equal(before[k], after[k]) for k in before if "language_model" in k)
+
+
+def test_rows_keep_their_episodes_images_when_kept_and_joined():
+    """Dynamic sampling keeps some groups (`select_rollout`) and joins rounds (`concat_rollouts`): every row still
+    scores with its own episode's images, beside a round whose rows share their prompt's."""
+    from lmrl.rollout import concat_rollouts, select_rollout
+
+    model, processor, shown = episodes(tiny_llava, shows())
+    _, _, plain = episodes(tiny_llava, lambda row: type("Done", (), {"step": lambda self, t, i: Step(done=True)})())
+    assert plain.rollout.media_index is None
+    kept = select_rollout(shown.rollout, torch.tensor([3, 4, 5]))
+    joined = concat_rollouts([kept, plain.rollout], processor.tokenizer.pad_token_id)
+    assert joined.media_index is not None and len(joined.media_index) == 9
+    with torch.no_grad():
+        scored = trainer_logprobs(model, joined, joined.media)
+    assert (joined.logprobs - scored)[joined.response_mask].abs().max() < 1e-4
+
+
+def test_episodes_with_images_through_vllm_are_refused_before_a_model_loads():
+    from lmrl.config import load_config
+    from lmrl.errors import ConfigError
+    from lmrl.models.vision import refuse_unsupported
+
+    cfg = load_config(None, ["model.name_or_path=my-vlm", "env.name=show.py:Show", "rollout.backend=vllm"])
+    with pytest.raises(ConfigError, match=r"^model.name_or_path=my-vlm: env.name with rollout.backend=vllm: a "
+                                          r"vision-language policy's multi-turn episodes need rollout.backend=lmrl$"):
+        refuse_unsupported(cfg)
+    refuse_unsupported(load_config(None, ["model.name_or_path=my-vlm", "env.name=show.py:Show"]))  # lmrl's decode: fine
