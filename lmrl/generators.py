@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmrl.build import Models, policy_path
+from lmrl.build import Models, load_processor, policy_path
 from lmrl.config import Config
 from lmrl.models.loading import DTYPES, load_causal_lm, load_tokenizer, resolve_device
 from lmrl.rollout import Generator, HFGenerator
@@ -124,8 +124,15 @@ def serving_generator(cfg: Config) -> Served:
     m, r = cfg.model, cfg.rollout
     path = policy_path(cfg)
     device = resolve_device(m.device)
-    tokenizer = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
-    model = load_causal_lm(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code)
+    processor = load_processor(cfg)  # a vision-language model's: requests may then carry images
+    if processor is not None:
+        from lmrl.models.vision import load_vision_model
+
+        model, _ = load_vision_model(path, dtype=DTYPES[m.dtype], processor=processor)
+        model, tokenizer = model.to(device), processor.tokenizer
+    else:
+        tokenizer = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+        model = load_causal_lm(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code)
     tensors = [*model.parameters(), *model.buffers()]
     push_bytes = sum(8 * t.numel() + 4 + MAX_FRAME_HEADER for t in tensors) + 4
     vocab_size = model.get_input_embeddings().num_embeddings
@@ -133,9 +140,9 @@ def serving_generator(cfg: Config) -> Served:
     if r.backend == "lmrl":
         from lmrl.rollout.server import ModelGenerator
 
-        return Served(ModelGenerator(model, tokenizer, seed=cfg.train.seed), tokenizer, positions, vocab_size,
-                      push_bytes)
-    engine = _engine(cfg, model, tokenizer, cfg.longest_sequence, device)
+        return Served(ModelGenerator(model, tokenizer, seed=cfg.train.seed, processor=processor), tokenizer,
+                      positions, vocab_size, push_bytes)
+    engine = _engine(cfg, model, tokenizer, cfg.longest_sequence, device, processor)
     engine.load_weights(export_weights(model), version=-1)  # its starting weights: no policy version yet
     del model
     context = r.vllm.max_model_len or (min(cfg.longest_sequence, positions) if positions else cfg.longest_sequence)

@@ -52,6 +52,36 @@ def open_image(value: Any):
     return image
 
 
+def image_to_text(image: Any) -> str:
+    """An image as base64 PNG text, lossless: how a prompt's images travel in a JSON request (`lmrl serve`)."""
+    import base64
+
+    buffer = io.BytesIO()
+    open_image(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def image_from_text(text: Any, max_pixels: int, label: str = "image") -> Any:
+    """The PIL image of `image_to_text`'s text, refused (ValueError, one line naming `label`) where it is not base64
+    of an image or has more than `max_pixels` pixels (checked from its header, before it is decoded)."""
+    import base64
+    import binascii
+
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(text, str):
+        raise ValueError(f"{label}: expected base64 text of an image file (PNG), got {type(text).__name__}")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(text, validate=True)))
+    except (binascii.Error, UnidentifiedImageError, ValueError) as e:
+        raise ValueError(f"{label}: not base64 of an image file ({type(e).__name__})") from e
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ValueError(f"{label}: {width}x{height} pixels, more than this server allows ({max_pixels})")
+    image.load()
+    return image.convert("RGB")
+
+
 def takes_images(model: nn.Module) -> bool:
     """A model with a vision tower (its config has a `vision_config`)."""
     return getattr(model.config, "vision_config", None) is not None
@@ -112,6 +142,15 @@ def encode_with_media(processor: Any, prompts: Sequence[str], images: Sequence[S
     return ids, bundles
 
 
+def image_media(processor: Any, images: Sequence[Any]) -> Media | None:
+    """The bundle of a prompt's images alone, from the processor's image processor: what `encode_with_media` gives
+    with the prompt's text, for a generator handed ids its client's processor already expanded (`lmrl serve`)."""
+    if not images:
+        return None
+    out = processor.image_processor(images=[open_image(v).convert("RGB") for v in images], return_tensors="pt")
+    return {k: v for k, v in out.items() if k not in _TEXT_KEYS and isinstance(v, torch.Tensor)} or None
+
+
 @dataclass(frozen=True)
 class ImagePrompt:
     """A prompt as an engine that processes images itself takes it (vLLM's `multi_modal_data`): it expands each
@@ -124,6 +163,23 @@ class ImagePrompt:
 def image_prompts(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]]) -> list[ImagePrompt]:
     """Each prompt text tokenized as the processor's tokenizer writes it before expanding the images, with them."""
     return [ImagePrompt(processor.tokenizer(text)["input_ids"], list(imgs)) for text, imgs in zip(prompts, images)]
+
+
+def image_prompts_of(given: Any, count: int, max_images: int, max_pixels: int) -> list[ImagePrompt]:
+    """The `images` of a JSON request (`lmrl serve`'s /lmrl/generate): per prompt an object with its ids before the
+    images are expanded and its images as base64 PNG (`image_to_text`); ValueError, one line, where it is not that
+    or holds more than `max_images` images of a prompt or `max_pixels` pixels of an image."""
+    if not isinstance(given, list) or len(given) != count:
+        raise ValueError(f"images: expected a list of {count} objects {{ids, images}}, one per prompt")
+    out = []
+    for i, entry in enumerate(given):
+        if not isinstance(entry, dict) or not isinstance(entry.get("images"), list) or not isinstance(entry.get("ids"), list):
+            raise ValueError(f"images[{i}]: expected an object with ids (token ids) and images (base64 PNG)")
+        if len(entry["images"]) > max_images:
+            raise ValueError(f"images[{i}]: {len(entry['images'])} images, more than this server allows ({max_images})")
+        out.append(ImagePrompt(entry["ids"], [image_from_text(v, max_pixels, f"images[{i}][{j}]")
+                                              for j, v in enumerate(entry["images"])]))
+    return out
 
 
 def batch_media(bundles: Sequence[Media | None], device: torch.device | str | None = None) -> Media:
@@ -260,8 +316,6 @@ def image_token(processor: Any) -> str | None:
 _NOT_WITH_IMAGES = (
     (lambda c: c.algorithm.needs_critic, "a critic (algorithm.advantage=gae, PPO) is not supported with a vision-language policy"),
     (lambda c: c.train.async_steps > 0, "train.async_steps is not supported with a vision-language policy; use 0"),
-    (lambda c: c.rollout.backend not in ("lmrl", "vllm"),
-     "rollout.backend={} is not supported with a vision-language policy; use lmrl or vllm"),
     (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
     (lambda c: c.env.name is not None and c.rollout.backend != "lmrl",
      "env.name with rollout.backend={}: a vision-language policy's multi-turn episodes need rollout.backend=lmrl"),

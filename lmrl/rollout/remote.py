@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import torch
 
 from lmrl.errors import RunError
+from lmrl.models.vision import image_to_text
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import call_seed, rollout_from_tokens
 from lmrl.rollout.server import frames
@@ -95,18 +96,30 @@ class ServerGenerator:
         self.max_sequences = int((answer.get("limits") or {}).get("max_sequences") or 0)
         return answer
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Rollout:
-        """`Generator.generate` on the server, with the weights it was last given."""
+    # a vision-language policy's prompts go as the engine takes them (`lmrl.models.vision.ImagePrompt`): the server
+    # processes the images (`generate(images=...)`)
+    processes_images = True
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 images: list[Any] | None = None) -> Rollout:
+        """`Generator.generate` on the server, with the weights it was last given. `images`: a vision-language
+        policy's prompts as an engine takes them (`lmrl.models.vision.ImagePrompt`, one per prompt), sent with
+        each image as base64 PNG; `prompts` are then the policy processor's ids, which the server's must match."""
         params.validate()
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images: {len(images)} image prompts for {len(prompts)} prompts")
         seed = call_seed(params, self._rng, len(prompts))
         body = {"prompts": [list(map(int, p)) for p in prompts], "n": n,
                 "params": {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                            "top_p": params.top_p, "top_k": params.top_k, "stop": list(params.stop), "seed": seed}}
+        shown = None if images is None else [{"ids": list(map(int, p.ids)), "images": [image_to_text(v) for v in p.images]}
+                                             for p in images]
         out: dict[str, list] = {"tokens": [], "logprobs": [], "finished": []}
         per_request = max(1, self.max_sequences // n) if self.max_sequences else len(prompts)
         for i in range(0, len(prompts), per_request):  # within the server's limit (an eval of every held-out row)
+            extra = {} if shown is None else {"images": shown[i:i + per_request]}
             part = self._json("POST", "/lmrl/generate", {**body, "prompts": body["prompts"][i:i + per_request],
-                                                         "params": {**body["params"], "seed": seed + i}})
+                                                         "params": {**body["params"], "seed": seed + i}, **extra})
             for key in out:
                 out[key] += part[key]
         return rollout_from_tokens(prompts, n, out["tokens"], out["logprobs"], out["finished"], self.tokenizer,

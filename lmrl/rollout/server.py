@@ -12,7 +12,8 @@
                                  and its `tools`; the model's Hermes / Qwen tool calls come back in `tool_calls`
                                  (logprobs and top_logprobs as OpenAI: alternatives at temperature 1)
                                  (both: `stream: true` answers with server-sent events, `lmrl.rollout.streaming`)
-    POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags
+    POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags;
+                                 a vision-language model's prompts add "images": [{"ids", "images": [base64 PNG]}]
     POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`frames`)
 
 Concurrent requests that sample alike are batched into one generator call (`lmrl.rollout.batcher`; a seeded
@@ -49,6 +50,7 @@ from torch import nn
 from lmrl.errors import ConfigError
 from lmrl.models.forward import sequence_logprobs
 from lmrl.models.prompt_encoding import encode_prompts
+from lmrl.models.vision import image_media, image_prompts_of
 from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
@@ -144,15 +146,22 @@ class ModelGenerator:
     """lmrl's decode over a model this process owns, taking new weights by name (`RemoteGenerator`): what
     `lmrl serve` runs with rollout.backend=lmrl."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, seed: int = 0, **options: Any):
-        self.model, self.version = model, -1
+    def __init__(self, model: nn.Module, tokenizer: Any, seed: int = 0, processor: Any = None, **options: Any):
+        self.model, self.version, self.processor = model, -1, processor
         self._layout, self._names = None, set()  # where each checkpoint-named weight goes in the model
         self.decoder = HFGenerator(model, tokenizer, seed=seed, **options)  # options: HFGenerator's (batch_size)
         self.tokenizer, self.pad_token_id = tokenizer, self.decoder.pad_token_id
         self._rng = self.decoder._rng
+        self.processes_images = processor is not None  # a vision-language model: requests may carry images
 
-    def generate(self, prompts, n, params):
-        return self.decoder.generate(prompts, n, params)
+    def generate(self, prompts, n, params, images=None):
+        """`images` (`ImagePrompt`s, one per prompt): each prompt's images, processed here by the model's image
+        processor; `prompts` are the expanded ids, as the client's processor wrote them."""
+        if images is None:
+            return self.decoder.generate(prompts, n, params)
+        if self.processor is None:
+            raise ValueError("images: this server's model takes no images")
+        return self.decoder.generate(prompts, n, params, media=[image_media(self.processor, p.images) for p in images])
 
     @torch.no_grad()
     def score(self, prompt: list[int], response: list[int]) -> torch.Tensor:
@@ -220,6 +229,10 @@ class Limits:
     """Token ids in prompts are below it."""
     max_weights_bytes: int = 0
     """One weight push, frames included: a few times the model's bytes (a push may come in float32)."""
+    max_images: int = 16
+    """Images of one prompt (a vision-language model's /lmrl/generate)."""
+    max_image_pixels: int = 16 << 20
+    """Pixels of one image, read from its header before it is decoded."""
 
 
 class Refused(Exception):
@@ -280,8 +293,29 @@ class GenerationServer(ThreadingHTTPServer):
                  "lmrl serve rollout.max_new_tokens=...")
         n = _integer(body.get("n", 1), "n", self.limits.max_n, "lmrl serve --max-n")
         self._check(prompts, n, params.max_new_tokens, "max_new_tokens")
+        if body.get("images") is not None:
+            return self._generate_with_images(prompts, n, params, self._image_prompts(body["images"], len(prompts)))
         rows = self.batcher.generate(prompts, n, params)
         return {"tokens": rows.tokens, "logprobs": rows.logprobs, "finished": rows.finished, "version": rows.version}
+
+    def _image_prompts(self, given: Any, count: int) -> list[Any]:
+        """A request's `images` (`lmrl.models.vision.image_prompts_of`), their ids checked as prompts are."""
+        if not getattr(self.generator, "processes_images", False):
+            raise ValueError("images: this server's model takes no images")
+        out = image_prompts_of(given, count, self.limits.max_images, self.limits.max_image_pixels)
+        self._check([p.ids for p in out], 1, 0, "max_new_tokens")
+        return out
+
+    def _generate_with_images(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                              images: list[Any]) -> dict[str, Any]:
+        """A request with images runs alone (the batcher merges token-id requests), with the server's lock."""
+        with self.lock:
+            version = getattr(self.generator, "version", -1)
+            rollout = self.generator.generate(prompts, n, params, images=images)
+        lengths = rollout.response_mask.sum(1).tolist()
+        return {"tokens": [row[:k] for row, k in zip(rollout.response_ids.tolist(), lengths)],
+                "logprobs": [row[:k] for row, k in zip(rollout.logprobs.tolist(), lengths)],
+                "finished": rollout.finished.tolist(), "version": version}
 
     def load_weights(self, stream: BinaryIO, version: int) -> dict[str, Any]:
         with self.lock:

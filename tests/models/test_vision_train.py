@@ -90,10 +90,10 @@ def test_llava_trains_through_the_cli(data):
 @pytest.mark.parametrize("override, words", [
     ("algorithm.advantage=gae", "a critic"),
     ("train.async_steps=1", "train.async_steps"),
-    ("rollout.backend=vllm-server", "rollout.backend=vllm-server"),
+    ("env.name=rw.py:reward rollout.backend=vllm", "env.name with rollout.backend=vllm"),
 ])
 def test_what_images_cannot_do_is_refused_in_one_line(data, override, words):
-    run = _train(data, "refused", "train.steps=1", override)
+    run = _train(data, "refused", "train.steps=1", *override.split())
     assert run.returncode == 2, run.stderr[-2000:]
     line = run.stderr.strip().splitlines()[-1]
     assert words in line and "vision-language policy" in line and "Loading weights" not in run.stderr, run.stderr
