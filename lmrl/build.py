@@ -381,7 +381,7 @@ class Data:
     rewards: Any  # lmrl.rewards.RewardSet
     task_name: str | None = None
     skipped: list[str] = field(default_factory=list)  # one line per source whose bad rows were left out
-    longest_prompt: int = 0  # tokens (of a stream: of the rows read so far)
+    longest_prompt: int = 0  # tokens, a prompt's images' included (of a stream: of the rows read so far)
     train_stream: Any = None  # lmrl.data.PromptStream: rows read as training goes (train_rows is then empty)
     verifier: Any = None  # lmrl.rewards.RewardSet: verifies held-out answers beside a learned reward (reward.verifier)
 
@@ -419,9 +419,13 @@ def load_data(cfg: Config, tokenizer: Any, reward_fns: list[Any] | None = None, 
 
     # with reward recipes, a row needs the columns of its own recipe, and a label that has one
     needed = rewards.row_columns if isinstance(rewards, RewardRecipes) else required_columns(rewards)
+    def measured(length: int) -> None:  # a prompt's length with its images' tokens
+        nonlocal longest
+        longest = max(longest, length)
+
+    images = dataclasses.replace(image_inputs(cfg, processor or load_processor(cfg)), measured=measured)
     check = dict(prompt_column=d.prompt_column, required_columns=needed, prompt_length=lengths,
-                 max_prompt_length=cfg.rollout.max_prompt_length, on_bad_row=d.on_bad_row,
-                 images=image_inputs(cfg, processor or load_processor(cfg)))
+                 max_prompt_length=cfg.rollout.max_prompt_length, on_bad_row=d.on_bad_row, images=images)
     eval_check = check  # held-out rows need the verifier's columns too (with recipes: checked as it scores)
     if verifier is not None and not isinstance(rewards, RewardRecipes):
         both = {c: list(dict.fromkeys([*needed.get(c, []), *names])) for c, names in required_columns(verifier).items()}

@@ -37,11 +37,14 @@ class ImageInputs:
         model: how a message names the model (e.g. "model.name_or_path=tiny").
         image_tokens: the tokens a row's images add to its prompt beyond their placeholders, as the processor
             expands them (counted into the prompt's length); None: not counted.
+        measured: told the length of each prompt with images that fits rollout.max_prompt_length, its images'
+            tokens counted (the memory estimate's longest prompt, `lmrl.build.check_rollout_fits`).
     """
 
     image_token: str | None
     model: str = "the model"
     image_tokens: Callable[[list[Any]], int] | None = None
+    measured: Callable[[int], None] | None = None
 
     @property
     def takes_images(self) -> bool:

@@ -185,6 +185,8 @@ def _too_long(
         for i, n in zip(chunk, lengths):
             shown = row_images(rows[i]) if counted is not None and not isinstance(n, str) else []
             n = n + counted(shown) if shown else n
+            if shown and n <= max_prompt_length and images.measured is not None:
+                images.measured(n)
             if isinstance(n, str) or n > max_prompt_length:
                 what = " with its images" if shown else ""
                 out.append((i, n if isinstance(n, str) else

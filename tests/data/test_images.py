@@ -203,3 +203,20 @@ def test_a_prompts_length_counts_its_images_tokens_as_the_processor_expands_them
     assert bad.problem == (f"prompt is {text + 15} tokens with its images, longer than "
                            f"rollout.max_prompt_length={text + 14}")
     assert check_rows(rows[:1], prompt_length=lengths, max_prompt_length=text + 15, images=inputs).rows == rows[:1]
+
+
+def test_the_memory_estimate_counts_a_prompts_images_tokens(tmp_path):
+    """The estimate made before the first step (`check_rollout_fits`) takes the longest prompt as the model will see
+    it: a two-image prompt of a few characters is 30 tokens longer than its text."""
+    from lmrl.build import load_data, rollout_bytes
+    from lmrl.config import load_config
+    from lmrl.models.tiny import tiny_llava
+
+    model, processor = tiny_llava()
+    rows = [{"prompt": "<image><image> which?", "images": [drawn(9, 32), drawn(99, 32)]}, {"prompt": "a text row."}]
+    (tmp_path / "rw.py").write_text("def rw(completions, **kw):\n    return [0.0] * len(completions)\n")
+    cfg = load_config(None, ["model.name_or_path=tiny-llava", f"reward.functions=[{tmp_path / 'rw.py'}:rw]"])
+    data = load_data(cfg, processor.tokenizer, train_rows=rows, processor=processor)
+    text = len(processor.tokenizer(rows[0]["prompt"])["input_ids"])
+    assert data.longest_prompt == text + 30  # each placeholder is 16 image tokens
+    assert rollout_bytes(cfg, model.config, data.longest_prompt) > rollout_bytes(cfg, model.config, text)
