@@ -71,6 +71,7 @@ class _Spec:
     threads: int
     world: tuple[int, int, int]  # (rank, size, local rank) of the trainer: the generator processes' world
     parent: int  # the trainer's pid: the generator process ends with it
+    processor: Any = None  # a vision-language policy's: the process makes each prompt's images into a bundle
 
 
 class AsyncRollouts:
@@ -91,8 +92,9 @@ class AsyncRollouts:
     """
 
     def __init__(self, cfg, inputs: Inputs, policy: torch.nn.Module, units: list[torch.nn.Module], tokenizer: Any,
-                 device: torch.device, world: World, warn):
+                 device: torch.device, world: World, warn, processor: Any = None):
         self.cfg, self.k, self.steps, self.world = cfg, cfg.train.async_steps, cfg.train.steps, world
+        self.processor = processor  # a vision-language policy's: its bundles come back with each batch
         self.inputs, self.policy, self.units, self.tokenizer, self.warn = inputs, policy, units, tokenizer, warn
         self.device = cfg.train.generator_device or str(device)  # the generator process's
         self.trainer_device = device
@@ -120,7 +122,7 @@ class AsyncRollouts:
                                    dtype=next(base.parameters()).dtype)
         w = self.world
         spec = _Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads,
-                     (w.rank, w.size, w.local_rank), os.getpid())
+                     (w.rank, w.size, w.local_rank), os.getpid(), self.processor)
         method = start_method()
         try:
             if method == "spawn":
@@ -354,7 +356,10 @@ class _SharedWeights:
 
 def _probe_row(rollout: Rollout) -> tuple[list[int], list[int]] | None:
     """The sync probe's sequence from a batch: its first row's prompt and the tokens the model sampled before
-    anything else joined the response (a multi-turn episode's first observation), at most 64."""
+    anything else joined the response (a multi-turn episode's first observation), at most 64; None where the row
+    shows images (the probe scores text: a vision-language policy's sync is checked by val/sampler_logprob_diff)."""
+    if rollout.media is not None and rollout.media[int(rollout.media_rows[0])] is not None:
+        return None
     sampled = rollout.response_mask[0].long().cumprod(0).sum().item()  # the leading run of sampled tokens
     if sampled == 0:
         return None
@@ -419,12 +424,13 @@ def _collector(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> tuple
     from lmrl.data.prompts import PromptSampler
 
     cfg = spec.cfg
-    env, data, _ = load_inputs(spec.inputs, spec.tokenizer)
+    env, data, _ = load_inputs(spec.inputs, spec.tokenizer, processor=spec.processor)
     sampler = None if data.train_stream else PromptSampler(len(data.train_rows), seed=cfg.train.seed)
-    generator = process_generator(cfg, spec.skeleton, spec.tokenizer, env, torch.device(spec.device))
+    generator = process_generator(cfg, spec.skeleton, spec.tokenizer, env, torch.device(spec.device), spec.processor)
     weights = _SharedWeights(generator, snapshot, channel)
     warn = lambda line: _send(channel, ("warn", line))  # noqa: E731
-    return Collector(cfg, data, sampler, generator, spec.tokenizer, env, ONE_PROCESS, weights, warn), weights
+    return (Collector(cfg, data, sampler, generator, spec.tokenizer, env, ONE_PROCESS, weights, warn,
+                      processor=spec.processor), weights)
 
 
 def _rendezvous() -> str:

@@ -36,20 +36,22 @@ def make_generator(cfg: Config, models: Models, env: Any, device: torch.device, 
     return _holding_generator(cfg, base, models.tokenizer, env, device, processor=models.processor)
 
 
-def process_generator(cfg: Config, skeleton: Any, tokenizer: Any, env: Any, device: torch.device):
+def process_generator(cfg: Config, skeleton: Any, tokenizer: Any, env: Any, device: torch.device, processor: Any = None):
     """The generator of an asynchronous run's generator process (`lmrl.async_rollouts`), as rollout.backend names
     it, holding its own weights (a `RemoteGenerator`) and given them before its first batch: lmrl's decode over a
     model built from the policy's config, a vLLM engine in that process, or a generation server. `skeleton`: the
-    policy's `config`, `generation_config` (its EOS) and `dtype`, without weights."""
+    policy's `config`, `generation_config` (its EOS) and `dtype`, without weights; `processor`: a vision-language
+    policy's (lmrl's decode then takes the collector's bundles, an engine or a server the images)."""
     if cfg.rollout.backend != "lmrl":
-        return _holding_generator(cfg, skeleton, tokenizer, env, device)
-    from transformers import AutoModelForCausalLM
+        return _holding_generator(cfg, skeleton, tokenizer, env, device, processor)
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from lmrl.rollout.server import ModelGenerator
 
     dtype = DTYPES[cfg.rollout.dtype] if cfg.rollout.dtype else skeleton.dtype
+    auto = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(skeleton.config, dtype=dtype)
+        model = auto.from_config(skeleton.config, dtype=dtype)
     model.generation_config = skeleton.generation_config
     return ModelGenerator(model.eval(), tokenizer, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size)
 

@@ -95,8 +95,8 @@ class Trainer:
                              evaluates=bool(self.data.eval_rows), **sampler_of(cfg, self.policy))
         self.result = TrainResult(self.out)
         self.log = RunLog(self.out, self.console, self.world.main, cfg.log)
-        self.rollouts = (AsyncRollouts(cfg, run.inputs, self.policy, self.units.get("policy", []), self.tokenizer,
-                                       run.device, self.world, self.log.warn) if cfg.train.async_steps else None)
+        self.rollouts = (AsyncRollouts(cfg, run.inputs, self.policy, self.units.get("policy", []), self.tokenizer, run.device,
+                                       self.world, self.log.warn, run.models.processor) if cfg.train.async_steps else None)
         if self.rollouts is not None:  # it starts up while this process builds and resumes the run
             self.rollouts.spawn()
         self.forwards = Forwards(self.policy, self.models.reference, self.models.critic,

@@ -315,7 +315,6 @@ def image_token(processor: Any) -> str | None:
 # refuses it)
 _NOT_WITH_IMAGES = (
     (lambda c: c.algorithm.needs_critic, "a critic (algorithm.advantage=gae, PPO) is not supported with a vision-language policy"),
-    (lambda c: c.train.async_steps > 0, "train.async_steps is not supported with a vision-language policy; use 0"),
     (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
     (lambda c: c.env.name is not None and c.rollout.backend != "lmrl",
      "env.name with rollout.backend={}: a vision-language policy's multi-turn episodes need rollout.backend=lmrl"),

@@ -154,11 +154,12 @@ class ModelGenerator:
         self._rng = self.decoder._rng
         self.processes_images = processor is not None  # a vision-language model: requests may carry images
 
-    def generate(self, prompts, n, params, images=None):
+    def generate(self, prompts, n, params, images=None, media=None):
         """`images` (`ImagePrompt`s, one per prompt): each prompt's images, processed here by the model's image
-        processor; `prompts` are the expanded ids, as the client's processor wrote them."""
+        processor; `prompts` are the expanded ids, as the client's processor wrote them. `media`: the bundles
+        already made (an asynchronous run's generator process), as `HFGenerator.generate` takes them."""
         if images is None:
-            return self.decoder.generate(prompts, n, params)
+            return self.decoder.generate(prompts, n, params, media=media)
         if self.processor is None:
             raise ValueError("images: this server's model takes no images")
         return self.decoder.generate(prompts, n, params, media=[image_media(self.processor, p.images) for p in images])
