@@ -98,3 +98,20 @@ def test_a_vision_policy_trains_through_a_generation_server(served, tmp_path):
     assert len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
     assert all(h["val/sampler_logprob_diff"] < 1e-4 for h in steps), [h["val/sampler_logprob_diff"] for h in steps]
     assert server.health()["version"] == 1  # the weights of step 2 (one optimizer step done)
+
+
+def test_a_server_of_a_text_model_refuses_images_in_one_line():
+    from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
+    from lmrl.rollout.server import GenerationServer, ModelGenerator
+
+    tok = char_tokenizer()
+    server = GenerationServer(ModelGenerator(tiny_causal_lm(tok), tok), tok, "text", max_prompt_length=64)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = ServerGenerator(server.url, tok, timeout=60)
+        prompts = image_prompts(tiny_llava()[1], ["<image> x"], [[Image.new("RGB", (32, 32))]])
+        with pytest.raises(RunError, match=r"/lmrl/generate answered 400: images: this server's model takes no images$"):
+            client.generate([[12, 13]], 1, SamplingParams(max_new_tokens=2, seed=0), images=prompts)
+    finally:
+        server.shutdown()
+        server.server_close()
