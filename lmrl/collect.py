@@ -199,7 +199,7 @@ class Collector:
             if self.env is not None:  # multi-turn: every live episode's next turn in one batch, observations out of the loss
                 episodes = generate_episodes(self.generator, self.tokenizer, ids, rows, n, params, self.env,
                                              cfg.env.max_turns, cfg.env.max_tokens or cfg.env.max_turns * params.max_new_tokens,
-                                             media=media, processor=self.processor)
+                                             media=media, processor=self.processor, images=images)
                 rollout = episodes.rollout
             elif images is not None:  # the engine processes the images; the trainer's forward takes the bundles
                 rollout = self.generator.generate(ids, n, params, images=images)

@@ -316,8 +316,6 @@ def image_token(processor: Any) -> str | None:
 _NOT_WITH_IMAGES = (
     (lambda c: c.algorithm.needs_critic, "a critic (algorithm.advantage=gae, PPO) is not supported with a vision-language policy"),
     (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
-    (lambda c: c.env.name is not None and c.rollout.backend != "lmrl",
-     "env.name with rollout.backend={}: a vision-language policy's multi-turn episodes need rollout.backend=lmrl"),
     (lambda c: c.algorithm.teacher is not None, "algorithm.teacher is not supported with a vision-language policy"),
     (lambda c: _adapter_dir(c.model.name_or_path),
      "a LoRA adapter directory as model.name_or_path is not supported with a vision-language policy yet"),

@@ -21,7 +21,9 @@ messages with an `{"type": "image"}` part per image). The processor expands them
 (attended, never trained on), and from there on the episode's bundle is its prompt's images then each
 observation's, in order (`lmrl.models.vision.join_media`): every later turn's prefill and the trainer's forwards
 see the same images in the same order. Such a rollout carries one bundle per episode (`Rollout.media_index`);
-episodes that showed none keep one bundle per prompt, as a single-turn rollout.
+episodes that showed none keep one bundle per prompt, as a single-turn rollout. An engine that processes images
+itself (vLLM, a generation server: `images`) gets each turn as the episode's ids before the images are expanded and
+its images, in the same order.
 
 An episode ends when its step says done, after `max_turns` turns, when a turn was cut at
 `max_new_tokens` (it is then unfinished: `finished` False), or when the next turn or observation
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from lmrl.errors import RunError
-from lmrl.models.vision import Media, encode_with_media, image_token, join_media, open_image
+from lmrl.models.vision import ImagePrompt, Media, encode_with_media, image_token, join_media, open_image
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 
 # counted per episode from each Step's info; every key a step reports is averaged the same way
@@ -89,6 +91,7 @@ def generate_episodes(
     max_tokens: int | None = None,
     media: Sequence[Media | None] | None = None,
     processor: Any = None,
+    images: Sequence[Any] | None = None,
 ) -> Episodes:
     """Run `n` episodes per prompt to their end; see the module docstring.
 
@@ -107,10 +110,14 @@ def generate_episodes(
             `processor`, every turn samples with its episode's images.
         processor: a vision-language policy's processor: it expands the images a step shows (`Step.images`) and
             renders chat observations; None for a text policy, whose steps may show no image.
+        images: for a generator that processes images itself (vLLM, a generation server): each prompt as it takes
+            them (`lmrl.models.vision.ImagePrompt`); every turn then gets its episode's ids before the images are
+            expanded (the prompt's, the turns', each observation's) and its images, and `media` is what the trainer
+            scores with.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns: must be >= 1, got {max_turns!r}")
-    views = _EpisodeMedia(media, processor, len(prompts), n, generator)
+    views = _EpisodeMedia(media, processor, len(prompts), n, images)
     if hasattr(env, "run_episodes"):  # its episodes are driven by a program of its own (`lmrl.rollout.agent`)
         if views.on:
             raise RunError("env: an environment that runs its own episodes (run_episodes) is not supported with a "
@@ -161,7 +168,7 @@ def generate_episodes(
                 finished[i] = False
                 counts["budget_cuts"] = counts.get("budget_cuts", 0.0) + 1
                 continue
-            views.add(i, shown)
+            views.add(i, turn_ids, shown)
             ids[i] += obs_ids
             logps[i] += [0.0] * len(obs_ids)
             trained[i] += [False] * len(obs_ids)
@@ -188,30 +195,40 @@ def _record(step: Any, i: int, rewards: list[float | None], counts: dict[str, fl
 
 class _EpisodeMedia:
     """Each episode's images so far, for a vision-language policy: its prompt's bundle, then each observation's
-    (`join_media`); `on` False (a text policy): every call is as it was, and a step that shows an image is refused."""
+    (`join_media`); for a generator that processes images itself, also its ids before the images are expanded and
+    its images (`ImagePrompt`). `on` False (a text policy): every call is as it was, and a step that shows an image
+    is refused."""
 
     def __init__(self, media: Sequence[Media | None] | None, processor: Any, prompts: int, n: int,
-                 generator: Any) -> None:
-        self.processor, self.n = processor, n
+                 engine: Sequence[Any] | None = None) -> None:
+        self.processor, self.n, self.engine = processor, n, list(engine) if engine is not None else None
         self.on = processor is not None or media is not None
         self.media = list(media) if media is not None else [None] * prompts
         self.shown: dict[int, Media | None] = {}  # episode -> its joined bundle, once an observation showed images
-        if self.on and getattr(generator, "processes_images", False):
-            raise RunError("env: multi-turn episodes of a vision-language policy need rollout.backend=lmrl (its "
-                           "decode takes each episode's images); this generator processes images itself")
+        self.tail: dict[int, tuple[list[int], list[Any]]] = {}  # episode -> unexpanded ids and images after its prompt
 
     def first(self) -> dict[str, Any]:
+        if self.engine is not None:
+            return {"images": self.engine}
         return {"media": self.media} if self.on else {}
 
     def of(self, rows: list[int]) -> dict[str, Any]:
-        """The `media` argument of a turn's call for episodes `rows`."""
+        """The `media` (or `images`) argument of a turn's call for episodes `rows`."""
+        if self.engine is not None:
+            return {"images": [self.engine_prompt(i) for i in rows]}
         return {"media": [self.episode(i) for i in rows]} if self.on else {}
 
     def episode(self, i: int) -> Media | None:
         return self.shown[i] if i in self.shown else self.media[i // self.n]
 
-    def observe(self, tokenizer: Any, step: Any) -> tuple[str, list[int], Media | None]:
-        """A step's observation as text, its token ids (each image's tokens expanded) and its images' bundle."""
+    def engine_prompt(self, i: int) -> Any:
+        prompt = self.engine[i // self.n]
+        ids, images = self.tail.get(i, ([], []))
+        return ImagePrompt([*prompt.ids, *ids], [*prompt.images, *images])
+
+    def observe(self, tokenizer: Any, step: Any) -> tuple[str, list[int], tuple | None]:
+        """A step's observation as text, its token ids (each image's tokens expanded) and, for a vision-language
+        policy, what it shows: (its images' bundle, its ids before the images are expanded, its images)."""
         images = list(getattr(step, "images", None) or [])
         if images and self.processor is None:
             raise RunError(f"env: a step returned {len(images)} image(s) but the policy is a text-only model; "
@@ -222,15 +239,22 @@ class _EpisodeMedia:
         if token is not None and text.count(token) != len(images):
             raise RunError(f"env: a step's observation holds {text.count(token)} image placeholder(s) ({token}) for "
                            f"{len(images)} image(s) in Step.images")
+        plain = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
         if not images:
-            return text, tokenizer(text, add_special_tokens=False)["input_ids"] if text else [], None
+            return text, plain, (None, plain, []) if self.on else None
         opened = [open_image(v).convert("RGB") for v in images]
         ids, bundles = encode_with_media(self.processor, [text], [opened], add_special_tokens=False)
-        return text, ids[0], bundles[0]
+        return text, ids[0], (bundles[0], plain, opened)
 
-    def add(self, i: int, shown: Media | None) -> None:
-        if shown is not None:
-            self.shown[i] = join_media([self.episode(i), shown])
+    def add(self, i: int, turn_ids: list[int], shown: tuple | None) -> None:
+        """Episode `i` goes on after its turn `turn_ids` and an observation that showed `shown` (`observe`)."""
+        if shown is None:
+            return
+        bundle, plain, images = shown
+        if bundle is not None:
+            self.shown[i] = join_media([self.episode(i), bundle])
+        ids, before = self.tail.get(i, ([], []))
+        self.tail[i] = ([*ids, *turn_ids, *plain], [*before, *images])
 
     def of_rollout(self, device: torch.device) -> tuple[list | None, torch.Tensor | None]:
         """The rollout's `media` and `media_index`: per prompt while no episode showed an image, else per episode."""

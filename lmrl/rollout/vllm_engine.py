@@ -267,6 +267,8 @@ class VLLMGenerator:
                            f"parameters ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it would sample "
                            "with the placeholder values it started with; use rollout.backend=lmrl for this model")
         self.llm.reset_prefix_cache()
+        if self.processes_images:  # image features of the old weights (the projector trains) must not be reused
+            self.llm.llm_engine.reset_encoder_cache()
         self.version = version
 
     def sleep(self) -> None:

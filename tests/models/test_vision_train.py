@@ -15,6 +15,24 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = "def reward(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
+# an environment that shows an image (the same at every step) after the model's first turn, then ends the episode
+SHOW_ENV = """from PIL import Image
+from lmrl.envs import Step
+
+
+class Show:
+    def __init__(self, row):
+        self.turn = 0
+
+    def step(self, text, token_ids):
+        self.turn += 1
+        if self.turn > 1:
+            return Step(reward=float(len(text) % 2), done=True)
+        return Step(observation=" and <image>?", images=[Image.new("RGB", (32, 32), (0, 9, 99))])
+"""
+# turns of a random model end early (EOS alone almost never comes), so that episodes reach their observation
+MULTI_TURN = ("env.name=show.py:Show", "env.max_turns=2", "env.max_tokens=40", "rollout.max_new_tokens=3",
+              "rollout.stop=[a,e,i,o,u,' ',s,t,n,r,l,d,h,c,m,p,g,w,y]")
 
 
 def _dataset(tmp: Path, build=None) -> Path:
@@ -39,6 +57,7 @@ def _dataset(tmp: Path, build=None) -> Path:
             rows.append({"prompt": f"<image><image> which {i}?", "images": [f"imgs/{i}.png", f"imgs/{i - 1}.png"]})
     (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp / "rw.py").write_text(REWARD)
+    (tmp / "show.py").write_text(SHOW_ENV)
     return tmp
 
 
@@ -90,10 +109,9 @@ def test_llava_trains_through_the_cli(data):
 @pytest.mark.parametrize("override, words", [
     ("algorithm.advantage=gae", "a critic"),
     ("rollout.dtype=bfloat16", "rollout.dtype"),
-    ("env.name=rw.py:reward rollout.backend=vllm", "env.name with rollout.backend=vllm"),
 ])
 def test_what_images_cannot_do_is_refused_in_one_line(data, override, words):
-    run = _train(data, "refused", "train.steps=1", *override.split())
+    run = _train(data, "refused", "train.steps=1", override)
     assert run.returncode == 2, run.stderr[-2000:]
     line = run.stderr.strip().splitlines()[-1]
     assert words in line and "vision-language policy" in line and "Loading weights" not in run.stderr, run.stderr
@@ -184,14 +202,17 @@ def test_an_idefics3_policy_samples_through_the_vllm_engine(tmp_path):
     """rollout.backend=vllm with images: the engine gets each prompt's unexpanded ids and its images
     (`multi_modal_data`), expands them with its own processor to the policy processor's ids (checked), and samples
     with the weights of every step: its log-probs are the trainer's (the sync check's `val/sampler_logprob_diff`,
-    float32 on the CPU). vLLM's CPU build loads Idefics3 (SmolVLM's architecture) here, not LLaVA."""
+    float32 on the CPU). vLLM's CPU build loads Idefics3 (SmolVLM's architecture) here, not LLaVA. Multi-turn: an
+    environment shows a second image, the same at both steps (vLLM's encoder cache must not keep its features across
+    a weight sync), and the second turns get each episode's ids and images."""
     from lmrl.models.tiny import tiny_idefics3
 
     data = _dataset(tmp_path, tiny_idefics3)
-    run = _train(data, "run", "train.steps=2", "rollout.backend=vllm")
+    run = _train(data, "run", "train.steps=2", "rollout.backend=vllm", *MULTI_TURN)
     assert run.returncode == 0, run.stderr[-3000:]
     steps = [h for h in map(json.loads, (data / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
     assert len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
+    assert all(h["env/observation_tokens"] > 0 for h in steps)  # episodes were shown the environment's image
     assert all(h["val/sampler_logprob_diff"] < 1e-4 for h in steps), [h["val/sampler_logprob_diff"] for h in steps]
     before, after = _weights(data / "model"), _weights(data / "run" / "final")
     assert all(torch.equal(before[k], after[k]) for k in before if "vision_model" in k)  # frozen

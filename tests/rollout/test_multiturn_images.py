@@ -15,7 +15,7 @@ from lmrl.envs import Step
 from lmrl.errors import RunError
 from lmrl.models.forward import model_forward_logprobs
 from lmrl.models.tiny import char_tokenizer, tiny_idefics3, tiny_llava, tiny_qwen2_vl
-from lmrl.models.vision import encode_with_media, freeze_vision, image_token, row_media
+from lmrl.models.vision import encode_with_media, freeze_vision, image_prompts, image_token, row_media
 from lmrl.rollout import HFGenerator, SamplingParams
 from lmrl.rollout.multiturn import generate_episodes
 
@@ -130,16 +130,10 @@ def test_what_cannot_be_shown_is_refused_in_one_line():
 
 
 def test_a_vision_policy_with_an_image_environment_trains_through_the_cli(tmp_path):
-    from tests.models.test_vision_train import _dataset, _train, _weights
+    from tests.models.test_vision_train import MULTI_TURN, _dataset, _train, _weights
 
     data = _dataset(tmp_path)
-    (data / "show.py").write_text(
-        "from PIL import Image\nfrom lmrl.envs import Step\n\n\nclass Show:\n    def __init__(self, row):\n"
-        "        self.turn = 0\n\n    def step(self, text, token_ids):\n        self.turn += 1\n"
-        "        if self.turn > 1:\n            return Step(reward=float(len(text) % 2), done=True)\n"
-        "        return Step(observation=' and <image>?', images=[Image.new('RGB', (32, 32), (0, 9 * self.turn, 99))])\n")
-    run = _train(data, "env", "train.steps=2", f"env.name={data / 'show.py'}:Show", "env.max_turns=2", "env.max_tokens=40",
-                 "rollout.max_new_tokens=3", "rollout.stop=[a,e,i,o,u,' ',s,t,n,r,l,d,h,c,m,p,g,w,y]")
+    run = _train(data, "env", "train.steps=2", *MULTI_TURN)
     assert run.returncode == 0, run.stderr[-2000:]
     steps = [h for h in map(json.loads, (data / "env" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
     assert len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
@@ -166,13 +160,55 @@ def test_rows_keep_their_episodes_images_when_kept_and_joined():
     assert (joined.logprobs - scored)[joined.response_mask].abs().max() < 1e-4
 
 
-def test_episodes_with_images_through_vllm_are_refused_before_a_model_loads():
-    from lmrl.config import load_config
-    from lmrl.errors import ConfigError
-    from lmrl.models.vision import refuse_unsupported
+def test_an_environment_that_runs_its_own_episodes_is_refused_with_a_vision_policy():
+    class Agent:  # drives its episodes itself (`lmrl.rollout.agent`): it would not see the images
+        def run_episodes(self, *args):
+            raise AssertionError("not reached")
 
-    cfg = load_config(None, ["model.name_or_path=my-vlm", "env.name=show.py:Show", "rollout.backend=vllm"])
-    with pytest.raises(ConfigError, match=r"^model.name_or_path=my-vlm: env.name with rollout.backend=vllm: a "
-                                          r"vision-language policy's multi-turn episodes need rollout.backend=lmrl$"):
-        refuse_unsupported(cfg)
-    refuse_unsupported(load_config(None, ["model.name_or_path=my-vlm", "env.name=show.py:Show"]))  # lmrl's decode: fine
+    with pytest.raises(RunError, match=r"^env: an environment that runs its own episodes \(run_episodes\) is not "
+                                       r"supported with a vision-language policy$"):
+        episodes(tiny_llava, Agent())
+
+
+class ExpandingEngine:
+    """Samples as vLLM does with images: given each prompt's ids before the images are expanded and its images, it
+    expands every image token itself (checking that this gives the ids the trainer scores) and samples with them."""
+
+    processes_images = True
+
+    def __init__(self, model, processor):
+        self.inner, self.processor = HFGenerator(model, processor.tokenizer, eos_token_id=list(range(10, 90))), processor
+        self.image_id = processor.tokenizer.convert_tokens_to_ids(image_token(processor))
+        self.pad_token_id, self.seen = self.inner.pad_token_id, []
+
+    def generate(self, prompts, n, params, images):
+        from lmrl.models.vision import image_media
+
+        for expanded, prompt in zip(prompts, images):
+            pictures, ids = iter(prompt.images), []
+            for t in prompt.ids:
+                ids += self._expansion(next(pictures)) if t == self.image_id else [t]
+            assert ids == expanded and next(pictures, None) is None
+            self.seen.append(len(prompt.images))
+        return self.inner.generate(prompts, n, params, media=[image_media(self.processor, p.images) for p in images])
+
+    def _expansion(self, image):
+        return self.processor(text=[image_token(self.processor)], images=[image], add_special_tokens=False,
+                              return_tensors="pt")["input_ids"][0].tolist()
+
+
+def test_an_engine_that_expands_images_itself_gets_each_episodes_ids_and_images():
+    """vLLM (or a generation server) takes ids before the images are expanded: every later turn gets its episode's,
+    the prompt's then each turn's and each observation's, with the prompt's images then the observation's."""
+    model, processor = tiny_llava()
+    texts, images = ["<image> what?", "no image: 1+1="], [[Image.new("RGB", (32, 32), RED)], []]
+    ids, bundles = encode_with_media(processor, texts, images)
+    engine = ExpandingEngine(model, processor)
+    out = generate_episodes(engine, processor.tokenizer, ids, [{"token": "<image>"}] * 2, 2,
+                            SamplingParams(max_new_tokens=4, temperature=1.0, seed=0), shows(), max_turns=3,
+                            media=bundles, processor=processor, images=image_prompts(processor, texts, images))
+    assert out.turns == [2] * 4 and engine.seen == [1, 0, 2, 2, 1, 1]  # turn 1: the prompts'; turn 2: each episode's
+    rollout = out.rollout
+    with torch.no_grad():
+        trained = trainer_logprobs(model, rollout, rollout.media)
+    assert (rollout.logprobs - trained)[rollout.response_mask].abs().max() < 1e-4
