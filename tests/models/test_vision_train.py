@@ -252,12 +252,14 @@ def test_a_vision_model_and_its_processor_passed_from_python(tmp_path, kind):
 
 def test_an_asynchronous_run_samples_images_in_its_generator_process(data):
     """train.async_steps=1: the generator process makes each prompt's bundle with the policy's processor, samples with
-    lmrl's decode over its own copy of the model and sends the bundles back with the batch. Step 1 is sampled by the
-    weights the trainer starts from: its log-probs are the trainer's with the same images; step 2's are a step old."""
-    run = _train(data, "async", "train.steps=2", "train.async_steps=1")
+    lmrl's decode over its own copy of the model and sends the bundles back with the batch (multi-turn episodes whose
+    environment shows an image: one bundle per episode). Step 1 is sampled by the weights the trainer starts from:
+    its log-probs are the trainer's with the same images; step 2's are a step old."""
+    run = _train(data, "async", "train.steps=2", "train.async_steps=1", *MULTI_TURN)
     assert run.returncode == 0, run.stderr[-2000:]
     steps = [h for h in map(json.loads, (data / "async" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
     assert [h["async/version_lag"] for h in steps] == [0.0, 1.0] and all(math.isfinite(h["loss"]) for h in steps)
+    assert all(h["env/observation_tokens"] > 0 for h in steps)
     assert steps[0]["val/sampler_logprob_diff"] < 1e-4, steps[0]["val/sampler_logprob_diff"]
     before, after = _weights(data / "model"), _weights(data / "async" / "final")
     assert all(torch.equal(before[k], after[k]) for k in before if "vision_tower" in k)
