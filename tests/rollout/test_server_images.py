@@ -115,3 +115,25 @@ def test_a_server_of_a_text_model_refuses_images_in_one_line():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_multi_turn_episodes_whose_environment_shows_images_sample_on_the_server(served):
+    """Each later turn goes to the server as the episode's ids before its images are expanded, with the prompt's
+    image and the observation's: the server's log-probs are the trainer's with the episode's images."""
+    from lmrl.rollout.multiturn import generate_episodes
+    from tests.rollout.test_multiturn_images import shows
+
+    server, model, processor, _ = served
+    server.load_weights(export_weights(model), version=7)
+    texts, images = ["<image> what?"], [[Image.new("RGB", (32, 32), (200, 30, 30))]]
+    ids, bundles = encode_with_media(processor, texts, images)
+    out = generate_episodes(server, processor.tokenizer, ids, [{"token": "<image>"}], 4,
+                            SamplingParams(max_new_tokens=3, temperature=1.0, seed=1, stop=list("aeiou st")), shows(),
+                            max_turns=2, max_tokens=40, media=bundles, processor=processor,
+                            images=image_prompts(processor, texts, images))
+    rollout = out.rollout
+    assert 2 in out.turns and rollout.media_index is not None  # an episode was shown the second image
+    with torch.no_grad():
+        trained = model_forward_logprobs(model, rollout.sequences, rollout.attention_mask.long(),
+                                         rollout.response_ids.shape[1], media=row_media(rollout.media, rollout.media_rows))
+    assert (rollout.logprobs - trained)[rollout.response_mask].abs().max() < 1e-4
