@@ -212,3 +212,26 @@ def test_an_engine_that_expands_images_itself_gets_each_episodes_ids_and_images(
     with torch.no_grad():
         trained = trainer_logprobs(model, rollout, rollout.media)
     assert (rollout.logprobs - trained)[rollout.response_mask].abs().max() < 1e-4
+
+
+def test_a_qwen2_vl_policy_trains_on_episodes_that_show_images(tmp_path):
+    """generate -> experience -> update from Python (`Trainer(model=, tokenizer=processor, env=)`) with Qwen2-VL's 3-D
+    positions over whole episodes: a prompt's image, then an observation's of another size."""
+    from lmrl import Trainer
+    from lmrl.config import load_config
+
+    model, processor = tiny_qwen2_vl(seed=1)
+    tower = {k: v.clone() for k, v in model.state_dict().items() if "visual" in k}
+    rows = [{"prompt": f"<|image_pad|> what {i}?", "image": Image.new("RGB", (32, 32), (30 * i, 90, 9)),
+             "token": "<|image_pad|>"} for i in range(4)]
+    cfg = load_config(None, ["train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "optim.lr=1e-3",
+                             "rollout.max_new_tokens=3", "rollout.stop=[a,e,i,o,u,' ',s,t,n,r,l,d,h]", "env.max_turns=2",
+                             "env.max_tokens=40", "data.num_eval_prompts=0", "algorithm.tis_cap=2.0", "log.console=false",
+                             f"train.output_dir={tmp_path}"])
+    reward = lambda completions, **kw: [sum(map(ord, c)) % 7 / 7 for c in completions]  # noqa: E731
+    trainer = Trainer(cfg, model=model, tokenizer=processor, reward_funcs=[reward], train_dataset=rows,
+                      env=shows((64, 32)))
+    history = trainer.train().history
+    assert all(h["env/observation_tokens"] > 0 for h in history)
+    assert all(abs(h["val/sampler_kl"]) < 1e-4 and h["val/sampler_logprob_diff"] < 1e-4 for h in history)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())
