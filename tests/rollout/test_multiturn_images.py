@@ -4,7 +4,6 @@ episode's images in order, and the sampler agrees with the trainer."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -129,21 +128,6 @@ def test_what_cannot_be_shown_is_refused_in_one_line():
         episodes(tiny_llava, Unmarked)
 
 
-def test_a_vision_policy_with_an_image_environment_trains_through_the_cli(tmp_path):
-    from tests.models.test_vision_train import MULTI_TURN, _dataset, _train, _weights
-
-    data = _dataset(tmp_path)
-    run = _train(data, "env", "train.steps=2", *MULTI_TURN)
-    assert run.returncode == 0, run.stderr[-2000:]
-    steps = [h for h in map(json.loads, (data / "env" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
-    assert len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
-    assert all(h["env/observation_tokens"] > 0 for h in steps)  # episodes saw the environment's image
-    assert all(h["val/sampler_logprob_diff"] < 1e-4 for h in steps), [h["val/sampler_logprob_diff"] for h in steps]
-    before, after = _weights(data / "model"), _weights(data / "env" / "final")
-    assert all(torch.equal(before[k], after[k]) for k in before if "vision_tower" in k)
-    assert any(not torch.equal(before[k], after[k]) for k in before if "language_model" in k)
-
-
 def test_rows_keep_their_episodes_images_when_kept_and_joined():
     """Dynamic sampling keeps some groups (`select_rollout`) and joins rounds (`concat_rollouts`): every row still
     scores with its own episode's images, beside a round whose rows share their prompt's."""
@@ -214,24 +198,31 @@ def test_an_engine_that_expands_images_itself_gets_each_episodes_ids_and_images(
     assert (rollout.logprobs - trained)[rollout.response_mask].abs().max() < 1e-4
 
 
-def test_a_qwen2_vl_policy_trains_on_episodes_that_show_images(tmp_path):
-    """generate -> experience -> update from Python (`Trainer(model=, tokenizer=processor, env=)`) with Qwen2-VL's 3-D
-    positions over whole episodes: a prompt's image, then an observation's of another size."""
+@pytest.mark.parametrize("build, tower_name", [(tiny_llava, "vision_tower"), (tiny_qwen2_vl, "visual")])
+def test_a_vision_policy_trains_on_episodes_that_show_images(tmp_path, build, tower_name):
+    """generate -> experience -> update from Python (`Trainer(model=, tokenizer=processor, env=)`): a prompt's image,
+    then an observation's (of another size for Qwen2-VL, its 3-D positions over whole episodes). `lmrl train
+    env.name=file.py:Class` in a subprocess runs the same with a vLLM engine and asynchronously
+    (tests/models/test_vision_train.py) and with tiny-vision (docs/agents.md's example, run by tests/docs)."""
     from lmrl import Trainer
     from lmrl.config import load_config
 
-    model, processor = tiny_qwen2_vl(seed=1)
-    tower = {k: v.clone() for k, v in model.state_dict().items() if "visual" in k}
-    rows = [{"prompt": f"<|image_pad|> what {i}?", "image": Image.new("RGB", (32, 32), (30 * i, 90, 9)),
-             "token": "<|image_pad|>"} for i in range(4)]
+    model, processor = build(seed=1)
+    tower = {k: v.clone() for k, v in model.state_dict().items() if tower_name in k}
+    language = {k: v.clone() for k, v in model.state_dict().items() if "language_model" in k}
+    token = image_token(processor)
+    rows = [{"prompt": f"{token} what {i}?", "image": Image.new("RGB", (32, 32), (30 * i, 90, 9)), "token": token}
+            for i in range(4)]
     cfg = load_config(None, ["train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "optim.lr=1e-3",
                              "rollout.max_new_tokens=3", "rollout.stop=[a,e,i,o,u,' ',s,t,n,r,l,d,h]", "env.max_turns=2",
                              "env.max_tokens=40", "data.num_eval_prompts=0", "algorithm.tis_cap=2.0", "log.console=false",
                              f"train.output_dir={tmp_path}"])
     reward = lambda completions, **kw: [sum(map(ord, c)) % 7 / 7 for c in completions]  # noqa: E731
     trainer = Trainer(cfg, model=model, tokenizer=processor, reward_funcs=[reward], train_dataset=rows,
-                      env=shows((64, 32)))
+                      env=shows((64, 32) if build is tiny_qwen2_vl else (32, 32)))
     history = trainer.train().history
-    assert all(h["env/observation_tokens"] > 0 for h in history)
+    assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+    assert all(h["env/observation_tokens"] > 0 for h in history)  # episodes were shown the environment's image
     assert all(abs(h["val/sampler_kl"]) < 1e-4 and h["val/sampler_logprob_diff"] < 1e-4 for h in history)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())
+    assert tower and all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())  # frozen
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in language.items())  # trained
