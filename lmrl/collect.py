@@ -30,6 +30,9 @@ from lmrl.rewards.core import TrainerState
 from lmrl.rollout import Rollout, SamplingParams, concat_rollouts, select_rollout
 from lmrl.rollout.multiturn import generate_episodes
 
+# the extra column of the images an episode's environment showed ([B] lists of images), which `samples.jsonl` names
+SHOWN_IMAGES = "env_images"
+
 
 @dataclass
 class Collected:
@@ -233,6 +236,8 @@ class Collector:
             out.metrics[f"reward/{name}/sandbox_kills"] = float(count - kills[name])
         if episodes is not None:
             out.metrics.update(episodes.metrics)
+            if episodes.images is not None and any(episodes.images):  # travels with its rows, as log_extra does
+                out.extra_columns[SHOWN_IMAGES] = episodes.images
         # rewards are computed on the CPU; the step's arithmetic with them happens where the rollout is
         device = rollout.lengths.device
         out.scores = out.scores.to(device)

@@ -36,7 +36,7 @@ from lmrl import algorithms as A
 from lmrl.algorithms import KLController
 from lmrl.async_rollouts import AsyncRollouts
 from lmrl.build import build_run
-from lmrl.collect import Collected, Collector, PushedWeights, generation_weights
+from lmrl.collect import SHOWN_IMAGES, Collected, Collector, PushedWeights, generation_weights
 from lmrl.config import Config, config_warnings
 from lmrl.data.prompts import PromptSampler
 from lmrl.distributed import full_weights
@@ -261,12 +261,12 @@ class Trainer:
         k = min(self.cfg.log.num_samples, len(exp))
         prompts = [prompt_text(c.rows[int(i)][self.cfg.data.prompt_column]) for i in exp.group_index[:k]]
         extra = {name: values[:k] for name, values in c.extra_columns.items()}
-        if self.models.processor is not None:  # which images each sample's prompt showed
+        shown = extra.pop(SHOWN_IMAGES, None) or [[]] * k  # the images each sample's environment showed
+        if self.models.processor is not None:  # what each sample saw, the run's images/ keeping in-memory ones
             from lmrl.data.images import image_refs
 
-            # an in-memory image is kept in the run's images/ for the report's thumbnails (samples.jsonl names it)
             keep = self.out / "images" if self.log.main and self.cfg.log.jsonl else None
-            extra["images"] = [image_refs(c.rows[int(i)], keep) for i in exp.group_index[:k]]
+            extra["images"] = [image_refs(c.rows[int(i)], keep, later) for i, later in zip(exp.group_index[:k], shown)]
         self.log.samples(step, prompts, c.rollout.texts[:k], exp.scores[:k].tolist(), exp.advantages[:k, 0].tolist(), extra)
 
     # ------------------------------------------------------------------------------ the step's stages

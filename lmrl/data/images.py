@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,17 +167,18 @@ def _text_only_problem(prompt: Any, model: str) -> str | None:
     return None
 
 
-def image_refs(row: Mapping[str, Any], keep: str | os.PathLike | None = None) -> list[str]:
-    """How `samples.jsonl` names the images a row's prompt showed: a path as the row gives it (made absolute when
-    the file was read), else `sha256:` and the first 16 hex digits of the image's bytes (of its RGB pixels for a
-    PIL image), so a person can tell which image a sample saw. `keep`: a directory where each in-memory image is
-    also saved, once, as `HEX.png` (the run's `images/`, where `lmrl report` finds it for its thumbnail)."""
+def image_refs(row: Mapping[str, Any], keep: str | os.PathLike | None = None, later: Sequence[Any] = ()) -> list[str]:
+    """How `samples.jsonl` names the images a row's prompt showed (and then `later`, those its episode's environment
+    showed): a path as the row gives it (made absolute when the file was read), else `sha256:` and the first 16 hex
+    digits of the image's bytes (of its RGB pixels for a PIL image), so a person can tell which image a sample saw.
+    `keep`: a directory where each in-memory image is also saved, once, as `HEX.png` (the run's `images/`, where
+    `lmrl report` finds it for its thumbnail)."""
     import hashlib
 
     from PIL import Image
 
     out = []
-    for value in row_images(row):
+    for value in [*row_images(row), *later]:
         if isinstance(value, Mapping):
             value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
         if isinstance(value, (str, os.PathLike)):

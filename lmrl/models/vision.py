@@ -317,6 +317,9 @@ _NOT_WITH_IMAGES = (
     (lambda c: c.algorithm.needs_critic, "a critic (algorithm.advantage=gae, PPO) is not supported with a vision-language policy"),
     (lambda c: c.samples_with_copy, "rollout.dtype: a sampler copy in another dtype is not supported with a vision-language policy"),
     (lambda c: c.algorithm.teacher is not None, "algorithm.teacher is not supported with a vision-language policy"),
+    (lambda c: c.env.name == "agent" or (c.env.name or "").startswith("verifiers:"),
+     "env.name: an agent program or a verifiers environment is not supported with a vision-language policy yet "
+     "(their episodes are text; an environment of lmrl's protocol may show images)"),
     (lambda c: _adapter_dir(c.model.name_or_path),
      "a LoRA adapter directory as model.name_or_path is not supported with a vision-language policy yet"),
 )

@@ -56,12 +56,15 @@ class Episodes:
         rewards: [B] each episode's reward (the sum of its steps' rewards), None where no step gave one.
         turns: [B] model turns taken.
         metrics: `env/*` means per episode: turns, model and observation tokens, the steps' info counts.
+        images: [B] the images each episode's observations showed, in order (a vision-language policy's; None
+            for a text policy): what `samples.jsonl` names after the prompt's own.
     """
 
     rollout: Rollout
     rewards: list[float | None]
     turns: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
+    images: list[list[Any]] | None = None
 
 
 def render_observation(tokenizer: Any, observation: str | list[dict[str, Any]]) -> str:
@@ -179,7 +182,8 @@ def generate_episodes(
             break
     rollout = _assemble(first, ids, logps, trained, texts, finished, generator)
     rollout.media, rollout.media_index = views.of_rollout(rollout.response_ids.device)
-    return Episodes(rollout, rewards, turns, _metrics(ids, trained, turns, counts))
+    shown = [views.tail.get(i, ([], []))[1] for i in range(len(ids))] if views.on else None
+    return Episodes(rollout, rewards, turns, _metrics(ids, trained, turns, counts), shown)
 
 
 def _record(step: Any, i: int, rewards: list[float | None], counts: dict[str, float]) -> Any:

@@ -369,3 +369,16 @@ def test_a_jsonl_file_of_image_rows_to_samples_and_scores(tmp_path):
                                         media=row_media(media, rollout.prompt_index))
     mask = rollout.response_mask
     torch.testing.assert_close(scored[mask], rollout.logprobs[mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("env", [["env.name=agent", "env.command=python agent.py"], ["env.name=verifiers:my_env"]])
+def test_an_agent_program_or_verifiers_environment_is_refused_for_a_vision_policy_before_it_loads(env):
+    from lmrl.config.loading import load_config
+    from lmrl.errors import ConfigError
+    from lmrl.models.vision import refuse_unsupported
+
+    cfg = load_config(None, ["model.name_or_path=tiny-vision", *env])
+    with pytest.raises(ConfigError, match=r"^model\.name_or_path=tiny-vision: env\.name: an agent program or a "
+                                          r"verifiers environment is not supported with a vision-language policy"):
+        refuse_unsupported(cfg)
+    refuse_unsupported(load_config(None, ["model.name_or_path=tiny-vision", "env.name=tools", "env.tools=[python]"]))  # lmrl's own: allowed

@@ -4,6 +4,7 @@ episode's images in order, and the sampler agrees with the trainer."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -216,6 +217,7 @@ def test_a_vision_policy_trains_on_episodes_that_show_images(tmp_path, build, to
     cfg = load_config(None, ["train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "optim.lr=1e-3",
                              "rollout.max_new_tokens=3", "rollout.stop=[a,e,i,o,u,' ',s,t,n,r,l,d,h]", "env.max_turns=2",
                              "env.max_tokens=40", "data.num_eval_prompts=0", "algorithm.tis_cap=2.0", "log.console=false",
+                             "log.samples_every=1", "log.num_samples=8",
                              f"train.output_dir={tmp_path}"])
     reward = lambda completions, **kw: [sum(map(ord, c)) % 7 / 7 for c in completions]  # noqa: E731
     trainer = Trainer(cfg, model=model, tokenizer=processor, reward_funcs=[reward], train_dataset=rows,
@@ -226,3 +228,9 @@ def test_a_vision_policy_trains_on_episodes_that_show_images(tmp_path, build, to
     assert all(abs(h["val/sampler_kl"]) < 1e-4 and h["val/sampler_logprob_diff"] < 1e-4 for h in history)
     assert tower and all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())  # frozen
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in language.items())  # trained
+    # samples.jsonl names what each sample saw: its prompt's image, then the environment's, kept for the report
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    seen = [s["images"] for s in samples]
+    assert seen and {len(x) for x in seen} <= {1, 2} and any(len(x) == 2 for x in seen), seen
+    shown = {x[1] for x in seen if len(x) == 2}
+    assert len(shown) == 1 and (tmp_path / "images" / (shown.pop().removeprefix("sha256:") + ".png")).exists()
