@@ -512,7 +512,8 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
         from lmrl.rollout.agent import AgentEnvironment
 
         return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel,
-                                mode=cfg.env.agent_mode)
+                                mode=cfg.env.agent_mode, host=cfg.env.agent_host, port=cfg.env.agent_port,
+                                work_file=os.path.join(cfg.train.output_dir, "agent.json"))
     try:
         return load_function(cfg.env.name, "environment", ("tools", "agent"))
     except ConfigError as e:

@@ -142,15 +142,19 @@ class Trainer:
 
     @contextlib.contextmanager
     def _rollouts(self, start_step: int):
-        """An asynchronous run's generator process, for the loop's life."""
-        if self.rollouts is None:
-            yield
-            return
+        """An asynchronous run's generator process, for the loop's life; then an agent environment's programs are
+        told that the run is over (`lmrl.rollout.agent`: a persistent program's stdin ends, serve's work is done)."""
+        from lmrl.rollout.agent import AgentEnvironment
+
         try:
-            self.rollouts.start(start_step)
+            if self.rollouts is not None:
+                self.rollouts.start(start_step)
             yield
         finally:
-            self.rollouts.close()
+            if self.rollouts is not None:
+                self.rollouts.close()
+            if isinstance(self.env, AgentEnvironment):
+                self.env.close()
 
     def _header(self, start_step: int) -> None:
         """The run's first lines: what trains on what, where it writes, how it runs, what to look at."""

@@ -412,10 +412,17 @@ class EnvConfig(Section):
     """Seconds one agent episode may run (env.name=agent or verifiers:MODULE) before it is stopped and counted as failed."""
     max_parallel: PositiveInt = 32
     """Most agent episodes running at once (env.name=agent or verifiers:MODULE); the rest of the batch waits its turn."""
-    agent_mode: Literal["episode", "batch", "persistent"] = "episode"
+    agent_mode: Literal["episode", "batch", "persistent", "serve"] = "episode"
     """env.name=agent: "episode" starts env.command once per episode; "batch" once per batch of episodes (a step's,
     an evaluation's), every episode's base URL, key and row in the JSONL file $LMRL_EPISODES names; "persistent"
-    once per run, each batch's file path a line on its stdin. env.timeout is then the batch's."""
+    once per run, each batch's file path a line on its stdin. env.timeout is then the batch's. "serve": lmrl starts
+    no program; programs you run ask for episodes at the gateway's /lmrl/work with the run key that
+    <train.output_dir>/agent.json holds (docs/agents.md)."""
+    agent_host: NonEmptyStr = "127.0.0.1"
+    """env.agent_mode=serve: where the gateway listens. Beyond loopback it needs the run key set by you, in the
+    LMRL_AGENT_KEY environment variable."""
+    agent_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """env.agent_mode=serve: the gateway's port; 0 takes a free one (agent.json and the log line say which)."""
     max_turns: PositiveInt = 4
     """Most model turns per episode."""
     max_tokens: PositiveInt | None = None
@@ -457,7 +464,11 @@ class EnvConfig(Section):
             raise ValueError('tools: the "tools" environment needs at least one tool, e.g. env.tools=[python]')
         if self.tools and self.name != "tools":
             raise ValueError("tools: tools are for env.name=tools")
-        if self.name == "agent" and not self.command:
+        if self.agent_mode == "serve" and self.command:
+            raise ValueError("command: env.agent_mode=serve starts no program (yours ask for work); drop env.command")
+        if (self.agent_host != "127.0.0.1" or self.agent_port) and self.agent_mode != "serve":
+            raise ValueError("agent_host: env.agent_host and env.agent_port are for env.agent_mode=serve")
+        if self.name == "agent" and not self.command and self.agent_mode != "serve":
             raise ValueError('command: the "agent" environment needs env.command, e.g. env.command="python my_agent.py"')
         if self.command and self.name != "agent":
             raise ValueError("command: env.command is for env.name=agent")

@@ -53,16 +53,27 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from lmrl.errors import RunError
+from lmrl.errors import ConfigError, RunError
+from lmrl.rollout.agent_work import WORK, WorkQueue, work_request, write_work_file
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
-from lmrl.rollout.batcher import thread_precision
+from lmrl.rollout.batcher import Batcher, thread_precision
 from lmrl.rollout.chat_turns import Reply, parse_tool_calls, render_conversation
 from lmrl.rollout.multiturn import Episodes, _metrics
-from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
+from lmrl.rollout.server import (
+    GenerationServer,
+    Refused,
+    _given,
+    _Handler,
+    _integer,
+    _list,
+    _same,
+    is_loopback,
+)
 from lmrl.rollout.streaming import stream_events, wants_stream
 
 
@@ -96,6 +107,8 @@ class _Episode:
     reward: float | None = None
     retokenized: int = 0
     error: str | None = None
+    handed: bool = False
+    """env.agent_mode=serve: a program took it."""
 
     def known(self, chat: bool) -> str:
         return "".join(s.raw if chat else s.text for s in self.segments)
@@ -107,9 +120,12 @@ class _Episode:
 class Gateway(GenerationServer):
     """The live policy at one OpenAI-compatible endpoint per episode (module docstring); loopback only."""
 
-    def __init__(self, generator: Generator, tokenizer: Any, name: str = "lmrl-policy"):
-        super().__init__(generator, tokenizer, name, host="127.0.0.1", port=0)
+    def __init__(self, generator: Generator, tokenizer: Any, name: str = "lmrl-policy", host: str = "127.0.0.1",
+                 port: int = 0, run_key: str | None = None):
+        super().__init__(generator, tokenizer, name, host=host, port=port, api_key=run_key)
         self.RequestHandlerClass = _GatewayHandler
+        # env.agent_mode=serve: programs that run on their own ask for episodes with the run key (`agent_work`)
+        self.run_key, self.work = run_key, WorkQueue()
         self.episodes: dict[str, _Episode] = {}
         # an in-process client of many episodes (verifiers': one per step) names each in its X-Session-ID header
         self.sessions: dict[str, str] = {}  # session id -> episode id, kept by whoever runs the episodes
@@ -118,6 +134,28 @@ class Gateway(GenerationServer):
 
     def episode_url(self, episode_id: str) -> str:
         return f"{self.url}/episodes/{episode_id}/v1"
+
+    def retarget(self, generator: Generator) -> None:
+        """Serve another generator at the same address (env.agent_mode=serve: programs keep their work URL)."""
+        with self.lock:
+            self.generator = generator
+            self.batcher = Batcher(generator, self.lock, max_sequences=self.limits.max_sequences)
+
+    def spec(self, episode_id: str) -> dict[str, Any]:
+        """What a program needs to run an episode: {"index", "base_url", "api_key", "row"}."""
+        e = self.episodes[episode_id]
+        return {"index": e.index, "base_url": self.episode_url(episode_id), "api_key": e.key, "row": dict(e.row)}
+
+    def hand_out(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /lmrl/work (`lmrl.rollout.agent_work`): waiting episodes, each to one program."""
+        most, wait = work_request(body)
+        specs = []
+        for eid in self.work.take(most, wait):
+            e = self.episodes.get(eid)
+            if e is not None:
+                e.handed = True
+                specs.append(json.loads(json.dumps(self.spec(eid), default=str)))
+        return {"episodes": specs, "done": self.work.done}
 
     def complete(self, episode: _Episode, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         """One model turn of `episode`: the agent's conversation matched to the record, the new part tokenized."""
@@ -239,6 +277,8 @@ class _GatewayHandler(_Handler):
     route: str
 
     def _authorize(self) -> None:
+        if self.path == WORK:
+            return self._authorize_run()
         parts = self.path.split("/", 3)  # "", "episodes", ID, "v1/..."
         if len(parts) == 4 and parts[1] == "episodes" and parts[2] == SESSIONS:
             return self._authorize_session(parts[3])
@@ -252,6 +292,20 @@ class _GatewayHandler(_Handler):
                 raise Refused(403, "authorization: this key belongs to another episode", "wrong_episode")
             raise Refused(401, "authorization: a missing or wrong key: send the episode's OPENAI_API_KEY", "invalid_api_key")
         self.episode, self.route = episode, "/" + parts[3]
+
+    def _authorize_run(self) -> None:
+        """/lmrl/work: the run key only (env.agent_mode=serve); an episode's key is 403, any other 401."""
+        if self.server.run_key is None:
+            raise Refused(404, f"no such endpoint: POST {WORK} (only env.agent_mode=serve hands out work)")
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if not _same(token, self.server.run_key):
+            if any(_same(token, e.key) for e in self.server.episodes.values()):
+                raise Refused(403, "authorization: an episode's key cannot ask for work; send the run key (agent.json)",
+                              "wrong_key")
+            raise Refused(401, "authorization: a missing or wrong run key: send the key of the run's agent.json",
+                          "invalid_api_key")
+        self.route = WORK
 
     def _authorize_session(self, route: str) -> None:
         """/episodes/by-session/v1/...: the gateway's session key, and an X-Session-ID its `sessions` map to a live
@@ -271,6 +325,11 @@ class _GatewayHandler(_Handler):
         raise Refused(404, f"no such endpoint: GET {self.route}")
 
     def _post(self) -> dict[str, Any]:
+        if self.route == WORK:  # a long poll: not a request that generates (the batcher does not wait for it)
+            request = json.loads(self._body(self.server.limits.max_body_bytes).read(1 << 62) or b"{}")
+            if not isinstance(request, dict):
+                raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
+            return self.server.hand_out(request)
         if self.route not in ("/v1/completions", "/v1/chat/completions", "/v1/lmrl/reward"):
             raise Refused(404, f"no such endpoint: POST {self.route}")
         with self.server.batcher.incoming():
@@ -296,19 +355,33 @@ class AgentEnvironment:
         mode: "episode": a run of the command per episode; "batch": one run for all the episodes of a call, each
             episode's URL, key and row in the file LMRL_EPISODES names (module docstring); "persistent": one run
             for the whole run, each call's episodes file named by a line on its stdin. `timeout` is then the call's.
+            "serve": no command; programs of yours ask for episodes (`lmrl.rollout.agent_work`).
+        host, port: where the gateway listens (mode "serve"; otherwise loopback, a free port). Beyond loopback
+            the run key must be yours, in the LMRL_AGENT_KEY environment variable.
+        work_file: mode "serve": where the work URL and the run key are written (`<output_dir>/agent.json`).
     """
 
     field = "env.command"  # what a failed episode's line names
 
-    def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
-                 cwd: str | None = None, mode: str = "episode"):
-        self.argv = shlex.split(command)
-        if not self.argv:
+    def __init__(self, command: str | None, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
+                 cwd: str | None = None, mode: str = "episode", host: str = "127.0.0.1", port: int = 0,
+                 work_file: str | os.PathLike | None = None):
+        if mode not in ("episode", "batch", "persistent", "serve"):
+            raise ValueError(f"env.agent_mode: expected 'episode', 'batch', 'persistent' or 'serve', got {mode!r}")
+        self.argv = shlex.split(command or "")
+        if not self.argv and mode != "serve":
             raise ValueError("env.command: empty")
-        if mode not in ("episode", "batch", "persistent"):
-            raise ValueError(f"env.agent_mode: expected 'episode', 'batch' or 'persistent', got {mode!r}")
         self.command, self.timeout, self.on_error, self.cwd = command, timeout, on_error, cwd
-        self.max_parallel, self.mode = max_parallel, mode
+        self.max_parallel, self.mode, self.host, self.port = max_parallel, mode, host, port
+        self.run_key = None
+        if mode == "serve":
+            self.field = "env.agent_mode=serve"
+            self.work_file = Path(work_file or "agent.json")
+            self.run_key = os.environ.get("LMRL_AGENT_KEY") or None
+            if self.run_key is None and not is_loopback(host):
+                raise ConfigError(f"env.agent_host: {host}: listening beyond loopback needs a run key of yours, in the "
+                                  "LMRL_AGENT_KEY environment variable; or listen on 127.0.0.1")
+            self.run_key = self.run_key or "lmrl-run-" + secrets.token_urlsafe(24)
         self._program: subprocess.Popen | None = None  # env.agent_mode=persistent: the run's program
         self._folder: str | None = None
         atexit.register(self.close)
@@ -318,10 +391,14 @@ class AgentEnvironment:
         raise RunError("env.name=agent: its episodes are run by its own program, not step by step")
 
     def gateway(self, generator: Generator, tokenizer: Any) -> Gateway:
+        if self._gateway is not None and self._gateway.generator is not generator and self.mode == "serve":
+            self._gateway.retarget(generator)  # programs keep the work URL they were given
         if self._gateway is None or self._gateway.generator is not generator:
             if self._gateway is not None:
                 self._gateway.shutdown()
-            self._gateway = Gateway(generator, tokenizer)
+            self._gateway = Gateway(generator, tokenizer, host=self.host, port=self.port, run_key=self.run_key)
+            if self.mode == "serve":
+                write_work_file(self.work_file, self._gateway.url, self.run_key)
         return self._gateway
 
     def run_episodes(self, generator: Generator, tokenizer: Any, prompts: list[list[int]],
@@ -340,7 +417,8 @@ class AgentEnvironment:
         gateway.episodes.update(episodes)
         gateway.batcher.precision = thread_precision()  # the trainer's autocast, as its own rollouts get
         try:
-            {"batch": self._run_batch, "persistent": self._run_persistent}.get(self.mode, self._run)(gateway, episodes)
+            modes = {"batch": self._run_batch, "persistent": self._run_persistent, "serve": self._run_served}
+            modes.get(self.mode, self._run)(gateway, episodes)
         finally:
             for eid in episodes:
                 gateway.episodes.pop(eid, None)
@@ -417,8 +495,33 @@ class AgentEnvironment:
         elif waiting():
             _fail_unrewarded(episodes, _exit_line("the run's program", proc))
 
+    def _run_served(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
+        """The batch's episodes to whichever programs ask for work (env.agent_mode=serve), until each has its reward
+        or `timeout` passed; no program is started or killed."""
+        gateway.work.offer(list(episodes))
+        deadline = time.monotonic() + self.timeout
+        try:
+            while any(e.reward is None and e.error is None for e in episodes.values()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            gateway.work.withdraw(list(episodes))
+        late = f"env.timeout={self.timeout:g}s"
+        for e in episodes.values():
+            if e.error is None and e.reward is None:
+                e.error = (f"was taken by an agent program that reported no reward within {late}" if e.handed else
+                           f"was asked for by no agent program within {late} (POST {gateway.url}{WORK} with the run "
+                           f"key in {self.work_file})")
+
     def close(self) -> None:
-        """End the run's program (env.agent_mode=persistent: at the end of its stdin it should end itself)."""
+        """End the run's program (env.agent_mode=persistent: at the end of its stdin it should end itself); with
+        env.agent_mode=serve, tell the programs asking for work that the run is over."""
+        if self.mode == "serve" and self._gateway is not None:
+            self._gateway.work.close()
+            with contextlib.suppress(OSError):
+                self.work_file.unlink()
+            time.sleep(0.2)  # the polls waiting get their {"done": true} before the server stops
+            self._gateway.shutdown()
+            self._gateway = None
         if self._program is not None:
             with contextlib.suppress(OSError):
                 self._program.stdin.close()
@@ -502,9 +605,8 @@ def _episodes_file(gateway: Gateway, episodes: dict[str, _Episode], folder: str)
     """A JSONL file in `folder` (the trainer's user's only: the keys are in it), a line per episode."""
     path = os.path.join(folder, f"episodes-{secrets.token_hex(6)}.jsonl")
     with open(path, "w") as f:
-        for eid, e in episodes.items():
-            f.write(json.dumps({"index": e.index, "base_url": gateway.episode_url(eid), "api_key": e.key,
-                                "row": dict(e.row)}, default=str) + "\n")
+        for eid in episodes:
+            f.write(json.dumps(gateway.spec(eid), default=str) + "\n")
     return path
 
 
