@@ -59,7 +59,15 @@ from typing import Any
 import torch
 
 from lmrl.errors import ConfigError, RunError
-from lmrl.rollout.agent_work import WORK, WorkQueue, work_request, write_work_file
+from lmrl.rollout.agent_work import (
+    WORK,
+    WorkQueue,
+    authorize_run,
+    end_work,
+    hand_out,
+    run_served,
+    write_work_file,
+)
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 from lmrl.rollout.batcher import Batcher, thread_precision
 from lmrl.rollout.chat_turns import Reply, parse_tool_calls, render_conversation
@@ -145,17 +153,6 @@ class Gateway(GenerationServer):
         """What a program needs to run an episode: {"index", "base_url", "api_key", "row"}."""
         e = self.episodes[episode_id]
         return {"index": e.index, "base_url": self.episode_url(episode_id), "api_key": e.key, "row": dict(e.row)}
-
-    def hand_out(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /lmrl/work (`lmrl.rollout.agent_work`): waiting episodes, each to one program."""
-        most, wait = work_request(body)
-        specs = []
-        for eid in self.work.take(most, wait):
-            e = self.episodes.get(eid)
-            if e is not None:
-                e.handed = True
-                specs.append(json.loads(json.dumps(self.spec(eid), default=str)))
-        return {"episodes": specs, "done": self.work.done}
 
     def complete(self, episode: _Episode, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         """One model turn of `episode`: the agent's conversation matched to the record, the new part tokenized."""
@@ -277,8 +274,9 @@ class _GatewayHandler(_Handler):
     route: str
 
     def _authorize(self) -> None:
-        if self.path == WORK:
-            return self._authorize_run()
+        if self.path == WORK:  # env.agent_mode=serve's programs, with the run key
+            self.route = authorize_run(self.server, self.headers)
+            return None
         parts = self.path.split("/", 3)  # "", "episodes", ID, "v1/..."
         if len(parts) == 4 and parts[1] == "episodes" and parts[2] == SESSIONS:
             return self._authorize_session(parts[3])
@@ -292,20 +290,6 @@ class _GatewayHandler(_Handler):
                 raise Refused(403, "authorization: this key belongs to another episode", "wrong_episode")
             raise Refused(401, "authorization: a missing or wrong key: send the episode's OPENAI_API_KEY", "invalid_api_key")
         self.episode, self.route = episode, "/" + parts[3]
-
-    def _authorize_run(self) -> None:
-        """/lmrl/work: the run key only (env.agent_mode=serve); an episode's key is 403, any other 401."""
-        if self.server.run_key is None:
-            raise Refused(404, f"no such endpoint: POST {WORK} (only env.agent_mode=serve hands out work)")
-        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
-        if not _same(token, self.server.run_key):
-            if any(_same(token, e.key) for e in self.server.episodes.values()):
-                raise Refused(403, "authorization: an episode's key cannot ask for work; send the run key (agent.json)",
-                              "wrong_key")
-            raise Refused(401, "authorization: a missing or wrong run key: send the key of the run's agent.json",
-                          "invalid_api_key")
-        self.route = WORK
 
     def _authorize_session(self, route: str) -> None:
         """/episodes/by-session/v1/...: the gateway's session key, and an X-Session-ID its `sessions` map to a live
@@ -329,7 +313,7 @@ class _GatewayHandler(_Handler):
             request = json.loads(self._body(self.server.limits.max_body_bytes).read(1 << 62) or b"{}")
             if not isinstance(request, dict):
                 raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
-            return self.server.hand_out(request)
+            return hand_out(self.server, request)
         if self.route not in ("/v1/completions", "/v1/chat/completions", "/v1/lmrl/reward"):
             raise Refused(404, f"no such endpoint: POST {self.route}")
         with self.server.batcher.incoming():
@@ -417,8 +401,10 @@ class AgentEnvironment:
         gateway.episodes.update(episodes)
         gateway.batcher.precision = thread_precision()  # the trainer's autocast, as its own rollouts get
         try:
-            modes = {"batch": self._run_batch, "persistent": self._run_persistent, "serve": self._run_served}
-            modes.get(self.mode, self._run)(gateway, episodes)
+            if self.mode == "serve":
+                run_served(gateway, episodes, self.timeout, self.work_file)
+            else:
+                {"batch": self._run_batch, "persistent": self._run_persistent}.get(self.mode, self._run)(gateway, episodes)
         finally:
             for eid in episodes:
                 gateway.episodes.pop(eid, None)
@@ -495,32 +481,11 @@ class AgentEnvironment:
         elif waiting():
             _fail_unrewarded(episodes, _exit_line("the run's program", proc))
 
-    def _run_served(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
-        """The batch's episodes to whichever programs ask for work (env.agent_mode=serve), until each has its reward
-        or `timeout` passed; no program is started or killed."""
-        gateway.work.offer(list(episodes))
-        deadline = time.monotonic() + self.timeout
-        try:
-            while any(e.reward is None and e.error is None for e in episodes.values()) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        finally:
-            gateway.work.withdraw(list(episodes))
-        late = f"env.timeout={self.timeout:g}s"
-        for e in episodes.values():
-            if e.error is None and e.reward is None:
-                e.error = (f"was taken by an agent program that reported no reward within {late}" if e.handed else
-                           f"was asked for by no agent program within {late} (POST {gateway.url}{WORK} with the run "
-                           f"key in {self.work_file})")
-
     def close(self) -> None:
         """End the run's program (env.agent_mode=persistent: at the end of its stdin it should end itself); with
         env.agent_mode=serve, tell the programs asking for work that the run is over."""
         if self.mode == "serve" and self._gateway is not None:
-            self._gateway.work.close()
-            with contextlib.suppress(OSError):
-                self.work_file.unlink()
-            time.sleep(0.2)  # the polls waiting get their {"done": true} before the server stops
-            self._gateway.shutdown()
+            end_work(self._gateway, self.work_file)
             self._gateway = None
         if self._program is not None:
             with contextlib.suppress(OSError):
@@ -643,3 +608,9 @@ def _kill(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def close_agents(env: Any) -> None:
+    """At the end of a run: an agent environment's programs hear that it is over (`AgentEnvironment.close`)."""
+    if isinstance(env, AgentEnvironment):
+        env.close()

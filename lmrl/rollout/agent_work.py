@@ -21,12 +21,16 @@ reward for, then fail with one line (`reward.on_error`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
+
+from lmrl.rollout.server import Refused, _same
 
 WORK = "/lmrl/work"
 MAX_WAIT = 60.0  # seconds one poll may hold its connection
@@ -85,3 +89,57 @@ def write_work_file(path: Path, url: str, key: str) -> None:
     os.chmod(path, 0o600)  # an older file of another mode
     print(f"lmrl: env.agent_mode=serve: agent programs ask for episodes at POST {url}{WORK} with the run key in "
           f"{path}", file=sys.stderr, flush=True)
+
+
+def authorize_run(server: Any, headers: Any) -> str:
+    """/lmrl/work on the gateway `server`: the run key only; an episode's key is 403, any other 401."""
+    if server.run_key is None:
+        raise Refused(404, f"no such endpoint: POST {WORK} (only env.agent_mode=serve hands out work)")
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    if not _same(token, server.run_key):
+        if any(_same(token, e.key) for e in server.episodes.values()):
+            raise Refused(403, "authorization: an episode's key cannot ask for work; send the run key (agent.json)",
+                          "wrong_key")
+        raise Refused(401, "authorization: a missing or wrong run key: send the key of the run's agent.json",
+                      "invalid_api_key")
+    return WORK
+
+
+def hand_out(gateway: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """The answer to POST /lmrl/work: waiting episodes of `gateway`, each to one program."""
+    most, wait = work_request(body)
+    specs = []
+    for eid in gateway.work.take(most, wait):
+        e = gateway.episodes.get(eid)  # (None: its batch ended meanwhile)
+        if e is not None:
+            e.handed = True
+            specs.append(json.loads(json.dumps(gateway.spec(eid), default=str)))
+    return {"episodes": specs, "done": gateway.work.done}
+
+
+def run_served(gateway: Any, episodes: dict[str, Any], timeout: float, work_file: Path) -> None:
+    """A batch's episodes to whichever programs ask for work, until each has its reward or `timeout` passed; no
+    program is started or killed. Those without a reward then fail, saying whether a program took them."""
+    gateway.work.offer(list(episodes))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(e.reward is None and e.error is None for e in episodes.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        gateway.work.withdraw(list(episodes))
+    late = f"env.timeout={timeout:g}s"
+    for e in episodes.values():
+        if e.error is None and e.reward is None:
+            e.error = (f"was taken by an agent program that reported no reward within {late}" if e.handed else
+                       f"was asked for by no agent program within {late} (POST {gateway.url}{WORK} with the run key "
+                       f"in {work_file})")
+
+
+def end_work(gateway: Any, work_file: Path) -> None:
+    """The run is over: waiting polls answer {"done": true}, agent.json goes, then the gateway stops."""
+    gateway.work.close()
+    with contextlib.suppress(OSError):
+        work_file.unlink()
+    time.sleep(0.2)  # the polls waiting get their answer before the server stops
+    gateway.shutdown()
