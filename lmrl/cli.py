@@ -214,7 +214,8 @@ def _serve(args) -> int:
                     max_prompt_length=cfg.rollout.max_prompt_length, max_new_tokens=cfg.rollout.max_new_tokens,
                     context=served.context, vocab_size=served.vocab_size, max_weights_bytes=served.push_bytes)
     server = GenerationServer(generator, served.tokenizer, cfg.model.name_or_path, host=args.host, port=args.port,
-                              api_key=api_key, weights_secret=secret, limits=limits)
+                              api_key=api_key, weights_secret=secret, limits=limits,
+                              tool_format=cfg.model.tool_call_format)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     print(READY + server.url, flush=True)
     try:

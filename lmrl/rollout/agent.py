@@ -70,7 +70,7 @@ from lmrl.rollout.agent_work import (
 )
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 from lmrl.rollout.batcher import Batcher, thread_precision
-from lmrl.rollout.chat_turns import Reply, parse_tool_calls, render_conversation
+from lmrl.rollout.chat_turns import Reply, render_conversation
 from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import (
     GenerationServer,
@@ -129,8 +129,8 @@ class Gateway(GenerationServer):
     """The live policy at one OpenAI-compatible endpoint per episode (module docstring); loopback only."""
 
     def __init__(self, generator: Generator, tokenizer: Any, name: str = "lmrl-policy", host: str = "127.0.0.1",
-                 port: int = 0, run_key: str | None = None):
-        super().__init__(generator, tokenizer, name, host=host, port=port, api_key=run_key)
+                 port: int = 0, run_key: str | None = None, tool_format: str = "auto"):
+        super().__init__(generator, tokenizer, name, host=host, port=port, api_key=run_key, tool_format=tool_format)
         self.RequestHandlerClass = _GatewayHandler
         # env.agent_mode=serve: programs that run on their own ask for episodes with the run key (`agent_work`)
         self.run_key, self.work = run_key, WorkQueue()
@@ -179,7 +179,7 @@ class Gateway(GenerationServer):
             rows = self.batcher.generate([context], 1, params)
             ids, logps = rows.tokens[0], rows.logprobs[0]
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
-            choice = _choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools"),
+            choice = _choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools") and self.tool_calls,
                              f"call-{episode.index}-{episode.turns}")
             episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw, choice.get("message")))
             episode.turns += 1
@@ -342,6 +342,7 @@ class AgentEnvironment:
             "serve": no command; programs of yours ask for episodes (`lmrl.rollout.agent_work`).
         host, port: where the gateway listens (mode "serve"; otherwise loopback, a free port). Beyond loopback
             the run key must be yours, in the LMRL_AGENT_KEY environment variable.
+        tool_format: how the model writes tool calls (`lmrl.rollout.chat_turns.FORMATS`, "auto": its template's).
         work_file: mode "serve": where the work URL and the run key are written (`<output_dir>/agent.json`).
     """
 
@@ -349,7 +350,7 @@ class AgentEnvironment:
 
     def __init__(self, command: str | None, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
                  cwd: str | None = None, mode: str = "episode", host: str = "127.0.0.1", port: int = 0,
-                 work_file: str | os.PathLike | None = None):
+                 work_file: str | os.PathLike | None = None, tool_format: str = "auto"):
         if mode not in ("episode", "batch", "persistent", "serve"):
             raise ValueError(f"env.agent_mode: expected 'episode', 'batch', 'persistent' or 'serve', got {mode!r}")
         self.argv = shlex.split(command or "")
@@ -357,6 +358,7 @@ class AgentEnvironment:
             raise ValueError("env.command: empty")
         self.command, self.timeout, self.on_error, self.cwd = command, timeout, on_error, cwd
         self.max_parallel, self.mode, self.host, self.port = max_parallel, mode, host, port
+        self.tool_format = tool_format  # the model family's tool calls (`lmrl.rollout.chat_turns`)
         self.run_key = None
         if mode == "serve":
             self.field = "env.agent_mode=serve"
@@ -380,7 +382,8 @@ class AgentEnvironment:
         if self._gateway is None or self._gateway.generator is not generator:
             if self._gateway is not None:
                 self._gateway.shutdown()
-            self._gateway = Gateway(generator, tokenizer, host=self.host, port=self.port, run_key=self.run_key)
+            self._gateway = Gateway(generator, tokenizer, host=self.host, port=self.port, run_key=self.run_key,
+                                    tool_format=self.tool_format)
             if self.mode == "serve":
                 write_work_file(self.work_file, self._gateway.url, self.run_key)
         return self._gateway
@@ -590,12 +593,13 @@ def _fail_unrewarded(episodes: dict[str, _Episode], why: str | None) -> None:
             e.error = why or "had no reward reported (POST its base_url + /lmrl/reward {\"reward\": x})"
 
 
-def _choice(text: str, ids: list[int], finished: bool, chat: bool, tools: Any, call_id: str) -> dict[str, Any]:
-    """One choice of a completion; a chat turn's tool calls (when the request offered tools) in `tool_calls`."""
+def _choice(text: str, ids: list[int], finished: bool, chat: bool, parse: Any, call_id: str) -> dict[str, Any]:
+    """One choice of a completion; a chat turn's tool calls (`parse`: the gateway's, when the request offered tools)
+    in `tool_calls`."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if finished else "length", "token_ids": ids}
     if not chat:
         return choice
-    content, calls = parse_tool_calls(text, call_id) if tools else (text, [])
+    content, calls = parse(text, ids, call_id) if parse else (text, [])
     choice["message"] = {"role": "assistant", "content": content}
     if calls:
         choice["message"]["tool_calls"] = calls
