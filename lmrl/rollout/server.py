@@ -9,7 +9,8 @@
                                  n, stop, seed, logprobs (a number: that many alternatives per token);
                                  each choice also carries its `token_ids`
     POST /v1/chat/completions    OpenAI chat completions: messages rendered with the tokenizer's chat template
-                                 and its `tools`; the model's Hermes / Qwen tool calls come back in `tool_calls`
+                                 and its `tools`; the model's tool calls (its family's format, `chat_turns`) come
+                                 back in `tool_calls`
                                  (logprobs and top_logprobs as OpenAI: alternatives at temperature 1)
                                  (both: `stream: true` answers with server-sent events, `lmrl.rollout.streaming`)
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags
