@@ -64,13 +64,14 @@ from lmrl.rollout.agent_work import (
     WorkQueue,
     authorize_run,
     end_work,
+    episodes_file,
     hand_out,
     run_served,
     write_work_file,
 )
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 from lmrl.rollout.batcher import Batcher, thread_precision
-from lmrl.rollout.chat_turns import Reply, render_conversation
+from lmrl.rollout.chat_turns import Reply, render_conversation, turn_choice
 from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import (
     GenerationServer,
@@ -179,7 +180,7 @@ class Gateway(GenerationServer):
             rows = self.batcher.generate([context], 1, params)
             ids, logps = rows.tokens[0], rows.logprobs[0]
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
-            choice = _choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools") and self.tool_calls,
+            choice = turn_choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools") and self.tool_calls,
                              f"call-{episode.index}-{episode.turns}")
             episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw, choice.get("message")))
             episode.turns += 1
@@ -446,7 +447,7 @@ class AgentEnvironment:
     def _run_batch(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
         """One run of the command for all `episodes` (env.agent_mode=batch), killed at `timeout`."""
         with tempfile.TemporaryDirectory(prefix="lmrl-episodes-") as folder:  # mode 0700: the keys are in it
-            proc = self._start({"LMRL_EPISODES": _episodes_file(gateway, episodes, folder)}, drop=_OPENAI)
+            proc = self._start({"LMRL_EPISODES": episodes_file(gateway, episodes, folder)}, drop=_OPENAI)
             deadline = time.monotonic() + self.timeout
             try:
                 while proc.poll() is None and time.monotonic() < deadline:
@@ -468,7 +469,7 @@ class AgentEnvironment:
                 self._program.stderr_file.close()
             self._folder = self._folder or tempfile.mkdtemp(prefix="lmrl-episodes-")  # mode 0700
             self._program = self._start({}, drop=_OPENAI, stdin=True)
-        proc, path = self._program, _episodes_file(gateway, episodes, self._folder)
+        proc, path = self._program, episodes_file(gateway, episodes, self._folder)
         with contextlib.suppress(OSError):  # an exited program is told below
             proc.stdin.write((path + "\n").encode())
             proc.stdin.flush()
@@ -569,15 +570,6 @@ _OPENAI = ("OPENAI_BASE_URL", "OPENAI_API_KEY")
 """Not inherited by a program of several episodes: a client made without arguments must reach no other endpoint."""
 
 
-def _episodes_file(gateway: Gateway, episodes: dict[str, _Episode], folder: str) -> str:
-    """A JSONL file in `folder` (the trainer's user's only: the keys are in it), a line per episode."""
-    path = os.path.join(folder, f"episodes-{secrets.token_hex(6)}.jsonl")
-    with open(path, "w") as f:
-        for eid in episodes:
-            f.write(json.dumps(gateway.spec(eid), default=str) + "\n")
-    return path
-
-
 def _exit_line(who: str, proc: subprocess.Popen) -> str:
     """`who` exited with status N: the last line of its stderr."""
     stderr = proc.stderr_file
@@ -591,20 +583,6 @@ def _fail_unrewarded(episodes: dict[str, _Episode], why: str | None) -> None:
     for e in episodes.values():
         if e.error is None and e.reward is None:
             e.error = why or "had no reward reported (POST its base_url + /lmrl/reward {\"reward\": x})"
-
-
-def _choice(text: str, ids: list[int], finished: bool, chat: bool, parse: Any, call_id: str) -> dict[str, Any]:
-    """One choice of a completion; a chat turn's tool calls (`parse`: the gateway's, when the request offered tools)
-    in `tool_calls`."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if finished else "length", "token_ids": ids}
-    if not chat:
-        return choice
-    content, calls = parse(text, ids, call_id) if parse else (text, [])
-    choice["message"] = {"role": "assistant", "content": content}
-    if calls:
-        choice["message"]["tool_calls"] = calls
-        choice["finish_reason"] = "tool_calls" if finished else "length"
-    return choice
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import sys
 import threading
 import time
@@ -143,3 +144,12 @@ def end_work(gateway: Any, work_file: Path) -> None:
         work_file.unlink()
     time.sleep(0.2)  # the polls waiting get their answer before the server stops
     gateway.shutdown()
+
+
+def episodes_file(gateway: Any, episodes: dict[str, Any], folder: str) -> str:
+    """A JSONL file in `folder` (the trainer's user's only: the keys are in it), a line per episode."""
+    path = os.path.join(folder, f"episodes-{secrets.token_hex(6)}.jsonl")
+    with open(path, "w") as f:
+        for eid in episodes:
+            f.write(json.dumps(gateway.spec(eid), default=str) + "\n")
+    return path

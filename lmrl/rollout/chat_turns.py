@@ -190,3 +190,17 @@ def _calls(calls: Any) -> list[tuple[Any, Any]]:
                 arguments = json.loads(arguments)
         out.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
     return out
+
+
+def turn_choice(text: str, ids: list[int], finished: bool, chat: bool, parse: Any, call_id: str) -> dict[str, Any]:
+    """One choice of a completion; a chat turn's tool calls (`parse`: the gateway's, when the request offered tools)
+    in `tool_calls`."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if finished else "length", "token_ids": ids}
+    if not chat:
+        return choice
+    content, calls = parse(text, ids, call_id) if parse else (text, [])
+    choice["message"] = {"role": "assistant", "content": content}
+    if calls:
+        choice["message"]["tool_calls"] = calls
+        choice["finish_reason"] = "tool_calls" if finished else "length"
+    return choice
