@@ -31,7 +31,11 @@ its own base URL with its own key, reports each reward at that episode's /lmrl/r
 `env.timeout` for the whole batch. The per-episode keys stay: one episode's key reaches only its own episode.
 `env.agent_mode=persistent` starts it once per run (the start-up once, not per step): each batch's file path comes
 as a line on its stdin, the batch is over once every episode has reported its reward, and at the end of its stdin
-(the run is over) the program ends.
+(the run is over) the program ends. `env.agent_mode=serve` starts no program: programs that run on their own ask
+the gateway for episodes with the run key (`lmrl.rollout.agent_work`).
+
+Each chat turn's tool calls are parsed in the model family's format (`lmrl.rollout.chat_turns`: Hermes, Llama 3's
+JSON, Mistral's [TOOL_CALLS]; `model.tool_call_format`).
 """
 
 from __future__ import annotations
@@ -127,7 +131,8 @@ class _Episode:
 
 
 class Gateway(GenerationServer):
-    """The live policy at one OpenAI-compatible endpoint per episode (module docstring); loopback only."""
+    """The live policy at one OpenAI-compatible endpoint per episode (module docstring); on loopback, unless
+    env.agent_mode=serve listens elsewhere with a run key of the user's (`lmrl.rollout.agent_work`)."""
 
     def __init__(self, generator: Generator, tokenizer: Any, name: str = "lmrl-policy", host: str = "127.0.0.1",
                  port: int = 0, run_key: str | None = None, tool_format: str = "auto"):

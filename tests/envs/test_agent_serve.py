@@ -99,12 +99,15 @@ def test_work_goes_to_the_run_key_only_and_nobody_asking_is_one_line_never_a_han
         taken = post(work["key"], b'{"max": 1, "wait": 10}').json()["episodes"]  # still serving: one episode
         seen["taken"] = len(taken)
         seen["episode key"] = post(taken[0]["api_key"]).status_code  # it never reports a reward
+        seen["run key at an episode"] = httpx.post(taken[0]["base_url"] + "/lmrl/reward", json={"reward": 1.0},
+                                                   headers={"Authorization": f"Bearer {work['key']}"}).status_code
 
     thread = threading.Thread(target=hostile)
     thread.start()
     episodes = episodes_of(policy, env)
     thread.join(30)
-    assert seen == {"none": 401, "other run": 401, "bad json": 400, "bad max": 400, "taken": 1, "episode key": 403}
+    assert seen == {"none": 401, "other run": 401, "bad json": 400, "bad max": 400, "taken": 1, "episode key": 403,
+                    "run key at an episode": 401}
     assert episodes.metrics["agent/failures"] == 2 and episodes.rewards == [0.0, 0.0]
     env.on_error, env.timeout = "fail", 1.0  # the same with nobody asking at all: one line naming the URL and file
     with pytest.raises(RunError, match=r"env.agent_mode=serve: episode 0 \(row 0\) was asked for by no agent program "
