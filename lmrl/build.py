@@ -514,7 +514,7 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
 
         return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel,
                                 mode=cfg.env.agent_mode, host=cfg.env.agent_host, port=cfg.env.agent_port,
-                                work_file=os.path.join(cfg.train.output_dir, "agent.json"),
+                                url=cfg.env.agent_url, work_file=os.path.join(cfg.train.output_dir, "agent.json"),
                                 tool_format=cfg.model.tool_call_format)
     try:
         return load_function(cfg.env.name, "environment", ("tools", "agent"))

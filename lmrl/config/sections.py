@@ -427,6 +427,9 @@ class EnvConfig(Section):
     LMRL_AGENT_KEY environment variable."""
     agent_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """env.agent_mode=serve: the gateway's port; 0 takes a free one (agent.json and the log line say which)."""
+    agent_url: NonEmptyStr | None = None
+    """env.agent_mode=serve: the gateway as programs reach it (e.g. "http://trainer.lan:8123", a proxy's or a
+    tunnel's), written into agent.json and every episode's base_url; None: the address it listens on."""
     max_turns: PositiveInt = 4
     """Most model turns per episode."""
     max_tokens: PositiveInt | None = None
@@ -455,6 +458,15 @@ class EnvConfig(Section):
             raise ValueError("needs a group named json, or a group named name (and arguments, or one group per argument)")
         return value
 
+    @field_validator("agent_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        import re
+
+        if value is not None and not re.fullmatch(r"https?://[^/\s]+", value):
+            raise ValueError(f"expected http://HOST:PORT or https://HOST:PORT (no path), got {value!r}")
+        return value
+
     @field_validator("response_format")
     @classmethod
     def _format(cls, value: str) -> str:
@@ -470,8 +482,8 @@ class EnvConfig(Section):
             raise ValueError("tools: tools are for env.name=tools")
         if self.agent_mode == "serve" and self.command:
             raise ValueError("command: env.agent_mode=serve starts no program (yours ask for work); drop env.command")
-        if (self.agent_host != "127.0.0.1" or self.agent_port) and self.agent_mode != "serve":
-            raise ValueError("agent_host: env.agent_host and env.agent_port are for env.agent_mode=serve")
+        if (self.agent_host != "127.0.0.1" or self.agent_port or self.agent_url) and self.agent_mode != "serve":
+            raise ValueError("agent_host: env.agent_host, env.agent_port and env.agent_url are for env.agent_mode=serve")
         if self.name == "agent" and not self.command and self.agent_mode != "serve":
             raise ValueError('command: the "agent" environment needs env.command, e.g. env.command="python my_agent.py"')
         if self.command and self.name != "agent":

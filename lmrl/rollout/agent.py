@@ -140,6 +140,7 @@ class Gateway(GenerationServer):
         self.RequestHandlerClass = _GatewayHandler
         # env.agent_mode=serve: programs that run on their own ask for episodes with the run key (`agent_work`)
         self.run_key, self.work = run_key, WorkQueue()
+        self.public_url: str | None = None  # where programs reach it, when not where it listens (env.agent_url)
         self.episodes: dict[str, _Episode] = {}
         # an in-process client of many episodes (verifiers': one per step) names each in its X-Session-ID header
         self.sessions: dict[str, str] = {}  # session id -> episode id, kept by whoever runs the episodes
@@ -147,7 +148,7 @@ class Gateway(GenerationServer):
         threading.Thread(target=self.serve_forever, name="lmrl-gateway", daemon=True).start()
 
     def episode_url(self, episode_id: str) -> str:
-        return f"{self.url}/episodes/{episode_id}/v1"
+        return f"{self.public_url or self.url}/episodes/{episode_id}/v1"
 
     def retarget(self, generator: Generator) -> None:
         """Serve another generator at the same address (env.agent_mode=serve: programs keep their work URL)."""
@@ -350,20 +351,22 @@ class AgentEnvironment:
             the run key must be yours, in the LMRL_AGENT_KEY environment variable.
         tool_format: how the model writes tool calls (`lmrl.rollout.chat_turns.FORMATS`, "auto": its template's).
         work_file: mode "serve": where the work URL and the run key are written (`<output_dir>/agent.json`).
+        url: mode "serve": the gateway as programs reach it (a proxy, a tunnel, the machine's name), for agent.json
+            and the episodes' base URLs; None: where it listens.
     """
 
     field = "env.command"  # what a failed episode's line names
 
     def __init__(self, command: str | None, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
                  cwd: str | None = None, mode: str = "episode", host: str = "127.0.0.1", port: int = 0,
-                 work_file: str | os.PathLike | None = None, tool_format: str = "auto"):
+                 work_file: str | os.PathLike | None = None, tool_format: str = "auto", url: str | None = None):
         if mode not in ("episode", "batch", "persistent", "serve"):
             raise ValueError(f"env.agent_mode: expected 'episode', 'batch', 'persistent' or 'serve', got {mode!r}")
         self.argv = shlex.split(command or "")
         if not self.argv and mode != "serve":
             raise ValueError("env.command: empty")
         self.command, self.timeout, self.on_error, self.cwd = command, timeout, on_error, cwd
-        self.max_parallel, self.mode, self.host, self.port = max_parallel, mode, host, port
+        self.max_parallel, self.mode, self.host, self.port, self.url = max_parallel, mode, host, port, url
         self.tool_format = tool_format  # the model family's tool calls (`lmrl.rollout.chat_turns`)
         self.run_key = None
         if mode == "serve":
@@ -390,8 +393,9 @@ class AgentEnvironment:
                 self._gateway.shutdown()
             self._gateway = Gateway(generator, tokenizer, host=self.host, port=self.port, run_key=self.run_key,
                                     tool_format=self.tool_format)
+            self._gateway.public_url = self.url
             if self.mode == "serve":
-                write_work_file(self.work_file, self._gateway.url, self.run_key)
+                write_work_file(self.work_file, self.url or self._gateway.url, self.run_key)
         return self._gateway
 
     def run_episodes(self, generator: Generator, tokenizer: Any, prompts: list[list[int]],

@@ -133,8 +133,8 @@ def run_served(gateway: Any, episodes: dict[str, Any], timeout: float, work_file
     for e in episodes.values():
         if e.error is None and e.reward is None:
             e.error = (f"was taken by an agent program that reported no reward within {late}" if e.handed else
-                       f"was asked for by no agent program within {late} (POST {gateway.url}{WORK} with the run key "
-                       f"in {work_file})")
+                       f"was asked for by no agent program within {late} (POST {gateway.public_url or gateway.url}{WORK} "
+                       f"with the run key in {work_file})")
 
 
 def end_work(gateway: Any, work_file: Path) -> None:

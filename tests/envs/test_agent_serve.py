@@ -116,20 +116,49 @@ def test_work_goes_to_the_run_key_only_and_nobody_asking_is_one_line_never_a_han
     env.close(), other.close()
 
 
-def test_listening_beyond_loopback_needs_a_run_key_of_the_users(monkeypatch):
+def test_beyond_loopback_the_run_key_is_the_users_and_programs_get_the_url_they_reach(policy, tmp_path, monkeypatch):
+    import socket
+
     monkeypatch.delenv("LMRL_AGENT_KEY", raising=False)
     with pytest.raises(ConfigError, match="env.agent_host: 0.0.0.0: listening beyond loopback needs a run key of yours, "
                                           "in the LMRL_AGENT_KEY environment variable"):
         AgentEnvironment(None, mode="serve", host="0.0.0.0")
     monkeypatch.setenv("LMRL_AGENT_KEY", "a-key-of-mine")
-    assert AgentEnvironment(None, mode="serve", host="0.0.0.0").run_key == "a-key-of-mine"
+    with socket.socket() as s:  # a free port, so that the URL programs reach can name it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://localhost:{port}"  # as a proxy or the machine's name would be: not the address it listens on
+    env = AgentEnvironment(None, timeout=60, mode="serve", host="0.0.0.0", port=port, url=url,
+                           work_file=tmp_path / "agent.json")
+    seen = []
+
+    def program():
+        work = wait_for(tmp_path / "agent.json")
+        specs = httpx.post(work["work_url"], json={"max": 2}, headers={"Authorization": "Bearer a-key-of-mine"},
+                           timeout=30).json()["episodes"]
+        for spec in specs:
+            seen.append((work["work_url"], spec["base_url"]))
+            auth = {"Authorization": f"Bearer {spec['api_key']}"}
+            httpx.post(spec["base_url"] + "/completions", json={"prompt": spec["row"]["prompt"], "max_tokens": 4},
+                       headers=auth, timeout=60).raise_for_status()
+            httpx.post(spec["base_url"] + "/lmrl/reward", json={"reward": 1.0}, headers=auth, timeout=30)
+
+    thread = threading.Thread(target=program)
+    thread.start()
+    episodes = episodes_of(policy, env)
+    thread.join(60)
+    env.close()
+    assert episodes.rewards == [1.0, 1.0] and episodes.metrics["agent/failures"] == 0
+    assert len(seen) == 2 and all(w == url + "/lmrl/work" and b.startswith(url + "/episodes/") for w, b in seen)
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["env.name=agent", "env.agent_mode=serve", "env.command=python x.py"],
      "env.command: env.agent_mode=serve starts no program (yours ask for work); drop env.command"),
     (["env.name=agent", "env.command=python x.py", "env.agent_port=8000"],
-     "env.agent_host: env.agent_host and env.agent_port are for env.agent_mode=serve"),
+     "env.agent_host: env.agent_host, env.agent_port and env.agent_url are for env.agent_mode=serve"),
+    (["env.name=agent", "env.agent_mode=serve", "env.agent_url=trainer:8000"],
+     "env.agent_url: expected http://HOST:PORT or https://HOST:PORT (no path), got 'trainer:8000'"),
 ])
 def test_the_serve_mode_config_is_checked_in_one_line(overrides, message):
     from lmrl.config import load_config
