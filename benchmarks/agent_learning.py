@@ -8,7 +8,8 @@ built-in environment? docs/agents.md, "An agent written elsewhere", gives the nu
 Each arm is `lmrl train model.name_or_path=tiny-calculator` (its preset: GRPO, 32 prompts x 8 episodes, two turns
 at most, one thread), one after the other in subprocesses. The built-in arm runs the task's own tool environment;
 the agent arms `env.name=agent env.agent_mode=batch|persistent reward.functions=[env]` with this file as the program
-(`--agent`), started once per batch or once per run: every episode of a batch in a thread over the official
+(`--agent`), started once per batch or once per run, and `env.agent_mode=serve`, where lmrl starts nothing and this
+file (`--pull RUN/agent.json`, started beside the run) asks the gateway for work: every episode of a batch in a thread over the official
 `openai` client against its own gateway endpoint, the same tool (`<calc>a+b+c</calc>` -> `=sum` and a new line)
 and the same reward (the last line is the sum), reported to the gateway. Held-out accuracy is the task's own check,
 greedy, on --num-eval sums, in every arm. Printed per arm: held-out accuracy at step 0 and at the end, the gain in
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,16 +31,14 @@ from pathlib import Path
 CALC = re.compile(r"<calc>([^<>]*)</calc>")
 
 
-def agent() -> None:
-    """The agent program (env.agent_mode=batch): every episode of the file LMRL_EPISODES names, in threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def episode_runner():
+    """One episode of the calculator task, given its {base_url, api_key, row}, over one shared connection pool."""
     from openai import BadRequestError, OpenAI
 
     shared = OpenAI(base_url="http://127.0.0.1", api_key="none", max_retries=0, timeout=600)  # each episode's below
 
     def episode(spec: dict) -> None:
-        client = shared.with_options(base_url=spec["base_url"], api_key=spec["api_key"])  # one connection pool
+        client = shared.with_options(base_url=spec["base_url"], api_key=spec["api_key"])
         text = spec["row"]["prompt"]
         for turn in range(2):
             try:
@@ -55,11 +55,44 @@ def agent() -> None:
         reward = float(text.rsplit("\n", 1)[-1].strip() == spec["row"]["answer"])
         client.post("/lmrl/reward", body={"reward": reward}, cast_to=object)
 
+    return episode
+
+
+def agent() -> None:
+    """The agent program (env.agent_mode=batch): every episode of the file LMRL_EPISODES names, in threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    episode = episode_runner()
     with ThreadPoolExecutor(64) as pool:
         # env.agent_mode=batch: the batch LMRL_EPISODES names; persistent: a batch per line of stdin
         for path in [os.environ["LMRL_EPISODES"]] if os.environ.get("LMRL_EPISODES") else sys.stdin:
             with open(path.strip()) as f:
                 list(pool.map(episode, [json.loads(line) for line in f]))
+
+
+def pull(work_file: Path) -> None:
+    """The agent program of env.agent_mode=serve: asks the run's gateway for episodes until the run is over."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import APIConnectionError, OpenAI
+
+    while not work_file.exists():  # the run writes it when its gateway starts
+        time.sleep(0.05)
+    time.sleep(0.05)
+    work = json.loads(work_file.read_text())
+    boss = OpenAI(base_url=work["work_url"].removesuffix("/lmrl/work"), api_key=work["key"], max_retries=0, timeout=90)
+    episode = episode_runner()
+    with ThreadPoolExecutor(64) as pool:
+        while True:
+            try:
+                answer = boss.post("/lmrl/work", body={"max": 256, "wait": 30}, cast_to=object)
+            except APIConnectionError:  # the run is over
+                return
+            for spec in answer["episodes"]:
+                pool.submit(episode, spec)
+            if answer["done"]:
+                return
 
 
 def train(out: Path, steps: int, eval_every: int, num_eval: int, seed: int, *overrides: str) -> dict:
@@ -83,6 +116,8 @@ def row(arm: str, run: dict) -> dict:
 def main() -> None:
     if "--agent" in sys.argv:
         return agent()
+    if "--pull" in sys.argv:
+        return pull(Path(sys.argv[sys.argv.index("--pull") + 1]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--eval-every", type=int, default=10)
@@ -95,13 +130,19 @@ def main() -> None:
     program = ["env.name=agent", "env.timeout=600", f"env.command={sys.executable} {me} --agent", "reward.functions=[env]"]
     arms = {"built-in tool environment": [],
             "agent program, a run per step (`env.agent_mode=batch`)": [*program, "env.agent_mode=batch"],
-            "agent program, one run (`env.agent_mode=persistent`)": [*program, "env.agent_mode=persistent"]}
+            "agent program, one run (`env.agent_mode=persistent`)": [*program, "env.agent_mode=persistent"],
+            "agent program asking for work (`env.agent_mode=serve`)": [*program[:2], program[3], "env.agent_mode=serve"]}
     rows = []
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps per arm", flush=True)
     with tempfile.TemporaryDirectory(prefix="lmrl-agent-learning-") as tmp:
         for i, (arm, overrides) in enumerate(arms.items()):
+            serve = "env.agent_mode=serve" in overrides  # its program runs beside the run, started here
+            puller = subprocess.Popen([sys.executable, str(me), "--pull", str(Path(tmp) / str(i) / "agent.json")]
+                                      ) if serve else None
             rows.append(row(arm, train(Path(tmp) / str(i), args.steps, args.eval_every, args.num_eval, args.seed,
                                        *overrides)))
+            if puller is not None:
+                puller.wait(60)
             r = rows[-1]
             print(f"{arm:40s} {r['start']:5.1f}% -> {r['end']:5.1f}% at step {r['last_step']} ({r['gain']:+.1f} points)"
                   f" in {r['seconds']:.0f} s ({r['per_step']:.2f} s per step, turns {r['turns']:.2f})", flush=True)
@@ -115,7 +156,8 @@ def main() -> None:
                    Column("turns", "turns per episode at the end", "{:.2f}")]
         values = {"gain_difference": f"{max(abs(rows[0]['gain'] - r['gain']) for r in rows[1:]):.1f} points",
                   "time_ratio_batch": f"{rows[1]['seconds'] / rows[0]['seconds']:.2f}x",
-                  "time_ratio_persistent": f"{rows[2]['seconds'] / rows[0]['seconds']:.2f}x"}
+                  "time_ratio_persistent": f"{rows[2]['seconds'] / rows[0]['seconds']:.2f}x",
+                  "time_ratio_serve": f"{rows[3]['seconds'] / rows[0]['seconds']:.2f}x"}
         record(args.record, columns, rows, values=values,
                note=f"The shipped tiny-calculator model and its preset (GRPO, 32 prompts x 8 episodes, one thread), "
                     f"seed {args.seed}, {args.steps} steps per arm, greedy held-out accuracy on {args.num_eval} sums "

@@ -498,7 +498,8 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
         from lmrl.rollout.verifiers_env import verifiers_environment
 
         given = env if env is not None else cfg.env.name
-        return verifiers_environment(given, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel)
+        return verifiers_environment(given, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel,
+                                     cfg.model.tool_call_format)
     if cfg.env.name is None:
         if not use_task or cfg.data.path is not None or cfg.data.task is None:
             return None
@@ -516,7 +517,9 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
         from lmrl.rollout.agent import AgentEnvironment
 
         return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel,
-                                mode=cfg.env.agent_mode)
+                                mode=cfg.env.agent_mode, host=cfg.env.agent_host, port=cfg.env.agent_port,
+                                url=cfg.env.agent_url, work_file=os.path.join(cfg.train.output_dir, "agent.json"),
+                                tool_format=cfg.model.tool_call_format)
     try:
         return load_function(cfg.env.name, "environment", ("tools", "agent"))
     except ConfigError as e:

@@ -214,7 +214,8 @@ def _serve(args) -> int:
                     max_prompt_length=cfg.rollout.max_prompt_length, max_new_tokens=cfg.rollout.max_new_tokens,
                     context=served.context, vocab_size=served.vocab_size, max_weights_bytes=served.push_bytes)
     server = GenerationServer(generator, served.tokenizer, cfg.model.name_or_path, host=args.host, port=args.port,
-                              api_key=api_key, weights_secret=secret, limits=limits)
+                              api_key=api_key, weights_secret=secret, limits=limits,
+                              tool_format=cfg.model.tool_call_format)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     print(READY + server.url, flush=True)
     try:
@@ -338,7 +339,10 @@ def _eval(args) -> int:
 
     raw, source = _eval_config(args)
     cfg = build_config(raw)
-    trainer = Trainer(cfg, console=False)
+    inputs = _verifiers_eval(cfg)
+    if inputs:
+        source = f"{args.run}'s environment's tasks ({cfg.env.name})"
+    trainer = Trainer(cfg, console=False, **inputs)
     rows = trainer.data.eval_rows
     if not rows:  # (a file without rows stops in the loader, naming it)
         raise DataError(f"{source}: nothing to evaluate: {_why_no_eval_rows(cfg)}")
@@ -418,6 +422,17 @@ def _preset_task(model: str) -> str:
     from lmrl.config.presets import MODEL_PRESETS
 
     return MODEL_PRESETS.get(model, {}).get("data", {}).get("task", "addition")
+
+
+def _verifiers_eval(cfg) -> dict:
+    """A verifiers run's prompts to evaluate: its environment's tasks, as `load_environment()` gives them now (a
+    verifiers Env has one taskset, no held-out split); greedy episodes through its own rollout and rubric."""
+    if not (cfg.env.name or "").startswith("verifiers:") or cfg.data.path is not None or cfg.data.eval_path is not None:
+        return {}
+    from lmrl.build import make_environment
+
+    env = make_environment(cfg)
+    return {"env": env, "eval_dataset": env.rows()}
 
 
 def _why_no_eval_rows(cfg) -> str:

@@ -51,6 +51,7 @@ from lmrl.logging.run_log import RunLog
 from lmrl.models.forward import Forwards
 from lmrl.rewards.core import learned_scores
 from lmrl.rollout import HFGenerator, RemoteGenerator
+from lmrl.rollout.agent import close_agents
 from lmrl.update import Updater, needs_old_logprobs
 
 __all__ = ["Collected", "TrainResult", "Trainer"]
@@ -142,15 +143,13 @@ class Trainer:
 
     @contextlib.contextmanager
     def _rollouts(self, start_step: int):
-        """An asynchronous run's generator process, for the loop's life."""
-        if self.rollouts is None:
-            yield
-            return
+        """An asynchronous run's generator process, for the loop's life; then agent programs hear the run is over."""
         try:
-            self.rollouts.start(start_step)
+            getattr(self.rollouts, "start", lambda _: None)(start_step)
             yield
         finally:
-            self.rollouts.close()
+            getattr(self.rollouts, "close", lambda: None)()
+            close_agents(self.env)
 
     def _header(self, start_step: int) -> None:
         """The run's first lines: what trains on what, where it writes, how it runs, what to look at."""

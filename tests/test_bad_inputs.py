@@ -146,6 +146,12 @@ BAD: dict[str, Bad] = {
     "verifiers module missing": Bad("train env.name=verifiers:no_such_vf_env",
                                     "env.name: verifiers environment 'verifiers:no_such_vf_env': cannot import module "
                                     "'no_such_vf_env': ModuleNotFoundError: No module named 'no_such_vf_env'", real=False),
+    "agent serve beyond loopback": Bad("train env.name=agent env.agent_mode=serve env.agent_host=0.0.0.0",
+                                       "env.agent_host: 0.0.0.0: listening beyond loopback needs a run key of yours, in "
+                                       "the LMRL_AGENT_KEY environment variable; or listen on 127.0.0.1", real=False),
+    "agent serve with a command": Bad("train env.name=agent env.agent_mode=serve env.command=x",
+                                      "env.command: env.agent_mode=serve starts no program (yours ask for work); drop "
+                                      "env.command"),
     "sandbox timeout zero": Bad("train sandbox.timeout=0", "sandbox.timeout: must be > 0 (got 0)"),
     "override not YAML": Bad("train 'reward.functions=[{fn:'", "override reward.functions: value '[{fn:' is not valid YAML"),
     "field typo": Bad("train algorithm.clip_hgh=0.3", "algorithm.clip_hgh: algorithm has no field 'clip_hgh'; did you mean 'clip_high'?"),

@@ -54,6 +54,10 @@ class ModelConfig(Section):
     loss trains the backbone too (vf_coef weighs it). No second copy of the weights."""
     chat_template: bool | None = None
     """Apply the tokenizer's chat template to chat-style prompts (None: when prompts are message lists)."""
+    tool_call_format: Literal["auto", "hermes", "llama3", "mistral"] = "auto"
+    """How the model writes tool calls, parsed into `tool_calls` by `lmrl serve` and the agent gateway: "hermes"
+    (Qwen's <tool_call>{...}</tool_call>), "llama3" (Llama 3's JSON reply), "mistral" ([TOOL_CALLS][...]); "auto"
+    reads it from the tokenizer's chat template (hermes when it shows none)."""
     dropout: bool = False
     """Keep the dropout the model's config sets (GPT-2, OPT: 0.1) in the trained forward. False: dropout is off in
     the policy, the reference and the critic (every dropout module, and the rates their configs hold), so the
@@ -412,10 +416,20 @@ class EnvConfig(Section):
     """Seconds one agent episode may run (env.name=agent or verifiers:MODULE) before it is stopped and counted as failed."""
     max_parallel: PositiveInt = 32
     """Most agent episodes running at once (env.name=agent or verifiers:MODULE); the rest of the batch waits its turn."""
-    agent_mode: Literal["episode", "batch", "persistent"] = "episode"
+    agent_mode: Literal["episode", "batch", "persistent", "serve"] = "episode"
     """env.name=agent: "episode" starts env.command once per episode; "batch" once per batch of episodes (a step's,
     an evaluation's), every episode's base URL, key and row in the JSONL file $LMRL_EPISODES names; "persistent"
-    once per run, each batch's file path a line on its stdin. env.timeout is then the batch's."""
+    once per run, each batch's file path a line on its stdin. env.timeout is then the batch's. "serve": lmrl starts
+    no program; programs you run ask for episodes at the gateway's /lmrl/work with the run key that
+    <train.output_dir>/agent.json holds (docs/agents.md)."""
+    agent_host: NonEmptyStr = "127.0.0.1"
+    """env.agent_mode=serve: where the gateway listens. Beyond loopback it needs the run key set by you, in the
+    LMRL_AGENT_KEY environment variable."""
+    agent_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """env.agent_mode=serve: the gateway's port; 0 takes a free one (agent.json and the log line say which)."""
+    agent_url: NonEmptyStr | None = None
+    """env.agent_mode=serve: the gateway as programs reach it (e.g. "http://trainer.lan:8123", a proxy's or a
+    tunnel's), written into agent.json and every episode's base_url; None: the address it listens on."""
     max_turns: PositiveInt = 4
     """Most model turns per episode."""
     max_tokens: PositiveInt | None = None
@@ -444,6 +458,15 @@ class EnvConfig(Section):
             raise ValueError("needs a group named json, or a group named name (and arguments, or one group per argument)")
         return value
 
+    @field_validator("agent_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        import re
+
+        if value is not None and not re.fullmatch(r"https?://[^/\s]+", value):
+            raise ValueError(f"expected http://HOST:PORT or https://HOST:PORT (no path), got {value!r}")
+        return value
+
     @field_validator("response_format")
     @classmethod
     def _format(cls, value: str) -> str:
@@ -457,7 +480,11 @@ class EnvConfig(Section):
             raise ValueError('tools: the "tools" environment needs at least one tool, e.g. env.tools=[python]')
         if self.tools and self.name != "tools":
             raise ValueError("tools: tools are for env.name=tools")
-        if self.name == "agent" and not self.command:
+        if self.agent_mode == "serve" and self.command:
+            raise ValueError("command: env.agent_mode=serve starts no program (yours ask for work); drop env.command")
+        if (self.agent_host != "127.0.0.1" or self.agent_port or self.agent_url) and self.agent_mode != "serve":
+            raise ValueError("agent_host: env.agent_host, env.agent_port and env.agent_url are for env.agent_mode=serve")
+        if self.name == "agent" and not self.command and self.agent_mode != "serve":
             raise ValueError('command: the "agent" environment needs env.command, e.g. env.command="python my_agent.py"')
         if self.command and self.name != "agent":
             raise ValueError("command: env.command is for env.name=agent")

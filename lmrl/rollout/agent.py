@@ -31,7 +31,11 @@ its own base URL with its own key, reports each reward at that episode's /lmrl/r
 `env.timeout` for the whole batch. The per-episode keys stay: one episode's key reaches only its own episode.
 `env.agent_mode=persistent` starts it once per run (the start-up once, not per step): each batch's file path comes
 as a line on its stdin, the batch is over once every episode has reported its reward, and at the end of its stdin
-(the run is over) the program ends.
+(the run is over) the program ends. `env.agent_mode=serve` starts no program: programs that run on their own ask
+the gateway for episodes with the run key (`lmrl.rollout.agent_work`).
+
+Each chat turn's tool calls are parsed in the model family's format (`lmrl.rollout.chat_turns`: Hermes, Llama 3's
+JSON, Mistral's [TOOL_CALLS]; `model.tool_call_format`).
 """
 
 from __future__ import annotations
@@ -53,16 +57,36 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from lmrl.errors import RunError
+from lmrl.errors import ConfigError, RunError
+from lmrl.rollout.agent_work import (
+    WORK,
+    WorkQueue,
+    authorize_run,
+    end_work,
+    episodes_file,
+    hand_out,
+    run_served,
+    write_work_file,
+)
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
-from lmrl.rollout.batcher import thread_precision
-from lmrl.rollout.chat_turns import Reply, parse_tool_calls, render_conversation
+from lmrl.rollout.batcher import Batcher, thread_precision
+from lmrl.rollout.chat_turns import Reply, render_conversation, turn_choice
 from lmrl.rollout.multiturn import Episodes, _metrics
-from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
+from lmrl.rollout.server import (
+    GenerationServer,
+    Refused,
+    _given,
+    _Handler,
+    _integer,
+    _list,
+    _same,
+    is_loopback,
+)
 from lmrl.rollout.streaming import stream_events, wants_stream
 
 
@@ -96,6 +120,8 @@ class _Episode:
     reward: float | None = None
     retokenized: int = 0
     error: str | None = None
+    handed: bool = False
+    """env.agent_mode=serve: a program took it."""
 
     def known(self, chat: bool) -> str:
         return "".join(s.raw if chat else s.text for s in self.segments)
@@ -105,11 +131,16 @@ class _Episode:
 
 
 class Gateway(GenerationServer):
-    """The live policy at one OpenAI-compatible endpoint per episode (module docstring); loopback only."""
+    """The live policy at one OpenAI-compatible endpoint per episode (module docstring); on loopback, unless
+    env.agent_mode=serve listens elsewhere with a run key of the user's (`lmrl.rollout.agent_work`)."""
 
-    def __init__(self, generator: Generator, tokenizer: Any, name: str = "lmrl-policy"):
-        super().__init__(generator, tokenizer, name, host="127.0.0.1", port=0)
+    def __init__(self, generator: Generator, tokenizer: Any, name: str = "lmrl-policy", host: str = "127.0.0.1",
+                 port: int = 0, run_key: str | None = None, tool_format: str = "auto"):
+        super().__init__(generator, tokenizer, name, host=host, port=port, api_key=run_key, tool_format=tool_format)
         self.RequestHandlerClass = _GatewayHandler
+        # env.agent_mode=serve: programs that run on their own ask for episodes with the run key (`agent_work`)
+        self.run_key, self.work = run_key, WorkQueue()
+        self.public_url: str | None = None  # where programs reach it, when not where it listens (env.agent_url)
         self.episodes: dict[str, _Episode] = {}
         # an in-process client of many episodes (verifiers': one per step) names each in its X-Session-ID header
         self.sessions: dict[str, str] = {}  # session id -> episode id, kept by whoever runs the episodes
@@ -117,7 +148,18 @@ class Gateway(GenerationServer):
         threading.Thread(target=self.serve_forever, name="lmrl-gateway", daemon=True).start()
 
     def episode_url(self, episode_id: str) -> str:
-        return f"{self.url}/episodes/{episode_id}/v1"
+        return f"{self.public_url or self.url}/episodes/{episode_id}/v1"
+
+    def retarget(self, generator: Generator) -> None:
+        """Serve another generator at the same address (env.agent_mode=serve: programs keep their work URL)."""
+        with self.lock:
+            self.generator = generator
+            self.batcher = Batcher(generator, self.lock, max_sequences=self.limits.max_sequences)
+
+    def spec(self, episode_id: str) -> dict[str, Any]:
+        """What a program needs to run an episode: {"index", "base_url", "api_key", "row"}."""
+        e = self.episodes[episode_id]
+        return {"index": e.index, "base_url": self.episode_url(episode_id), "api_key": e.key, "row": dict(e.row)}
 
     def complete(self, episode: _Episode, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         """One model turn of `episode`: the agent's conversation matched to the record, the new part tokenized."""
@@ -144,7 +186,7 @@ class Gateway(GenerationServer):
             rows = self.batcher.generate([context], 1, params)
             ids, logps = rows.tokens[0], rows.logprobs[0]
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
-            choice = _choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools"),
+            choice = turn_choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools") and self.tool_calls,
                              f"call-{episode.index}-{episode.turns}")
             episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw, choice.get("message")))
             episode.turns += 1
@@ -239,6 +281,9 @@ class _GatewayHandler(_Handler):
     route: str
 
     def _authorize(self) -> None:
+        if self.path == WORK:  # env.agent_mode=serve's programs, with the run key
+            self.route = authorize_run(self.server, self.headers)
+            return None
         parts = self.path.split("/", 3)  # "", "episodes", ID, "v1/..."
         if len(parts) == 4 and parts[1] == "episodes" and parts[2] == SESSIONS:
             return self._authorize_session(parts[3])
@@ -271,6 +316,11 @@ class _GatewayHandler(_Handler):
         raise Refused(404, f"no such endpoint: GET {self.route}")
 
     def _post(self) -> dict[str, Any]:
+        if self.route == WORK:  # a long poll: not a request that generates (the batcher does not wait for it)
+            request = json.loads(self._body(self.server.limits.max_body_bytes).read(1 << 62) or b"{}")
+            if not isinstance(request, dict):
+                raise ValueError(f"body: expected a JSON object, got {type(request).__name__}")
+            return hand_out(self.server, request)
         if self.route not in ("/v1/completions", "/v1/chat/completions", "/v1/lmrl/reward"):
             raise Refused(404, f"no such endpoint: POST {self.route}")
         with self.server.batcher.incoming():
@@ -296,19 +346,37 @@ class AgentEnvironment:
         mode: "episode": a run of the command per episode; "batch": one run for all the episodes of a call, each
             episode's URL, key and row in the file LMRL_EPISODES names (module docstring); "persistent": one run
             for the whole run, each call's episodes file named by a line on its stdin. `timeout` is then the call's.
+            "serve": no command; programs of yours ask for episodes (`lmrl.rollout.agent_work`).
+        host, port: where the gateway listens (mode "serve"; otherwise loopback, a free port). Beyond loopback
+            the run key must be yours, in the LMRL_AGENT_KEY environment variable.
+        tool_format: how the model writes tool calls (`lmrl.rollout.chat_turns.FORMATS`, "auto": its template's).
+        work_file: mode "serve": where the work URL and the run key are written (`<output_dir>/agent.json`).
+        url: mode "serve": the gateway as programs reach it (a proxy, a tunnel, the machine's name), for agent.json
+            and the episodes' base URLs; None: where it listens.
     """
 
     field = "env.command"  # what a failed episode's line names
 
-    def __init__(self, command: str, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
-                 cwd: str | None = None, mode: str = "episode"):
-        self.argv = shlex.split(command)
-        if not self.argv:
+    def __init__(self, command: str | None, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
+                 cwd: str | None = None, mode: str = "episode", host: str = "127.0.0.1", port: int = 0,
+                 work_file: str | os.PathLike | None = None, tool_format: str = "auto", url: str | None = None):
+        if mode not in ("episode", "batch", "persistent", "serve"):
+            raise ValueError(f"env.agent_mode: expected 'episode', 'batch', 'persistent' or 'serve', got {mode!r}")
+        self.argv = shlex.split(command or "")
+        if not self.argv and mode != "serve":
             raise ValueError("env.command: empty")
-        if mode not in ("episode", "batch", "persistent"):
-            raise ValueError(f"env.agent_mode: expected 'episode', 'batch' or 'persistent', got {mode!r}")
         self.command, self.timeout, self.on_error, self.cwd = command, timeout, on_error, cwd
-        self.max_parallel, self.mode = max_parallel, mode
+        self.max_parallel, self.mode, self.host, self.port, self.url = max_parallel, mode, host, port, url
+        self.tool_format = tool_format  # the model family's tool calls (`lmrl.rollout.chat_turns`)
+        self.run_key = None
+        if mode == "serve":
+            self.field = "env.agent_mode=serve"
+            self.work_file = Path(work_file or "agent.json")
+            self.run_key = os.environ.get("LMRL_AGENT_KEY") or None
+            if self.run_key is None and not is_loopback(host):
+                raise ConfigError(f"env.agent_host: {host}: listening beyond loopback needs a run key of yours, in the "
+                                  "LMRL_AGENT_KEY environment variable; or listen on 127.0.0.1")
+            self.run_key = self.run_key or "lmrl-run-" + secrets.token_urlsafe(24)
         self._program: subprocess.Popen | None = None  # env.agent_mode=persistent: the run's program
         self._folder: str | None = None
         atexit.register(self.close)
@@ -318,10 +386,16 @@ class AgentEnvironment:
         raise RunError("env.name=agent: its episodes are run by its own program, not step by step")
 
     def gateway(self, generator: Generator, tokenizer: Any) -> Gateway:
+        if self._gateway is not None and self._gateway.generator is not generator and self.mode == "serve":
+            self._gateway.retarget(generator)  # programs keep the work URL they were given
         if self._gateway is None or self._gateway.generator is not generator:
             if self._gateway is not None:
                 self._gateway.shutdown()
-            self._gateway = Gateway(generator, tokenizer)
+            self._gateway = Gateway(generator, tokenizer, host=self.host, port=self.port, run_key=self.run_key,
+                                    tool_format=self.tool_format)
+            self._gateway.public_url = self.url
+            if self.mode == "serve":
+                write_work_file(self.work_file, self.url or self._gateway.url, self.run_key)
         return self._gateway
 
     def run_episodes(self, generator: Generator, tokenizer: Any, prompts: list[list[int]],
@@ -340,7 +414,10 @@ class AgentEnvironment:
         gateway.episodes.update(episodes)
         gateway.batcher.precision = thread_precision()  # the trainer's autocast, as its own rollouts get
         try:
-            {"batch": self._run_batch, "persistent": self._run_persistent}.get(self.mode, self._run)(gateway, episodes)
+            if self.mode == "serve":
+                run_served(gateway, episodes, self.timeout, self.work_file)
+            else:
+                {"batch": self._run_batch, "persistent": self._run_persistent}.get(self.mode, self._run)(gateway, episodes)
         finally:
             for eid in episodes:
                 gateway.episodes.pop(eid, None)
@@ -379,7 +456,7 @@ class AgentEnvironment:
     def _run_batch(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
         """One run of the command for all `episodes` (env.agent_mode=batch), killed at `timeout`."""
         with tempfile.TemporaryDirectory(prefix="lmrl-episodes-") as folder:  # mode 0700: the keys are in it
-            proc = self._start({"LMRL_EPISODES": _episodes_file(gateway, episodes, folder)}, drop=_OPENAI)
+            proc = self._start({"LMRL_EPISODES": episodes_file(gateway, episodes, folder)}, drop=_OPENAI)
             deadline = time.monotonic() + self.timeout
             try:
                 while proc.poll() is None and time.monotonic() < deadline:
@@ -401,7 +478,7 @@ class AgentEnvironment:
                 self._program.stderr_file.close()
             self._folder = self._folder or tempfile.mkdtemp(prefix="lmrl-episodes-")  # mode 0700
             self._program = self._start({}, drop=_OPENAI, stdin=True)
-        proc, path = self._program, _episodes_file(gateway, episodes, self._folder)
+        proc, path = self._program, episodes_file(gateway, episodes, self._folder)
         with contextlib.suppress(OSError):  # an exited program is told below
             proc.stdin.write((path + "\n").encode())
             proc.stdin.flush()
@@ -418,7 +495,11 @@ class AgentEnvironment:
             _fail_unrewarded(episodes, _exit_line("the run's program", proc))
 
     def close(self) -> None:
-        """End the run's program (env.agent_mode=persistent: at the end of its stdin it should end itself)."""
+        """End the run's program (env.agent_mode=persistent: at the end of its stdin it should end itself); with
+        env.agent_mode=serve, tell the programs asking for work that the run is over."""
+        if self.mode == "serve" and self._gateway is not None:
+            end_work(self._gateway, self.work_file)
+            self._gateway = None
         if self._program is not None:
             with contextlib.suppress(OSError):
                 self._program.stdin.close()
@@ -498,16 +579,6 @@ _OPENAI = ("OPENAI_BASE_URL", "OPENAI_API_KEY")
 """Not inherited by a program of several episodes: a client made without arguments must reach no other endpoint."""
 
 
-def _episodes_file(gateway: Gateway, episodes: dict[str, _Episode], folder: str) -> str:
-    """A JSONL file in `folder` (the trainer's user's only: the keys are in it), a line per episode."""
-    path = os.path.join(folder, f"episodes-{secrets.token_hex(6)}.jsonl")
-    with open(path, "w") as f:
-        for eid, e in episodes.items():
-            f.write(json.dumps({"index": e.index, "base_url": gateway.episode_url(eid), "api_key": e.key,
-                                "row": dict(e.row)}, default=str) + "\n")
-    return path
-
-
 def _exit_line(who: str, proc: subprocess.Popen) -> str:
     """`who` exited with status N: the last line of its stderr."""
     stderr = proc.stderr_file
@@ -523,21 +594,14 @@ def _fail_unrewarded(episodes: dict[str, _Episode], why: str | None) -> None:
             e.error = why or "had no reward reported (POST its base_url + /lmrl/reward {\"reward\": x})"
 
 
-def _choice(text: str, ids: list[int], finished: bool, chat: bool, tools: Any, call_id: str) -> dict[str, Any]:
-    """One choice of a completion; a chat turn's tool calls (when the request offered tools) in `tool_calls`."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if finished else "length", "token_ids": ids}
-    if not chat:
-        return choice
-    content, calls = parse_tool_calls(text, call_id) if tools else (text, [])
-    choice["message"] = {"role": "assistant", "content": content}
-    if calls:
-        choice["message"]["tool_calls"] = calls
-        choice["finish_reason"] = "tool_calls" if finished else "length"
-    return choice
-
-
 def _kill(proc: subprocess.Popen) -> None:
     """The program and everything it started (its own session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def close_agents(env: Any) -> None:
+    """At the end of a run: an agent environment's programs hear that it is over (`AgentEnvironment.close`)."""
+    if isinstance(env, AgentEnvironment):
+        env.close()

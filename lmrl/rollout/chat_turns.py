@@ -2,7 +2,18 @@
 sent back rendered so that the model's own turns are exactly the text it sampled.
 
     content, calls = parse_tool_calls(text)           # Hermes / Qwen <tool_call>{"name", "arguments"}</tool_call>
+    fmt = tool_call_format(tokenizer)                 # the family's format, read from its chat template
+    content, calls = parse_tool_calls(text, fmt=fmt, raw=raw)
     text = render_conversation(tokenizer, messages, tools, replies)
+
+The formats (`FORMATS`), as the families' chat templates render a call and their models write one:
+
+    hermes    <tool_call>{"name": "add", "arguments": {...}}</tool_call>, anywhere in the turn (Qwen, Hermes)
+    llama3    {"name": "add", "parameters": {...}} as the whole turn, after an optional <|python_tag|>; several
+              calls separated by ";" (Llama 3.1 - 3.3's JSON tool calling)
+    mistral   [TOOL_CALLS][{"name": "add", "arguments": {...}}, ...] after the turn's content, or
+              [TOOL_CALLS]add[ARGS]{...} (Mistral's newer tokenizers); [TOOL_CALLS] is a special token, so the
+              turn is read with its special tokens kept (`raw`)
 
 A chat template renders an assistant message with `tool_calls` in its own way (`<tool_call>\\n{json}\\n</tool_call>`
 with its own spacing and key order), which need not be how the model wrote it. Rendering the messages and
@@ -21,29 +32,105 @@ from dataclasses import dataclass
 from typing import Any
 
 HERMES = re.compile(r"<tool_call>\s*(?P<json>\{.*?\})\s*</tool_call>", re.DOTALL)
+PYTHON_TAG, TOOL_CALLS, ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+FORMATS = ("hermes", "llama3", "mistral")
+_JSON = json.JSONDecoder()
 
 
-def parse_tool_calls(text: str, call_id: str = "call") -> tuple[str | None, list[dict[str, Any]]]:
+def tool_call_format(tokenizer: Any, given: str = "auto") -> str:
+    """`given`, or where it is "auto" the format the tokenizer's chat template writes calls in (module docstring);
+    hermes when the template shows none."""
+    if given != "auto":
+        if given not in FORMATS:
+            raise ValueError(f"tool_call_format: expected 'auto' or one of {', '.join(FORMATS)}, got {given!r}")
+        return given
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = " ".join(template.values()) if isinstance(template, dict) else str(template)
+    if "<tool_call>" in template:
+        return "hermes"
+    if TOOL_CALLS in template:
+        return "mistral"
+    if '"parameters"' in template or PYTHON_TAG in template:
+        return "llama3"
+    return "hermes"
+
+
+def parse_tool_calls(text: str, call_id: str = "call", fmt: str = "hermes",
+                     raw: str | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a model turn in OpenAI's shape: the text before the first well-formed call (None
     when empty), and each call {"id", "type": "function", "function": {"name", "arguments": a JSON string}}. A
-    turn without a well-formed call is all content, calls []: a malformed call stays text the agent can read."""
-    calls, first = [], None
-    for match in HERMES.finditer(text):
-        try:
-            call = json.loads(match.group("json"))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
+    turn without a well-formed call is all content, calls []: a malformed call stays text the agent can read.
+    `fmt`: one of FORMATS; `raw`: the turn with its special tokens kept (mistral's [TOOL_CALLS] is one)."""
+    if fmt == "llama3":
+        found, first = _llama3(text), 0
+    elif fmt == "mistral":
+        marked = raw if raw is not None and TOOL_CALLS in raw else text
+        found, first = _mistral(marked), marked.find(TOOL_CALLS)
+        text = marked if found else text
+    else:
+        found, first = _hermes(text)
+    calls = []
+    for call in found:
         arguments = call.get("arguments", call.get("parameters", {}))
         arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
         calls.append({"id": f"{call_id}-{len(calls)}", "type": "function",
                       "function": {"name": call["name"], "arguments": arguments}})
-        first = match.start() if first is None else first
     if not calls:
         return text, []
     content = text[:first].strip()
     return content or None, calls
+
+
+def _is_call(call: Any) -> bool:
+    return isinstance(call, dict) and isinstance(call.get("name"), str)
+
+
+def _hermes(text: str) -> tuple[list[dict[str, Any]], int]:
+    """Each well-formed <tool_call>{json}</tool_call>, and where the first of them starts (content ends there)."""
+    calls, first = [], 0
+    for match in HERMES.finditer(text):
+        with contextlib.suppress(json.JSONDecodeError):
+            call = json.loads(match.group("json"))
+            if _is_call(call):
+                first = first if calls else match.start()
+                calls.append(call)
+    return calls, first
+
+
+def _llama3(text: str) -> list[dict[str, Any]]:
+    """The whole turn as JSON calls, "; "-separated, after an optional <|python_tag|>; anything else: none."""
+    rest, calls = text.strip().removeprefix(PYTHON_TAG).strip(), []
+    while rest:
+        try:
+            call, end = _JSON.raw_decode(rest)
+        except json.JSONDecodeError:
+            return []
+        if not _is_call(call) or not ("parameters" in call or "arguments" in call):
+            return []
+        calls.append(call)
+        rest = rest[end:].strip().removeprefix(";").strip()
+    return calls
+
+
+def _mistral(text: str) -> list[dict[str, Any]]:
+    """[TOOL_CALLS][{...}, ...], or [TOOL_CALLS]name[ARGS]{...} (repeated); after it only special tokens."""
+    at = text.find(TOOL_CALLS)
+    if at < 0:
+        return []
+    rest = text[at + len(TOOL_CALLS):].lstrip()
+    try:
+        if rest.startswith("["):
+            calls, _ = _JSON.raw_decode(rest)
+            return calls if isinstance(calls, list) and calls and all(map(_is_call, calls)) else []
+        calls = []
+        for part in rest.split(TOOL_CALLS):
+            name, sep, arguments = part.partition(ARGS)
+            if not sep or not name.strip():
+                return []
+            calls.append({"name": name.strip(), "arguments": _JSON.raw_decode(arguments.strip())[0]})
+        return calls
+    except json.JSONDecodeError:
+        return []
 
 
 @dataclass
@@ -103,3 +190,17 @@ def _calls(calls: Any) -> list[tuple[Any, Any]]:
                 arguments = json.loads(arguments)
         out.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
     return out
+
+
+def turn_choice(text: str, ids: list[int], finished: bool, chat: bool, parse: Any, call_id: str) -> dict[str, Any]:
+    """One choice of a completion; a chat turn's tool calls (`parse`: the gateway's, when the request offered tools)
+    in `tool_calls`."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if finished else "length", "token_ids": ids}
+    if not chat:
+        return choice
+    content, calls = parse(text, ids, call_id) if parse else (text, [])
+    choice["message"] = {"role": "assistant", "content": content}
+    if calls:
+        choice["message"]["tool_calls"] = calls
+        choice["finish_reason"] = "tool_calls" if finished else "length"
+    return choice

@@ -9,7 +9,8 @@
                                  n, stop, seed, logprobs (a number: that many alternatives per token);
                                  each choice also carries its `token_ids`
     POST /v1/chat/completions    OpenAI chat completions: messages rendered with the tokenizer's chat template
-                                 and its `tools`; the model's Hermes / Qwen tool calls come back in `tool_calls`
+                                 and its `tools`; the model's tool calls (its family's format, `chat_turns`) come
+                                 back in `tool_calls`
                                  (logprobs and top_logprobs as OpenAI: alternatives at temperature 1)
                                  (both: `stream: true` answers with server-sent events, `lmrl.rollout.streaming`)
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags;
@@ -54,7 +55,7 @@ from lmrl.models.vision import image_media, image_prompts_of
 from lmrl.models.weights import CheckpointLayout
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
-from lmrl.rollout.chat_turns import parse_tool_calls
+from lmrl.rollout.chat_turns import parse_tool_calls, tool_call_format
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.streaming import Events, stream_events, wants_stream
 
@@ -259,7 +260,7 @@ class GenerationServer(ThreadingHTTPServer):
 
     def __init__(self, generator: Generator, tokenizer: Any, name: str, host: str = "127.0.0.1", port: int = 0,
                  max_prompt_length: int = 4096, api_key: str | None = None, weights_secret: str | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, tool_format: str = "auto"):
         check_exposure(host, api_key)
         super().__init__((host, port), _Handler)
         self.generator, self.tokenizer, self.name = generator, tokenizer, name
@@ -268,6 +269,7 @@ class GenerationServer(ThreadingHTTPServer):
         self.loopback = is_loopback(host)
         self.lock = threading.Lock()  # a generation or a weight load at a time
         self.batcher = Batcher(generator, self.lock, max_sequences=self.limits.max_sequences)
+        self.tool_format = tool_call_format(tokenizer, tool_format)  # the family's tool calls (`chat_turns`)
 
     @property
     def url(self) -> str:
@@ -346,7 +348,7 @@ class GenerationServer(ThreadingHTTPServer):
             reason = "stop" if rows.finished[i] else "length"
             choice: dict[str, Any] = {"index": i, "finish_reason": reason, "token_ids": ids}
             if chat:
-                content, calls = parse_tool_calls(text, f"call-{i}") if body.get("tools") else (text, [])
+                content, calls = self.tool_calls(text, ids, f"call-{i}") if body.get("tools") else (text, [])
                 choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
                 choice["finish_reason"] = "tool_calls" if calls and rows.finished[i] else reason
                 choice["logprobs"] = {"content": [
@@ -365,6 +367,11 @@ class GenerationServer(ThreadingHTTPServer):
                 "model": self.name, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
+
+    def tool_calls(self, text: str, ids: list[int], call_id: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a chat turn in the model family's format (`lmrl.rollout.chat_turns`)."""
+        raw = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tool_format == "mistral" else None
+        return parse_tool_calls(text, call_id, self.tool_format, raw)
 
     def _alternatives(self, prompt: list[int], response: list[int], k: int) -> list[dict[str, float]]:
         """Per response token, its `k` likeliest alternatives as {text: log-prob} ({} each when k is 0), from the

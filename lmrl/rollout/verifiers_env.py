@@ -63,11 +63,12 @@ def load_verifiers_environment(spec: str) -> Any:
     return env
 
 
-def verifiers_environment(env: Any, timeout: float, on_error: str, max_parallel: int) -> VerifiersEnvironment:
+def verifiers_environment(env: Any, timeout: float, on_error: str, max_parallel: int,
+                          tool_format: str = "auto") -> VerifiersEnvironment:
     """`env`, a verifiers Env or `verifiers:MODULE` (what `env.name` says), as lmrl's environment."""
     if isinstance(env, str):
         env = load_verifiers_environment(env)
-    return VerifiersEnvironment(env, timeout, on_error, max_parallel)
+    return VerifiersEnvironment(env, timeout, on_error, max_parallel, tool_format)
 
 
 class VerifiersEnvironment(AgentEnvironment):
@@ -75,11 +76,12 @@ class VerifiersEnvironment(AgentEnvironment):
 
     field = "env.name"
 
-    def __init__(self, env: Any, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32):
+    def __init__(self, env: Any, timeout: float = 120.0, on_error: str = "fail", max_parallel: int = 32,
+                 tool_format: str = "auto"):
         vf = _verifiers()
         if not isinstance(env, vf.Env):
             raise ConfigError(f"env: expected a verifiers Env (verifiers.v1.Env), got {type(env).__name__}")
-        super().__init__("verifiers", timeout, on_error, max_parallel)
+        super().__init__("verifiers", timeout, on_error, max_parallel, tool_format=tool_format)
         self.env, self.vf = env, vf
         if not env.taskset.bounded:
             raise ConfigError(f"env: the verifiers environment's taskset {type(env.taskset).__name__} is endless; "

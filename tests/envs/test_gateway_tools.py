@@ -36,14 +36,16 @@ CALL = '<tool_call>{"arguments": {"a": 2, "b": 3}, "name": "add"}</tool_call>'
 
 
 class Scripted:
-    """A generator that writes the tool call first, then, after a tool response, the answer "5"."""
+    """A generator that writes the tool call first (ended by `end`, default EOS), then, after a tool response (the
+    prompt holds `marker`), the answer "5"."""
 
-    def __init__(self, tok):
-        self.tok, self.pad_token_id = tok, tok.pad_token_id
-        self.turns = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in (CALL, "5")]
+    def __init__(self, tok, call=CALL, marker="<tool_response>", end=None):
+        self.tok, self.pad_token_id, self.marker = tok, tok.pad_token_id, marker
+        ends = (tok.convert_tokens_to_ids(end) if end else tok.eos_token_id, tok.eos_token_id)
+        self.turns = [tok(t, add_special_tokens=False)["input_ids"] + [e] for t, e in zip((call, "5"), ends)]
 
     def generate(self, prompts, n, params):
-        rows = [self.turns["<tool_response>" in self.tok.decode(p)] for p in prompts for _ in range(n)]
+        rows = [self.turns[self.marker in self.tok.decode(p)] for p in prompts for _ in range(n)]
         width, plen = max(map(len, rows)), max(map(len, prompts))
         B = len(rows)
         response = torch.full((B, width), self.pad_token_id)
