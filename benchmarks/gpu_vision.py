@@ -6,7 +6,7 @@ vision tower frozen; the sampler-vs-trainer KL, seconds per step and peak memory
 
 Nothing is downloaded: the model is built from a config (Qwen2.5-VL-3B's widths and depths: a 36-layer decoder of
 width 2048, a 32-block vision tower of width 1280 with window attention) with random weights, a character-level
-tokenizer made here and `lmrl.models.tiny.TinyQwen2VLProcessor` over Pillow's Qwen2-VL image processor (no
+tokenizer made here and `lmrl.models.qwen_vl.QwenVLImageProcessor` over Pillow's Qwen2-VL image processor (no
 torchvision). Random weights say nothing about learning; what this checks at real size is that lmrl's decode and
 training forward agree with images (`val/sampler_kl` near 0) and what a step costs. scripts/gpu_run.sh runs it.
 """
@@ -25,6 +25,7 @@ SHAPES = {  # text: hidden, intermediate, layers, heads, kv heads; vision: hidde
     "3b": dict(text=(2048, 11008, 36, 16, 2), vision=(1280, 3420, 32, 16), full=[7, 15, 23, 31]),
     "tiny": dict(text=(64, 128, 2, 4, 2), vision=(32, 64, 2, 2), full=[1]),
 }
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # an image as Qwen2.5-VL's chat template writes it
 
 
 def build(shape: str):
@@ -33,7 +34,8 @@ def build(shape: str):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from lmrl.models.tiny import TinyQwen2VLProcessor, char_tokenizer
+    from lmrl.models.qwen_vl import QwenVLImageProcessor
+    from lmrl.models.tiny import char_tokenizer
 
     s = SHAPES[shape]
     (hidden, inter, layers, heads, kv), (v_hidden, v_inter, depth, v_heads) = s["text"], s["vision"]
@@ -55,7 +57,7 @@ def build(shape: str):
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
                                       temporal_patch_size=2)
-    return model, TinyQwen2VLProcessor(images, tok)
+    return model, QwenVLImageProcessor(images, tok)
 
 
 def rows(n: int) -> list[dict]:
@@ -65,10 +67,10 @@ def rows(n: int) -> list[dict]:
     out = []
     for i in range(n):
         if i % 2:
-            out.append({"prompt": f"<|image_pad|><|image_pad|> {i}?", "images": [
+            out.append({"prompt": f"{IMAGE}{IMAGE} {i}?", "images": [
                 Image.new("RGB", (112, 56), (9 * i % 255, 90, 9)), Image.new("RGB", (56, 56), (99, 9 * i % 255, 9))]})
         else:
-            out.append({"prompt": f"<|image_pad|> {i}?", "image": Image.new("RGB", (56, 56), (30, 9 * i % 255, 90))})
+            out.append({"prompt": f"{IMAGE} {i}?", "image": Image.new("RGB", (56, 56), (30, 9 * i % 255, 90))})
     return out
 
 

@@ -73,13 +73,11 @@ def _resolved(path: str) -> str:
 def load_processor(cfg: Config) -> Any:
     """The processor of a vision-language policy (model.name_or_path's config has a vision tower), loaded once per
     run and passed down (its tokenizer is the policy's); None for a text policy."""
-    from lmrl.models.vision import is_vision_model
+    from lmrl.models.vision import is_vision_model, load_vision_processor
 
     if not is_vision_model(path := policy_path(cfg)):
         return None
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(path)
+    return load_vision_processor(path)
 
 
 def _is_processor(tokenizer: Any) -> bool:

@@ -168,41 +168,11 @@ def tiny_llava(
     return model.eval(), processor
 
 
-class TinyQwen2VLProcessor:
-    """What `Qwen2VLProcessor` does for images, for `tiny_qwen2_vl`: transformers' own class insists on a video
-    processor, which needs torchvision (not installable beside the CPU torch here). Each image token of the
-    text becomes `<|vision_start|>`, one `<|image_pad|>` per merged patch, `<|vision_end|>`."""
-
-    image_token = "<|image_pad|>"
-
-    def __init__(self, image_processor, tokenizer) -> None:
-        self.image_processor, self.tokenizer = image_processor, tokenizer
-        self.merge = image_processor.merge_size
-
-    def save_pretrained(self, directory, **kwargs) -> None:
-        """Its tokenizer and image processor, as a run saves its model's processor (AutoProcessor does not load
-        them back as one: transformers' Qwen2-VL processor wants its video processor)."""
-        self.tokenizer.save_pretrained(directory, **kwargs)
-        self.image_processor.save_pretrained(directory, **kwargs)
-
-    def __call__(self, text: list[str], images=None, return_tensors: str = "pt", **text_kwargs):
-        from transformers import BatchFeature
-
-        out = {}
-        if images:
-            out = dict(self.image_processor(images=images, return_tensors=return_tensors))
-            counts = iter((out["image_grid_thw"].prod(-1) // self.merge**2).tolist())
-            text = [t.replace(self.image_token, "\0") for t in text]
-            text = ["".join(part if i == 0 else f"<|vision_start|>{self.image_token * next(counts)}<|vision_end|>{part}"
-                            for i, part in enumerate(t.split("\0"))) for t in text]
-        out.update(self.tokenizer(text, return_tensors=return_tensors, padding=True, **text_kwargs))
-        return BatchFeature(out)
-
-
 def tiny_qwen2_vl(hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
     """A randomly initialised Qwen2-VL sized for tests: a one-block vision tower on 8-pixel patches merged 2x2
     (a 32x32 image is 4 image tokens, a 64x32 one 8), M-RoPE sections (2, 3, 3) on a tiny Qwen2 decoder;
-    and a `TinyQwen2VLProcessor` over Pillow's Qwen2-VL image processor and a char tokenizer.
+    and Qwen2-VL's processor for images (`lmrl.models.qwen_vl.QwenVLImageProcessor`: transformers' own needs
+    torchvision) over Pillow's Qwen2-VL image processor and a char tokenizer.
 
     Returns (model, processor).
     """
@@ -229,7 +199,9 @@ def tiny_qwen2_vl(hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
     model = Qwen2VLForConditionalGeneration(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model.eval(), TinyQwen2VLProcessor(images, tokenizer)
+    from lmrl.models.qwen_vl import QwenVLImageProcessor
+
+    return model.eval(), QwenVLImageProcessor(images, tokenizer)
 
 
 def tiny_idefics3(hidden_size: int = 128, num_heads: int = 2, num_layers: int = 2, seed: int = 0):

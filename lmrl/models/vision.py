@@ -99,11 +99,21 @@ def media_token_ids(model: nn.Module) -> list[int]:
 def load_vision_model(name_or_path: str, dtype: torch.dtype | None = None, processor: Any = None) -> tuple[nn.Module, Any]:
     """`AutoModelForImageTextToText` and `AutoProcessor` (unless given) from a directory or hub id; the model in
     eval mode."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = processor or AutoProcessor.from_pretrained(name_or_path)
+    processor = processor or load_vision_processor(name_or_path)
     model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
     return model.eval(), processor
+
+
+def load_vision_processor(name_or_path: str) -> Any:
+    """The model's `AutoProcessor`; for Qwen2-VL / Qwen2.5-VL where transformers' own cannot be built (it needs
+    torchvision), lmrl's stand-in for images (`lmrl.models.qwen_vl`)."""
+    from transformers import AutoConfig
+
+    from lmrl.models.qwen_vl import load_processor
+
+    return load_processor(name_or_path, getattr(AutoConfig.from_pretrained(name_or_path), "model_type", None))
 
 
 def prompt_text(processor: Any, prompt: str | list[dict[str, Any]]) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = "def reward(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
@@ -35,9 +36,9 @@ MULTI_TURN = ("env.name=show.py:Show", "env.max_turns=2", "env.max_tokens=40", "
               "rollout.stop=[a,e,i,o,u,' ',s,t,n,r,l,d,h,c,m,p,g,w,y]")
 
 
-def _dataset(tmp: Path, build=None) -> Path:
+def _dataset(tmp: Path, build=None, image: str = "<image>") -> Path:
     """A saved tiny LLaVA (or what `build` returns) and its processor, and a JSONL whose rows hold one image, two,
-    or none."""
+    or none (each written as `image`)."""
     from PIL import Image
 
     from lmrl.models.tiny import tiny_llava
@@ -50,11 +51,11 @@ def _dataset(tmp: Path, build=None) -> Path:
     for i in range(6):
         Image.new("RGB", (32, 32), (40 * i, 200 - 30 * i, 90)).save(tmp / "imgs" / f"{i}.png")
         if i % 3 == 0:
-            rows.append({"prompt": f"<image> what {i}?", "image": f"imgs/{i}.png"})
+            rows.append({"prompt": f"{image} what {i}?", "image": f"imgs/{i}.png"})
         elif i % 3 == 1:
             rows.append({"prompt": f"no image: {i}+"})
         else:
-            rows.append({"prompt": f"<image><image> which {i}?", "images": [f"imgs/{i}.png", f"imgs/{i - 1}.png"]})
+            rows.append({"prompt": f"{image}{image} which {i}?", "images": [f"imgs/{i}.png", f"imgs/{i - 1}.png"]})
     (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp / "rw.py").write_text(REWARD)
     (tmp / "show.py").write_text(SHOW_ENV)
@@ -232,7 +233,9 @@ def test_a_vision_model_and_its_processor_passed_from_python(tmp_path, kind):
     from lmrl.models.tiny import tiny_llava, tiny_qwen2_vl
 
     model, processor = (tiny_llava if kind == "llava" else tiny_qwen2_vl)(seed=1)
-    token, tower_name = ("<image>", "vision_tower") if kind == "llava" else ("<|image_pad|>", "visual")
+    # an image as each chat template writes it (Qwen's between <|vision_start|> and <|vision_end|>)
+    token, tower_name = (("<image>", "vision_tower") if kind == "llava"
+                         else ("<|vision_start|><|image_pad|><|vision_end|>", "visual"))
     tower = {k: v.clone() for k, v in model.state_dict().items() if tower_name in k}
     assert tower
     rows = [{"prompt": f"{token} what {i}?", "image": Image.new("RGB", (32, 32), (30 * i, 90, 9))} for i in range(3)]
@@ -264,3 +267,22 @@ def test_an_asynchronous_run_samples_images_in_its_generator_process(data):
     before, after = _weights(data / "model"), _weights(data / "async" / "final")
     assert all(torch.equal(before[k], after[k]) for k in before if "vision_tower" in k)
     assert any(not torch.equal(before[k], after[k]) for k in before if "language_model" in k)
+
+
+def test_a_qwen2_vl_directory_trains_through_the_cli_where_its_own_processor_cannot_load(tmp_path):
+    """A saved Qwen2-VL (M-RoPE) through `lmrl train`: transformers' processor for it needs torchvision (absent here),
+    so its processor loads as lmrl's stand-in for images (`lmrl.models.qwen_vl`), which expands each image as
+    transformers' own does; two steps, the sampler within 1e-4 of the trainer, the saved run loads back the same."""
+    from lmrl.models.qwen_vl import QwenVLImageProcessor
+    from lmrl.models.tiny import tiny_qwen2_vl
+    from lmrl.models.vision import load_vision_processor
+
+    data = _dataset(tmp_path, lambda: tiny_qwen2_vl(seed=1), image="<|vision_start|><|image_pad|><|vision_end|>")
+    run = _train(data, "qwen", "train.steps=2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    steps = [h for h in map(json.loads, (data / "qwen" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
+    assert len(steps) == 2 and all(abs(h["val/sampler_kl"]) < 1e-4 for h in steps), steps
+    saved = load_vision_processor(str(data / "qwen" / "final"))
+    assert isinstance(saved, QwenVLImageProcessor)
+    text, image = ["<|vision_start|><|image_pad|><|vision_end|>?"], [Image.new("RGB", (64, 32))]
+    assert saved(text, images=image)["input_ids"].tolist() == tiny_qwen2_vl()[1](text, images=image)["input_ids"].tolist()
