@@ -121,7 +121,7 @@ def serving_generator(cfg: Config) -> Served:
     (`RemoteGenerator`): a vLLM engine given the model's weights (rollout.backend vllm or vllm-server), or lmrl's
     decode over the model (rollout.backend=lmrl)."""
     from lmrl.models.weights import export_weights
-    from lmrl.rollout.server import MAX_FRAME_HEADER
+    from lmrl.rollout.wire import MAX_FRAME_HEADER
 
     m, r = cfg.model, cfg.rollout
     path = policy_path(cfg)

@@ -36,7 +36,7 @@ from lmrl.errors import RunError
 from lmrl.models.vision import image_to_text
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import call_seed, rollout_from_tokens
-from lmrl.rollout.server import frames
+from lmrl.rollout.wire import frames
 
 READY = "lmrl serve: listening on "  # the line `lmrl serve` prints once it answers
 

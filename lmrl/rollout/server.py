@@ -15,7 +15,7 @@
                                  (both: `stream: true` answers with server-sent events, `lmrl.rollout.streaming`)
     POST /lmrl/generate          {"prompts": [[ids]], "n", "params"} -> sampled tokens, log-probs, finished flags;
                                  a vision-language model's prompts add "images": [{"ids", "images": [base64 PNG]}]
-    POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`frames`)
+    POST /lmrl/weights           new weights (header X-Lmrl-Version), streamed one tensor at a time (`lmrl.rollout.wire.frames`)
 
 Concurrent requests that sample alike are batched into one generator call (`lmrl.rollout.batcher`; a seeded
 request runs alone), and weights load between calls,
@@ -36,11 +36,10 @@ import hmac
 import ipaddress
 import json
 import socket
-import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, BinaryIO
@@ -58,88 +57,7 @@ from lmrl.rollout.batcher import Batcher
 from lmrl.rollout.chat_turns import parse_tool_calls, tool_call_format
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.streaming import Events, stream_events, wants_stream
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-MAX_FRAME_HEADER = 1 << 16  # a frame's JSON header: a name, a dtype and a shape
-
-
-# ------------------------------------------------------------------------------ weights on the wire
-def frames(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[bytes]:
-    """(name, tensor) pairs as bytes, one tensor at a time: a 4-byte little-endian header length, the JSON header
-    {"name", "dtype", "shape"}, the raw bytes; a zero length ends the stream."""
-    for name, tensor in weights:
-        tensor = tensor.detach().to("cpu").contiguous()
-        header = json.dumps({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
-                             "shape": list(tensor.shape)}).encode()
-        yield struct.pack("<I", len(header)) + header
-        yield tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-    yield struct.pack("<I", 0)
-
-
-def read_frames(stream: BinaryIO) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of a `frames` stream, each read when asked for."""
-    while True:
-        (size,) = struct.unpack("<I", _exactly(stream, 4))
-        if size == 0:
-            return
-        if size > MAX_FRAME_HEADER:
-            raise ValueError(f"weights: a frame header of {size} bytes (at most {MAX_FRAME_HEADER})")
-        header = json.loads(_exactly(stream, size))
-        if header.get("dtype") not in DTYPES:
-            raise ValueError(f"weights: dtype {str(header.get('dtype'))[:40]!r} is none of {', '.join(DTYPES)}")
-        dtype, shape = DTYPES[header["dtype"]], header.get("shape")
-        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-            raise ValueError(f"weights: shape {str(shape)[:80]} of {str(header.get('name'))[:80]!r} is not a list of sizes")
-        numel = 1
-        for d in shape:
-            numel *= d
-        data = bytearray(_exactly(stream, numel * torch.empty((), dtype=dtype).element_size()))
-        yield header["name"], torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(header["shape"])
-
-
-def _exactly(stream: BinaryIO, size: int) -> bytes:
-    data = stream.read(size)
-    if len(data) != size:
-        raise ValueError(f"weights: the stream ended {size - len(data)} bytes short")
-    return data
-
-
-class TooLarge(ValueError):
-    """A request body over the server's limit (HTTP 413)."""
-
-
-class _Chunked:
-    """A readable view of an HTTP body sent with chunked transfer encoding, cut at `limit` bytes (`TooLarge`)."""
-
-    def __init__(self, raw: BinaryIO, limit: int | None = None):
-        self.raw, self.buffer, self.done, self.limit, self.total = raw, b"", False, limit, 0
-
-    def read(self, size: int) -> bytes:
-        while len(self.buffer) < size and not self.done:
-            length = int(self.raw.readline(64).split(b";")[0].strip() or b"0", 16)
-            if length == 0:
-                self.done = True
-                self.raw.readline(64)
-                break
-            self.total += length
-            if self.limit is not None and self.total > self.limit:  # refused before the chunk is read
-                raise TooLarge(f"body: over this server's limit of {self.limit} bytes")
-            self.buffer += self.raw.read(length)
-            self.raw.readline(64)  # the chunk's CRLF
-        data, self.buffer = self.buffer[:size], self.buffer[size:]
-        return data
-
-
-class _Sized:
-    """A readable view of an HTTP body of Content-Length `length`: reads stop at its end."""
-
-    def __init__(self, raw: BinaryIO, length: int):
-        self.raw, self.left = raw, length
-
-    def read(self, size: int) -> bytes:
-        data = self.raw.read(min(size, self.left))
-        self.left -= len(data)
-        return data
+from lmrl.rollout.wire import Chunked, Sized, TooLarge, read_frames
 
 
 # ------------------------------------------------------------------------------ a generator the server owns
@@ -583,14 +501,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self, limit: int):
         """The request's body as a stream, refused (413) from its Content-Length before a byte of it is read."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            return _Chunked(self.rfile, limit or None)
+            return Chunked(self.rfile, limit or None)
         length = _header_int(self.headers, "Content-Length", 0)
         if length < 0:
             raise Refused(400, f"Content-Length: must be >= 0, got {length}")
         if limit and length > limit:
             raise Refused(413, f"body: {length} bytes, over this server's limit of {limit} bytes "
                           "(lmrl serve --max-body-mb)", "body_too_large")
-        return _Sized(self.rfile, length)
+        return Sized(self.rfile, length)
 
     def _error(self, status: int, message: str, code: str | None = None) -> None:
         kind = "authentication_error" if status in (401, 403) else "invalid_request_error" if status < 500 else "server_error"

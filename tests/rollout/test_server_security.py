@@ -108,7 +108,7 @@ def test_weights_want_their_own_secret(server, tmp_path):
 
     from lmrl.build import policy_path
     from lmrl.models.weights import export_weights
-    from lmrl.rollout.server import frames
+    from lmrl.rollout.wire import frames
 
     stream = b"".join(frames([("model.norm.weight", torch.ones(128))]))
     for secret in (None, "", SECRET + "x"):
