@@ -237,16 +237,19 @@ def test_a_batch_programs_failures_fail_the_episodes_it_left_without_a_reward(po
     assert episodes.metrics["agent/failures"] == 4 and episodes.rewards == [0.0] * 4
 
 
+# a reward function that notes the ids the trainer trains on (in $IDS_LOG), and adds nothing
+IDS_REWARD = ("import json, os\n\n\ndef ids(completions, completion_ids, **_):\n"
+              "    with open(os.environ['IDS_LOG'], 'a') as f:\n"
+              "        f.write(json.dumps(completion_ids) + '\\n')\n"
+              "    return [0.0] * len(completions)\n")
+
+
 @pytest.mark.parametrize("agent_mode, programs", [("batch", 2), ("persistent", 1)])
 def test_lmrl_train_runs_a_batch_agent_once_per_step_or_run_and_trains_on_the_tokens_it_was_served(tmp_path, agent_mode,
                                                                                                   programs):
     from tests.forked import lmrl
 
-    (tmp_path / "ids.py").write_text(  # a reward function that notes the ids the trainer trains on, and adds nothing
-        "import json, os\n\n\ndef ids(completions, completion_ids, **_):\n"
-        "    with open(os.environ['IDS_LOG'], 'a') as f:\n"
-        "        f.write(json.dumps(completion_ids) + '\\n')\n"
-        "    return [0.0] * len(completions)\n")
+    (tmp_path / "ids.py").write_text(IDS_REWARD)
     env = {**os.environ, "AGENT_LOG": str(tmp_path / "agent.jsonl"), "IDS_LOG": str(tmp_path / "ids.jsonl")}
     out = lmrl("train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
                f"env.command={sys.executable} {BATCH_AGENT}", f"env.agent_mode={agent_mode}", "env.timeout=120",

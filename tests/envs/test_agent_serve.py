@@ -20,6 +20,7 @@ from lmrl.rollout.agent import AgentEnvironment
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes
+from tests.envs.test_agent import IDS_REWARD
 
 PULL_AGENT = Path(__file__).with_name("calc_agent_pull.py")
 ROWS = [{"prompt": "47+85+36=", "answer": "168"}, {"prompt": "12+30+41=", "answer": "83"}]
@@ -37,11 +38,7 @@ def wait_for(path: Path, seconds: float = 120) -> dict:
 def test_lmrl_train_hands_its_episodes_to_programs_that_ask_for_work_and_trains_on_the_tokens_they_were_served(tmp_path):
     from tests.forked import lmrl
 
-    (tmp_path / "ids.py").write_text(  # a reward function that notes the ids the trainer trains on, and adds nothing
-        "import json, os\n\n\ndef ids(completions, completion_ids, **_):\n"
-        "    with open(os.environ['IDS_LOG'], 'a') as f:\n"
-        "        f.write(json.dumps(completion_ids) + '\\n')\n"
-        "    return [0.0] * len(completions)\n")
+    (tmp_path / "ids.py").write_text(IDS_REWARD)
     env = {**os.environ, "AGENT_LOG": str(tmp_path / "agent.jsonl"), "IDS_LOG": str(tmp_path / "ids.jsonl")}
     out = {}
     run = threading.Thread(target=lambda: out.update(result=lmrl(
