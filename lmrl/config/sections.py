@@ -56,7 +56,7 @@ class ModelConfig(Section):
     """Apply the tokenizer's chat template to chat-style prompts (None: when prompts are message lists)."""
     tool_call_format: Literal["auto", "hermes", "llama3", "mistral"] = "auto"
     """How the model writes tool calls, parsed into `tool_calls` by `lmrl serve` and the agent gateway: "hermes"
-    (Qwen's <tool_call>{...}</tool_call>), "llama3" (Llama 3's JSON reply), "mistral" ([TOOL_CALLS][...]); "auto"
+    (Qwen's `<tool_call>{...}</tool_call>`), "llama3" (Llama 3's JSON reply), "mistral" (`[TOOL_CALLS][...]`); "auto"
     reads it from the tokenizer's chat template (hermes when it shows none)."""
     dropout: bool = False
     """Keep the dropout the model's config sets (GPT-2, OPT: 0.1) in the trained forward. False: dropout is off in
