@@ -12,7 +12,8 @@ the agent arms `env.name=agent env.agent_mode=batch|persistent reward.functions=
 `openai` client against its own gateway endpoint, the same tool (`<calc>a+b+c</calc>` -> `=sum` and a new line)
 and the same reward (the last line is the sum), reported to the gateway. Held-out accuracy is the task's own check,
 greedy, on --num-eval sums, in every arm. Printed per arm: held-out accuracy at step 0 and at the end, the gain in
-points, the seconds of the run and per step (evaluations included). --record [NAME] (default agent-learning)
+points, the seconds of the run and per step (evaluations included), and the held-out accuracy of the last
+evaluation each arm had done by the time the built-in arm ended (learning "as much in the same time"). --record [NAME] (default agent-learning)
 writes benchmarks/results/NAME.MACHINE.json.
 """
 
@@ -68,16 +69,23 @@ def train(out: Path, steps: int, eval_every: int, num_eval: int, seed: int, *ove
     rows = lmrl_train_rows(out, "model.name_or_path=tiny-calculator", f"train.steps={steps}",
                            f"train.eval_every={eval_every}", f"data.num_eval_prompts={num_eval}", f"train.seed={seed}",
                            "train.threads=1", "train.max_minutes=null", *overrides)
-    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     steps_ = [r for r in rows if "time/step" in r]
+    elapsed = {r["step"]: r["time/elapsed"] for r in rows if "time/elapsed" in r}
+    evals = [(r["step"], r["eval/accuracy"], r.get("time/elapsed", elapsed.get(r["step"], 0.0))) for r in rows
+             if "eval/accuracy" in r]
     return {"evals": evals, "seconds": steps_[-1]["time/elapsed"], "per_step": steps_[-1]["time/elapsed"] / len(steps_),
             "turns": steps_[-1].get("env/turns", float("nan"))}
 
 
-def row(arm: str, run: dict) -> dict:
-    (_, start), (last, end) = run["evals"][0], run["evals"][-1]
+def row(arm: str, run: dict, seconds: float | None = None) -> dict:
+    """The arm's table row; `seconds`: the built-in arm's run, at which its held-out accuracy is also given (its last
+    evaluation done by then), so that "as much in the same time" is read off one column."""
+    (_, start, _), (last, end, _) = run["evals"][0], run["evals"][-1]
+    seconds = run["seconds"] if seconds is None else seconds
+    step, then, _ = [e for e in run["evals"] if e[2] <= seconds + 1e-9][-1]
     return {"arm": arm, "start": 100 * start, "end": 100 * end, "gain": 100 * (end - start), "last_step": last,
-            "seconds": run["seconds"], "per_step": run["per_step"], "turns": run["turns"]}
+            "seconds": run["seconds"], "per_step": run["per_step"], "turns": run["turns"],
+            "at_builtin_time": 100 * then, "step_at_builtin_time": step}
 
 
 def main() -> None:
@@ -101,21 +109,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lmrl-agent-learning-") as tmp:
         for i, (arm, overrides) in enumerate(arms.items()):
             rows.append(row(arm, train(Path(tmp) / str(i), args.steps, args.eval_every, args.num_eval, args.seed,
-                                       *overrides)))
+                                       *overrides), rows[0]["seconds"] if rows else None))
             r = rows[-1]
             print(f"{arm:40s} {r['start']:5.1f}% -> {r['end']:5.1f}% at step {r['last_step']} ({r['gain']:+.1f} points)"
-                  f" in {r['seconds']:.0f} s ({r['per_step']:.2f} s per step, turns {r['turns']:.2f})", flush=True)
+                  f" in {r['seconds']:.0f} s ({r['per_step']:.2f} s per step, turns {r['turns']:.2f}); "
+                  f"{r['at_builtin_time']:.1f}% at step {r['step_at_builtin_time']}, the last evaluation within the "
+                  "built-in arm's time", flush=True)
     if args.record:
         sys.path.insert(0, str(me.parent))
         from recording import Column, record
 
         columns = [Column("arm", "episodes driven by"), Column("start", "held-out accuracy, step 0", "{:.1f}%"),
                    Column("end", "at the end", "{:.1f}%"), Column("gain", "gain (points)", "{:+.1f}"),
+                   Column("at_builtin_time", "within the built-in's time", "{:.1f}%"),
+                   Column("step_at_builtin_time", "(its step)"),
                    Column("seconds", "run", "{:.0f} s"), Column("per_step", "per step", "{:.2f} s"),
                    Column("turns", "turns per episode at the end", "{:.2f}")]
         values = {"gain_difference": f"{max(abs(rows[0]['gain'] - r['gain']) for r in rows[1:]):.1f} points",
                   "time_ratio_batch": f"{rows[1]['seconds'] / rows[0]['seconds']:.2f}x",
-                  "time_ratio_persistent": f"{rows[2]['seconds'] / rows[0]['seconds']:.2f}x"}
+                  "time_ratio_persistent": f"{rows[2]['seconds'] / rows[0]['seconds']:.2f}x",
+                  "same_time_difference": f"{rows[0]['end'] - rows[2]['at_builtin_time']:.1f} points"}
         record(args.record, columns, rows, values=values,
                note=f"The shipped tiny-calculator model and its preset (GRPO, 32 prompts x 8 episodes, one thread), "
                     f"seed {args.seed}, {args.steps} steps per arm, greedy held-out accuracy on {args.num_eval} sums "

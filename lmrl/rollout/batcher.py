@@ -226,7 +226,10 @@ class Batcher:
 
     def _join_loop(self, decoder: Any, flight: list[_Request]) -> None:
         decode: JoiningDecode | None = None
+        step = 0.0  # seconds the last step took
         while True:
+            if decode is not None and len(decode):
+                self._await_incoming(step)
             new = self._admit(None if decode is None or not flight else flight[0].joins(),
                               sum(len(r.prompts) * r.n - len(r.ended) for r in flight))
             if new:
@@ -242,7 +245,10 @@ class Batcher:
                     flight.extend(new)
             if decode is None or not len(decode):
                 return
-            for ended in decode.step():
+            start = time.perf_counter()
+            done = decode.step()
+            step = time.perf_counter() - start
+            for ended in done:
                 request, _ = ended.owner
                 request.ended.append(ended)
                 if len(request.ended) == len(request.prompts) * request.n:
@@ -252,6 +258,15 @@ class Batcher:
                                         [e.finished for e in rows], [e.text for e in rows],
                                         getattr(self.generator, "version", -1))
                     request.done.set()
+
+    def _await_incoming(self, seconds: float) -> None:
+        """Up to `seconds` (a step's time) for the requests being read now (`incoming`): they join this step
+        instead of a later one, on their own prefill (a join costs about a step; on a busy CPU the waiting also
+        gives their handlers the CPU)."""
+        deadline = time.monotonic() + seconds
+        with self._ready:
+            while self._incoming and not self._exclusive and time.monotonic() < deadline:
+                self._ready.wait(max(deadline - time.monotonic(), 0))
 
     def _admit(self, key: Any, in_flight: int) -> list[_Request]:
         """Queued requests that join the decode now: from the head of the queue, while they sample alike (`key`:
