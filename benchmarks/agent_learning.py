@@ -13,7 +13,8 @@ the agent arms `env.name=agent env.agent_mode=batch|persistent reward.functions=
 and the same reward (the last line is the sum), reported to the gateway. Held-out accuracy is the task's own check,
 greedy, on --num-eval sums, in every arm. Printed per arm: held-out accuracy at step 0 and at the end, the gain in
 points, the seconds of the run and per step (evaluations included), and the held-out accuracy of the last
-evaluation each arm had done by the time the built-in arm ended (learning "as much in the same time"). --record [NAME] (default agent-learning)
+evaluation each arm had done by the time the built-in arm ended (learning "as much in the same time"), and the CPU
+seconds of `lmrl train` and of the agent program (all its runs). --record [NAME] (default agent-learning)
 writes benchmarks/results/NAME.MACHINE.json.
 """
 
@@ -23,11 +24,14 @@ import argparse
 import json
 import os
 import re
+import resource
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 CALC = re.compile(r"<calc>([^<>]*)</calc>")
+CPU_FILE = "LMRL_BENCH_AGENT_CPU"  # where the agent program adds its CPU seconds
 
 
 def agent() -> None:
@@ -61,11 +65,17 @@ def agent() -> None:
         for path in [os.environ["LMRL_EPISODES"]] if os.environ.get("LMRL_EPISODES") else sys.stdin:
             with open(path.strip()) as f:
                 list(pool.map(episode, [json.loads(line) for line in f]))
+    if os.environ.get(CPU_FILE):  # this program's CPU seconds, for the table (one line per run of it)
+        with open(os.environ[CPU_FILE], "a") as f:
+            f.write(f"{time.process_time()}\n")
 
 
 def train(out: Path, steps: int, eval_every: int, num_eval: int, seed: int, *overrides: str) -> dict:
     from recording import lmrl_train_rows
 
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ[CPU_FILE] = str(out.parent / f"{out.name}.agent-cpu")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     rows = lmrl_train_rows(out, "model.name_or_path=tiny-calculator", f"train.steps={steps}",
                            f"train.eval_every={eval_every}", f"data.num_eval_prompts={num_eval}", f"train.seed={seed}",
                            "train.threads=1", "train.max_minutes=null", *overrides)
@@ -73,8 +83,11 @@ def train(out: Path, steps: int, eval_every: int, num_eval: int, seed: int, *ove
     elapsed = {r["step"]: r["time/elapsed"] for r in rows if "time/elapsed" in r}
     evals = [(r["step"], r["eval/accuracy"], r.get("time/elapsed", elapsed.get(r["step"], 0.0))) for r in rows
              if "eval/accuracy" in r]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # lmrl train and the agent programs it waited for
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    agent_cpu = sum(float(x) for x in Path(os.environ[CPU_FILE]).read_text().split()) if Path(os.environ[CPU_FILE]).exists() else 0.0
     return {"evals": evals, "seconds": steps_[-1]["time/elapsed"], "per_step": steps_[-1]["time/elapsed"] / len(steps_),
-            "turns": steps_[-1].get("env/turns", float("nan"))}
+            "turns": steps_[-1].get("env/turns", float("nan")), "trainer_cpu": cpu - agent_cpu, "agent_cpu": agent_cpu}
 
 
 def row(arm: str, run: dict, seconds: float | None = None) -> dict:
@@ -85,7 +98,8 @@ def row(arm: str, run: dict, seconds: float | None = None) -> dict:
     step, then, _ = [e for e in run["evals"] if e[2] <= seconds + 1e-9][-1]
     return {"arm": arm, "start": 100 * start, "end": 100 * end, "gain": 100 * (end - start), "last_step": last,
             "seconds": run["seconds"], "per_step": run["per_step"], "turns": run["turns"],
-            "at_builtin_time": 100 * then, "step_at_builtin_time": step}
+            "at_builtin_time": 100 * then, "step_at_builtin_time": step,
+            "trainer_cpu": run.get("trainer_cpu", 0.0), "agent_cpu": run.get("agent_cpu", 0.0)}
 
 
 def main() -> None:
@@ -114,7 +128,8 @@ def main() -> None:
             print(f"{arm:40s} {r['start']:5.1f}% -> {r['end']:5.1f}% at step {r['last_step']} ({r['gain']:+.1f} points)"
                   f" in {r['seconds']:.0f} s ({r['per_step']:.2f} s per step, turns {r['turns']:.2f}); "
                   f"{r['at_builtin_time']:.1f}% at step {r['step_at_builtin_time']}, the last evaluation within the "
-                  "built-in arm's time", flush=True)
+                  f"built-in arm's time; CPU: lmrl train {r['trainer_cpu']:.0f} s, the agent program {r['agent_cpu']:.0f} s",
+                  flush=True)
     if args.record:
         sys.path.insert(0, str(me.parent))
         from recording import Column, record
@@ -124,7 +139,8 @@ def main() -> None:
                    Column("at_builtin_time", "within the built-in's time", "{:.1f}%"),
                    Column("step_at_builtin_time", "(its step)"),
                    Column("seconds", "run", "{:.0f} s"), Column("per_step", "per step", "{:.2f} s"),
-                   Column("turns", "turns per episode at the end", "{:.2f}")]
+                   Column("turns", "turns per episode at the end", "{:.2f}"),
+                   Column("trainer_cpu", "CPU: lmrl train", "{:.0f} s"), Column("agent_cpu", "agent program", "{:.0f} s")]
         values = {"gain_difference": f"{max(abs(rows[0]['gain'] - r['gain']) for r in rows[1:]):.1f} points",
                   "time_ratio_batch": f"{rows[1]['seconds'] / rows[0]['seconds']:.2f}x",
                   "time_ratio_persistent": f"{rows[2]['seconds'] / rows[0]['seconds']:.2f}x",
