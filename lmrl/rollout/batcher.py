@@ -165,10 +165,8 @@ class Batcher:
             with self._ready:
                 while not self._queue or self._exclusive:
                     self._ready.wait()
-                joins = self._joining is not None and self._queue[0].joins() is not None
-            if joins:  # no waiting for the rest of a burst: it joins the decode as it comes
-                self._run_joining()
-                continue
+            # a burst starts together, even where later requests could join: a request that joins a step later
+            # pays a prefill of its own, and on a busy CPU a decode started at once slows the reading of the rest
             deadline, seen = time.monotonic() + self.max_wait, 0
             window = max(self.window, 0.1 * self._last_call)  # waiting costs a tenth of a call; a split, a whole one
             with self._ready:  # the rest of a burst
@@ -176,7 +174,10 @@ class Batcher:
                     seen = len(self._queue)
                     self._ready.wait(min(window, max(deadline - time.monotonic(), 0)) if not self._incoming
                                      else max(deadline - time.monotonic(), 0))
-            self._run(self._take())
+            if self._joining is not None and self._queue[0].joins() is not None:
+                self._run_joining()
+            else:
+                self._run(self._take())
 
     def _take(self) -> list[_Request]:
         """The oldest request and the queued ones that sample alike, within max_sequences."""
