@@ -213,17 +213,18 @@ class Batcher:
         """The queue's joinable requests through one `JoiningDecode` of the lmrl decode, under the lock: requests
         join between steps as they come (`_admit`), each handed back the step its last row ends."""
         decoder, flight = self._joining, []
-        was_training = decoder.model.training
-        decoder.model.eval()
         try:
             with self.lock, self.precision(), torch.inference_mode():
-                self._join_loop(decoder, flight)
+                was_training = decoder.model.training  # under the lock: a weight load may hold the model
+                decoder.model.eval()
+                try:
+                    self._join_loop(decoder, flight)
+                finally:
+                    decoder.model.train(was_training)
         except BaseException as e:  # noqa: BLE001 - a step failed: every request in flight gets the error
             for request in flight:
                 if not request.done.is_set():
                     request.fail(e)
-        finally:
-            decoder.model.train(was_training)
 
     def _join_loop(self, decoder: Any, flight: list[_Request]) -> None:
         decode: JoiningDecode | None = None

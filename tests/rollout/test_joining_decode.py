@@ -130,3 +130,33 @@ def test_seeded_requests_and_models_that_cannot_join_keep_whole_calls(tok):
     rows = batcher.generate([tok.encode("ab")], 2, seeded)
     rollout = hf.generate([tok.encode("ab")], 2, seeded)  # a seeded request is the generator's own call, exactly
     assert rows.tokens == [r[: int(m.sum())] for r, m in zip(rollout.response_ids.tolist(), rollout.response_mask)]
+
+
+def test_a_request_whose_prefill_fails_fails_alone_and_the_decode_goes_on(tok):
+    generator = HFGenerator(tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0), tok, seed=0, eos_token_id=[])
+    batcher = Batcher(generator, threading.Lock())
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    good, answers = tok.encode("ab"), {}
+
+    def ask(name: str, prompt: list[int]) -> None:
+        try:
+            answers[name] = batcher.generate([prompt], 1, params)
+        except (IndexError, RuntimeError) as e:
+            answers[name] = e
+
+    def send_bad(*_):  # while the good request decodes, a prompt with a token id past the vocabulary joins
+        if "bad" not in answers and not batcher._queue:
+            threading.Thread(target=ask, args=("bad", [10**6])).start()
+            while not batcher._queue and "bad" not in answers:
+                threading.Event().wait(0.001)
+
+    handle = generator.model.lm_head.register_forward_hook(send_bad)
+    try:
+        ask("good", good)
+    finally:
+        handle.remove()
+    while "bad" not in answers:
+        threading.Event().wait(0.001)
+    assert isinstance(answers["bad"], (IndexError, RuntimeError))
+    assert answers["good"].tokens[0] == alone(generator, good, 6)[0]
+    assert batcher.generate([good], 1, params).tokens[0] == answers["good"].tokens[0]  # the batcher still serves
