@@ -7,17 +7,18 @@ copied into the running cache, and from then on they step with the rest. Used on
 unseeded requests (an agent's, an OpenAI client's); a training batch, always seeded, goes through `generate` as
 before, on its own decode paths.
 
-How rows of different ages share one cache: every step writes one column for all rows (`_PreallocatedLayer`). A
-row's prompt sits right before the column its first token will take, left-padded like a prompt of `generate`, and
-its attention mask covers its own prompt and every column from there on; what lies left of it (older rows'
-columns) is masked. Positions are each row's own, so a row decodes what it decodes alone (test: greedy, the same
-tokens and log-probs within 1e-5 in float32). At a join the cache is rebuilt once: columns no live row reads
-are dropped, room is made on the left for a prompt longer than what is there, and the capacity is what the rows
-in flight may still write. A finished row leaves the batch at once (its cache rows dropped).
+How rows of different ages share one cache (`_JoinLayer`): every step writes one column for all rows, each row in a
+slot of its own. A joining row's prompt sits right before the column its first token will take, left-padded like a
+prompt of `generate`, and its attention mask covers its own prompt and every column from there on; what lies left
+of it (older rows' columns, a slot's earlier tenant) is masked. Positions are each row's own, so a row decodes what
+it decodes alone (test: greedy, the same tokens and log-probs within 1e-5 in float32). A row that ends leaves at
+once, its slot taken by the last row (only that row's keys move). The cache is rebuilt (copied once, the columns no
+row reads dropped) only when the slots, the room left of the next column (a longer prompt) or the columns right of
+it (a longer max_new) run out, with a quarter more of each (`SLACK`).
 
-The steps run the model's own forward (transformers' attention over the cache), not `SharedPromptDecoder`'s
-shared-prompt kernels, whose rows advance together: on the shipped model a step of 32 rows costs about 1.5x the
-shared-prompt one (`python benchmarks/serve_concurrency.py` measures both ends). Only full-attention models
+Steps of Llama / Qwen2 models run module by module (`_LeanStep`), others the model's own forward; neither is
+`SharedPromptDecoder`'s shared-prompt kernels, whose rows advance together, so one large request alone decodes
+somewhat slower here than as one `generate` call. Only full-attention models with the sdpa or eager kernel
 (`joinable`); others keep the batcher's whole-call behaviour.
 """
 
@@ -40,6 +41,9 @@ from lmrl.rollout.shared_prompt_decoder import _Linear, _rms_norm
 # Decode steps of Llama / Qwen2 models module by module (`_LeanStep`) instead of the model's forward; off: the
 # model's forward for every model (the tests run both).
 LEAN_STEPS = True
+# Room a rebuilt cache keeps beyond what the rows in flight need, as a fraction of it: more slots, more columns
+# left of the next one (a longer prompt's) and right of it (a longer max_new's).
+SLACK = 0.25
 
 
 def joinable(generator: Any) -> HFGenerator | None:
@@ -184,12 +188,13 @@ class JoiningDecode:
 
     def _rebuild(self, rows: int, width: int, remaining: int, like: torch.Tensor) -> None:
         """New buffers with room for `rows` rows, a prompt of `width` columns left of the next column and `remaining`
-        columns right of it, each twice over (so that the next joins fit); the live columns of the rows in flight
-        are copied, the ones no row reads dropped."""
+        columns right of it, each with a quarter more (`SLACK`) so that the next joins fit without a rebuild; the live
+        columns of the rows in flight are copied, the ones no row reads dropped. A rebuild copies the cache once,
+        as a whole call's compaction does; the slack keeps the memory near a whole call's (rows x columns)."""
         b, lo = len(self.rows), min((row.start for row in self.rows), default=self.columns)
         live = self.columns - lo
-        columns = max(live, 2 * width)
-        capacity, slots = columns + 2 * remaining, 2 * rows
+        columns = max(live, width + int(SLACK * width))
+        capacity, slots = columns + remaining + int(SLACK * remaining), rows + max(int(SLACK * rows), 4)
         mask = torch.zeros(slots, capacity, dtype=torch.bool, device=like.device)
         layers = []
         for i in range(self.g._num_layers):
