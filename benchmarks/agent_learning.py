@@ -13,7 +13,9 @@ file (`--pull RUN/agent.json`, started beside the run) asks the gateway for work
 `openai` client against its own gateway endpoint, the same tool (`<calc>a+b+c</calc>` -> `=sum` and a new line)
 and the same reward (the last line is the sum), reported to the gateway. Held-out accuracy is the task's own check,
 greedy, on --num-eval sums, in every arm. Printed per arm: held-out accuracy at step 0 and at the end, the gain in
-points, the seconds of the run and per step (evaluations included). --record [NAME] (default agent-learning)
+points, the seconds of the run and per step (evaluations included), and the held-out accuracy of the last
+evaluation each arm had done by the time the built-in arm ended (learning "as much in the same time"), and the CPU
+seconds of `lmrl train` and of the agent program (all its runs). --record [NAME] (default agent-learning)
 writes benchmarks/results/NAME.MACHINE.json.
 """
 
@@ -23,12 +25,15 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 CALC = re.compile(r"<calc>([^<>]*)</calc>")
+CPU_FILE = "LMRL_BENCH_AGENT_CPU"  # where the agent program adds its CPU seconds
 
 
 def episode_runner():
@@ -68,6 +73,9 @@ def agent() -> None:
         for path in [os.environ["LMRL_EPISODES"]] if os.environ.get("LMRL_EPISODES") else sys.stdin:
             with open(path.strip()) as f:
                 list(pool.map(episode, [json.loads(line) for line in f]))
+    if os.environ.get(CPU_FILE):  # this program's CPU seconds, for the table (one line per run of it)
+        with open(os.environ[CPU_FILE], "a") as f:
+            f.write(f"{time.process_time()}\n")
 
 
 def pull(work_file: Path) -> None:
@@ -88,29 +96,45 @@ def pull(work_file: Path) -> None:
             try:
                 answer = boss.post("/lmrl/work", body={"max": 256, "wait": 30}, cast_to=object)
             except APIConnectionError:  # the run is over
-                return
+                break
             for spec in answer["episodes"]:
                 pool.submit(episode, spec)
             if answer["done"]:
-                return
+                break
+    with open(os.environ[CPU_FILE], "a") as f:  # this program's CPU seconds, for the table
+        f.write(f"{time.process_time()}\n")
 
 
 def train(out: Path, steps: int, eval_every: int, num_eval: int, seed: int, *overrides: str) -> dict:
     from recording import lmrl_train_rows
 
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ[CPU_FILE] = str(out.parent / f"{out.name}.agent-cpu")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     rows = lmrl_train_rows(out, "model.name_or_path=tiny-calculator", f"train.steps={steps}",
                            f"train.eval_every={eval_every}", f"data.num_eval_prompts={num_eval}", f"train.seed={seed}",
                            "train.threads=1", "train.max_minutes=null", *overrides)
-    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     steps_ = [r for r in rows if "time/step" in r]
+    elapsed = {r["step"]: r["time/elapsed"] for r in rows if "time/elapsed" in r}
+    evals = [(r["step"], r["eval/accuracy"], r.get("time/elapsed", elapsed.get(r["step"], 0.0))) for r in rows
+             if "eval/accuracy" in r]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # lmrl train and the agent programs it waited for
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    agent_cpu = sum(float(x) for x in Path(os.environ[CPU_FILE]).read_text().split()) if Path(os.environ[CPU_FILE]).exists() else 0.0
     return {"evals": evals, "seconds": steps_[-1]["time/elapsed"], "per_step": steps_[-1]["time/elapsed"] / len(steps_),
-            "turns": steps_[-1].get("env/turns", float("nan"))}
+            "turns": steps_[-1].get("env/turns", float("nan")), "trainer_cpu": cpu - agent_cpu, "agent_cpu": agent_cpu}
 
 
-def row(arm: str, run: dict) -> dict:
-    (_, start), (last, end) = run["evals"][0], run["evals"][-1]
+def row(arm: str, run: dict, seconds: float | None = None) -> dict:
+    """The arm's table row; `seconds`: the built-in arm's run, at which its held-out accuracy is also given (its last
+    evaluation done by then), so that "as much in the same time" is read off one column."""
+    (_, start, _), (last, end, _) = run["evals"][0], run["evals"][-1]
+    seconds = run["seconds"] if seconds is None else seconds
+    step, then, _ = [e for e in run["evals"] if e[2] <= seconds + 1e-9][-1]
     return {"arm": arm, "start": 100 * start, "end": 100 * end, "gain": 100 * (end - start), "last_step": last,
-            "seconds": run["seconds"], "per_step": run["per_step"], "turns": run["turns"]}
+            "seconds": run["seconds"], "per_step": run["per_step"], "turns": run["turns"],
+            "at_builtin_time": 100 * then, "step_at_builtin_time": step,
+            "trainer_cpu": run.get("trainer_cpu", 0.0), "agent_cpu": run.get("agent_cpu", 0.0)}
 
 
 def main() -> None:
@@ -137,27 +161,37 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lmrl-agent-learning-") as tmp:
         for i, (arm, overrides) in enumerate(arms.items()):
             serve = "env.agent_mode=serve" in overrides  # its program runs beside the run, started here
+            os.environ[CPU_FILE] = str(Path(tmp) / f"{i}.agent-cpu")  # (as train sets it) for the program started here
             puller = subprocess.Popen([sys.executable, str(me), "--pull", str(Path(tmp) / str(i) / "agent.json")]
                                       ) if serve else None
-            rows.append(row(arm, train(Path(tmp) / str(i), args.steps, args.eval_every, args.num_eval, args.seed,
-                                       *overrides)))
-            if puller is not None:
+            run = train(Path(tmp) / str(i), args.steps, args.eval_every, args.num_eval, args.seed, *overrides)
+            if puller is not None:  # not lmrl train's child: its CPU, written as it ends, was not in train's
                 puller.wait(60)
+                run["trainer_cpu"] += run["agent_cpu"]  # what train took off, had the program ended before it
+                run["agent_cpu"] = float(Path(os.environ[CPU_FILE]).read_text())
+            rows.append(row(arm, run, rows[0]["seconds"] if rows else None))
             r = rows[-1]
             print(f"{arm:40s} {r['start']:5.1f}% -> {r['end']:5.1f}% at step {r['last_step']} ({r['gain']:+.1f} points)"
-                  f" in {r['seconds']:.0f} s ({r['per_step']:.2f} s per step, turns {r['turns']:.2f})", flush=True)
+                  f" in {r['seconds']:.0f} s ({r['per_step']:.2f} s per step, turns {r['turns']:.2f}); "
+                  f"{r['at_builtin_time']:.1f}% at step {r['step_at_builtin_time']}, the last evaluation within the "
+                  f"built-in arm's time; CPU: lmrl train {r['trainer_cpu']:.0f} s, the agent program {r['agent_cpu']:.0f} s",
+                  flush=True)
     if args.record:
         sys.path.insert(0, str(me.parent))
         from recording import Column, record
 
         columns = [Column("arm", "episodes driven by"), Column("start", "held-out accuracy, step 0", "{:.1f}%"),
                    Column("end", "at the end", "{:.1f}%"), Column("gain", "gain (points)", "{:+.1f}"),
+                   Column("at_builtin_time", "within the built-in's time", "{:.1f}%"),
+                   Column("step_at_builtin_time", "(its step)"),
                    Column("seconds", "run", "{:.0f} s"), Column("per_step", "per step", "{:.2f} s"),
-                   Column("turns", "turns per episode at the end", "{:.2f}")]
+                   Column("turns", "turns per episode at the end", "{:.2f}"),
+                   Column("trainer_cpu", "CPU: lmrl train", "{:.0f} s"), Column("agent_cpu", "agent program", "{:.0f} s")]
         values = {"gain_difference": f"{max(abs(rows[0]['gain'] - r['gain']) for r in rows[1:]):.1f} points",
                   "time_ratio_batch": f"{rows[1]['seconds'] / rows[0]['seconds']:.2f}x",
                   "time_ratio_persistent": f"{rows[2]['seconds'] / rows[0]['seconds']:.2f}x",
-                  "time_ratio_serve": f"{rows[3]['seconds'] / rows[0]['seconds']:.2f}x"}
+                  "time_ratio_serve": f"{rows[3]['seconds'] / rows[0]['seconds']:.2f}x",
+                  "same_time_difference": f"{rows[0]['end'] - rows[2]['at_builtin_time']:.1f} points"}
         record(args.record, columns, rows, values=values,
                note=f"The shipped tiny-calculator model and its preset (GRPO, 32 prompts x 8 episodes, one thread), "
                     f"seed {args.seed}, {args.steps} steps per arm, greedy held-out accuracy on {args.num_eval} sums "

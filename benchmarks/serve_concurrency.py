@@ -10,7 +10,8 @@ this process sending /v1/completions with http.client, a new connection each (--
 client, one for all threads, its connections kept alive), a barrier releasing them together, greedy, on a prompt
 the model answers at length (every row decodes --max-tokens tokens). The two are measured in turn --repeats
 times. Printed: the median wall time of each, and their ratio (1.0: concurrent requests cost what one batched
-request costs). --record [NAME] (default serve-concurrency) merges the row of this backend and client into
+request costs); and the CPU time of each turn (mean) in the client process (this one: the clients' Python) and in the
+server's, which say where the difference goes. --record [NAME] (default serve-concurrency) merges the row of this backend and client into
 benchmarks/results/NAME.MACHINE.json.
 """
 
@@ -102,19 +103,30 @@ def main() -> None:
         send(port, {**one, "n": args.k})  # warm up both paths
         concurrent(port, {**one, "n": 1}, args.k, send)
         batched, separate = [], []
+        cpu = {"batched_client": 0.0, "batched_server": 0.0, "concurrent_client": 0.0, "concurrent_server": 0.0}
         for _ in range(args.repeats):
+            client, server_ = time.process_time(), cpu_seconds(server.pid)
             start = time.perf_counter()
             send(port, {**one, "n": args.k})
             batched.append(time.perf_counter() - start)
+            cpu["batched_client"] += time.process_time() - client
+            cpu["batched_server"] += cpu_seconds(server.pid) - server_
+            client, server_ = time.process_time(), cpu_seconds(server.pid)
             separate.append(concurrent(port, {**one, "n": 1}, args.k, send))
+            cpu["concurrent_client"] += time.process_time() - client
+            cpu["concurrent_server"] += cpu_seconds(server.pid) - server_
         row = {"backend": args.backend, "client": args.client, "k": args.k, "max_tokens": args.max_tokens,
-               "batched": statistics.median(batched), "concurrent": statistics.median(separate)}
+               "batched": statistics.median(batched), "concurrent": statistics.median(separate),
+               **{key: seconds / args.repeats for key, seconds in cpu.items()}}
         row["ratio"] = row["concurrent"] / row["batched"]
         row["setup"] = f"{args.backend}, {args.client}"
         print(f"backend={args.backend} client={args.client} k={args.k} max_tokens={args.max_tokens}")
         print(f"one request, n={args.k}:           {row['batched']:.3f} s (median of {args.repeats})")
         print(f"{args.k} concurrent requests, n=1: {row['concurrent']:.3f} s")
         print(f"ratio: {row['ratio']:.2f}x")
+        print(f"CPU per turn (mean), client / server: one request {1000 * row['batched_client']:.0f} / "
+              f"{1000 * row['batched_server']:.0f} ms, {args.k} requests {1000 * row['concurrent_client']:.0f} / "
+              f"{1000 * row['concurrent_server']:.0f} ms")
         if args.record:
             save(args.record, row, args.repeats, args.threads)
     finally:
@@ -122,14 +134,26 @@ def main() -> None:
         server.wait(60)
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process (all its threads) has used, from /proc (in clock ticks: 10 ms steps)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def save(name: str, row: dict, repeats: int, threads: int) -> None:
     from recording import Column, record
 
     columns = [Column("backend", "server"), Column("client"), Column("k", "clients / n"),
                Column("max_tokens", "tokens each"), Column("batched", "one request, n=k", "{:.3f} s"),
-               Column("concurrent", "k concurrent requests, n=1", "{:.3f} s"), Column("ratio", "ratio", "{:.2f}x")]
+               Column("concurrent", "k concurrent requests, n=1", "{:.3f} s"), Column("ratio", "ratio", "{:.2f}x"),
+               Column("batched_client", "CPU, one request: client", "{:.3f} s"),
+               Column("batched_server", "server", "{:.3f} s"),
+               Column("concurrent_client", "CPU, k requests: client", "{:.3f} s"),
+               Column("concurrent_server", "server", "{:.3f} s")]
     record(name, columns, [row], merge_on="setup",
-           note=f"The shipped model, greedy; the median of {repeats} turns of each, the server on OMP_NUM_THREADS={threads}; "
+           note=f"The shipped model, greedy; the median of {repeats} turns of each (CPU times: their mean), the server on "
+                f"OMP_NUM_THREADS={threads}; "
                 "http: a new connection per request (http.client); openai: the official client, connections kept alive.")
 
 

@@ -388,7 +388,11 @@ def test_agent_learning_benchmark_rows_read_as_the_agents_page_shows_them():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from agent_learning import row
 
-    run = {"evals": [(0, 0.336), (10, 0.9), (40, 1.0)], "seconds": 93.2, "per_step": 2.33, "turns": 1.96}
+    run = {"evals": [(0, 0.336, 0.0), (10, 0.9, 20.0), (40, 1.0, 93.2)], "seconds": 93.2, "per_step": 2.33, "turns": 1.96}
     out = row("built-in", run)
     assert out.pop("gain") == pytest.approx(66.4) and out == {
-        "arm": "built-in", "start": 33.6, "end": 100.0, "last_step": 40, "seconds": 93.2, "per_step": 2.33, "turns": 1.96}
+        "arm": "built-in", "start": 33.6, "end": 100.0, "last_step": 40, "seconds": 93.2, "per_step": 2.33, "turns": 1.96,
+        "at_builtin_time": 100.0, "step_at_builtin_time": 40, "trainer_cpu": 0.0, "agent_cpu": 0.0}
+    # a slower arm: its accuracy at the built-in arm's 93.2 s is that of its last evaluation done by then (step 10)
+    slower = row("agent", {**run, "evals": [(0, 0.3, 0.0), (10, 0.8, 60.0), (20, 0.95, 120.0)], "seconds": 150.0}, 93.2)
+    assert (slower["at_builtin_time"], slower["step_at_builtin_time"], slower["end"]) == (80.0, 10, 95.0)

@@ -239,7 +239,7 @@ class GenerationServer(ThreadingHTTPServer):
                 "finished": rollout.finished.tolist(), "version": version}
 
     def load_weights(self, stream: BinaryIO, version: int) -> dict[str, Any]:
-        with self.lock:
+        with self.batcher.exclusive():
             self.generator.load_weights(read_frames(stream), version)
         return self.health()
 
@@ -300,7 +300,7 @@ class GenerationServer(ThreadingHTTPServer):
         if not hasattr(self.generator, "top_logprobs"):
             raise ValueError(f"top_logprobs: this server's generator ({type(self.generator).__name__}) does not "
                              "give alternatives; ask for logprobs without them")
-        with self.lock:
+        with self.batcher.exclusive():
             top = self.generator.top_logprobs(prompt, response, k)
         return [{self.tokenizer.decode([t]): lp for t, lp in position} for position in top]
 
