@@ -12,8 +12,8 @@ The agent calls `/v1/completions` (the prompt so far, as text) or `/v1/chat/comp
 far) and ends by reporting the episode's reward: `POST {OPENAI_BASE_URL}/lmrl/reward {"reward": 1.0}` with its
 key (`client.post("/lmrl/reward", body={"reward": 1.0}, cast_to=object)`), then exits 0.
 
-The gateway (`Gateway`) serves the live policy, requests of all episodes batched into shared generator calls
-(`lmrl.rollout.batcher`), and records per episode exactly the token ids it sampled and their log-probs. When
+The gateway (`Gateway`) serves the live policy, requests of all episodes batched together (`lmrl.rollout.batcher`:
+with lmrl's decode a request joins the running decode at its next step), and records per episode exactly the token ids it sampled and their log-probs. When
 the agent sends the conversation so far, the gateway matches it against the episode's own record (the prompt,
 the sampled tokens, the observations it already tokenized) and tokenizes only what is new: tool results, user
 turns, a chat template's markup. The model's output is never tokenized again. Where the agent changed the

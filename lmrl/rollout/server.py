@@ -229,8 +229,9 @@ class GenerationServer(ThreadingHTTPServer):
 
     def _generate_with_images(self, prompts: list[list[int]], n: int, params: SamplingParams,
                               images: list[Any]) -> dict[str, Any]:
-        """A request with images runs alone (the batcher merges token-id requests), with the server's lock."""
-        with self.lock:
+        """A request with images runs alone (the batcher merges token-id requests), between the batcher's calls (a
+        joining decode takes no more rows meanwhile) and with its precision."""
+        with self.batcher.exclusive(), self.batcher.precision():
             version = getattr(self.generator, "version", -1)
             rollout = self.generator.generate(prompts, n, params, images=images)
         lengths = rollout.response_mask.sum(1).tolist()

@@ -262,8 +262,10 @@ class Slow(Recording):
 
 
 def test_after_a_long_call_a_burst_spread_over_more_than_the_minimum_window_is_still_one_call():
-    generator = Slow(0.5)
-    batcher = Batcher(generator, threading.Lock())  # window 1 ms; after a 0.5 s call, a tenth of it: 50 ms
+    # window 1 ms; after a 1 s call, a tenth of it: 100 ms, ten times the gaps below (a loaded CPU once stretched
+    # them past the 50 ms of a 0.5 s call)
+    generator = Slow(1.0)
+    batcher = Batcher(generator, threading.Lock())
     batcher.generate([[1]], 1, SamplingParams())
     with ThreadPoolExecutor(4) as pool:
         futures = []
