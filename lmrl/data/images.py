@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmrl.models.vision import open_image  # noqa: F401  (here since rows were first to open images)
+from lmrl.models.image_files import open_image  # noqa: F401  (here since rows were first to open images)
 
 IMAGE_COLUMNS = ("image", "images")
 

@@ -19,13 +19,14 @@ then pass each row's next text position, the same on every axis.
 from __future__ import annotations
 
 import io
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from lmrl.models.image_files import image_to_text, open_image  # noqa: F401  (lmrl.models.vision names them too)
 
 Media = dict[str, torch.Tensor]
 """One prompt's processor outputs besides its token ids, e.g. {"pixel_values": [images, 3, H, W]}."""
@@ -33,32 +34,6 @@ Media = dict[str, torch.Tensor]
 # per-token outputs: aligned with the token ids, padded with them, never concatenated as a bundle
 _TOWERS = ("vision_tower", "visual", "vision_model")  # LLaVA, Gemma 3 / Qwen2-VL, 2.5-VL / Idefics3, SmolVLM
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-
-
-def open_image(value: Any):
-    """The PIL image a value holds (a path, bytes, a PIL image or a `datasets` Image's `{"bytes", "path"}`), loaded:
-    a row's images and an environment's observation images alike."""
-    from PIL import Image
-
-    if isinstance(value, Image.Image):
-        return value
-    if isinstance(value, Mapping):
-        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        image = Image.open(io.BytesIO(value))
-    else:
-        image = Image.open(os.fspath(value))
-    image.load()
-    return image
-
-
-def image_to_text(image: Any) -> str:
-    """An image as base64 PNG text, lossless: how a prompt's images travel in a JSON request (`lmrl serve`)."""
-    import base64
-
-    buffer = io.BytesIO()
-    open_image(image).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def image_from_text(text: Any, max_pixels: int, label: str = "image") -> Any:
