@@ -6,7 +6,7 @@ through the recording gateway.
 
 The environment's taskset gives the prompts (one dataset row per task: its system prompt and prompt as chat
 messages), its own rollout (`Env.run_episode`: the harness, verifiers' interception server, the task's tools)
-runs against the gateway's per-episode endpoint (`lmrl.rollout.agent.Gateway`), so the tokens trained on are
+runs against the gateway's per-episode endpoint (`lmrl.rollout.gateway.Gateway`), so the tokens trained on are
 exactly the tokens sampled, and its rubric scores the episode: the reward is the weighted sum of the task's
 `@vf.reward` functions (verifiers' `Trace.reward`), each function's score logged as `verifiers/<name>`.
 
@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmrl.errors import ConfigError
-from lmrl.rollout.agent import SESSIONS, AgentEnvironment, Gateway, _Episode
+from lmrl.rollout.agent import AgentEnvironment
 from lmrl.rollout.base import Generator, SamplingParams
+from lmrl.rollout.gateway import SESSIONS, Gateway, _Episode
 from lmrl.rollout.multiturn import Episodes
 from lmrl.user_code import load_function
 

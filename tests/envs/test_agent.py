@@ -95,7 +95,7 @@ def test_a_command_that_cannot_start_is_one_line(policy, tmp_path):
 def test_a_key_reaches_only_its_own_episode(policy):
     import httpx
 
-    from lmrl.rollout.agent import Gateway, _Episode, _Segment
+    from lmrl.rollout.gateway import Gateway, _Episode, _Segment
 
     gen, tok = policy
     gateway = Gateway(gen, tok)

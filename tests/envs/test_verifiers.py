@@ -208,8 +208,8 @@ def test_a_failed_verifiers_episode_is_one_line_or_a_counted_failure(chat_policy
 def test_the_session_route_takes_only_the_gateways_session_key_and_a_live_session(chat_policy):
     import httpx
 
-    from lmrl.rollout.agent import SESSIONS, Gateway, _Episode, _Segment
     from lmrl.rollout.base import SamplingParams
+    from lmrl.rollout.gateway import SESSIONS, Gateway, _Episode, _Segment
 
     gen, tok = chat_policy
     gateway = Gateway(gen, tok)
