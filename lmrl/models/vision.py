@@ -184,15 +184,8 @@ def batch_media(bundles: Sequence[Media | None], device: torch.device | str | No
     for key in present[0]:
         parts = [b[key] for b in present]
         shape = [max(sizes) for sizes in zip(*(p.shape[1:] for p in parts))]
-        parts = [p if list(p.shape[1:]) == shape else _zero_padded(p, shape) for p in parts]
+        parts = [_zero_padded_to(p, [p.shape[0], *shape]) for p in parts]
         out[key] = torch.cat(parts) if device is None else torch.cat(parts).to(device)
-    return out
-
-
-def _zero_padded(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """`x` (`[N, *rest]`) in a zero tensor of shape `[N, *shape]`, at the start of every dimension."""
-    out = x.new_zeros((x.shape[0], *shape))
-    out[(slice(None), *(slice(0, n) for n in x.shape[1:]))] = x
     return out
 
 
@@ -221,6 +214,7 @@ _PER_PROMPT_RANK = {"pixel_values": 5, "pixel_attention_mask": 4}
 
 
 def _zero_padded_to(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """`x` in a zero tensor of `shape`, at the start of every dimension (`x` itself where it has that shape)."""
     if list(x.shape) == shape:
         return x
     out = x.new_zeros(shape)
