@@ -277,10 +277,12 @@ class AgentEnvironment:
         ids, logps, trained, texts, finished, rewards, turns = [], [], [], [], [], [], []
         for e in ordered:
             segs = e.segments[1:] if e.error is None else []
+            texts.append("".join(s.text for s in segs))
+            while segs and not segs[-1].trained:  # text after the last model turn conditions nothing trained on:
+                segs = segs[:-1]  # (a tool result the run's budget refused a turn after) it would only widen the batch
             ids.append([t for s in segs for t in s.ids])
             logps.append([lp for s in segs for lp in s.logps])
             trained.append([s.trained for s in segs for _ in s.ids])
-            texts.append("".join(s.text for s in segs))
             finished.append(bool(e.finished) and e.error is None)
             rewards.append(e.reward if e.error is None else 0.0)
             turns.append(e.turns)

@@ -116,6 +116,23 @@ def test_a_key_reaches_only_its_own_episode(policy):
         gateway.shutdown()
 
 
+def test_a_tool_result_after_the_last_model_turn_is_not_in_the_batch(policy):
+    """The agent's last text was refused a turn (its budget): it conditions nothing trained on, so the batch is as
+    wide as the episodes' model turns and the tool results between them, as the built-in environment's budget cut."""
+    from lmrl.rollout.gateway import _Episode, _Segment
+
+    gen, _ = policy
+    prompt = _Segment([5, 6], [0.0, 0.0], False, "47", "47")
+    turn = lambda ids: _Segment(ids, [-0.5] * len(ids), True, "t", "t")  # noqa: E731
+    result = lambda ids: _Segment(ids, [0.0] * len(ids), False, "=9\n", "=9\n")  # noqa: E731
+    cut = _Episode(0, "a", ROWS[0], [prompt, turn([7, 8]), result([9] * 30)], SamplingParams(), 2, 8, reward=0.0)
+    whole = _Episode(1, "b", ROWS[0], [prompt, turn([7]), result([9, 9]), turn([8, 2])], SamplingParams(), 2, 8, reward=1.0)
+    r = AgentEnvironment("true")._episodes([cut, whole], [[5, 6]], 2, gen).rollout
+    assert r.response_ids.shape[1] == 5  # not the 32 of the refused tool result
+    assert r.response_ids[0, :2].tolist() == [7, 8] and not r.response_attention[0, 2:].any()
+    assert r.response_ids[1].tolist() == [7, 9, 9, 8, 2] and r.response_mask[1].tolist() == [True, False, False, True, True]
+    assert r.texts[0] == "t=9\n"  # what the episode showed stays in its text
+
 
 def test_lmrl_train_runs_on_an_agent_written_elsewhere_and_resumes(tmp_path):
     from tests.forked import lmrl
