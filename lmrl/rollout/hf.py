@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from lmrl.models.shared_prompt import full_attention
 from lmrl.models.vision import Media, batch_media, media_token_ids, mrope_positions
 from lmrl.rollout.base import Rollout, SamplingParams
-from lmrl.rollout.ops import cut_at_stop
+from lmrl.rollout.ops import cut_at_stop, decode_batch
 from lmrl.rollout.shared_prompt_decoder import SharedPromptDecoder
 from lmrl.rollout.static_decode import MASKED_KERNELS, StaticDecoder, decode_path
 
@@ -451,7 +451,7 @@ class HFGenerator:
         ids = [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]
         texts = [
             cut_at_stop(text, params.stop)
-            for text in self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            for text in decode_batch(self.tokenizer, ids, skip_special_tokens=True)
         ]
         return Rollout(
             prompt_ids=prompt_ids.index_select(0, prompt_index),
@@ -489,7 +489,7 @@ class _StopChecker:
             history.append(tokens[j])
             tails.append(history[-self.window :])
         hit = torch.zeros(done.shape, dtype=torch.bool)
-        for j, text in zip(live, self.tokenizer.batch_decode(tails, skip_special_tokens=False)):
+        for j, text in zip(live, decode_batch(self.tokenizer, tails)):
             if any(s in text for s in self.stop):
                 hit[j] = True
         return hit.to(done.device)

@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from lmrl.models.shared_prompt import apply_rotary, bypassable, decoder_stack
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator, _PreallocatedLayer, _sample, _StopChecker
-from lmrl.rollout.ops import cut_at_stop
+from lmrl.rollout.ops import cut_at_stop, decode_batch
 from lmrl.rollout.shared_prompt_decoder import _Linear, _rms_norm
 
 # Decode steps of Llama / Qwen2 models module by module (`_LeanStep`) instead of the model's forward; off: the
@@ -258,10 +258,11 @@ class JoiningDecode:
             row.tokens.append(t)
             row.logprobs.append(lp)
             if end or len(row.tokens) >= row.max_new:
-                text = cut_at_stop(g.tokenizer.decode(row.tokens, skip_special_tokens=True), self.params.stop)
-                out.append(Ended(row.owner, row.tokens, row.logprobs, bool(end), text))
+                out.append(Ended(row.owner, row.tokens, row.logprobs, bool(end), ""))
             else:
                 keep.append(i)
+        for e, text in zip(out, decode_batch(g.tokenizer, [e.tokens for e in out], skip_special_tokens=True)):
+            e.text = cut_at_stop(text, self.params.stop)
         if not keep:
             self.rows, self.logits, self.position = [], None, None
             return out

@@ -413,6 +413,9 @@ class _Handler(BaseHTTPRequestHandler):
     # TCP_NODELAY: an answer is two writes (headers, body); with Nagle's algorithm the body waits for the client's
     # delayed ACK of the headers, 40 ms on Linux, on every request of a kept-alive connection (the openai client's)
     disable_nagle_algorithm = True
+    # an answer's headers and body leave in one send (http.server flushes after each request): one packet, where
+    # two writes cost a system call and a wake-up of the client more per request
+    wbufsize = 1 << 16
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: a trainer's console
         pass
