@@ -392,7 +392,10 @@ def test_agent_learning_benchmark_rows_read_as_the_agents_page_shows_them():
     out = row("built-in", run)
     assert out.pop("gain") == pytest.approx(66.4) and out == {
         "arm": "built-in", "start": 33.6, "end": 100.0, "last_step": 40, "seconds": 93.2, "per_step": 2.33, "turns": 1.96,
-        "at_builtin_time": 100.0, "step_at_builtin_time": 40, "trainer_cpu": 0.0, "agent_cpu": 0.0}
-    # a slower arm: its accuracy at the built-in arm's 93.2 s is that of its last evaluation done by then (step 10)
+        "at_builtin_time": 100.0, "step_at_builtin_time": 40, "at_quarter_time": 90.0, "step_at_quarter_time": 10,
+        "trainer_cpu": 0.0, "agent_cpu": 0.0}
+    # a slower arm: its accuracy by the built-in arm's 93.2 s of training is that of its last evaluation done by then
+    # (step 10), and by a quarter of it (23.3 s) its step-0 one
     slower = row("agent", {**run, "evals": [(0, 0.3, 0.0), (10, 0.8, 60.0), (20, 0.95, 120.0)], "seconds": 150.0}, 93.2)
     assert (slower["at_builtin_time"], slower["step_at_builtin_time"], slower["end"]) == (80.0, 10, 95.0)
+    assert (slower["at_quarter_time"], slower["step_at_quarter_time"]) == (30.0, 0)
