@@ -60,10 +60,16 @@ def episode_runner():
             if call is None or turn == 1:
                 break
             text += "=" + tool(call.group(1)) + "\n"
-        reward = float(text.rsplit("\n", 1)[-1].strip() == spec["row"]["answer"])
+        reward = answer_reward(text, spec["row"])
         client.post("/lmrl/reward", body={"reward": reward}, cast_to=object)
 
     return episode
+
+
+def answer_reward(text: str, row: dict) -> float:
+    """The task's own reward: the completion's last line (after the prompt: an answer given without the tool is on
+    the prompt's line) is the sum."""
+    return float(text[len(row["prompt"]):].rsplit("\n", 1)[-1].strip() == row["answer"])
 
 
 def tool(expression: str) -> str:
@@ -105,7 +111,7 @@ def stdlib_episode_runner():
             if call is None or turn == 1:
                 break
             text += "=" + tool(call.group(1)) + "\n"
-        reward = float(text.rsplit("\n", 1)[-1].strip() == spec["row"]["answer"])
+        reward = answer_reward(text, spec["row"])
         post(spec["base_url"] + "/lmrl/reward", spec["api_key"], {"reward": reward})
 
     return episode
@@ -256,7 +262,7 @@ def main() -> None:
                   "time_ratio_stdlib": f"{rows[1]['per_step'] / base['per_step']:.2f}x",
                   "time_ratio_openai": f"{rows[2]['per_step'] / base['per_step']:.2f}x",
                   "time_ratio_serve": f"{rows[3]['per_step'] / base['per_step']:.2f}x",
-                  "same_time_difference": f"{max(base['at_builtin_time'] - r['at_builtin_time'] for r in rows[1:]):.1f} points",
+                  "same_time_difference": f"{max(abs(base['at_builtin_time'] - r['at_builtin_time']) for r in rows[1:]):.1f} points",
                   "quarter_time_difference_stdlib": f"{base['at_quarter_time'] - rows[1]['at_quarter_time']:.1f} points",
                   "quarter_time_difference_openai":
                       f"{max(base['at_quarter_time'] - r['at_quarter_time'] for r in rows[2:]):.1f} points"}
