@@ -8,7 +8,9 @@ dataset row's length before a model loads.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,13 +30,26 @@ def _is_messages(prompt: Any) -> bool:
     )
 
 
+_ADDS_BOS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer puts BOS in front of a text when asked to add special tokens."""
+    """Whether the tokenizer puts BOS in front of a text when asked to add special tokens (asked once per tokenizer
+    and BOS: a server encodes each request's prompt)."""
     bos = tokenizer.bos_token_id
     if bos is None:
         return False
+    try:
+        known = _ADDS_BOS.get(tokenizer)
+    except TypeError:  # a tokenizer that cannot be weakly referenced: asked every time
+        known = None
+    if known is not None and known[0] == bos:
+        return known[1]
     probe = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return len(probe) > 0 and probe[0] == bos
+    adds = len(probe) > 0 and probe[0] == bos
+    with contextlib.suppress(TypeError):
+        _ADDS_BOS[tokenizer] = (bos, adds)
+    return adds
 
 
 def encode_prompts(

@@ -57,7 +57,7 @@ from lmrl.rollout.batcher import Batcher
 from lmrl.rollout.chat_turns import parse_tool_calls, tool_call_format
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.streaming import Events, stream_events, wants_stream
-from lmrl.rollout.wire import Chunked, Sized, TooLarge, read_frames
+from lmrl.rollout.wire import Chunked, Sized, TooLarge, read_frames, read_head
 
 
 # ------------------------------------------------------------------------------ a generator the server owns
@@ -419,6 +419,29 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: a trainer's console
         pass
+
+    def parse_request(self) -> bool:
+        """The request line and headers (`lmrl.rollout.wire.read_head`); False: answered already (one line)."""
+        self.command, self.request_version, self.close_connection = None, "HTTP/0.9", True
+        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        if not self.requestline.strip():
+            return False
+        head = read_head(self.rfile, self.raw_requestline)
+        if len(head) == 2:
+            self.request_version = "HTTP/1.1"  # the answer's status line
+            self._error(*head)
+            return False
+        self.command, self.path, self.request_version, self.headers = head
+        connection = self.headers.get("Connection", "").lower()
+        self.close_connection = connection == "close" or (self.request_version == "HTTP/1.0" and connection != "keep-alive")
+        if self.headers.get("Expect", "").lower() == "100-continue" and self.request_version == "HTTP/1.1":
+            return self.handle_expect_100()
+        return True
+
+    def handle_expect_100(self) -> bool:
+        ok = super().handle_expect_100()
+        self.wfile.flush()  # the interim answer now, not with the final one (the writer is buffered: `wbufsize`)
+        return ok
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         self._serve(self._get)

@@ -1,6 +1,6 @@
-"""What the generation server (`lmrl.rollout.server`) reads and writes besides JSON: weights streamed one tensor
-at a time (`frames`, `read_frames`), and request bodies read no further than their length or the server's limit
-(`Sized`, `Chunked`, `TooLarge`)."""
+"""What the generation server (`lmrl.rollout.server`) reads and writes besides JSON: a request's head (`read_head`),
+weights streamed one tensor at a time (`frames`, `read_frames`), and request bodies read no further than their length
+or the server's limit (`Sized`, `Chunked`, `TooLarge`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,38 @@ from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 import torch
+
+MAX_HEADERS = 100
+MAX_LINE = 1 << 16
+
+
+class Headers(dict):
+    """A request's headers by lower-cased name (the first of repeated ones): `get` as http.server's message's."""
+
+    def get(self, name: str, default=None):  # noqa: ANN001 - a header's value or whatever the caller gives
+        return super().get(name.lower(), default)
+
+
+def read_head(rfile: BinaryIO, request_line: bytes) -> tuple[str, str, str, Headers] | tuple[int, str]:
+    """(method, path, version, headers) of an HTTP/1.0 or 1.1 request whose first line was `request_line`, the headers
+    read from `rfile` up to the blank line; or (status, one line) for a request that is none. Read by hand: http.server
+    runs the email package's parser over each request's headers, a fair part of a small request's cost."""
+    words = str(request_line, "iso-8859-1").rstrip("\r\n").split()
+    if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        return 400, f"bad request line: {' '.join(words)[:80]!r} (METHOD PATH HTTP/1.1)"
+    headers = Headers()
+    for _ in range(MAX_HEADERS + 1):
+        line = rfile.readline(MAX_LINE + 1)
+        if len(line) > MAX_LINE:
+            return 431, f"a header line over {MAX_LINE} bytes"
+        if line in (b"\r\n", b"\n", b""):
+            return words[0], words[1], words[2], headers
+        name, colon, value = str(line, "iso-8859-1").partition(":")
+        if not colon or not name.strip() or name != name.strip():
+            return 400, f"bad header line: {line[:60]!r}"
+        headers.setdefault(name.lower(), value.strip())
+    return 431, f"more than {MAX_HEADERS} headers"
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MAX_FRAME_HEADER = 1 << 16  # a frame's JSON header: a name, a dtype and a shape

@@ -169,6 +169,38 @@ def test_a_huge_body_is_refused_before_it_is_read(server):
     still_serves(server)
 
 
+@pytest.mark.parametrize("head,status,words", [
+    (b"GARBAGE\r\n\r\n", 400, "bad request line: 'GARBAGE' (METHOD PATH HTTP/1.1)"),
+    (b"GET /health HTTP/2.0\r\n\r\n", 400, "bad request line"),
+    (b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n", 400, "bad header line: b'no colon here\\r\\n'"),
+    (b"GET /health HTTP/1.1\r\nX-Long: " + b"y" * (1 << 16) + b"\r\n\r\n", 431, "a header line over 65536 bytes"),
+    (b"GET /health HTTP/1.1\r\n" + b"X-A: 1\r\n" * 101 + b"\r\n", 431, "more than 100 headers"),
+], ids=["request line", "HTTP/2", "header without a colon", "header too long", "too many headers"])
+def test_a_malformed_request_head_is_one_line_and_the_server_goes_on(server, head, status, words):
+    parts = urlsplit(server)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as s:
+        s.sendall(head)
+        answer_head, _, body = _read_answer(s)
+    assert answer_head.startswith(f"HTTP/1.1 {status}".encode()) and b"Connection: close" in answer_head, answer_head
+    assert json.loads(body)["error"]["message"].startswith(words), body
+    still_serves(server)
+
+
+def test_a_client_that_expects_100_continue_gets_it_before_it_sends_the_body(server):
+    """curl asks so for a body over 1 KB, and waits a second for the interim answer before sending anyway."""
+    parts = urlsplit(server)
+    body = json.dumps({"prompt": "1+1=", "max_tokens": 2, "pad": "x" * 2000}).encode()
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+        s.settimeout(0.5)  # the interim answer comes at once, not with the final one
+        assert s.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.settimeout(10)
+        s.sendall(body)
+        head, _, answer = _read_answer(s)
+    assert head.startswith(b"HTTP/1.1 200") and len(json.loads(answer)["choices"]) == 1, head
+
+
 def _read_answer(s: socket.socket) -> tuple[bytes, bytes, bytes]:
     data = b""
     while b"\r\n\r\n" not in data:
