@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmrl.models.prompt_encoding import encode_text
 from lmrl.rollout.agent_work import WORK, WorkQueue, authorize_run, hand_out
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
@@ -182,13 +183,13 @@ class Gateway(GenerationServer):
             episode.segments, known = kept, text[:at]
         new = text[len(known):]
         if new:
-            ids = self.tokenizer(new, add_special_tokens=False)["input_ids"]
+            ids = encode_text(self.tokenizer, new)
             episode.segments.append(_Segment(ids, [0.0] * len(ids), False, new, new))
 
     def _rebase(self, episode: _Episode, text: str) -> None:
         """The episode's prompt becomes the agent's first chat request as rendered (the row's messages with the
         tools it offers, a system prompt of its own): prompts are attended, never trained on."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = encode_text(self.tokenizer, text)
         episode.segments = [_Segment(ids, [0.0] * len(ids), False, self._decode(ids, False), text)]
 
     def _end(self, ids: list[int]) -> str:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from lmrl.errors import RunError
+from lmrl.models.prompt_encoding import encode_text
 from lmrl.models.vision import ImagePrompt, Media, encode_with_media, image_token, join_media, open_image
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 
@@ -243,7 +244,7 @@ class _EpisodeMedia:
         if token is not None and text.count(token) != len(images):
             raise RunError(f"env: a step's observation holds {text.count(token)} image placeholder(s) ({token}) for "
                            f"{len(images)} image(s) in Step.images")
-        plain = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        plain = encode_text(tokenizer, text) if text else []
         if not images:
             return text, plain, (None, plain, []) if self.on else None
         opened = [open_image(v).convert("RGB") for v in images]

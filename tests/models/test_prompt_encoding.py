@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import processors
 
-from lmrl.models.prompt_encoding import encode_prompts
-from lmrl.models.tiny import char_tokenizer
+from lmrl.models.prompt_encoding import encode_prompts, encode_text
+from lmrl.models.tiny import bpe_chat_tokenizer, char_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -37,6 +37,17 @@ def test_bos_added_only_when_tokenizer_adds_it_and_never_eos():
     )
     assert encode_prompts(tok, ["ab"], max_prompt_length=8) == [[1, a, b]]
     assert encode_prompts(tok, ["<s>ab"], max_prompt_length=8) == [[1, a, b]]  # no double BOS
+
+
+def test_encode_text_is_the_tokenizers_own_call_and_takes_the_rust_path_only_where_that_is_the_same():
+    bpe = bpe_chat_tokenizer(["hello world, how are you?", "the sum is 42", "<calc>1+2</calc>"] * 20, vocab_size=300)
+    for tok, texts in ((char_tokenizer(), ["12+3=", "1 + 2 =", "\n\n=5\n", ""]),
+                       (bpe, ["12+3=", " hello  world ", "<|im_start|>user\nhi<|im_end|>", "é漢字 🙂", "\n\n", ""])):
+        for text in texts:
+            assert encode_text(tok, text) == tok(text, add_special_tokens=False)["input_ids"], text
+    bpe._tokenizer.enable_truncation(3)  # set on the Rust tokenizer: transformers' call turns it off, a direct one not
+    ids = encode_text(bpe, "hello world, how are you?")
+    assert len(ids) > 3 and ids == bpe("hello world, how are you?", add_special_tokens=False)["input_ids"]
 
 
 def test_chat_prompts_use_template():
