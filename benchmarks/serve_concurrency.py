@@ -10,8 +10,10 @@ this process sending /v1/completions with http.client, a new connection each (--
 client, one for all threads, its connections kept alive), a barrier releasing them together, greedy, on a prompt
 the model answers at length (every row decodes --max-tokens tokens). The two are measured in turn --repeats
 times. Printed: the median wall time of each, and their ratio (1.0: concurrent requests cost what one batched
-request costs); and the CPU time of each turn (mean) in the client process (this one: the clients' Python) and in the
-server's, which say where the difference goes. --record [NAME] (default serve-concurrency) merges the row of this backend and client into
+request costs); the CPU time of each turn (mean) in the client process (this one: the clients' Python) and in the
+server's, which say where the difference goes; and the same k concurrent requests against a server that answers each
+at once with a canned completion (asyncio, in a process of its own): the clients' own time, which no server can take
+off. --record [NAME] (default serve-concurrency) merges the row of this backend and client into
 benchmarks/results/NAME.MACHINE.json.
 """
 
@@ -55,6 +57,48 @@ def openai_post(port: int):
         return client.completions.create(model="lmrl", **body).model_dump()
 
     return post_
+
+
+# A server that answers every completion at once with a canned one (asyncio, in its own process): the clients' own
+# cost, which no server can take off the concurrent requests' time.
+INSTANT = r"""
+import asyncio, json, sys
+body = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "lmrl", "choices": [
+    {"index": 0, "text": "9" * int(sys.argv[1]), "finish_reason": "length", "logprobs": None,
+     "token_ids": [5] * int(sys.argv[1])}], "usage": {"prompt_tokens": 12, "completion_tokens": 32,
+     "total_tokens": 44}}).encode()
+async def answer(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+async def main():
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, backlog=256)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def clients_alone(k: int, max_tokens: int, repeats: int, client: str) -> float:
+    """The median time of k concurrent requests against a server that answers at once (`INSTANT`)."""
+    server = subprocess.Popen([sys.executable, "-c", INSTANT, str(max_tokens)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        send = post if client == "http" else openai_post(port)
+        body = {"prompt": "99+99+99+99=", "max_tokens": max_tokens, "temperature": 0.0, "n": 1}
+        concurrent(port, body, k, send)
+        return statistics.median(concurrent(port, body, k, send) for _ in range(repeats))
+    finally:
+        server.kill()
+        server.wait()
 
 
 def concurrent(port: int, body: dict, k: int, send=post) -> float:
@@ -119,11 +163,13 @@ def main() -> None:
                "batched": statistics.median(batched), "concurrent": statistics.median(separate),
                **{key: seconds / args.repeats for key, seconds in cpu.items()}}
         row["ratio"] = row["concurrent"] / row["batched"]
+        row["clients_alone"] = clients_alone(args.k, args.max_tokens, args.repeats, args.client)
         row["setup"] = f"{args.backend}, {args.client}"
         print(f"backend={args.backend} client={args.client} k={args.k} max_tokens={args.max_tokens}")
         print(f"one request, n={args.k}:           {row['batched']:.3f} s (median of {args.repeats})")
         print(f"{args.k} concurrent requests, n=1: {row['concurrent']:.3f} s")
         print(f"ratio: {row['ratio']:.2f}x")
+        print(f"the {args.k} concurrent requests against a server that answers at once: {row['clients_alone']:.3f} s")
         print(f"CPU per turn (mean), client / server: one request {1000 * row['batched_client']:.0f} / "
               f"{1000 * row['batched_server']:.0f} ms, {args.k} requests {1000 * row['concurrent_client']:.0f} / "
               f"{1000 * row['concurrent_server']:.0f} ms")
@@ -147,6 +193,7 @@ def save(name: str, row: dict, repeats: int, threads: int) -> None:
     columns = [Column("backend", "server"), Column("client"), Column("k", "clients / n"),
                Column("max_tokens", "tokens each"), Column("batched", "one request, n=k", "{:.3f} s"),
                Column("concurrent", "k concurrent requests, n=1", "{:.3f} s"), Column("ratio", "ratio", "{:.2f}x"),
+               Column("clients_alone", "the same against a server that answers at once", "{:.3f} s"),
                Column("batched_client", "CPU, one request: client", "{:.3f} s"),
                Column("batched_server", "server", "{:.3f} s"),
                Column("concurrent_client", "CPU, k requests: client", "{:.3f} s"),
