@@ -201,7 +201,8 @@ def save(name: str, row: dict, repeats: int, threads: int) -> None:
     record(name, columns, [row], merge_on="setup",
            note=f"The shipped model, greedy; the median of {repeats} turns of each (CPU times: their mean), the server on "
                 f"OMP_NUM_THREADS={threads}; "
-                "http: a new connection per request (http.client); openai: the official client, connections kept alive.")
+                "http: a new connection per request (http.client); openai: the official client, connections kept alive; "
+                "the clients' own time: the same requests against an asyncio server that answers each at once.")
 
 
 if __name__ == "__main__":
