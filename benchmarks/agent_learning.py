@@ -49,21 +49,32 @@ def episode_runner():
 
     def episode(spec: dict) -> None:
         client = shared.with_options(base_url=spec["base_url"], api_key=spec["api_key"])
-        text = spec["row"]["prompt"]
-        for turn in range(2):
+
+        def complete(text: str) -> str | None:
             try:
-                said = client.completions.create(model="policy", prompt=text, stop=["</calc>"]).choices[0].text
+                return client.completions.create(model="policy", prompt=text, stop=["</calc>"]).choices[0].text
             except BadRequestError:  # the episode's tokens are spent (a long error line): it ends, as the built-in's
-                break
-            text += said
-            call = CALC.search(said)
-            if call is None or turn == 1:
-                break
-            text += "=" + tool(call.group(1)) + "\n"
-        reward = answer_reward(text, spec["row"])
-        client.post("/lmrl/reward", body={"reward": reward}, cast_to=object)
+                return None
+
+        play(spec["row"], complete, lambda reward: client.post("/lmrl/reward", body={"reward": reward}, cast_to=object))
 
     return episode
+
+
+def play(row: dict, complete, report) -> None:  # noqa: ANN001 - the client's calls
+    """One episode of the calculator task: the model's turn is `complete(text so far)` (None: the episode's tokens
+    are spent), the tool's result is appended after a call, and the reward goes to `report`."""
+    text = row["prompt"]
+    for turn in range(2):
+        said = complete(text)
+        if said is None:
+            break
+        text += said
+        call = CALC.search(said)
+        if call is None or turn == 1:
+            break
+        text += "=" + tool(call.group(1)) + "\n"
+    report(answer_reward(text, row))
 
 
 def answer_reward(text: str, row: dict) -> float:
@@ -99,20 +110,13 @@ def stdlib_episode_runner():
         return answer.status, json.loads(answer.read())
 
     def episode(spec: dict) -> None:
-        text = spec["row"]["prompt"]
-        for turn in range(2):
+        def complete(text: str) -> str | None:
             status, answer = post(spec["base_url"] + "/completions", spec["api_key"],
                                   {"model": "policy", "prompt": text, "stop": ["</calc>"]})
-            if status != 200:  # the episode's tokens are spent: it ends, as the built-in's
-                break
-            said = answer["choices"][0]["text"]
-            text += said
-            call = CALC.search(said)
-            if call is None or turn == 1:
-                break
-            text += "=" + tool(call.group(1)) + "\n"
-        reward = answer_reward(text, spec["row"])
-        post(spec["base_url"] + "/lmrl/reward", spec["api_key"], {"reward": reward})
+            return answer["choices"][0]["text"] if status == 200 else None  # not 200: the episode's tokens are spent
+
+        play(spec["row"], complete, lambda reward: post(spec["base_url"] + "/lmrl/reward", spec["api_key"],
+                                                        {"reward": reward}))
 
     return episode
 
