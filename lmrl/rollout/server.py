@@ -410,12 +410,11 @@ class _Handler(BaseHTTPRequestHandler):
     server: GenerationServer
     protocol_version = "HTTP/1.1"
     timeout = 300  # seconds a connection may sit silent (a client that opens one and sends nothing holds a thread)
-    # TCP_NODELAY: an answer is two writes (headers, body); with Nagle's algorithm the body waits for the client's
-    # delayed ACK of the headers, 40 ms on Linux, on every request of a kept-alive connection (the openai client's)
-    disable_nagle_algorithm = True
-    # an answer's headers and body leave in one send (http.server flushes after each request): one packet, where
-    # two writes cost a system call and a wake-up of the client more per request
+    # an answer's headers and body leave in one send (http.server flushes after each request), where two writes cost
+    # a system call and a wake-up of the client more per request; TCP_NODELAY for an answer over the buffer: with
+    # Nagle's algorithm its second write waits for the client's delayed ACK, 40 ms on Linux
     wbufsize = 1 << 16
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: a trainer's console
         pass
