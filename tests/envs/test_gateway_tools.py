@@ -35,6 +35,11 @@ TOOLS_TEMPLATE = (
 CALL = '<tool_call>{"arguments": {"a": 2, "b": 3}, "name": "add"}</tool_call>'
 
 
+# a chat request offering the `add` tool (the scripted model calls it)
+ADD_REQUEST = dict(model="policy", messages=[{"role": "user", "content": "What is 2+3?"}], max_tokens=40,
+                   tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])
+
+
 class Scripted:
     """A generator that writes the tool call first (ended by `end`, default EOS), then, after a tool response (the
     prompt holds `marker`), the answer "5"."""
@@ -134,17 +139,15 @@ def test_lmrl_serve_renders_tools_and_answers_with_tool_calls_streamed_or_not(to
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        request = dict(model="policy", messages=[{"role": "user", "content": "What is 2+3?"}], tools=[
-            {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}], max_tokens=40)
-        choice = client.chat.completions.create(**request).choices[0]
+        choice = client.chat.completions.create(**ADD_REQUEST).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         [call] = choice.message.tool_calls
         assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
-        chunks = list(client.chat.completions.create(stream=True, **request))
+        chunks = list(client.chat.completions.create(stream=True, **ADD_REQUEST))
         calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
         assert [(c.function.name, c.function.arguments) for c in calls] == [("add", call.function.arguments)]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        plain = client.chat.completions.create(**{**request, "tools": None}).choices[0]  # no tools: all text
+        plain = client.chat.completions.create(**{**ADD_REQUEST, "tools": None}).choices[0]  # no tools: all text
         assert plain.message.content == CALL and plain.message.tool_calls is None and plain.finish_reason == "stop"
     finally:
         server.shutdown()

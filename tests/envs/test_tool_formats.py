@@ -15,7 +15,7 @@ from lmrl.rollout.agent import AgentEnvironment
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.chat_turns import parse_tool_calls, tool_call_format
 from lmrl.rollout.multiturn import generate_episodes
-from tests.envs.test_gateway_tools import AGENT, TOOLS_TEMPLATE, Scripted
+from tests.envs.test_gateway_tools import ADD_REQUEST, AGENT, TOOLS_TEMPLATE, Scripted
 
 # Llama 3.1's way: tools in the system turn ("Environment: ipython"), a call as {"name", "parameters"}, ended by
 # <|eom_id|>, a tool result as an ipython turn
@@ -137,9 +137,7 @@ def test_lmrl_serve_answers_with_the_familys_tool_calls(family):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        request = dict(model="policy", messages=[{"role": "user", "content": "What is 2+3?"}], tools=[
-            {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}], max_tokens=40)
-        choice = client.chat.completions.create(**request).choices[0]
+        choice = client.chat.completions.create(**ADD_REQUEST).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None and server.tool_format == name
         [found] = choice.message.tool_calls
         assert found.function.name == "add" and json.loads(found.function.arguments) == {"a": 2, "b": 3}
