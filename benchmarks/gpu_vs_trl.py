@@ -232,9 +232,9 @@ def run_child(trainer: str, s: Settings) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "result.json")
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", trainer, "--settings",
-                               json.dumps(asdict(s)), "--result", str(path)], capture_output=True, text=True)
+                               json.dumps(asdict(s)), "--result", str(path)])  # its progress shows as it runs
         if proc.returncode:
-            raise SystemExit(f"{trainer} failed:\n{proc.stderr[-4000:]}")
+            raise SystemExit(f"{trainer} failed (exit {proc.returncode}): its output is above")
         return json.loads(path.read_text())
 
 

@@ -64,12 +64,15 @@ class Collector:
             (`generation_weights`); or the weights pushed to a generator that holds its own (`PushedWeights`).
         warn: prints a warning line.
         processor: a vision-language policy's processor, or None for a text policy.
+        device: where the step's arithmetic happens (the policy's device): every rollout is moved there, whatever
+            device its generator built it on (a server's and an agent program's are built on the CPU); None: left
+            where it is.
     """
 
     def __init__(self, cfg, data, sampler, generator, tokenizer, env, world: World,
                  weights: Callable[[int], contextlib.AbstractContextManager], warn: Callable[[str], None],
-                 processor: Any = None):
-        self.processor = processor  # a vision-language policy's: prompts become ids and one bundle of media each
+                 processor: Any = None, device: torch.device | None = None):
+        self.processor, self.device = processor, device  # a vision-language policy's: prompts become ids and one bundle of media each
         self.cfg, self.data, self.sampler, self.generator, self.tokenizer = cfg, data, sampler, generator, tokenizer
         self.env, self.world, self.weights, self.warn = env, world, weights, warn
         self.global_step = 0  # optimizer steps done: what reward functions read as trainer_state.global_step
@@ -212,6 +215,8 @@ class Collector:
                 rollout.media = media
             else:
                 rollout = self.generator.generate(ids, n, params)
+        if self.device is not None:
+            rollout = rollout.to(self.device)
         return rollout, self._score(rows, rollout, episodes)
 
     def verify(self, rows: list[dict[str, Any]], rollout: Rollout) -> Any:

@@ -105,7 +105,8 @@ class Trainer:
                                  share_prompt=cfg.train.share_prompt, autocast_bf16=cfg.train.autocast_bf16,
                                  shared_critic=cfg.model.shared_critic, teacher=self.models.teacher)
         self.collector = Collector(cfg, self.data, sampler, self.generator, self.tokenizer, self.env, self.world,
-                                   self._generation_weights(), self.log.warn, processor=self.models.processor)
+                                   self._generation_weights(), self.log.warn, processor=self.models.processor,
+                                   device=run.device)
         self.updater = Updater(cfg, self.forwards, self.optimizer, self.scheduler, self.kl, self.world,
                                self.units.get("policy", []) + self.units.get("critic", []), self.minibatch_rng)
         trained = {"policy": self.policy} | ({"critic": self.models.critic} if self.models.critic is not None else {})

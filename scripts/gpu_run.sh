@@ -16,6 +16,8 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+# the `lmrl` command pip would install with the package (examples' scripts and the docs call it)
+mkdir -p /tmp/site/bin && printf '#!/bin/sh\nexec python3 -m lmrl.cli "$@"\n' > /tmp/site/bin/lmrl && chmod +x /tmp/site/bin/lmrl
 # the wheels for every python3 the tests start, also those given a PYTHONPATH of their own
 echo /tmp/site > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/lmrl-gpu-wheels.pth" \
     || echo "warning: the wheels are on PYTHONPATH only"

@@ -39,7 +39,7 @@ PYTHON_VERSION = "3.12"  # the GPU image's python3
 # the resolution reads but never downloads) may carry; the image is Ubuntu 24.04 (glibc 2.39)
 PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)), "manylinux2014_x86_64", "manylinux2010_x86_64",
              "manylinux1_x86_64")
-EXTRAS = ("dev", "peft", "bench")
+EXTRAS = ("dev", "peft", "bench", "agents")
 LEFT_OUT = ("ruff",)  # lint runs here, not on the GPU machine
 LIMIT_MB = 48.0
 
@@ -82,10 +82,11 @@ MARKERS = {"python_version": PYTHON_VERSION, "python_full_version": PYTHON_VERSI
            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
 
 
-def needed(requirement: str) -> Requirement | None:
-    """The requirement, or None when its marker leaves it out on the GPU machine (or it is an extra's)."""
+def needed(requirement: str, extra: str = "") -> Requirement | None:
+    """The requirement, or None when its marker leaves it out on the GPU machine (or it is an extra's other than
+    `extra`, the one asked for: `pyjwt[crypto]` walks pyjwt's requirements with extra "crypto")."""
     req = Requirement(requirement)
-    if req.marker is not None and not req.marker.evaluate(MARKERS):
+    if req.marker is not None and not req.marker.evaluate({**MARKERS, "extra": extra}):
         return None
     return req
 
@@ -110,6 +111,7 @@ def collect(reqs: list[str], image: dict[str, str | None], folder: Path, fetch=N
     fetch = fetch or _pip_download
     wheels: dict[str, Path] = {}
     conflicts: list[str] = []
+    walked: set[tuple[str, str]] = set()  # (package, extra) whose requirements are queued
     queue = [r for r in map(needed, reqs) if r is not None]
     while queue:
         req = queue.pop(0)
@@ -119,10 +121,12 @@ def collect(reqs: list[str], image: dict[str, str | None], folder: Path, fetch=N
             if version is not None and req.specifier and not req.specifier.contains(version, prereleases=True):
                 conflicts.append(f"{req} but the image has {name} {version}")
             continue
-        if name in wheels:
-            continue
-        wheels[name] = fetch(str(req), folder)
-        queue += [r for r in map(needed, wheel_requirements(wheels[name])) if r is not None]
+        if name not in wheels:  # its name and versions: the marker was evaluated here, the extras are walked below
+            wheels[name] = fetch(f"{req.name}{req.specifier}", folder)
+        for extra in ("", *sorted(req.extras)):  # its own requirements, then those of each extra asked for
+            if (name, extra) not in walked:
+                walked.add((name, extra))
+                queue += [r for r in (needed(line, extra) for line in wheel_requirements(wheels[name])) if r is not None]
     return sorted(wheels.values()), conflicts
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import threading
 import types
 from typing import Any
 from unittest import mock
@@ -284,9 +285,19 @@ def _properties(total_memory: int):
                                                      multi_processor_count=132)
 
 
+_real_bootstrap = threading.Thread._bootstrap_inner
+
+
+def _thread_under_fake_cuda(self) -> None:
+    """A thread started inside `fake_cuda()` (a gateway's batcher, a server's handlers) checks its torch calls too:
+    torch function modes are per thread."""
+    with FakeCudaMode():
+        _real_bootstrap(self)
+
+
 @contextlib.contextmanager
 def fake_cuda(total_memory: int = 80 * 2**30):
-    """Inside: "cuda" is a device (see the module docstring). Not thread-safe; one at a time."""
+    """Inside: "cuda" is a device (see the module docstring), in the threads started there too. One at a time."""
     patches = [
         mock.patch("torch.cuda.is_available", _available_to_lmrl),
         mock.patch("torch.cuda.device_count", lambda: 1),
@@ -298,6 +309,7 @@ def fake_cuda(total_memory: int = 80 * 2**30):
         mock.patch("torch.cuda.max_memory_allocated", lambda device=None: 0),
         mock.patch("torch.cuda.reset_peak_memory_stats", lambda device=None: None),
         mock.patch("torch.Generator", FakeCudaGenerator),
+        mock.patch.object(threading.Thread, "_bootstrap_inner", _thread_under_fake_cuda),
     ]
     swap = torch.__future__.get_swap_module_params_on_conversion()
     # model.to("cuda") labels each parameter in place (swap_tensors): a tied weight stays one tensor

@@ -27,16 +27,19 @@ from tests.test_long_runs import ROOT, lmrl_train, metric_rows
 SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=8", "train.eval_every=0",
          "log.console=false", "log.samples_every=0", "train.max_minutes=null"]
 TIMING = ("time/", "eps", "/seconds")
+# model.device=auto runs these on a GPU where there is one, whose backward kernels add in no fixed order (atomics): two
+# runs agree to float rounding there (a grad norm 2e-6 apart on the H100, 2026-11-27), bit for bit on the CPU
+SAME = 1e-4 if torch.cuda.is_available() else 1e-6
 
 
 def same_metrics(a: list[dict], b: list[dict]) -> None:
-    """The same steps with the same metrics to 1e-6, wall-clock timings aside."""
+    """The same steps with the same metrics to 1e-6 (1e-4 on a GPU), wall-clock timings aside."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         keys = {k for k in x if k not in ("step", "time") and not any(t in k for t in TIMING)}
         assert keys == {k for k in y if k not in ("step", "time") and not any(t in k for t in TIMING)}
         for k in keys:
-            assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-6, nan_ok=True), (x["step"], k)
+            assert x[k] == pytest.approx(y[k], rel=SAME, abs=SAME, nan_ok=True), (x["step"], k)
 
 
 def generator_pids(parent: int) -> list[int]:

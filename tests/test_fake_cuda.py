@@ -243,3 +243,38 @@ def test_a_mixture_of_experts_copy_on_cuda_takes_weights_pushed_from_the_cpu():
         ModelGenerator(copy, char_tokenizer()).load_weights(pushed, version=1)
         same = [torch.equal(a, b.cpu()) for a, b in zip(policy.parameters(), copy.parameters(), strict=True)]
     assert all(same)
+
+
+def test_an_agent_programs_episodes_train_on_cuda(tmp_path):
+    """env.name=agent: a program written elsewhere asks the gateway for its turns; the episodes come back as token
+    lists (built on the CPU) and must train with the policy on "cuda" (the third GPU run's failure)."""
+    import sys
+
+    from .envs.test_agent import AGENT
+
+    cfg = Config(model={"name_or_path": "tiny-calculator", "device": "cuda"}, data={"task": "calculator", "num_eval_prompts": 0},
+                 env={"name": "agent", "command": f"{sys.executable} {AGENT}", "timeout": 60, "max_parallel": 4},
+                 rollout={"prompts_per_step": 2, "group_size": 2},
+                 train={"steps": 1, "eval_every": 0, "output_dir": str(tmp_path)}, log={"console": False})
+    with fake_cuda():
+        history = Trainer(cfg).train().history
+    assert history[-1]["env/turns"] > 1 and history[-1]["agent/failures"] == 0 and _finite(history[-1])
+
+
+def test_a_run_through_a_generation_server_trains_on_cuda(tmp_path):
+    """rollout.backend=vllm-server against `lmrl serve` in its own process (on the CPU): the rollouts come back as
+    token lists, built on the CPU, and train with the policy on "cuda"; the policy's weights go the other way."""
+    from .rollout.test_server_security import serve
+
+    process, url = serve("rollout.max_new_tokens=8")
+    try:
+        cfg = Config(model={"device": "cuda"}, rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8,
+                                                        "backend": "vllm-server", "vllm": {"server_url": url}},
+                     train={"steps": 2, "eval_every": 0, "output_dir": str(tmp_path)}, log={"console": False})
+        with fake_cuda():
+            history = Trainer(cfg).train().history
+    finally:
+        process.terminate()
+        process.wait(30)
+    assert len(history) == 2 and all(_finite(r) for r in history)
+    assert all(abs(r["val/sampler_logprob_diff"]) < 1e-4 for r in history)  # the server sampled with the pushed weights

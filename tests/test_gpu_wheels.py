@@ -39,7 +39,8 @@ def test_what_the_image_lacks_is_collected_with_its_requirements_and_nothing_els
                      'tzdata; sys_platform == "win32"', 'email-validator>=2; extra == "email"'],
         "pydantic-core": ["typing-extensions>=4.14"], "annotated-types": [], "math-verify": ["latex2sympy2-extended"],
         "latex2sympy2-extended": ["sympy", 'antlr4-python3-runtime; python_version >= "3.8"'],
-        "antlr4-python3-runtime": [],
+        "antlr4-python3-runtime": [], "mcp": ["pyjwt[crypto]>=2.10"],
+        "pyjwt": ['cryptography>=3.4; extra == "crypto"', 'sphinx; extra == "docs"'], "cryptography": [],
     }
     fetched = []
 
@@ -53,10 +54,12 @@ def test_what_the_image_lacks_is_collected_with_its_requirements_and_nothing_els
         return wheel
 
     image = {"torch": "2.11.0", "typing-extensions": None, "sympy": None, "transformers": "5.17.0"}
-    wheels, conflicts = gpu_wheels.collect(["torch>=2.4", "pydantic>=2.6", "math-verify>=0.7", "transformers>=6"],
+    wheels, conflicts = gpu_wheels.collect(["torch>=2.4", "pydantic>=2.6", "math-verify>=0.7", "transformers>=6", "mcp"],
                                            image, tmp_path, fetch=fetch)
-    assert [w.name.split("-")[0] for w in wheels] == ["annotated_types", "antlr4_python3_runtime",
-                                                      "latex2sympy2_extended", "math_verify", "pydantic", "pydantic_core"]
+    assert [w.name.split("-")[0] for w in wheels] == ["annotated_types", "antlr4_python3_runtime", "cryptography",
+                                                      "latex2sympy2_extended", "math_verify", "mcp", "pydantic",
+                                                      "pydantic_core", "pyjwt"]
+    assert not any("sphinx" in f for f in fetched)  # an extra asked for (pyjwt[crypto]) brings its own only
     assert fetched[:2] == ["pydantic>=2.6", "math-verify>=0.7"]  # the image's torch is not downloaded
     assert not any("tzdata" in f or "email" in f for f in fetched)  # Windows-only and extras' requirements
     assert conflicts == ["transformers>=6 but the image has transformers 5.17.0"]

@@ -116,8 +116,9 @@ def test_the_trained_model_scores_as_the_reward_function_does(base, tmp_path, ki
     assert score(fn, [p.prompt], [p.chosen]).scores.tolist() == pytest.approx([chosen.item()], abs=1e-5)
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def run_cli(*args: str, cwd: Path, cpu: bool = False) -> subprocess.CompletedProcess:
+    """`lmrl train-rm ARGS`; cpu: the GPUs hidden (ranks with gloo, also on a one-GPU machine)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
     return subprocess.run([sys.executable, "-m", "lmrl.cli", "train-rm", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -205,9 +206,9 @@ def test_two_ranks_train_the_model_one_process_trains(base, tmp_path):
     write_jsonl(tmp_path / "pairs.jsonl", separable_pairs(22))  # 22 pairs, 8 a step: the last step splits 3 + 3
     args = [f"model.name_or_path={base}", "data.path=pairs.jsonl", "train.steps=3", "train.batch_size=2",
             "train.gradient_accumulation_steps=4", "train.save_every=2", "optim.lr=0.003", "log.console=false"]
-    one = run_cli(*args, "train.output_dir=one", cwd=tmp_path)
+    one = run_cli(*args, "train.output_dir=one", cwd=tmp_path, cpu=True)  # on one device, to compare to 1e-6
     assert one.returncode == 0, one.stderr
-    two = run_cli(*args, "train.output_dir=two", "--nproc", "2", cwd=tmp_path)
+    two = run_cli(*args, "train.output_dir=two", "--nproc", "2", cwd=tmp_path, cpu=True)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     start = load_file(base / "model.safetensors")

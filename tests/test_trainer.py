@@ -349,7 +349,7 @@ def test_the_trained_forwards_are_the_eval_forwards_unless_model_dropout(tmp_pat
     trainer = make_trainer(tmp_path, "algorithm=ppo", "algorithm.kl_coef=0.05", f"model.dropout={keep}",
                            model=tiny_dropout_lm(tok, arch))
     models = trainer.models
-    rows = tok(["12+34=46", "7+8=15  "], return_tensors="pt")
+    rows = tok(["12+34=46", "7+8=15  "], return_tensors="pt").to(trainer.device)  # model.device=auto: cuda on a GPU
     ids, mask = rows["input_ids"], rows["attention_mask"]
 
     def forwards(train: bool) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ trainer needs downstream is in the returned `Rollout`, aligned to response token
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -139,6 +139,17 @@ class Rollout:
     def group_size(self) -> int:
         """Completions per prompt (G); rows `g * G .. g * G + G - 1` form group `g`."""
         return self.prompt_index.numel() // max(self.num_prompts, 1)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """This rollout with its tensors on `device` (itself where they are there already): a generator that builds
+        its rollouts from token lists (a server, an agent program's episodes) builds them on the CPU, and the
+        trainer's arithmetic happens on the policy's device. The media bundles stay: the forward moves them."""
+        device = torch.device(device)
+        if self.response_ids.device == device:
+            return self
+        moved = {f.name: v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
+                 for f in fields(self)}
+        return Rollout(**moved)
 
 
 @runtime_checkable

@@ -3,6 +3,7 @@ here (one image, two images and none in one batch), trained through the CLI in a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -199,6 +200,8 @@ def test_lora_adapts_the_language_model_alone(data):
     assert all(math.isfinite(r["objective/kl"]) for r in rows if "objective/kl" in r)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and importlib.util.find_spec("vllm") is None,
+                    reason="vLLM's CUDA build is not installed on this GPU machine (given lmrl's wheels only)")
 def test_an_idefics3_policy_samples_through_the_vllm_engine(tmp_path):
     """rollout.backend=vllm with images: the engine gets each prompt's unexpanded ids and its images
     (`multi_modal_data`), expands them with its own processor to the policy processor's ids (checked), and samples
@@ -250,7 +253,7 @@ def test_a_vision_model_and_its_processor_passed_from_python(tmp_path, kind):
     assert len(history) == 2 and all(abs(h["val/sampler_kl"]) < 1e-4 for h in history)
     assert all(h["update/rows_skipped"] < 1 for h in history)  # each step trained
     assert trainer.models.processor is processor
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())
+    assert all(torch.equal(v, model.state_dict()[k].cpu()) for k, v in tower.items())
 
 
 def test_an_asynchronous_run_samples_images_in_its_generator_process(data):
@@ -283,6 +286,7 @@ def test_a_qwen2_vl_directory_trains_through_the_cli_where_its_own_processor_can
     steps = [h for h in map(json.loads, (data / "qwen" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
     assert len(steps) == 2 and all(abs(h["val/sampler_kl"]) < 1e-4 for h in steps), steps
     saved = load_vision_processor(str(data / "qwen" / "final"))
-    assert isinstance(saved, QwenVLImageProcessor)
+    own = importlib.util.find_spec("torchvision") is not None  # transformers' own loads where torchvision is (a GPU image)
+    assert isinstance(saved, QwenVLImageProcessor) != own, type(saved)
     text, image = ["<|vision_start|><|image_pad|><|vision_end|>?"], [Image.new("RGB", (64, 32))]
     assert saved(text, images=image)["input_ids"].tolist() == tiny_qwen2_vl()[1](text, images=image)["input_ids"].tolist()

@@ -226,8 +226,8 @@ def test_a_vision_policy_trains_on_episodes_that_show_images(tmp_path, build, to
     assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
     assert all(h["env/observation_tokens"] > 0 for h in history)  # episodes were shown the environment's image
     assert all(abs(h["val/sampler_kl"]) < 1e-4 and h["val/sampler_logprob_diff"] < 1e-4 for h in history)
-    assert tower and all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())  # frozen
-    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in language.items())  # trained
+    assert tower and all(torch.equal(v, model.state_dict()[k].cpu()) for k, v in tower.items())  # frozen
+    assert any(not torch.equal(v, model.state_dict()[k].cpu()) for k, v in language.items())  # trained
     # samples.jsonl names what each sample saw: its prompt's image, then the environment's, kept for the report
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     seen = [s["images"] for s in samples]
