@@ -6,8 +6,9 @@ one client asking n=K completions of the same prompt (the same rows of work).
     python benchmarks/serve_concurrency.py --backend lmrl --client openai --record   # the row in docs/generation.md
 
 The server is a real `lmrl serve` process on 127.0.0.1 serving the shipped model; the clients are threads of
-this process sending /v1/completions with http.client, a new connection each (--client openai: the official
-client, one for all threads, its connections kept alive), a barrier releasing them together, greedy, on a prompt
+this process sending /v1/completions with http.client, a new connection each (--client http-kept: one connection
+per client kept alive from turn to turn, as an agent program keeps its own; --client openai: the official client,
+one for all threads, its connections kept alive), a barrier releasing them together, greedy, on a prompt
 the model answers at length (every row decodes --max-tokens tokens). The two are measured in turn --repeats
 times. Printed: the median wall time of each, and their ratio (1.0: concurrent requests cost what one batched
 request costs); the CPU time of each turn (mean) in the client process (this one: the clients' Python) and in the
@@ -23,6 +24,7 @@ import argparse
 import http.client
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -45,6 +47,36 @@ def post(port: int, body: dict) -> dict:
     if response.status != 200:
         raise SystemExit(f"the server answered {response.status}: {answer}")
     return answer
+
+
+def kept_post(port: int):
+    """A `post` through http.client on connections kept alive, one per concurrent client (a pool that grows to k), as
+    agent programs keep theirs over an episode's many requests."""
+    pool: queue.SimpleQueue = queue.SimpleQueue()
+
+    def post_(_: int, body: dict) -> dict:
+        try:
+            connection = pool.get_nowait()
+        except queue.Empty:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        connection.request("POST", "/v1/completions", body=json.dumps(body),
+                           headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        pool.put(connection)
+        if response.status != 200:
+            raise SystemExit(f"the server answered {response.status}: {answer}")
+        return answer
+
+    return post_
+
+
+SENDERS = {"http": lambda port: post, "http-kept": kept_post}
+
+
+def sender(client: str, port: int):
+    """The `post` of --client: http (a new connection each), http-kept, openai."""
+    return openai_post(port) if client == "openai" else SENDERS[client](port)
 
 
 def openai_post(port: int):
@@ -92,7 +124,7 @@ def clients_alone(k: int, max_tokens: int, repeats: int, client: str) -> float:
     server = subprocess.Popen([sys.executable, "-c", INSTANT, str(max_tokens)], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        send = post if client == "http" else openai_post(port)
+        send = sender(client, port)
         body = {"prompt": "99+99+99+99=", "max_tokens": max_tokens, "temperature": 0.0, "n": 1}
         concurrent(port, body, k, send)
         return statistics.median(concurrent(port, body, k, send) for _ in range(repeats))
@@ -128,7 +160,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads (OMP_NUM_THREADS)")
-    parser.add_argument("--client", choices=["http", "openai"], default="http")
+    parser.add_argument("--client", choices=["http", "http-kept", "openai"], default="http")
     parser.add_argument("--record", nargs="?", const="serve-concurrency", metavar="NAME",
                         help="merge this run's row into benchmarks/results/NAME.MACHINE.json")
     args = parser.parse_args()
@@ -143,7 +175,7 @@ def main() -> None:
         port = int(line.rsplit(":", 1)[1])
         # greedy, and a prompt the shipped model answers at length: every row decodes max_tokens tokens, in both cases
         one = {"prompt": "99+99+99+99=", "max_tokens": args.max_tokens, "temperature": 0.0}
-        send = post if args.client == "http" else openai_post(port)
+        send = sender(args.client, port)
         send(port, {**one, "n": args.k})  # warm up both paths
         concurrent(port, {**one, "n": 1}, args.k, send)
         batched, separate = [], []
@@ -201,7 +233,8 @@ def save(name: str, row: dict, repeats: int, threads: int) -> None:
     record(name, columns, [row], merge_on="setup",
            note=f"The shipped model, greedy; the median of {repeats} turns of each (CPU times: their mean), the server on "
                 f"OMP_NUM_THREADS={threads}; "
-                "http: a new connection per request (http.client); openai: the official client, connections kept alive; "
+                "http: a new connection per request (http.client); http-kept: http.client, one connection per client "
+                "kept alive; openai: the official client, connections kept alive; "
                 "the clients' own time: the same requests against an asyncio server that answers each at once.")
 
 
