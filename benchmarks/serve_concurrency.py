@@ -28,6 +28,7 @@ import queue
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -161,11 +162,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads (OMP_NUM_THREADS)")
     parser.add_argument("--client", choices=["http", "http-kept", "openai"], default="http")
+    parser.add_argument("--model", choices=["shipped", "30m"], default="shipped",
+                        help="the shipped model (a context of 64 tokens), or a Llama of ~25M parameters with random "
+                             "weights built here (hidden 512, 8 layers; a context of 512 tokens: longer turns)")
     parser.add_argument("--record", nargs="?", const="serve-concurrency", metavar="NAME",
                         help="merge this run's row into benchmarks/results/NAME.MACHINE.json")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        model = [] if args.model == "shipped" else [f"model.name_or_path={build_model(folder, args.model)}"]
+        measure(args, model)
+
+
+def build_model(folder: str, shape: str) -> str:
+    """A Llama of `shape` with random weights and the character tokenizer, saved in `folder`: its path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lmrl.models.tiny import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def measure(args: argparse.Namespace, model: list[str]) -> None:
     server = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "serve", f"rollout.backend={args.backend}",
-                               f"rollout.max_new_tokens={args.max_tokens}",
+                               f"rollout.max_new_tokens={args.max_tokens}", *model,
                                "--port", "0"], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "LMRL_API_KEY": KEY, "OMP_NUM_THREADS": str(args.threads)})
     try:
@@ -176,7 +204,10 @@ def main() -> None:
         # greedy, and a prompt the shipped model answers at length: every row decodes max_tokens tokens, in both cases
         one = {"prompt": "99+99+99+99=", "max_tokens": args.max_tokens, "temperature": 0.0}
         send = sender(args.client, port)
-        send(port, {**one, "n": args.k})  # warm up both paths
+        warm = send(port, {**one, "n": args.k})  # warm up both paths
+        if warm["usage"]["completion_tokens"] != args.k * args.max_tokens:  # the two must do the same work
+            raise SystemExit(f"the model ended some rows early ({warm['usage']['completion_tokens']} tokens of "
+                             f"{args.k * args.max_tokens}): the comparison wants rows of max_tokens each")
         concurrent(port, {**one, "n": 1}, args.k, send)
         batched, separate = [], []
         cpu = {"batched_client": 0.0, "batched_server": 0.0, "concurrent_client": 0.0, "concurrent_server": 0.0}
@@ -191,13 +222,13 @@ def main() -> None:
             separate.append(concurrent(port, {**one, "n": 1}, args.k, send))
             cpu["concurrent_client"] += time.process_time() - client
             cpu["concurrent_server"] += cpu_seconds(server.pid) - server_
-        row = {"backend": args.backend, "client": args.client, "k": args.k, "max_tokens": args.max_tokens,
+        row = {"backend": args.backend, "model": args.model, "client": args.client, "k": args.k, "max_tokens": args.max_tokens,
                "batched": statistics.median(batched), "concurrent": statistics.median(separate),
                **{key: seconds / args.repeats for key, seconds in cpu.items()}}
         row["ratio"] = row["concurrent"] / row["batched"]
         row["clients_alone"] = clients_alone(args.k, args.max_tokens, args.repeats, args.client)
-        row["setup"] = f"{args.backend}, {args.client}"
-        print(f"backend={args.backend} client={args.client} k={args.k} max_tokens={args.max_tokens}")
+        row["setup"] = f"{args.backend}, {args.client}, {args.model}"
+        print(f"backend={args.backend} model={args.model} client={args.client} k={args.k} max_tokens={args.max_tokens}")
         print(f"one request, n={args.k}:           {row['batched']:.3f} s (median of {args.repeats})")
         print(f"{args.k} concurrent requests, n=1: {row['concurrent']:.3f} s")
         print(f"ratio: {row['ratio']:.2f}x")
@@ -222,7 +253,7 @@ def cpu_seconds(pid: int) -> float:
 def save(name: str, row: dict, repeats: int, threads: int) -> None:
     from recording import Column, record
 
-    columns = [Column("backend", "server"), Column("client"), Column("k", "clients / n"),
+    columns = [Column("backend", "server"), Column("model"), Column("client"), Column("k", "clients / n"),
                Column("max_tokens", "tokens each"), Column("batched", "one request, n=k", "{:.3f} s"),
                Column("concurrent", "k concurrent requests, n=1", "{:.3f} s"), Column("ratio", "ratio", "{:.2f}x"),
                Column("clients_alone", "the same against a server that answers at once", "{:.3f} s"),
@@ -231,11 +262,12 @@ def save(name: str, row: dict, repeats: int, threads: int) -> None:
                Column("concurrent_client", "CPU, k requests: client", "{:.3f} s"),
                Column("concurrent_server", "server", "{:.3f} s")]
     record(name, columns, [row], merge_on="setup",
-           note=f"The shipped model, greedy; the median of {repeats} turns of each (CPU times: their mean), the server on "
+           note=f"Greedy; the median of {repeats} turns of each (CPU times: their mean), the server on "
                 f"OMP_NUM_THREADS={threads}; "
                 "http: a new connection per request (http.client); http-kept: http.client, one connection per client "
                 "kept alive; openai: the official client, connections kept alive; "
-                "the clients' own time: the same requests against an asyncio server that answers each at once.")
+                "the clients' own time: the same requests against an asyncio server that answers each at once; model 30m: a "
+                "Llama of ~25M parameters with random weights (hidden 512, 8 layers), greedy rows of max_tokens each.")
 
 
 if __name__ == "__main__":

@@ -109,10 +109,11 @@ def test_sandbox_benchmark_runs_and_reports_latency_and_rates():
     assert len(re.findall(r"\d at once: [\d.]+ programs/s", out)) == 2, out
 
 
-@pytest.mark.parametrize("client", ["http", "http-kept"])
-def test_serve_concurrency_benchmark_prints_its_ratio(client):
+@pytest.mark.parametrize("client, model", [("http", "shipped"), ("http-kept", "30m")])
+def test_serve_concurrency_benchmark_prints_its_ratio(client, model):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_concurrency.py"), "--backend", "lmrl",
-                          "--k", "4", "--repeats", "1", "--threads", "1", "--client", client],
+                          "--k", "4", "--repeats", "1", "--threads", "1", "--client", client, "--model", model,
+                          "--max-tokens", "8"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert re.search(r"one request, n=4: +[\d.]+ s", out) and re.search(r"4 concurrent requests, n=1: [\d.]+ s", out), out
     assert re.search(r"^ratio: [\d.]+x$", out, re.M), out
