@@ -65,6 +65,7 @@ class Settings:
     dtype: str
     device: str
     seed: int
+    lmrl_set: list[str]  # KEY=VALUE overrides of lmrl's config (--lmrl-set)
 
 
 def hashed_reward(prompts, completions, **kwargs) -> list[float]:
@@ -146,11 +147,32 @@ def run_lmrl(s: Settings, out_dir: str) -> dict:
         data={"num_eval_prompts": 0},
         train={"steps": s.steps, "seed": s.seed, "output_dir": out_dir, "eval_every": 0},
         log={"console": False, "samples_every": 0})
+    cfg = overridden(cfg, s.lmrl_set)
     trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[hashed_reward], train_dataset=prompts(s))
     path = trainer.generator.decode_path()
     history = trainer.train().history[1:]
     return {"step": [m["time/step"] for m in history], "generate": [m["time/generate"] for m in history],
+            "experience": [m["time/experience"] for m in history], "update": [m["time/update"] for m in history],
             "peak_mb": _peak_mb(s.device), "decode_path": f"{path[0]} ({path[1]})"}
+
+
+def overridden(cfg, pairs: list[str]):
+    """`cfg` with KEY=VALUE overrides (dotted keys, YAML values: `train.logprob_chunk_size=null`)."""
+    import yaml
+
+    from lmrl import Config
+
+    data = cfg.model_dump()
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            raise SystemExit(f"--lmrl-set {pair}: lmrl's config has no field {key}")
+        node[last] = yaml.safe_load(value)
+    return Config(**data)
 
 
 def run_trl(s: Settings, out_dir: str) -> dict:
@@ -250,6 +272,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lmrl-set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides of lmrl's config, e.g. optim.micro_batch_size=512 train.logprob_chunk_size=null")
     parser.add_argument("--child", choices=list(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -266,7 +290,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         params = build_model(shape, args.vocab, model_dir, args.seed)
         s = Settings(model_dir, args.steps, args.prompts_per_step, args.group_size, args.max_new_tokens, 1e-6,
-                     args.dtype, device, args.seed)
+                     args.dtype, device, args.seed, args.lmrl_set)
         hidden, layers, heads, kv_heads, _ = SHAPES[shape]
         name = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU"
         print(f"Qwen2 {params / 1e6:.1f}M parameters ({hidden} hidden, {layers} layers), {args.dtype}, on {name}; "
@@ -285,7 +309,16 @@ def main() -> None:
         base = base or rate
         print(f"{trainer:5s} samples/s {rate:8.2f} ({rate / base:.2f}x {args.trainers[0]})  s/step {step:.3f}  "
               f"generate {gen:.3f} s ({rows * s.max_new_tokens / gen:,.0f} tokens/s, {gen / floor:.1f}x the limit)  "
-              f"rest {step - gen:.3f} s  peak memory {r['peak_mb']:,.0f} MB  decode: {r['decode_path']}")
+              f"rest {step - gen:.3f} s{_split(r)}  peak memory {r['peak_mb']:,.0f} MB  decode: {r['decode_path']}")
+    if args.lmrl_set:
+        print("lmrl's config overrides: " + " ".join(args.lmrl_set))
+
+
+def _split(r: dict) -> str:
+    """lmrl's rest of the step: the experience (old / reference forwards, advantages) and the update."""
+    if "update" not in r:
+        return ""
+    return f" (experience {statistics.fmean(r['experience']):.3f} + update {statistics.fmean(r['update']):.3f})"
 
 
 if __name__ == "__main__":

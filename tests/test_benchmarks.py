@@ -73,7 +73,8 @@ def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
 
 
 def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vs_trl.py"), "--tiny", "--trainers", "lmrl"],
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vs_trl.py"), "--tiny", "--trainers", "lmrl",
+                          "--lmrl-set", "optim.micro_batch_size=4", "train.logprob_chunk_size=null"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     on = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"  # --tiny takes the GPU where there is one
     assert re.search(rf"Qwen2 [\d.]+M parameters \(64 hidden, 2 layers\), float32, on {re.escape(on)}", out), out
@@ -82,6 +83,11 @@ def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
     line = re.search(r"lmrl\s+samples/s\s+([\d.]+) \(1.00x lmrl\).*tokens/s, ([\d.]+)x the limit\).*decode: (\w+)", out)
     decode = "cuda_graph" if torch.cuda.is_available() else "shared_prompt"
     assert line and float(line.group(1)) > 0 and float(line.group(2)) >= 1 and line.group(3) == decode, out
+    assert re.search(r"rest [\d.]+ s \(experience [\d.]+ \+ update [\d.]+\)", out), out  # where lmrl's rest goes
+    assert "lmrl's config overrides: optim.micro_batch_size=4 train.logprob_chunk_size=null" in out
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vs_trl.py"), "--tiny", "--trainers", "lmrl",
+                          "--lmrl-set", "optim.no_such=1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--lmrl-set optim.no_such=1: lmrl's config has no field optim.no_such" in bad.stderr
 
 
 def test_gpu_vision_check_runs_a_tiny_qwen2_5_vl_here():
