@@ -8,7 +8,8 @@
 # Each part has a time limit (seconds; default 540, so that one part fits a device call of 10 minutes): GPU_SUITE_S,
 # GPU_BENCH_S, GPU_GEN_S, GPU_VISION_S. The suite runs on GPU_WORKERS pytest workers (default 14), each test at most 180 s; GPU_TESTS
 # narrows it (pytest arguments; default: tests), GPU_PARTS chooses the parts (default: suite bench gen vision; the whole suite
-# alone took more than 320 s on 8 workers of an H100 machine, 2026-11-27, so give each part a call of its own). The generation table is recorded into $OUT/results/ (copy it to
+# alone took more than 320 s on 8 workers of an H100 machine, and did not end in 465 s on 12 beside the vision part,
+# 2026-11-27, so give each part a call of its own; the bench part with --steps 3 took 143 s). The generation table is recorded into $OUT/results/ (copy it to
 # benchmarks/results/ and run `make figures` to show it in the docs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
