@@ -38,16 +38,24 @@ from lmrl.rollout.remote import READY  # noqa: E402
 KEY = "benchmark-key"
 
 
-def post(port: int, body: dict) -> dict:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+def ask(connection: http.client.HTTPConnection, body: dict) -> dict:
+    """One /v1/completions request on `connection`: the answer."""
     connection.request("POST", "/v1/completions", body=json.dumps(body),
                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     response = connection.getresponse()
     answer = json.loads(response.read())
-    connection.close()
     if response.status != 200:
         raise SystemExit(f"the server answered {response.status}: {answer}")
     return answer
+
+
+def post(port: int, body: dict) -> dict:
+    """A request on a connection of its own."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        return ask(connection, body)
+    finally:
+        connection.close()
 
 
 def kept_post(port: int):
@@ -60,24 +68,11 @@ def kept_post(port: int):
             connection = pool.get_nowait()
         except queue.Empty:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        connection.request("POST", "/v1/completions", body=json.dumps(body),
-                           headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-        response = connection.getresponse()
-        answer = json.loads(response.read())
+        answer = ask(connection, body)
         pool.put(connection)
-        if response.status != 200:
-            raise SystemExit(f"the server answered {response.status}: {answer}")
         return answer
 
     return post_
-
-
-SENDERS = {"http": lambda port: post, "http-kept": kept_post}
-
-
-def sender(client: str, port: int):
-    """The `post` of --client: http (a new connection each), http-kept, openai."""
-    return openai_post(port) if client == "openai" else SENDERS[client](port)
 
 
 def openai_post(port: int):
@@ -90,6 +85,10 @@ def openai_post(port: int):
         return client.completions.create(model="lmrl", **body).model_dump()
 
     return post_
+
+
+# --client: port -> the `post` of each: http (a new connection each), http-kept, openai
+SENDERS = {"http": lambda port: post, "http-kept": kept_post, "openai": openai_post}
 
 
 # A server that answers every completion at once with a canned one (asyncio, in its own process): the clients' own
@@ -125,7 +124,7 @@ def clients_alone(k: int, max_tokens: int, repeats: int, client: str) -> float:
     server = subprocess.Popen([sys.executable, "-c", INSTANT, str(max_tokens)], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        send = sender(client, port)
+        send = SENDERS[client](port)
         body = {"prompt": "99+99+99+99=", "max_tokens": max_tokens, "temperature": 0.0, "n": 1}
         concurrent(port, body, k, send)
         return statistics.median(concurrent(port, body, k, send) for _ in range(repeats))
@@ -161,7 +160,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads (OMP_NUM_THREADS)")
-    parser.add_argument("--client", choices=["http", "http-kept", "openai"], default="http")
+    parser.add_argument("--client", choices=list(SENDERS), default="http")
     parser.add_argument("--model", choices=["shipped", "30m"], default="shipped",
                         help="the shipped model (a context of 64 tokens), or a Llama of ~25M parameters with random "
                              "weights built here (hidden 512, 8 layers; a context of 512 tokens: longer turns)")
@@ -203,7 +202,7 @@ def measure(args: argparse.Namespace, model: list[str]) -> None:
         port = int(line.rsplit(":", 1)[1])
         # greedy, and a prompt the shipped model answers at length: every row decodes max_tokens tokens, in both cases
         one = {"prompt": "99+99+99+99=", "max_tokens": args.max_tokens, "temperature": 0.0}
-        send = sender(args.client, port)
+        send = SENDERS[args.client](port)
         warm = send(port, {**one, "n": args.k})  # warm up both paths
         if warm["usage"]["completion_tokens"] != args.k * args.max_tokens:  # the two must do the same work
             raise SystemExit(f"the model ended some rows early ({warm['usage']['completion_tokens']} tokens of "

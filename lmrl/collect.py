@@ -72,7 +72,8 @@ class Collector:
     def __init__(self, cfg, data, sampler, generator, tokenizer, env, world: World,
                  weights: Callable[[int], contextlib.AbstractContextManager], warn: Callable[[str], None],
                  processor: Any = None, device: torch.device | None = None):
-        self.processor, self.device = processor, device  # a vision-language policy's: prompts become ids and one bundle of media each
+        self.processor = processor  # a vision-language policy's: prompts become ids and one bundle of media each
+        self.device = device
         self.cfg, self.data, self.sampler, self.generator, self.tokenizer = cfg, data, sampler, generator, tokenizer
         self.env, self.world, self.weights, self.warn = env, world, weights, warn
         self.global_step = 0  # optimizer steps done: what reward functions read as trainer_state.global_step
