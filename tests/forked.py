@@ -21,6 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ZYGOTE = r"""
 import os, pickle, signal, sys, time, types
 import lmrl.build, lmrl.cli  # torch and transformers: imported once, shared by every child
+# and what a run imports as it starts: the trainer, transformers' Llama (which imports torch._dynamo and DTensor),
+# the tokenizer's auto class, the task, the report. A child that imported these itself took 1.5-3 s more (the pages
+# and the bad-inputs table ran 2.7x slower). Imports only: no torch op runs in the zygote.
+import lmrl.trainer, lmrl.reward_trainer, lmrl.data.tasks, lmrl.report, transformers.models.llama.modeling_llama
+import transformers.models.auto.tokenization_auto
 
 def as_main(source, name, path0=""):
     module = types.ModuleType("__main__")
