@@ -133,3 +133,23 @@ def script(path: Path | str, *args: str, cwd: Path | str, timeout: float = 240, 
     """`python PATH ARGS...` in `cwd` as a forked child (PATH relative to `cwd`, or absolute), like `lmrl` above."""
     return forked("script", [str(path), *args], Path(cwd), timeout, shlex.join(["python", str(path), *args]),
                   dict(os.environ) if env is None else env, stdin)
+
+
+
+# torchrun itself (`torch.distributed.run.main`) in a forked child, its ranks forked from it (torchrun's own
+# `--start-method fork --run-path`, with tests/torchrun_rank.py as the rank): torchrun's elastic agent, rendezvous,
+# gloo process group, signals and exit codes, without three interpreters each importing torch and transformers
+# (5.8 s a launch of two ranks here, 0.6 s forked). `lmrl train --nproc` (tests/test_distributed.py) still runs
+# the real command, its ranks `python -m lmrl.cli`.
+TORCHRUN = "import sys\nfrom torch.distributed.run import main\nmain(sys.argv[1:])\n"
+RANK = str(ROOT / "tests" / "torchrun_rank.py")
+
+
+def torchrun(*args: str, cwd: Path | str, nproc: int = 2, timeout: float = 300, env: dict[str, str] | None = None,
+             launcher: tuple[str, ...] = ("--standalone",)) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node NPROC -m lmrl ARGS...` in `cwd`, as `subprocess.run` gives it, its
+    ranks forked (above). `launcher` replaces `--standalone` (the rendezvous of several launchers); ARGS starting
+    with `--driver` run tests/dist_driver.py instead of lmrl."""
+    argv = [*launcher, f"--nproc_per_node={nproc}", "--start-method", "fork", "--run-path", RANK, *args]
+    return forked("main", [TORCHRUN, "torchrun", *argv], Path(cwd), timeout, shlex.join(["torchrun", *argv]),
+                  dict(os.environ) if env is None else env)

@@ -15,6 +15,7 @@ import torch
 from lmrl import algorithms as A
 from lmrl.distributed import World, whiten_across_ranks
 from lmrl.errors import ConfigError
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_RANKS = {"CUDA_VISIBLE_DEVICES": ""}  # two ranks on the CPU with gloo, also on a machine with one GPU
@@ -31,18 +32,14 @@ ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpoi
               "grpo-distill-fsdp"]
 
 
-def _run(cmd: list[str], out: Path, batches: Path | None = None) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS, "BATCHES": str(batches or "")}
-    proc = subprocess.run([*cmd, str(DRIVER), str(out), *ALGORITHMS], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 def test_two_ranks_take_the_step_one_process_takes(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
-    _run([sys.executable], one)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], two, batches=one)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
+    done = forked.script(DRIVER, str(one), *ALGORITHMS, cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = forked.torchrun("--driver", str(two), *ALGORITHMS, cwd=ROOT, env={**env, "BATCHES": str(one)})
+    assert done.returncode == 0, done.stderr[-3000:]
     from safetensors.torch import load_file
 
     from lmrl.models.shipped import SHIPPED_MODEL
@@ -98,11 +95,10 @@ def test_lmrl_train_under_torchrun_is_one_job(tmp_path):
     and writes: one output directory, one metrics row per step, one final model."""
     (tmp_path / "rec.py").write_text(RECORD)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmrl", "train",
-         "train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=10",
-         "train.output_dir=out", "log.console=false", "reward.functions=[rec.py:record]", "train.threads=1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = forked.torchrun(
+        "train", "train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=10",
+         "train.output_dir=out", "log.console=false", "reward.functions=[rec.py:record]", "train.threads=1",
+        cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("resolved config:") == 1 and proc.stdout.count("model saved to out/final") == 1
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -117,16 +113,15 @@ def test_lmrl_train_under_torchrun_is_one_job(tmp_path):
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=10", "train.output_dir=out",
          "log.console=false", "train.threads=1", "train.save_every=1"]
 
 
-def _train(cwd: Path, launcher: list[str], *args: str) -> str:
-    """stdout of an `lmrl train` that succeeded."""
+def _train(cwd: Path, ranks: int, *args: str) -> str:
+    """stdout of an `lmrl train` that succeeded, on 2 ranks (torchrun) or in 1 process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
-    proc = subprocess.run([*launcher, "-m", "lmrl.cli", "train", *SMALL, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    run = forked.torchrun if ranks == 2 else forked.lmrl
+    proc = run("train", *SMALL, *args, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -136,7 +131,7 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path, parallel):
     """2 ranks write sharded state (one torch.distributed.checkpoint file per rank, each rank's RNGs); one
     process resumes from it with exactly the saved weights and optimizer, and 2 ranks resume from that.
     With fsdp each rank's file holds its shard of the weights and moments."""
-    said = _train(tmp_path, TORCHRUN, "train.steps=2", f"train.parallel={parallel}").splitlines()
+    said = _train(tmp_path, 2, "train.steps=2", f"train.parallel={parallel}").splitlines()
     assert f"2 ranks, train.parallel={parallel} (as set)" in said  # and what steps aside under fsdp, with the reason:
     assert any(line.startswith("fsdp: the shared-prompt forward and the fast decoder") for line in said) == (parallel == "fsdp")
     saved = tmp_path / "out" / "checkpoint-2"
@@ -156,8 +151,8 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path, parallel):
         assert torch.equal(p.detach().cpu(), weights[name]), name  # on a GPU machine the policy is on CUDA
     assert all(int(s["step"]) == 2 for s in trainer.optimizer.state_dict()["state"].values())
 
-    _train(tmp_path, [sys.executable], "train.steps=3", "train.resume=auto")  # 2 ranks -> 1 process
-    _train(tmp_path, TORCHRUN, "train.steps=4", "train.resume=auto", f"train.parallel={parallel}")  # -> 2 ranks
+    _train(tmp_path, 1, "train.steps=3", "train.resume=auto")  # 2 ranks -> 1 process
+    _train(tmp_path, 2, "train.steps=4", "train.resume=auto", f"train.parallel={parallel}")  # -> 2 ranks
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())["world_size"] == 2
@@ -176,9 +171,8 @@ def fail_on_1(prompts, completions, **kw):
 def test_a_failure_on_one_rank_ends_every_rank_with_one_line_each(tmp_path):
     (tmp_path / "r.py").write_text(FAILING)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
-    proc = subprocess.run([*TORCHRUN, "-m", "lmrl.cli", "train", *SMALL, "train.steps=2", "train.save_every=0",
-                           "data.num_eval_prompts=0", "reward.functions=[r.py:fail_on_1]"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # no hang
+    proc = forked.torchrun("train", *SMALL, "train.steps=2", "train.save_every=0", "data.num_eval_prompts=0",
+                           "reward.functions=[r.py:fail_on_1]", cwd=tmp_path, env=env, timeout=120)  # no hang
     assert proc.returncode != 0
     lines = proc.stderr.splitlines()
     assert ("lmrl: error: rank 1: step 1: reward function 'fail_on_1' failed: RuntimeError: scorer down on rank 1"
@@ -194,8 +188,7 @@ def test_lmrl_train_nproc_starts_torchrun(tmp_path):
     assert proc.stdout.count("resolved config:") == 1
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
-    bad = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", "rollout.prompts_per_step=7"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    bad = forked.lmrl("train", "--nproc", "2", "rollout.prompts_per_step=7", cwd=tmp_path, env=env)
     assert bad.returncode == 2  # refused before torchrun starts: one line, not one per rank
     assert bad.stderr.strip() == ("lmrl: error: rollout.prompts_per_step: 7 does not split evenly over 2 ranks; "
                                   "make it a multiple of 2")
@@ -253,7 +246,7 @@ def test_dynamic_sampling_keeps_groups_wherever_they_are(tmp_path, parallel):
     all of them are on rank 0 (2 rounds of 4), and rank 1, left with none, keeps in step (a group outside the
     loss) instead of hanging or failing."""
     (tmp_path / "r.py").write_text(ONE_SIDED)
-    _train(tmp_path, TORCHRUN, "algorithm=dapo", "train.steps=2", "train.save_every=0", "data.num_eval_prompts=0",
+    _train(tmp_path, 2, "algorithm=dapo", "train.steps=2", "train.save_every=0", "data.num_eval_prompts=0",
            "reward.functions=[r.py:rank_0_informs]", "reward.overlong_buffer=null", f"train.parallel={parallel}")
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -301,8 +294,8 @@ def test_a_signal_to_torchrun_stops_every_rank_after_one_checkpoint(tmp_path):
                       "train.resume=auto to the same command to continue"], stopped.stderr[-3000:]
     assert (tmp_path / "out" / "checkpoint-2" / "COMPLETE").is_file() and not (tmp_path / "out" / "final").exists()
 
-    _train(tmp_path, TORCHRUN, *args, "train.resume=auto")
-    _train(tmp_path, TORCHRUN, *args, "train.output_dir=straight")
+    _train(tmp_path, 2, *args, "train.resume=auto")
+    _train(tmp_path, 2, *args, "train.output_dir=straight")
     from safetensors.torch import load_file
 
     def rows(run: str) -> list[dict]:
