@@ -9,7 +9,6 @@ import math
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 from lmrl import RewardTrainer
 from lmrl.models.tiny import bpe_chat_tokenizer, char_tokenizer, tiny_causal_lm
 from lmrl.rewards import reward_set_from_config, score
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,8 +119,7 @@ def test_the_trained_model_scores_as_the_reward_function_does(base, tmp_path, ki
 def run_cli(*args: str, cwd: Path, cpu: bool = False) -> subprocess.CompletedProcess:
     """`lmrl train-rm ARGS`; cpu: the GPUs hidden (ranks with gloo, also on a one-GPU machine)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
-    return subprocess.run([sys.executable, "-m", "lmrl.cli", "train-rm", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return forked.lmrl("train-rm", *args, cwd=cwd, env=env, timeout=300)
 
 
 def test_train_rm_end_to_end(base, tmp_path):
@@ -268,8 +267,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_weights(base, tmp_path):
     whole = run_cli(*args, "train.output_dir=whole", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KILL_AT_STEP": "5"}
-    killed = subprocess.run([sys.executable, "-c", KILL_AT, *args, "train.output_dir=cut"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    killed = forked.forked("main", [KILL_AT, "-c", *args, "train.output_dir=cut"], tmp_path, 300, "kill at 5", env)
     assert killed.returncode == -9 and (tmp_path / "cut" / "checkpoint-3").is_dir()
     assert not (tmp_path / "cut" / "final").exists()
     resumed = run_cli(*args, "train.output_dir=cut", "train.resume=auto", cwd=tmp_path)
@@ -281,8 +279,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_weights(base, tmp_path):
     assert [r["rm/loss"] for r in rows[1]] == [r["rm/loss"] for r in rows[0]]
     # SIGTERM (a scheduler's stop): step 2 ends, its checkpoint is written, exit 128 + 15; the resume ends the same
     env |= {"KILL_AT_STEP": "2", "SIGNAL": "SIGTERM"}
-    stopped = subprocess.run([sys.executable, "-c", KILL_AT, *args, "train.output_dir=term"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300)
+    stopped = forked.forked("main", [KILL_AT, "-c", *args, "train.output_dir=term"], tmp_path, 300, "term at 2", env)
     assert stopped.returncode == 143, stopped.stderr
     assert stopped.stderr.strip().splitlines()[-1] == (
         "lmrl: error: SIGTERM: stopped after step 2; checkpoint term/checkpoint-2 written; add train.resume=auto to "
