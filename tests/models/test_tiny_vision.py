@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from lmrl.data.tasks import exact_match_reward, get_task
 from lmrl.models.shipped import SHIPPED_MODELS
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,8 +62,7 @@ def run(tmp_path_factory) -> Path:
     args = ["model.name_or_path=tiny-vision", "train.steps=2", "train.eval_every=2", "data.num_eval_prompts=16",
             "rollout.prompts_per_step=4", "log.samples_every=2", "train.max_minutes=null", f"train.output_dir={out}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lmrl", "train", *args], capture_output=True, text=True, env=env,
-                          cwd=out.parent, timeout=300)
+    proc = forked.lmrl("train", *args, env=env, cwd=out.parent, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -85,8 +84,7 @@ def test_lmrl_eval_with_tiny_vision_and_with_the_trained_run(run):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for args, source in ((["--model", "tiny-vision", "--num-prompts", "12", "--k", "2"], "12 prompts of task digits"),
                          ([str(run), "--num-prompts", "12"], f"12 prompts of {run}'s held-out prompts")):
-        proc = subprocess.run([sys.executable, "-m", "lmrl", "eval", *args], capture_output=True, text=True, env=env,
-                              cwd=run.parent, timeout=300)
+        proc = forked.lmrl("eval", *args, env=env, cwd=run.parent, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         line = proc.stdout.strip().splitlines()[-1]
         assert line.startswith(source + ": accuracy (greedy) "), line

@@ -8,12 +8,13 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = "def reward(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
@@ -69,8 +70,7 @@ def _train(tmp: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
             "rollout.max_new_tokens=6", "model.device=cpu", "algorithm.tis_cap=2.0", "optim.lr=1e-3",
             "data.num_eval_prompts=0", f"train.output_dir={tmp / out}", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "lmrl", "train", *args], capture_output=True, text=True, env=env,
-                          cwd=tmp, timeout=300)
+    return forked.lmrl("train", *args, env=env, cwd=tmp, timeout=300)
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
