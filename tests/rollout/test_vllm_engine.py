@@ -23,6 +23,7 @@ from lmrl.models.weights import export_weights
 from lmrl.rollout import HFGenerator, SamplingParams
 from lmrl.rollout.hf import resolve_eos
 from lmrl.rollout.vllm_engine import VLLMGenerator
+from tests import forked
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):  # where make test installs vLLM's CPU build
     pytest.skip("vLLM's CPU build is made for x86-64 Linux only", allow_module_level=True)
@@ -236,10 +237,8 @@ def test_a_model_the_engine_has_no_kernels_for_is_refused_in_one_line():
 
 def test_two_ddp_ranks_each_sample_with_the_weights_of_every_step(tmp_path):
     # each rank's engine takes the (same) updated weights before every step; the metrics are the ranks' mean
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                          "lmrl.cli", "train", "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=8",
-                          "train.eval_every=0", "log.console=false", f"train.output_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=300)
+    out = forked.torchrun("train", "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=8",
+                          "train.eval_every=0", "log.console=false", f"train.output_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
@@ -254,11 +253,10 @@ def test_an_engine_in_the_generator_process_of_an_asynchronous_run(tmp_path):
     ones one step old and reweighted. The sync probe holds the weights the engine took after step 1 to the trainer's
     (the engine's prompt log-probs of one sequence, answered with batch 3)."""
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "rollout.backend=vllm", "train.async_steps=1",
-                           "train.steps=3", f"train.output_dir={out}", "rollout.prompts_per_step=8",
-                           "rollout.group_size=4", "data.num_eval_prompts=8", "train.eval_every=0", "log.console=false",
-                           "guard.sync_probe_every=1"],
-                          capture_output=True, text=True, timeout=600)
+    done = forked.lmrl("train", "rollout.backend=vllm", "train.async_steps=1", "train.steps=3",
+                       f"train.output_dir={out}", "rollout.prompts_per_step=8", "rollout.group_size=4",
+                       "data.num_eval_prompts=8", "train.eval_every=0", "log.console=false", "guard.sync_probe_every=1",
+                       cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["async/policy_version"] for r in rows] == [0, 0, 1]
@@ -289,18 +287,19 @@ def tiny_moe(arch: str, tmp_path=None):
     return model.eval(), tok
 
 
-def train_through_vllm(tmp_path, model_dir, out, *overrides, python=None) -> subprocess.CompletedProcess:
+def train_through_vllm(tmp_path, model_dir, out, *overrides, driver=None) -> subprocess.CompletedProcess:
     """`lmrl train` of the model in `model_dir` through rollout.backend=vllm for 3 small steps, rewarded by the share of
-    digits (a random model's completions differ in it, so every step has groups to learn from). `python`: what runs
-    `lmrl` (default `python -m lmrl`)."""
+    digits (a random model's completions differ in it, so every step has groups to learn from), in a forked child.
+    `driver`: a script that runs `lmrl` (default `lmrl` itself)."""
     (tmp_path / "share.py").write_text("def digit_share(prompts, completions, **kw):\n"
                                        "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n")
-    return subprocess.run([*(python or [sys.executable, "-m", "lmrl"]), "train", f"model.name_or_path={model_dir}",
-                           "rollout.backend=vllm", "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=8",
-                           "rollout.max_new_tokens=8", "rollout.temperature=1.5", "data.num_eval_prompts=4",
-                           "train.eval_every=0", f"train.output_dir={out}", "log.console=false",
-                           f"reward.functions=[{tmp_path / 'share.py'}:digit_share]", *overrides],
-                          capture_output=True, text=True, timeout=600)
+    args = ["train", f"model.name_or_path={model_dir}", "rollout.backend=vllm", "train.steps=3",
+            "rollout.prompts_per_step=4", "rollout.group_size=8", "rollout.max_new_tokens=8", "rollout.temperature=1.5",
+            "data.num_eval_prompts=4", "train.eval_every=0", f"train.output_dir={out}", "log.console=false",
+            f"reward.functions=[{tmp_path / 'share.py'}:digit_share]", *overrides]
+    if driver is not None:
+        return forked.script(driver, *args, cwd=tmp_path, timeout=600)
+    return forked.lmrl(*args, cwd=tmp_path, timeout=600)
 
 
 def test_a_mixture_of_experts_model_reaches_the_engine_under_its_checkpoint_names():
@@ -380,7 +379,7 @@ def test_a_run_whose_engine_does_not_compute_the_policy_stops_at_step_1_after_a_
         "from lmrl.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n")
     out = tmp_path / "out"
-    done = train_through_vllm(tmp_path, "tiny-addition", out, python=[sys.executable, str(driver)])
+    done = train_through_vllm(tmp_path, "tiny-addition", out, driver=driver)
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("lmrl: error: step 1: the sampler (rollout.backend=vllm, llama) does not compute the "
