@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,14 @@ def _figures():
     return figures
 
 
+def _bench(name: str, *args: str, env: dict[str, str] | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    """`python benchmarks/NAME.py ARGS...` from the checkout, as a forked child (tests/forked.py); check: it must exit 0."""
+    done = forked.script(ROOT / "benchmarks" / f"{name}.py", *args, cwd=ROOT, env=env, timeout=300)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def _rendered(columns, rows) -> list[str]:
     """The table lines of a result file with these columns (recording.Column) and rows."""
     from dataclasses import asdict
@@ -35,28 +45,21 @@ def _rendered(columns, rows) -> list[str]:
 
 
 def test_floor_benchmark_runs_and_reports_both_ratios():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "floor.py"), "--hidden", "32", "--layers", "1", "--heads", "2",
-         "--threads", "1", "--rows", "2", "--repeats", "1"],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout
+    out = _bench("floor", "--hidden", "32", "--layers", "1", "--heads", "2",
+                 "--threads", "1", "--rows", "2", "--repeats", "1", check=True).stdout
     assert re.search(r"the update runs at \d+% of the mm rate", out), out
     assert re.search(r"decode .* matmuls only: [\d.]+ s; the matmuls are \d+% of decode time", out), out
 
 
 def test_sync_check_benchmark_measures_both_checks_against_the_batchs_forward():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sync_check.py"), "--preset", "shipped", "--rows", "4",
-         "--prompt", "8", "--response", "8", "--repeats", "1", "--threads", "1"],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout
+    out = _bench("sync_check", "--preset", "shipped", "--rows", "4",
+                 "--prompt", "8", "--response", "8", "--repeats", "1", "--threads", "1", check=True).stdout
     assert re.search(r"the shipped model .*: the batch's forward \(4 rows\) [\d.]+ ms; synchronous check [\d.]+ ms "
                      r"\([\d.]+% of it\); probe [\d.]+ ms per side \([\d.]+% of it\)", out), out
 
 
 def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--steps", "2"],
-                          capture_output=True, text=True, timeout=300)
+    done = _bench("scaling", "--steps", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     ratios = re.findall(r"completions/s\s+([\d.]+)x", out)
@@ -65,17 +68,16 @@ def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
 
 
 def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--memory", "--steps", "1",
-                          "--hidden", "64", "--layers", "2"], capture_output=True, text=True, timeout=300, check=True).stdout
+    out = _bench("scaling", "--memory", "--steps", "1",
+                 "--hidden", "64", "--layers", "2", check=True).stdout
     peaks = re.findall(r"train.parallel=(\w+)\s+peak memory per rank\s+([\d.]+) GB\s+([\d.]+)x", out)
     assert [p[0] for p in peaks] == ["ddp", "fsdp"] and peaks[0][2] == "1.00", out
     assert all(float(p[1]) > 0.1 for p in peaks), out  # a real resident set, not a zero from a failed run
 
 
 def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vs_trl.py"), "--tiny", "--trainers", "lmrl",
-                          "--lmrl-set", "optim.micro_batch_size=4", "train.logprob_chunk_size=null"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = _bench("gpu_vs_trl", "--tiny", "--trainers", "lmrl",
+                 "--lmrl-set", "optim.micro_batch_size=4", "train.logprob_chunk_size=null", check=True).stdout
     on = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"  # --tiny takes the GPU where there is one
     assert re.search(rf"Qwen2 [\d.]+M parameters \(64 hidden, 2 layers\), float32, on {re.escape(on)}", out), out
     limit = re.search(r"a generation needs >= ([\d.e-]+) s", out)
@@ -85,16 +87,15 @@ def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
     assert line and float(line.group(1)) > 0 and float(line.group(2)) >= 1 and line.group(3) == decode, out
     assert re.search(r"rest [\d.]+ s \(experience [\d.]+ \+ update [\d.]+\)", out), out  # where lmrl's rest goes
     assert "lmrl's config overrides: optim.micro_batch_size=4 train.logprob_chunk_size=null" in out
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vs_trl.py"), "--tiny", "--trainers", "lmrl",
-                          "--lmrl-set", "optim.no_such=1"], capture_output=True, text=True, timeout=300)
+    bad = _bench("gpu_vs_trl", "--tiny", "--trainers", "lmrl",
+                 "--lmrl-set", "optim.no_such=1")
     assert bad.returncode != 0 and "--lmrl-set optim.no_such=1: lmrl's config has no field optim.no_such" in bad.stderr
 
 
 def test_gpu_vision_check_runs_a_tiny_qwen2_5_vl_here():
     """scripts/gpu_run.sh's vision part at a tiny size on the CPU: a Qwen2.5-VL (window attention in its tower,
     M-RoPE) through lmrl's Trainer with one image and two of different sizes, the sampler agreeing with the trainer."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_vision.py"), "--tiny", "--steps", "2"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = _bench("gpu_vision", "--tiny", "--steps", "2", env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Qwen2.5-VL (tiny)" in out.stdout and out.stdout.count("val/sampler_kl") == 2 and "2 steps in" in out.stdout
 
@@ -109,18 +110,16 @@ def test_the_bandwidth_floor_counts_weights_once_per_step_and_the_growing_cache(
 
 
 def test_sandbox_benchmark_runs_and_reports_latency_and_rates():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sandbox.py"), "--programs", "4"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = _bench("sandbox", "--programs", "4", check=True).stdout
     assert re.search(r"one at a time: median \d+ ms per program", out), out
     assert len(re.findall(r"\d at once: [\d.]+ programs/s", out)) == 2, out
 
 
 @pytest.mark.parametrize("client, model", [("http", "shipped"), ("http-kept", "30m")])
 def test_serve_concurrency_benchmark_prints_its_ratio(client, model):
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_concurrency.py"), "--backend", "lmrl",
-                          "--k", "4", "--repeats", "1", "--threads", "1", "--client", client, "--model", model,
-                          "--max-tokens", "8"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = _bench("serve_concurrency", "--backend", "lmrl",
+                 "--k", "4", "--repeats", "1", "--threads", "1", "--client", client, "--model", model,
+                 "--max-tokens", "8", check=True).stdout
     assert re.search(r"one request, n=4: +[\d.]+ s", out) and re.search(r"4 concurrent requests, n=1: [\d.]+ s", out), out
     assert re.search(r"^ratio: [\d.]+x$", out, re.M), out
 
@@ -131,8 +130,7 @@ def test_preset_gains_benchmark_runs_lmrl_train_and_tabulates(tmp_path, monkeypa
     env = {**os.environ, "LMRL_RESULTS_DIR": str(tmp_path)}
     args = ["--names", "grpo", "--steps", "2", "--seeds", "0", "1", "--parallel", "2", "--set", "data.num_eval_prompts=8",
             "--record", "gains"]
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "preset_gains.py"), *args],
-                         capture_output=True, text=True, timeout=300, check=True, env=env).stdout
+    out = _bench("preset_gains", *args, env=env, check=True).stdout
     for seed in (0, 1):
         assert re.search(rf"\| grpo \| {seed} \| [\d.]+% -> [\d.]+% \| [+-][\d.]+ \| 2 \| [\d.]+ \|", out), out
     assert re.search(r"\| grpo \| mean of 2 \| \| [+-][\d.]+ \(min [+-][\d.]+\) \| 2 \| \|", out), out
