@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[1]
 CPU_RANKS = {"CUDA_VISIBLE_DEVICES": ""}  # ranks on the CPU with gloo, also on a machine with a GPU
 SMALL = ["train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=10",
@@ -156,9 +158,7 @@ def test_two_launchers_make_one_job_of_two_nodes(tmp_path):
     one = tmp_path / "one-node"
     one.mkdir()
     (one / "rec.py").write_text(RECORD)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "lmrl", "train", *SMALL, "train.output_dir=out"], cwd=one, env=_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    proc = forked.torchrun("train", *SMALL, "train.output_dir=out", cwd=one, env=_env(), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _rows(out) == _rows(one / "out")
     assert _files(out) == _files(one / "out")  # the same files (each checkpoint's too), none twice
