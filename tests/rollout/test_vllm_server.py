@@ -166,6 +166,9 @@ def servers_of(seed: int) -> list[int]:
 
 
 def test_the_server_a_run_started_goes_with_the_run_even_on_sigkill(tmp_path):
+    """A run that started its own vLLM server, killed with SIGKILL, leaves no server behind. 20-30 s on 2 cores, and
+    it needs them: two fresh interpreters (the run and the server it starts, which a SIGKILL must reach as real
+    processes, so neither can be forked from the suite's zygote) and a vLLM engine started on the CPU."""
     seed = 700 + os.getpid() % 1000
     run = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", "rollout.backend=vllm-server", "train.steps=2000",
                             f"train.seed={seed}", f"train.output_dir={tmp_path}", "train.eval_every=0",
