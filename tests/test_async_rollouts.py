@@ -21,6 +21,7 @@ from lmrl import Config, Trainer
 from lmrl import algorithms as A
 from lmrl.checkpoint import checkpoints
 from lmrl.errors import ConfigError
+from tests import forked
 from tests.test_long_runs import ROOT, lmrl_train, metric_rows
 
 # the shipped model and task, small: 8 prompts x 4 per step, a short evaluation
@@ -240,10 +241,9 @@ def test_a_forked_generator_takes_any_reward_function_a_spawned_one_says_what_it
 def test_two_ranks_each_with_a_generator_keep_dapos_groups_together(tmp_path):
     """Under torchrun every rank has its own generator process; the generator processes form their own group,
     so DAPO's choice of informative groups spans every rank's share, as in a synchronous run."""
-    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", f"train.output_dir={tmp_path}",
-                           *SMALL, "train.steps=3", "train.async_steps=1", "algorithm=dapo"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
+    done = forked.torchrun("train", f"train.output_dir={tmp_path}", *SMALL, "train.steps=3", "train.async_steps=1",
+                           "algorithm=dapo", cwd=ROOT,
+                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
     assert done.returncode == 0, done.stderr
     rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
     assert [r["async/policy_version"] for r in rows] == [0, 0, 1]

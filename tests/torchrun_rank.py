@@ -12,17 +12,18 @@ from pathlib import Path
 
 import torch
 
-if sys.argv[1:2] == ["--driver"]:
-    from tests.dist_driver import main
+if __name__ == "__main__":  # not when a process a rank spawns imports this file as its main module
+    if sys.argv[1:2] == ["--driver"]:
+        from tests.dist_driver import main
 
-    main(Path(sys.argv[2]), sys.argv[3:])
-    code = 0
-else:
-    from lmrl.cli import _main
+        main(Path(sys.argv[2]), sys.argv[3:])
+        code = 0
+    else:
+        from lmrl.cli import _main
 
-    code = _main(sys.argv[1:])
-if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-raise SystemExit(code)
+        code = _main(sys.argv[1:])
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
