@@ -268,8 +268,9 @@ def make_given(names: list[str], cwd: Path, where: str) -> None:
         if name in GIVEN_FILES:
             (cwd / name).write_text(GIVEN_FILES[name])
         elif name in MAKE:
-            subprocess.run([sys.executable, "-c", MAKE[name], str(cwd / name)], env=environment(), check=True,
-                           capture_output=True, timeout=120)
+            done = forked("main", [MAKE[name], "-c", str(cwd / name)], cwd, 120, f"docs: given {name}", environment())
+            if done.returncode != 0:
+                raise DocError(f"{where}: 'docs: given {name}' failed:\n{done.stderr[-2000:]}")
         else:
             raise DocError(f"{where}: 'docs: given {name}': known are {', '.join([*GIVEN_FILES, *MAKE])}")
 

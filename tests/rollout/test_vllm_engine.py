@@ -44,12 +44,23 @@ def shipped_model():
     return models.policy, models.tokenizer
 
 
+@pytest.fixture(scope="module")
+def shipped_engine(shipped_model):
+    """One engine of the shipped model for the tests next to each other below (it starts in seconds); a list, so that
+    `shipped` can replace it when another engine closed it (vLLM runs one engine per process)."""
+    held = [engine_for(*shipped_model)]
+    yield held
+    held[0].close()
+
+
 @pytest.fixture
-def shipped(shipped_model):
+def shipped(shipped_model, shipped_engine):
     policy, tok = shipped_model
-    engine = engine_for(policy, tok)  # vLLM runs one engine per process: a test's own
+    if shipped_engine[0].llm is None:
+        shipped_engine[0] = engine_for(policy, tok)
+    engine = shipped_engine[0]
+    engine.load_weights(export_weights(policy), version=0)  # what a test before may have changed
     yield policy, tok, engine
-    engine.close()
 
 
 def prompts_of(tokenizer, texts):
@@ -68,21 +79,6 @@ def test_greedy_tokens_equal_lmrls_decode_on_the_shipped_model(shipped):
     prompts = prompts_of(tok, ["57+68=", "3+4=", "12+99=", "0+0="])
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     assert_same_rollout(engine.generate(prompts, 2, params), HFGenerator(policy, tok).generate(prompts, 2, params))
-
-
-def test_greedy_tokens_equal_lmrls_decode_on_a_qwen2_chat_model():
-    texts = ["What is 2 + 3? The answer is 5.", "Name a colour: red, green or blue."] * 20
-    tok = bpe_chat_tokenizer(texts, vocab_size=320)
-    model = tiny_causal_lm(tok, arch="qwen2", hidden_size=64, num_layers=2, num_heads=2, seed=1)  # vLLM-CPU: head_dim >= 32
-    engine = engine_for(model, tok, max_model_len=96)
-    try:
-        chats = [[{"role": "user", "content": t}] for t in texts[:3]]
-        prompts = encode_prompts(tok, chats, 64, use_chat_template=True)
-        params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=["is"])
-        a, b = engine.generate(prompts, 1, params), HFGenerator(model, tok).generate(prompts, 1, params)
-        assert_same_rollout(a, b)
-    finally:
-        engine.close()
 
 
 def test_a_seed_makes_the_engine_reproducible_and_rows_differ(shipped):
@@ -141,6 +137,32 @@ def test_engine_logprobs_are_the_trainers_at_the_sampling_temperature(shipped):
     full = torch.log_softmax(logits[0, -T - 1:-1], -1)[: len(response)].topk(3)
     assert [[t for t, _ in p] for p in top] == full.indices.tolist()
     assert torch.allclose(torch.tensor([[v for _, v in p] for p in top]), full.values, atol=1e-4)
+
+
+def test_an_engine_parameter_no_weight_reached_is_one_line_naming_it(shipped):
+    """vLLM only logs the parameters a load left alone, and samples with its placeholder values there."""
+    from lmrl.errors import RunError
+
+    policy, _, engine = shipped
+    pushed = ((n, t) for n, t in export_weights(policy) if n != "model.layers.1.self_attn.o_proj.weight")
+    with pytest.raises(RunError, match=r"^rollout.backend=vllm: no weight of the policy's reached 1 of the engine's "
+                                       r"parameters \(model.layers.1.self_attn.o_proj.weight\): it would sample"):
+        engine.load_weights(pushed, version=1)
+
+
+def test_greedy_tokens_equal_lmrls_decode_on_a_qwen2_chat_model():
+    texts = ["What is 2 + 3? The answer is 5.", "Name a colour: red, green or blue."] * 20
+    tok = bpe_chat_tokenizer(texts, vocab_size=320)
+    model = tiny_causal_lm(tok, arch="qwen2", hidden_size=64, num_layers=2, num_heads=2, seed=1)  # vLLM-CPU: head_dim >= 32
+    engine = engine_for(model, tok, max_model_len=96)
+    try:
+        chats = [[{"role": "user", "content": t}] for t in texts[:3]]
+        prompts = encode_prompts(tok, chats, 64, use_chat_template=True)
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=["is"])
+        a, b = engine.generate(prompts, 1, params), HFGenerator(model, tok).generate(prompts, 1, params)
+        assert_same_rollout(a, b)
+    finally:
+        engine.close()
 
 
 def engine_run(tmp_path, *overrides):
@@ -309,17 +331,6 @@ def test_a_mixture_of_experts_model_reaches_the_engine_under_its_checkpoint_name
     model, tok = tiny_moe("mixtral")
     engine = engine_for(model, tok)  # raises when a parameter of the engine took no weight
     engine.close()
-
-
-def test_an_engine_parameter_no_weight_reached_is_one_line_naming_it(shipped):
-    """vLLM only logs the parameters a load left alone, and samples with its placeholder values there."""
-    from lmrl.errors import RunError
-
-    policy, _, engine = shipped
-    pushed = ((n, t) for n, t in export_weights(policy) if n != "model.layers.1.self_attn.o_proj.weight")
-    with pytest.raises(RunError, match=r"^rollout.backend=vllm: no weight of the policy's reached 1 of the engine's "
-                                       r"parameters \(model.layers.1.self_attn.o_proj.weight\): it would sample"):
-        engine.load_weights(pushed, version=1)
 
 
 def test_vllms_cpu_build_does_not_compute_the_experts_it_is_given():
