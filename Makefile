@@ -22,7 +22,7 @@ demo: setup
 test: setup
 	bash scripts/install_chromium.sh
 	$(PY) -m ruff check lmrl tests benchmarks scripts
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder  # files in the order tests/conftest.py sets: the longest first
 
 docs: setup  # the site into site/, offline; strict: a warning (a broken link, a bad docstring) fails the build
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

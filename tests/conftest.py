@@ -30,7 +30,8 @@ def pytest_report_header(config):
 
 # The files that take longest (worker-seconds on 2 EPYC cores, 2026-11-29: 114, 60, 55, 44, 44, 38, 36, 29, 28, 25,
 # 22), run first: pytest-xdist's --dist loadfile hands out files in collection order, so a long file collected last
-# ran alone at the end while the other worker idled (34 s of the suite's 408). The rest keep their order.
+# ran alone at the end while the other worker idled (34 s of the suite's 408); `make test` passes
+# --no-loadscope-reorder, or xdist would order files by their number of tests. The rest keep their order.
 SLOWEST_FIRST = [
     "tests/rollout/test_vllm_engine.py", "tests/test_benchmarks.py", "tests/envs/test_agent.py",
     "tests/docs/test_examples.py", "tests/rollout/test_vllm_server.py", "tests/test_distributed.py",
