@@ -100,6 +100,7 @@ class AsyncRollouts:
         self.trainer_device = device
         self.threads = async_threads(cfg)[1]
         self.ready: dict[int, dict[str, Any]] = {}  # batches received or restored, by step, until their step ends
+        self.receiving = False  # a message is being read: a signal must not abandon the step now (`_receive`)
         self.process, self.channel, self.snapshot = None, None, None
         self.start_step, self.published, self.taken = 0, 0, -1
         self.failed: RunError | None = None  # the generator process's failure, seen while publishing
@@ -249,14 +250,21 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------------------------ messages
     def _receive(self, step: int | None) -> None:
-        """Read one message of the generator process; one line if it died or failed."""
+        """Read one message of the generator process; one line if it died or failed. While a message is read and
+        kept (`receiving`), a signal does not abandon the step (`RunLifecycle`): a batch read off the pipe and dropped
+        by the abandon was lost, and the checkpoint that followed waited for it forever."""
         while not self.channel.poll(0.25):
             if not self.process.is_alive():
                 raise self._died(step)
+        self.receiving = True
         try:
-            message = pickle.loads(self.channel.recv_bytes())
+            self._keep(pickle.loads(self.channel.recv_bytes()))
         except (EOFError, OSError) as e:
             raise self._died(step) from e
+        finally:
+            self.receiving = False
+
+    def _keep(self, message: tuple) -> None:
         kind = message[0]
         if kind == "batch":
             self.ready[message[1]["step"]] = message[1]

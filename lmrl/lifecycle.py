@@ -316,7 +316,9 @@ class RunLifecycle:
                 print_line(f"lmrl: {name} received: every rank stops after this step's checkpoint")
             return
         print_line(f"lmrl: {name} received: stopping after a checkpoint ({name} again to exit at once)")
-        if self.abandon_at is not None:
+        # not while a component reads a message it must keep (the generator process's batch): the step then runs to
+        # its end and stops after its checkpoint, as a signal in the update does
+        if self.abandon_at is not None and not any(getattr(f, "receiving", False) for f in self.files.values()):
             raise _AbandonStep(signum)
 
     @contextlib.contextmanager

@@ -209,6 +209,40 @@ def test_ctrl_c_in_a_terminal_stops_both_processes_after_a_checkpoint(tmp_path):
     assert checkpoints(tmp_path)
 
 
+def test_a_signal_while_a_batch_is_read_keeps_the_batch_and_stops_after_the_step():
+    """A signal abandons steps 1-3 at once, but not while the trainer reads the generator process's message: a
+    batch read off the pipe and dropped by the abandon was lost, and the checkpoint that followed waited for it
+    forever (Ctrl-C hung about once in 8 runs on a loaded machine). Here the signal arrives mid-read."""
+    import pickle
+    from types import SimpleNamespace
+
+    from lmrl.async_rollouts import AsyncRollouts
+    from lmrl.distributed import World
+    from lmrl.lifecycle import RunLifecycle
+
+    rollouts = AsyncRollouts.__new__(AsyncRollouts)  # its message handling alone: no generator process
+    rollouts.ready, rollouts.receiving = {}, False
+    life = SimpleNamespace(stop_signal=None, world=World(), abandon_at=3, files={"async_batches": rollouts})
+    batch = {"step": 3, "version": 1}
+
+    class Pipe:
+        def poll(self, timeout):
+            return True
+
+        def recv_bytes(self):
+            RunLifecycle._on_signal(life, signal.SIGINT, None)  # as the handler runs when Ctrl-C lands here
+            return pickle.dumps(("batch", batch))
+
+    rollouts.channel, rollouts.process = Pipe(), SimpleNamespace(is_alive=lambda: True)
+    rollouts._receive(3)
+    assert rollouts.ready == {3: batch} and not rollouts.receiving
+    assert life.stop_signal == signal.SIGINT  # the run stops after this step's checkpoint
+    life.stop_signal = None  # outside a read, the step is abandoned at once, as before
+    with pytest.raises(BaseException) as abandoned:
+        RunLifecycle._on_signal(life, signal.SIGINT, None)
+    assert type(abandoned.value).__name__ == "_AbandonStep"
+
+
 def test_a_multi_turn_lora_run_samples_with_the_merged_adapters(tmp_path):
     """The calculator task (episodes with a tool) on a LoRA policy: the generator process gets the base weights with
     the adapters merged, so its first batch is on-policy, and episodes run there as in a synchronous step."""
