@@ -135,7 +135,6 @@ def script(path: Path | str, *args: str, cwd: Path | str, timeout: float = 240, 
                   dict(os.environ) if env is None else env, stdin)
 
 
-
 # torchrun itself (`torch.distributed.run.main`) in a forked child, its ranks forked from it (torchrun's own
 # `--start-method fork --run-path`, with tests/torchrun_rank.py as the rank): torchrun's elastic agent, rendezvous,
 # gloo process group, signals and exit codes, without three interpreters each importing torch and transformers

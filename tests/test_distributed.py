@@ -97,7 +97,7 @@ def test_lmrl_train_under_torchrun_is_one_job(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     proc = forked.torchrun(
         "train", "train.steps=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=10",
-         "train.output_dir=out", "log.console=false", "reward.functions=[rec.py:record]", "train.threads=1",
+        "train.output_dir=out", "log.console=false", "reward.functions=[rec.py:record]", "train.threads=1",
         cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("resolved config:") == 1 and proc.stdout.count("model saved to out/final") == 1

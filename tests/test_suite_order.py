@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from tests.conftest import SLOWEST_FIRST
+from tests.conftest import SLOWEST_FIRST, pytest_collection_modifyitems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,8 +15,6 @@ def test_the_slowest_files_are_collected_first(pytestconfig):
     class Item:
         def __init__(self, nodeid):
             self.nodeid = nodeid
-
-    from tests.conftest import pytest_collection_modifyitems
 
     items = [Item("tests/test_cli.py::a"), Item(f"{SLOWEST_FIRST[1]}::b"), Item("tests/test_cli.py::c"),
              Item(f"{SLOWEST_FIRST[0]}::d")]
