@@ -11,9 +11,9 @@
 decode-pack with --toggle pack), merged with the rows of the other runs recorded there (one per model setting).
 
 --toggle kernels: the C decode kernels (`lmrl.kernels`: rotary, KV write and shared-prompt attention in
-one call per layer, RMSNorm) vs the PyTorch ops (`lmrl.rollout.shared_prompt_decoder.USE_KERNELS`).
+one call per layer, RMSNorm) vs the PyTorch ops (`lmrl.engine.llama.USE_KERNELS`).
 --toggle pack: decode matmuls with weights reordered for oneDNN and fused epilogues vs `F.linear`
-(`lmrl.rollout.shared_prompt_decoder.PACK_WEIGHTS`).
+(`lmrl.engine.layers.PACK_WEIGHTS`).
 
 A seeded Llama built from a config (random weights, char tokenizer), 8 prompts x 8 completions of
 exactly 64 tokens (no EOS), the vs_trl.py shape. The two settings take turns, one rollout each, for
@@ -34,11 +34,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from seeded_llama import add_model_args, seeded_llama  # noqa: E402
 
-import lmrl.rollout.shared_prompt_decoder as spd  # noqa: E402
+import lmrl.engine.layers as layers  # noqa: E402
+import lmrl.engine.llama as llama  # noqa: E402
 from lmrl.kernels import load as load_kernels  # noqa: E402
 from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
 
 SWITCHES = {"kernels": "USE_KERNELS", "pack": "PACK_WEIGHTS"}
+MODULES = {"kernels": llama, "pack": layers}  # where each switch lives
 HEADERS = {"kernels": "with the kernels / without (quartiles)", "pack": "with packed weights / without (quartiles)"}
 MODEL_FLAGS = ("hidden", "layers", "heads", "threads", "dtype", "all_sizes")  # what makes a row of the table
 
@@ -67,7 +69,7 @@ def main() -> None:
                         help="add this run's row to benchmarks/results/NAME.MACHINE.json (default NAME: decode-TOGGLE)")
     args = parser.parse_args()
     if args.all_sizes:
-        spd.PACK_MIN_ELEMENTS = 0
+        layers.PACK_MIN_ELEMENTS = 0
     if args.toggle == "kernels" and load_kernels() is None:
         sys.exit("decode_ab.py: the C kernels are unavailable here (see the warning above), nothing to compare")
 
@@ -79,7 +81,7 @@ def main() -> None:
     generator = HFGenerator(model, tokenizer, eos_token_id=[])
 
     def rollout(on: bool) -> float:
-        setattr(spd, SWITCHES[args.toggle], on)
+        setattr(MODULES[args.toggle], SWITCHES[args.toggle], on)
         start = time.perf_counter()
         generator.generate(prompts, 8, params)
         return time.perf_counter() - start
@@ -87,7 +89,7 @@ def main() -> None:
     rollout(True), rollout(False)  # warm-up
     pairs = [(rollout(False), rollout(True)) for _ in range(args.repeats)]
     ratios = sorted(off / on for off, on in pairs)
-    packs = spd._onednn_weight(model.model.layers[0].mlp.gate_proj.weight.detach(), 64) is not None
+    packs = layers.onednn_weight(model.model.layers[0].mlp.gate_proj.weight.detach(), 64) is not None
     print(f"torch {torch.__version__}, threads {args.threads}, hidden {args.hidden}, {args.layers} layers, "
           f"{args.dtype}, 64 rows x 64 tokens; MLP weights packed: {packs}; toggled: {args.toggle} ({SWITCHES[args.toggle]})")
     print(f"{args.toggle} off: median {statistics.median(off for off, _ in pairs):.3f} s per rollout")

@@ -30,17 +30,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from seeded_llama import add_model_args, seeded_llama  # noqa: E402
 
-import lmrl.rollout.shared_prompt_decoder as spd  # noqa: E402
+import lmrl.engine.llama as llama  # noqa: E402
 from lmrl.models.forward import model_forward_logprobs  # noqa: E402
 from lmrl.rollout import HFGenerator, SamplingParams  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, PROMPT_LEN = 8, 8, 64, 6
 
 
-def matmuls_only(self, token: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
-    """A decode step of `lmrl.rollout.shared_prompt_decoder.SharedPromptDecoder` reduced to its projections (same shapes, same fusions)."""
-    hidden = self.model.model.embed_tokens(token)
-    width = self.num_kv_heads * self.group * self.head_dim
+def matmuls_only(self, token: torch.Tensor, position: torch.Tensor, cache, positions: int) -> torch.Tensor:
+    """A decode step of the engine (`lmrl.engine.llama.LlamaStep`) reduced to its projections (same shapes, same fusions)."""
+    hidden = self.inner.embed_tokens(token)
+    width = self.heads * self.head_dim
     for i in range(len(self.layers)):
         attended = self.qkv[i](hidden)[:, :width]  # stands in for attention's output
         hidden = self.o_proj[i](attended, add=hidden)
@@ -99,16 +99,16 @@ def main() -> None:
     prompts = [torch.randint(5, 90, (PROMPT_LEN,), generator=rng).tolist() for _ in range(PROMPTS)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
     generator = HFGenerator(model, tokenizer, eos_token_id=[])
-    if not spd.SharedPromptDecoder.supports(model):
-        raise SystemExit("floor.py: the model does not take lmrl's decode path, so there is nothing to reduce")
-    full_step = spd.SharedPromptDecoder.step
+    if not llama.supports(model):
+        raise SystemExit("floor.py: the model does not take lmrl's decode engine, so there is nothing to reduce")
+    full_step = llama.LlamaStep.__call__
 
     def rollout(step) -> float:
-        spd.SharedPromptDecoder.step = step
+        llama.LlamaStep.__call__ = step
         try:
             return timed(lambda: generator.generate(prompts, GROUP, params))
         finally:
-            spd.SharedPromptDecoder.step = full_step
+            llama.LlamaStep.__call__ = full_step
 
     full, floor, ratio = paired(lambda: rollout(full_step), lambda: rollout(matmuls_only), args.repeats)
     print(f"decode  {PROMPTS * GROUP} rows x {NEW_TOKENS} tokens: {full:.3f} s; matmuls only: {floor:.3f} s; "

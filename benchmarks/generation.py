@@ -6,6 +6,8 @@
     python benchmarks/generation.py --preset shipped 30m --backends hf lmrl vllm   # the vLLM table (docs/generation.md)
     python benchmarks/generation.py --preset tiny --prompts 50 --n 4 --max-new-tokens 32 --repeats 5
     python benchmarks/generation.py --threads 1 2 --record   # the table in docs/performance.md
+    python benchmarks/generation.py --preset qwen0.5b --backends hf lmrl engine vllm --modes no-eos --repeats 2
+                                                         # the GPU set-up (scripts/gpu_run.sh, part decode)
 
 Presets (random weights built from a config, or the model lmrl ships; nothing is downloaded):
     tiny     Llama, hidden 64, 2 layers, char tokenizer (vocab ~97); 100 prompts x n=8, 64 new tokens
@@ -14,8 +16,13 @@ Presets (random weights built from a config, or the model lmrl ships; nothing is
              64 new tokens: where an engine's batching starts to matter
     100m     Llama, hidden 768, 12 layers, 12 heads, vocab 32000 (~110M parameters); 8 prompts x n=4,
              32 new tokens
+    qwen0.5b Qwen2 of Qwen2-0.5B's shape (hidden 896, 24 layers, 14 heads over 2 key / value heads, vocab 151936,
+             ~494M parameters), bfloat16 on the GPU; 64 prompts x n=8, 256 new tokens: the GPU set-up. Also prints
+             ms per decode step, the device's bound for the same work (`decode_bound`) and each backend's
+             fraction of it.
 
-Backends (--backends): hf (`model.generate`), lmrl (`HFGenerator`), vllm (`VLLMGenerator`, rollout.backend=vllm:
+Backends (--backends): hf (`model.generate`), lmrl (`HFGenerator`), engine (`HFGenerator(cuda_graph=False)`:
+lmrl's decode engine also on CUDA, where `lmrl` takes the CUDA-graph step), vllm (`VLLMGenerator`, rollout.backend=vllm:
 vLLM's CPU build here, its CUDA build on a GPU; the weights pushed to it once before timing). Ratios are against
 the first backend listed.
 
@@ -51,7 +58,12 @@ PRESETS = {
     "shipped": dict(prompts=32, n=8, max_new_tokens=16),
     "30m": dict(prompts=16, n=8, max_new_tokens=64),
     "100m": dict(prompts=8, n=4, max_new_tokens=32),
+    "qwen0.5b": dict(prompts=64, n=8, max_new_tokens=256),
 }
+QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+# memory bandwidth (bytes/s) by device name, for the decode bound
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 SHAPES = {"30m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8),
           "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12)}
 
@@ -67,6 +79,15 @@ class Setup:
 
 def build(preset: str) -> Setup:
     tokenizer = char_tokenizer()
+    if preset == "qwen0.5b":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0, **QWEN_05B)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+        model.generation_config.pad_token_id = 0
+        return Setup(model, tokenizer, 2, 0, config.vocab_size)
     if preset == "tiny":
         model = tiny_causal_lm(tokenizer, arch="llama", hidden_size=64, num_layers=2)
         return Setup(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
@@ -110,9 +131,10 @@ def run_hf(s: Setup, prompts: list[list[int]], n: int, max_new: int, eos: bool) 
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     extra = {} if eos else {"min_new_tokens": max_new}
+    device = next(s.model.parameters()).device
     out = s.model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
         do_sample=True,
         temperature=1.0,
         top_k=None,
@@ -123,7 +145,7 @@ def run_hf(s: Setup, prompts: list[list[int]], n: int, max_new: int, eos: bool) 
         pad_token_id=s.pad_id,
         **extra,
     )
-    return real_tokens(out[:, width:], [s.eos_id])
+    return real_tokens(out[:, width:].cpu(), [s.eos_id])
 
 
 def run_lmrl(gen: HFGenerator, prompts: list[list[int]], n: int, max_new: int) -> int:
@@ -148,15 +170,17 @@ def vllm_engine(s: Setup, eos: bool, max_len: int):
     from lmrl.models.weights import export_weights
     from lmrl.rollout.vllm_engine import VLLMGenerator
 
-    engine = VLLMGenerator(s.model.config, s.tokenizer, dtype="float32", max_model_len=max_len, seed=0,
+    dtype = str(next(s.model.parameters()).dtype).removeprefix("torch.")
+    engine = VLLMGenerator(s.model.config, s.tokenizer, dtype=dtype, max_model_len=max_len, seed=0,
                            eos_token_ids=[s.eos_id] if eos else [])
     engine.load_weights(export_weights(s.model), version=0)
     return engine
 
 
 LABELS = {"tiny": "tiny Llama (hidden 64, 2 layers)", "shipped": "the shipped model (~0.5M parameters)",
-          "30m": "~41M Llama (hidden 512, 8 layers, V 32k)", "100m": "~110M Llama (hidden 768, 12 layers, V 32k)"}
-NAMES = {"hf": "`model.generate`", "lmrl": "lmrl", "vllm": "vLLM"}
+          "30m": "~41M Llama (hidden 512, 8 layers, V 32k)", "100m": "~110M Llama (hidden 768, 12 layers, V 32k)",
+          "qwen0.5b": "Qwen2 of Qwen2-0.5B's shape, bfloat16"}
+NAMES = {"hf": "`model.generate`", "lmrl": "lmrl", "engine": "lmrl's engine", "vllm": "vLLM"}
 HEADERS = {b: f"{name} tok/s" for b, name in NAMES.items()}
 
 
@@ -166,7 +190,7 @@ def main() -> None:
     )
     parser.add_argument("--preset", nargs="+", choices=[*PRESETS, "both"], default=["both"],
                         help="presets to run (both: tiny and 100m)")
-    parser.add_argument("--backends", nargs="+", choices=["hf", "lmrl", "vllm"], default=["hf", "lmrl"])
+    parser.add_argument("--backends", nargs="+", choices=["hf", "lmrl", "engine", "vllm"], default=["hf", "lmrl"])
     parser.add_argument("--prompts", type=int, help="number of prompts (default: preset's)")
     parser.add_argument("--n", type=int, help="completions per prompt (default: preset's)")
     parser.add_argument("--max-new-tokens", type=int, help="default: preset's")
@@ -201,6 +225,8 @@ def main() -> None:
                          for b, rate in rates.items()]
                 print(f"{preset:<8} {threads:>3} {mode:<7} {len(prompts) * cfg['n']:>5} {cfg['max_new_tokens']:>4} "
                       + " ".join(cells), flush=True)
+                if preset == "qwen0.5b":
+                    print(bound_line(s, prompts, cfg["n"], cfg["max_new_tokens"], rates), flush=True)
                 rows.append({"model": f"{LABELS[preset]}, {len(prompts)} prompts x {cfg['n']}, "
                                       f"{cfg['max_new_tokens']} new tokens", "threads": threads, "mode": mode,
                              **{b: round(rate) for b, rate in rates.items()},
@@ -217,13 +243,45 @@ def main() -> None:
                "interleaved runs; `eos`: completions may end early, `no-eos`: all run to the limit.")
 
 
+def decode_bound(config, prompt_lengths: list[int], n: int, max_new: int, weight_bytes: int, kv_bytes: int = 2) -> float:
+    """Bytes a decode of `n` completions of each prompt must read from memory at least: every weight once per step,
+    and at step t each prompt's keys and values once (shared by its rows) and each row's t response keys and
+    values. Divided by the device's bandwidth, the fastest the decode can run."""
+    text = config.get_text_config(decoder=True)
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * kv_bytes
+    prompt_kv = sum(prompt_lengths) * per_token  # read once per step
+    total = 0
+    for t in range(max_new):
+        total += weight_bytes + prompt_kv + len(prompt_lengths) * n * t * per_token
+    return float(total)
+
+
+def bound_line(s: Setup, prompts: list[list[int]], n: int, max_new: int, rates: dict[str, float]) -> str:
+    """ms per decode step of each backend, and the device's bound for the same work."""
+    weights = sum(p.numel() * p.element_size() for p in s.model.parameters())
+    total = decode_bound(s.model.config, [len(p) for p in prompts], n, max_new, weights)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    bandwidth = next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+    rows = len(prompts) * n
+    steps = {b: 1e3 * rows / rate for b, rate in rates.items() if rate == rate}  # ms per step: rows tokens a step
+    line = "ms per decode step: " + ", ".join(f"{b} {ms:.2f}" for b, ms in steps.items())
+    if bandwidth is None:
+        return line + f"; {total / 1e9:.1f} GB read at least (no bandwidth known for {name})"
+    floor = 1e3 * total / bandwidth / max_new
+    return (line + f"; the device's bound {floor:.2f} ms ({total / 1e9:.1f} GB at {bandwidth / 1e12:.2f} TB/s); "
+            + ", ".join(f"{b} at {floor / ms:.0%} of it" for b, ms in steps.items()))
+
+
 def time_backends(s: Setup, prompts, n: int, max_new: int, mode: str, backends: list[str],
                   repeats: int) -> dict[str, float]:
     """Tokens/s of each backend on the same prompts, best of `repeats` interleaved runs (nan: no engine)."""
     eos = mode == "eos"
     gen = HFGenerator(s.model, s.tokenizer, eos_token_id=[s.eos_id] if eos else [], seed=0)
-    runs = {"hf": lambda: _hf(s, prompts, n, max_new, eos), "lmrl": lambda: run_lmrl(gen, prompts, n, max_new)}
-    warm = {"hf": lambda: run_hf(s, prompts[:2], 2, 4, eos), "lmrl": lambda: run_lmrl(gen, prompts[:2], 2, 4)}
+    engine_gen = HFGenerator(s.model, s.tokenizer, eos_token_id=[s.eos_id] if eos else [], seed=0, cuda_graph=False)
+    runs = {"hf": lambda: _hf(s, prompts, n, max_new, eos), "lmrl": lambda: run_lmrl(gen, prompts, n, max_new),
+            "engine": lambda: run_lmrl(engine_gen, prompts, n, max_new)}
+    warm = {"hf": lambda: run_hf(s, prompts[:2], 2, 4, eos), "lmrl": lambda: run_lmrl(gen, prompts[:2], 2, 4),
+            "engine": lambda: run_lmrl(engine_gen, prompts[:2], 2, 4)}
     engine = None
     if "vllm" in backends:  # one at a time: vLLM runs one engine per process
         try:

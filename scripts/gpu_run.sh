@@ -6,7 +6,9 @@
 #   here:  python scripts/gpu_wheels.py
 #   there: bash scripts/gpu_run.sh            (the device tool's run, with carry=[".whl"])
 # Each part has a time limit (seconds; default 540, so that one part fits a device call of 10 minutes): GPU_SUITE_S,
-# GPU_BENCH_S, GPU_GEN_S, GPU_VISION_S. GPU_PARTS=update (not a default part) times lmrl's rest of a step alone under
+# GPU_BENCH_S, GPU_GEN_S, GPU_VISION_S, GPU_DECODE_S. GPU_PARTS=decode (not a default part) times the decode engine's GPU
+# set-up (issue 51: benchmarks/generation.py --preset qwen0.5b, tokens/s, ms per step and the device's bound), about
+# 1-3 minutes. GPU_PARTS=update (not a default part) times lmrl's rest of a step alone under
 # four settings, each run at most GPU_UPDATE_S (default 130) seconds, GPU_UPDATE_ARGS added to each (--tiny: a check on a CPU). The suite runs on GPU_WORKERS pytest workers (default 14), each test at most 180 s; GPU_TESTS
 # narrows it (pytest arguments; default: tests), GPU_PARTS chooses the parts (default: suite bench gen vision; the whole suite
 # alone took more than 320 s on 8 workers of an H100 machine, and did not end in 465 s on 12 beside the vision part,
@@ -44,6 +46,14 @@ if [[ $parts == *" gen "* ]]; then  # generation tokens/s of the backends (vLLM'
         --preset shipped 30m 100m --backends $backends --repeats 3 --record generation-gpu 2>&1 | tee "$out/generation.txt"
     gen=${PIPESTATUS[0]}
 fi
+decode=0
+if [[ $parts == *" decode "* ]]; then  # the decode engine's GPU set-up: 512 rows x 256 tokens, Qwen2-0.5B's shape, bf16
+    backends="hf lmrl engine"
+    python3 -c "import vllm" 2>/dev/null && backends="hf lmrl engine vllm"
+    LMRL_RESULTS_DIR="$out/results" limit "${GPU_DECODE_S:-540}" python3 benchmarks/generation.py --preset qwen0.5b \
+        --backends $backends --modes no-eos --repeats 2 --record generation-gpu-decode 2>&1 | tee "$out/decode.txt"
+    decode=${PIPESTATUS[0]}
+fi
 if [[ $parts == *" vision "* ]]; then  # a Qwen2.5-VL of the 3B model's shape (random weights) through lmrl's Trainer
     limit "${GPU_VISION_S:-540}" python3 benchmarks/gpu_vision.py 2>&1 | tee "$out/gpu_vision.txt"
     vision=${PIPESTATUS[0]}
@@ -57,5 +67,5 @@ if [[ $parts == *" update "* ]]; then  # not by default: lmrl alone, its rest of
         update=$(( update || PIPESTATUS[0] ))
     done
 fi
-echo "suite exit $suite, benchmark exit $bench, generation exit $gen, vision exit $vision, update exit $update"
+echo "suite exit $suite, benchmark exit $bench, generation exit $gen, decode exit $decode, vision exit $vision, update exit $update"
 exit $(( suite || bench || gen || vision || update ))

@@ -54,12 +54,12 @@ VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_
             "rloo-lora": ["algorithm=rloo", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"],
             # PPO's value head on the policy's backbone: the value loss's gradient reaches the policy too
             "ppo-shared": ["algorithm=ppo", "model.shared_critic=true"],
-            # DAPO with dynamic sampling: one round keeps 3 groups of 8 (seed 0), split 1 + 2 over 2 ranks, and
+            # DAPO with dynamic sampling: one round keeps 5 groups of 8 (seed 2), split 2 + 3 over 2 ranks, and
             # micro-batches of one group, so that the ranks make different numbers of forwards
             # on-policy distillation: the teacher (the shipped calculator model: the same tokenizer, other weights)
             # scores each rank's share; its per-token signal joins GRPO's advantage
             "grpo-distill": ["algorithm=grpo", "algorithm.teacher=tiny-calculator"],
-            "dapo": ["algorithm=dapo", "algorithm.max_sampling_rounds=1", "train.seed=0", "optim.micro_batch_size=4",
+            "dapo": ["algorithm=dapo", "algorithm.max_sampling_rounds=1", "train.seed=2", "optim.micro_batch_size=4",
                      "train.share_prompt=false"]}
 # train.share_prompt=false where ranks batch rows differently than one process does (uneven shares; FSDP, under
 # which the shared-prompt forward steps aside): its float rounding depends on which rows share a forward, and

@@ -83,7 +83,7 @@ def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
     limit = re.search(r"a generation needs >= ([\d.e-]+) s", out)
     assert limit and float(limit.group(1)) > 0, out
     line = re.search(r"lmrl\s+samples/s\s+([\d.]+) \(1.00x lmrl\).*tokens/s, ([\d.]+)x the limit\).*decode: (\w+)", out)
-    decode = "cuda_graph" if torch.cuda.is_available() else "shared_prompt"
+    decode = "cuda_graph" if torch.cuda.is_available() else "engine"
     assert line and float(line.group(1)) > 0 and float(line.group(2)) >= 1 and line.group(3) == decode, out
     assert re.search(r"rest [\d.]+ s \(experience [\d.]+ \+ update [\d.]+\)", out), out  # where lmrl's rest goes
     assert "lmrl's config overrides: optim.micro_batch_size=4 train.logprob_chunk_size=null" in out

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import lmrl.engine.llama as llama
 import lmrl.kernels as kernels
-import lmrl.rollout.shared_prompt_decoder as spd
 from lmrl.models.shared_prompt import apply_rotary
 from lmrl.rollout import HFGenerator, SamplingParams
 from tests.rollout.test_hf_generator import encode, gqa_model, reference_logprobs, scrambled_model
@@ -32,56 +32,61 @@ def tok():
 
 @pytest.fixture
 def kernel_steps(monkeypatch):
-    """A list that gets one entry per decode step taken with the kernels."""
+    """A list that gets one entry per layer's attention run by the kernel."""
     steps = []
-    real_step = spd.SharedPromptDecoder._kernel_step
-    monkeypatch.setattr(spd.SharedPromptDecoder, "_kernel_step", lambda self, *a: steps.append(1) or real_step(self, *a))
+    real = kernels.DecodeKernels.decode_attention
+    monkeypatch.setattr(kernels.DecodeKernels, "decode_attention", lambda self, *a, **k: steps.append(1) or real(self, *a, **k))
     return steps
 
 
-def attention_by_hand(qkv, cos, sin, position, pk, pv, bias, rk, rv, row_prompt, heads, t, scale):
+def attention_by_hand(qkv, cos, sin, position, pk, pv, prompt_length, rk, rv, row_prompt, row_length, heads, scale):
     """What `decode_attention` computes, with plain tensor ops (rows one by one)."""
     b = qkv.shape[0]
-    _, kv, _, d = pk.shape
+    _, kv, p, d = pk.shape
     group = heads // kv
     q, k, v = qkv.split([heads * d, kv * d, kv * d], dim=-1)
     c, s = cos[position][:, None], sin[position][:, None]
     q, k = apply_rotary(q.view(b, heads, d), c, s), apply_rotary(k.view(b, kv, d), c, s)
     keys, values = rk.clone(), rv.clone()
-    keys[:, :, t], values[:, :, t] = k, v.view(b, kv, d)
+    rows = torch.arange(b)
+    keys[rows, :, row_length], values[rows, :, row_length] = k, v.view(b, kv, d)
     out = torch.empty(b, heads, d)
     for r in range(b):
-        u = int(row_prompt[r])
+        u, n = int(row_prompt[r]), int(row_length[r]) + 1
+        m = int(prompt_length[u])
         for h in range(heads):
             kh = h // group
-            all_keys = torch.cat([pk[u, kh], keys[r, kh, : t + 1]])
-            all_values = torch.cat([pv[u, kh], values[r, kh, : t + 1]])
-            scores = all_keys @ q[r, h] * scale + torch.cat([bias[u], torch.zeros(t + 1)])
-            out[r, h] = torch.softmax(scores, -1) @ all_values
+            all_keys = torch.cat([pk[u, kh, p - m:], keys[r, kh, :n]])
+            all_values = torch.cat([pv[u, kh, p - m:], values[r, kh, :n]])
+            out[r, h] = torch.softmax(all_keys @ q[r, h] * scale, -1) @ all_values
     return out.view(b, heads * d), keys, values
 
 
 @pytest.mark.parametrize("heads, kv", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("t", [0, 5])
-def test_decode_attention_equals_plain_ops(lib, heads, kv, t):
-    """Rotary, the cache writes and attention over [prompt | response], with grouped-query heads, two
-    prompts of which one is padded (-inf-like bias), rows not in prompt order."""
-    g = torch.Generator().manual_seed(heads * 10 + kv + t)
-    b, d, p, capacity, u = 5, 8, 3, 9, 2
+@pytest.mark.parametrize("lengths", [[0, 0, 0, 0, 0], [5, 0, 2, 7, 1]])
+def test_decode_attention_equals_plain_ops(lib, heads, kv, lengths):
+    """Rotary, the cache writes and attention over [prompt | response], with grouped-query heads, prompts of
+    different lengths (right-aligned, the columns before them never read), rows not in prompt order and of
+    different response lengths, a cache with more rows than the step."""
+    g = torch.Generator().manual_seed(heads * 10 + kv + sum(lengths))
+    b, d, p, capacity, u = 5, 8, 4, 9, 3
     qkv = torch.randn(b, (heads + 2 * kv) * d, generator=g)
     angles = torch.arange(20.0)[:, None] * torch.linspace(0.1, 1.0, d // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [L, D] HF layout
     position = torch.tensor([3, 4, 5, 6, 4])
-    pk, pv = torch.randn(u, kv, p, d, generator=g), torch.randn(u, kv, p, d, generator=g)
-    bias = torch.zeros(u, p)
-    bias[1, 0] = torch.finfo(torch.float32).min  # prompt 1 is left-padded
-    rk, rv = torch.randn(b, kv, capacity, d, generator=g), torch.randn(b, kv, capacity, d, generator=g)
-    row_prompt = torch.tensor([1, 0, 1, 1, 0])
-    expected, keys, values = attention_by_hand(qkv, cos, sin, position, pk, pv, bias, rk, rv, row_prompt, heads, t, 0.3)
-    out = lib.decode_attention(qkv, cos, sin, position, pk, pv, bias, rk, rv, row_prompt, heads, t, 0.3)
+    pk, pv = torch.randn(u + 1, kv, p, d, generator=g), torch.randn(u + 1, kv, p, d, generator=g)
+    prompt_length = torch.tensor([4, 2, 1])
+    pk[1, :, :2] = pv[1, :, :2] = float("nan")  # before prompt 1's columns: never read
+    rk, rv = torch.randn(b + 2, kv, capacity, d, generator=g), torch.randn(b + 2, kv, capacity, d, generator=g)
+    row_prompt, row_length = torch.tensor([1, 0, 2, 1, 0]), torch.tensor(lengths)
+    for r, n in enumerate(lengths):
+        rk[r, :, n + 1:] = rv[r, :, n + 1:] = float("nan")  # past each row's new column: never read
+    expected, keys, values = attention_by_hand(qkv, cos, sin, position, pk, pv, prompt_length, rk, rv, row_prompt,
+                                               row_length, heads, 0.3)
+    out = lib.decode_attention(qkv, cos, sin, position, pk, pv, prompt_length, rk, rv, row_prompt, row_length, heads, 0.3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rk, keys, atol=1e-6, rtol=1e-6)  # written at t, the rest untouched
-    torch.testing.assert_close(rv, values, atol=0, rtol=0)
+    torch.testing.assert_close(rk, keys, atol=1e-6, rtol=1e-6, equal_nan=True)  # written at each row's column only
+    torch.testing.assert_close(rv, values, atol=0, rtol=0, equal_nan=True)
 
 
 def test_rms_norm_equals_torch(lib):
@@ -102,7 +107,7 @@ def test_rollout_with_kernels_equals_pytorch_path(lib, tok, arch, monkeypatch, k
         params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
         fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
         assert kernel_steps, "the kernel path did not run"
-        monkeypatch.setattr(spd, "load_kernels", lambda: None)
+        monkeypatch.setattr(llama, "load_kernels", lambda: None)
         plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
         expected = reference_logprobs(model, fast, 0.9)
     finally:
@@ -118,16 +123,17 @@ def test_kernels_for_float32_attention_and_when_switched_on(lib, tok, monkeypatc
     model decodes with the PyTorch path, as does any model with `USE_KERNELS` off."""
     model = scrambled_model(tok)
     seen = []
-    real_init = spd.SharedPromptDecoder.__init__
+    real = llama.LlamaStep.new_cache
 
     def spy(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
+        cache = real(self, *args, **kwargs)
         seen.append(self.kernels)
+        return cache
 
-    monkeypatch.setattr(spd.SharedPromptDecoder, "__init__", spy)
+    monkeypatch.setattr(llama.LlamaStep, "new_cache", spy)
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         HFGenerator(model.to(dtype), tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
-    monkeypatch.setattr(spd, "USE_KERNELS", False)
+    monkeypatch.setattr(llama, "USE_KERNELS", False)
     HFGenerator(model.float(), tok).generate(encode(tok, ["ab"]), 2, SamplingParams(max_new_tokens=3, seed=0))
     assert seen == [lib, lib, None, None]
 
@@ -143,7 +149,7 @@ def test_bf16_sampler_with_kernels_is_as_close_to_the_float32_policy(lib, tok, a
     params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3)
     fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
     assert kernel_steps
-    monkeypatch.setattr(spd, "load_kernels", lambda: None)
+    monkeypatch.setattr(llama, "load_kernels", lambda: None)
     plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
 
     def error(rollout):
@@ -180,7 +186,7 @@ def test_rollout_under_bf16_autocast_decodes_with_pytorch(lib, tok, monkeypatch,
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast = HFGenerator(model, tok).generate(encode(tok), 3, params)
-        monkeypatch.setattr(spd, "load_kernels", lambda: None)
+        monkeypatch.setattr(llama, "load_kernels", lambda: None)
         plain = HFGenerator(model, tok).generate(encode(tok), 3, params)
     assert not kernel_steps
     assert torch.equal(fast.response_ids, plain.response_ids)
@@ -194,8 +200,9 @@ def test_kernel_entry_points_refuse_what_they_cannot_read(lib):
     def args(**change):
         a = dict(qkv=torch.randn(b, (heads + 2 * kv) * d), cos=torch.ones(10, d), sin=torch.zeros(10, d),
                  position=torch.tensor([3, 4]), prompt_keys=torch.randn(u, kv, p, d), prompt_values=torch.randn(u, kv, p, d),
-                 prompt_bias=torch.zeros(u, p), response_keys=torch.zeros(b, kv, capacity, d),
-                 response_values=torch.zeros(b, kv, capacity, d), row_prompt=torch.tensor([0, 1]), heads=heads, t=0, scale=0.5)
+                 prompt_length=torch.tensor([3, 2]), response_keys=torch.zeros(b, kv, capacity, d),
+                 response_values=torch.zeros(b, kv, capacity, d), row_prompt=torch.tensor([0, 1]),
+                 row_length=torch.tensor([0, 4]), heads=heads, scale=0.5)
         return a | change
 
     assert lib.decode_attention(**args()).shape == (b, heads * d)
@@ -205,15 +212,19 @@ def test_kernel_entry_points_refuse_what_they_cannot_read(lib):
         "response_values": torch.zeros(b, kv, capacity - 1, d),
         "position": torch.tensor([3, 10]),
         "row_prompt": torch.tensor([0, 2]),
-        "t": capacity,
+        "row_length": torch.tensor([0, capacity]),
+        "prompt_length": torch.tensor([3, p + 1]),
         "heads": 3,
     }
     for name, value in bad.items():
         with pytest.raises(ValueError, match="decode_attention"):
             lib.decode_attention(**args(**{name: value}))
-    for name in ("qkv", "position"):  # checked at every call, also after `check_attention` passed the rest
+    for name in ("qkv", "position", "row_length"):  # checked at every call, also after `check_attention` passed the rest
         with pytest.raises(ValueError, match="decode_attention"):
             lib.decode_attention(**args(**{name: bad[name].bfloat16()}), checked=True)
+    with pytest.raises(ValueError, match="decode_attention"):  # more rows than the cache holds
+        lib.decode_attention(**args(qkv=torch.randn(3, (heads + 2 * kv) * d), position=torch.tensor([3, 4, 5]),
+                                    row_prompt=torch.tensor([0, 1, 1]), row_length=torch.tensor([0, 1, 2])))
     with pytest.raises(ValueError, match="rms_norm"):
         lib.rms_norm(torch.randn(3, 8).bfloat16(), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="rms_norm"):

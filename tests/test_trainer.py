@@ -133,8 +133,9 @@ def _step_with_zeroed_groups(tmp_path, skip: bool, zero_groups, steps=1, *overri
                            model=tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0))
     c = trainer.collect(1)
     exp = make_experience(c.rollout, c.scores, **trainer.cfg.algorithm.options_for(make_experience), policy_logprobs=None)
-    for g in zero_groups:
-        exp.advantages[exp.group_index == g] = 0.0
+    for g in exp.group_index.unique().tolist():  # the listed groups' advantages 0, every other row's nonzero
+        rows = exp.group_index == g
+        exp.advantages[rows] = 0.0 if g in zero_groups else torch.where(exp.advantages[rows] == 0, 0.25, exp.advantages[rows])
     if not skip:
         trainer.updater.rows_with_gradient = lambda mb: torch.arange(len(mb))
     stats = [trainer.updater.optimizer_step(exp if i == 0 else exp.select(torch.arange(len(exp)))) for i in range(steps)]

@@ -5,8 +5,8 @@ costs far more than its arithmetic (dispatch, an OpenMP fork and join, a fresh o
 does two of those pieces as one call each:
 
     decode_attention   rotary of the new query and key, the key / value write into the row's cache, and
-                       attention over the shared prompt keys and the row's own response keys (see
-                       `lmrl.rollout.shared_prompt_decoder.SharedPromptDecoder`)
+                       attention over the row's prompt keys (shared by its group) and its own response keys
+                       (see `lmrl.engine.llama`)
     rms_norm           RMSNorm of a `[rows, hidden]` activation
 
 The source is compiled with `$CC` (default `cc`), `-O3 -march=native -fopenmp`, into
@@ -15,7 +15,7 @@ processes load the cached library. The library uses the OpenMP runtime torch has
 its threads are torch's (`torch.set_num_threads`).
 
 Nothing here is required: without a C compiler, or with `LMRL_KERNELS=0`, `load()` returns None and the
-decoder uses its PyTorch path (same results to float32 rounding; slower). Loaded through ctypes, with
+engine uses its PyTorch path (same results to float32 rounding; slower). Loaded through ctypes, with
 pointers to contiguous float32 CPU tensors the caller checks.
 """
 
@@ -45,60 +45,68 @@ class DecodeKernels:
         self.library = library
         self._attention = library.lmrl_decode_attention
         self._attention.restype = ctypes.c_int
-        self._attention.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_int64] * 2
+        self._attention.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int64] * 2
         self._rms_norm = library.lmrl_rms_norm
         self._rms_norm.restype = None
         self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
 
     def decode_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
-                         prompt_keys: torch.Tensor, prompt_values: torch.Tensor, prompt_bias: torch.Tensor,
+                         prompt_keys: torch.Tensor, prompt_values: torch.Tensor, prompt_length: torch.Tensor,
                          response_keys: torch.Tensor, response_values: torch.Tensor, row_prompt: torch.Tensor,
-                         heads: int, t: int, scale: float, checked: bool = False) -> torch.Tensor:
-        """`[b, heads * D]` attention output of response token t; writes its key and value into the caches.
+                         row_length: torch.Tensor, heads: int, scale: float, checked: bool = False) -> torch.Tensor:
+        """`[b, heads * D]` attention output of each row's next token; writes its key and value into the row's cache.
 
         Args:
             qkv: `[b, (heads + 2K) * D]` the fused q / k / v projection of each row's new token.
             cos, sin: `[L, D]` rotary tables by position; position: `[b]` int64 position of each row.
-            prompt_keys, prompt_values: `[U, K, P, D]`; prompt_bias: `[U, P]` additive (padding: -inf-like).
-            response_keys, response_values: `[b, K, capacity, D]`, written at position t.
-            row_prompt: `[b]` int64 prompt of each row.
-            checked: the tensors other than `qkv` and `position` already passed `check_attention` (a
-                decoder checks them once per rollout and after each change, not at every step).
+            prompt_keys, prompt_values: `[U, K, P, D]`, each prompt right-aligned; prompt_length: `[u]` (u <= U) the
+                columns of each prompt in use.
+            response_keys, response_values: `[R, K, capacity, D]` (R >= b), row r written at column row_length[r].
+            row_prompt: `[b]` int64 prompt of each row; row_length: `[b]` int64 response tokens it has so far.
+            checked: the caches and `prompt_length` already passed `check_attention` (an engine checks them once
+                per change of its buffers, not at every step).
         All float32 / int64, contiguous, on the CPU: anything else, or an index out of range, is a
         ValueError before the kernel touches memory.
         """
         if not checked:
-            self.check_attention(cos, sin, prompt_keys, prompt_values, prompt_bias, response_keys, response_values,
-                                 row_prompt, heads)
-        (b, kv, capacity, d), (u, _, p, _) = response_keys.shape, prompt_keys.shape
+            self.check_attention(cos, sin, prompt_keys, prompt_values, prompt_length, response_keys, response_values,
+                                 heads)
+        (_, kv, capacity, d), (u, _, p, _) = response_keys.shape, prompt_keys.shape
+        b = qkv.shape[0]
         _check("decode_attention", "qkv", qkv, torch.float32, (b, (heads + 2 * kv) * d))
-        _check("decode_attention", "position", position, torch.int64, (b,))
+        for name, x in (("position", position), ("row_prompt", row_prompt), ("row_length", row_length)):
+            _check("decode_attention", name, x, torch.int64, (b,))
+        if b > response_keys.shape[0]:
+            raise ValueError(f"lmrl decode_attention: {b} rows for a cache of {response_keys.shape[0]}")
         out = qkv.new_empty((b, heads * d))
         failed = self._attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), position.data_ptr(), prompt_keys.data_ptr(),
-            prompt_values.data_ptr(), prompt_bias.data_ptr(), response_keys.data_ptr(), response_values.data_ptr(),
-            row_prompt.data_ptr(), out.data_ptr(), b, heads, kv, d, p, capacity, t, scale, cos.shape[0], u,
+            prompt_values.data_ptr(), prompt_length.data_ptr(), response_keys.data_ptr(), response_values.data_ptr(),
+            row_prompt.data_ptr(), row_length.data_ptr(), out.data_ptr(), b, heads, kv, d, p, capacity, scale,
+            cos.shape[0], prompt_length.shape[0],
         )
         if failed == 2:
-            raise ValueError(f"lmrl decode_attention: t={t}, a position or a row's prompt is out of range "
-                             f"(capacity {capacity}, {cos.shape[0]} rotary positions, {u} prompts)")
+            raise ValueError(f"lmrl decode_attention: a position, a row's prompt or length, or a prompt's length is "
+                             f"out of range (capacity {capacity}, {cos.shape[0]} rotary positions, {u} prompts of "
+                             f"{p} columns)")
         if failed:
             raise MemoryError("lmrl decode_attention: could not allocate its scratch memory")
         return out
 
     @staticmethod
     def check_attention(cos: torch.Tensor, sin: torch.Tensor, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
-                        prompt_bias: torch.Tensor, response_keys: torch.Tensor, response_values: torch.Tensor,
-                        row_prompt: torch.Tensor, heads: int) -> None:
+                        prompt_length: torch.Tensor, response_keys: torch.Tensor, response_values: torch.Tensor,
+                        heads: int) -> None:
         """ValueError unless `decode_attention` can read these (see there) through raw pointers."""
         u, kv, p, d = prompt_keys.shape if prompt_keys.dim() == 4 else (-1,) * 4
-        b, capacity = (response_keys.shape[0], response_keys.shape[2]) if response_keys.dim() == 4 else (-1, -1)
+        rows, capacity = (response_keys.shape[0], response_keys.shape[2]) if response_keys.dim() == 4 else (-1, -1)
         f32 = torch.float32
         for name, x, dtype, shape in [
             ("cos", cos, f32, (cos.shape[0], d)), ("sin", sin, f32, cos.shape),
             ("prompt_keys", prompt_keys, f32, (u, kv, p, d)), ("prompt_values", prompt_values, f32, (u, kv, p, d)),
-            ("prompt_bias", prompt_bias, f32, (u, p)), ("response_keys", response_keys, f32, (b, kv, capacity, d)),
-            ("response_values", response_values, f32, (b, kv, capacity, d)), ("row_prompt", row_prompt, torch.int64, (b,)),
+            ("prompt_length", prompt_length, torch.int64, (min(prompt_length.shape[0], u),)),
+            ("response_keys", response_keys, f32, (rows, kv, capacity, d)),
+            ("response_values", response_values, f32, (rows, kv, capacity, d)),
         ]:
             _check("decode_attention", name, x, dtype, shape)
         if d % 2 or kv < 1 or heads % kv:

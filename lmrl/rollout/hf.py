@@ -5,10 +5,10 @@ rollout uses the current weights. It is faster than `model.generate` because it 
 rollouts need:
 
 1. prefill each distinct prompt once (`generate(num_return_sequences=n)` runs the prompt `n` times);
-2. for Llama / Qwen2 models, decode steps with shared-prompt attention: each prompt's keys and
-   values stored once, not once per completion, projections fused, C kernels on CPU
-   (`lmrl.rollout.shared_prompt_decoder.SharedPromptDecoder`, which holds the switches
-   `PACK_WEIGHTS`, `PACK_MIN_ELEMENTS` and `USE_KERNELS`);
+2. Llama / Qwen2 models decode in lmrl's engine (`lmrl.engine.DecodeEngine`): continuous batching
+   (at most `batch_size` rows in a step, more joining as rows end), each prompt's keys and values
+   stored once, not once per completion, projections fused, C kernels on CPU; (3) and (4) below are
+   the other models' loop;
 3. other models: the prompt's KV cache is copied to its `n` completions, in a cache preallocated
    for prompt + `max_new_tokens` (no `torch.cat` of the whole cache per step) with, for
    full-attention models, a ready-made 4D attention mask sliced per step;
@@ -23,19 +23,22 @@ own `DynamicCache` and mask construction instead of (2) and (3); everything else
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
+from lmrl.engine import DecodeEngine, Ended, Request
+from lmrl.engine import supports as engine_supports
+from lmrl.engine.cache import PrefillLayer
+from lmrl.engine.engine import cache_keyword
+from lmrl.engine.sampling import row_keys, sample
 from lmrl.models.shared_prompt import full_attention
 from lmrl.models.vision import Media, batch_media, media_token_ids, mrope_positions
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import cut_at_stop, decode_batch
-from lmrl.rollout.shared_prompt_decoder import SharedPromptDecoder
 from lmrl.rollout.static_decode import MASKED_KERNELS, StaticDecoder, decode_path
 
 # Compact the batch (drop finished rows from the forward pass and the KV cache) once this fraction
@@ -44,68 +47,6 @@ from lmrl.rollout.static_decode import MASKED_KERNELS, StaticDecoder, decode_pat
 COMPACT_FRACTION = 0.25
 # Stop strings are searched in the decoded last (longest stop string in characters + this) tokens.
 STOP_WINDOW_MARGIN = 8
-
-
-class _PreallocatedLayer(DynamicLayer):
-    """A full-attention KV-cache layer that writes into a buffer sized for the whole rollout.
-
-    transformers' `DynamicLayer` concatenates the whole cache at every step (quadratic copying);
-    this layer writes the new keys and values in place and returns views of the filled prefix.
-    Buffers are `[B, capacity, H, D]` (sequence before heads) and the views `[B, H, L, D]`: each
-    row's filled prefix is then one contiguous block, which CPU attention reads about as fast as a
-    contiguous tensor (a `[B, H, capacity, D]` buffer sliced to L is ~2x slower in sdpa).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-        self.length = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        b, h, _, d = key_states.shape
-        self.key_buffer = key_states.new_empty((b, self.capacity, h, d))
-        self.value_buffer = value_states.new_empty(
-            (b, self.capacity, value_states.shape[1], value_states.shape[3])
-        )
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {end} tokens for a capacity of {self.capacity}")
-        self.key_buffer[:, self.length : end] = key_states.transpose(1, 2)
-        self.value_buffer[:, self.length : end] = value_states.transpose(1, 2)
-        self.length = end
-        self._set_views()
-        return self.keys, self.values
-
-    def _set_views(self) -> None:
-        self.keys = self.key_buffer[:, : self.length].transpose(1, 2)  # [B, H, L, D]
-        self.values = self.value_buffer[:, : self.length].transpose(1, 2)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        # index_select also repeats rows: this is how the prompt cache is copied to its n completions
-        if self.is_initialized:
-            self.key_buffer = self.key_buffer.index_select(0, indices)
-            self.value_buffer = self.value_buffer.index_select(0, indices)
-            self._set_views()
-
-
-def cache_keyword(model: nn.Module) -> str:
-    """The forward argument that takes the KV cache: `cache` in transformers releases that renamed it
-    (5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`. A peft model
-    passes it through to its base model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -123,9 +64,8 @@ class _Prefill:
     """What a chunk's decode loop starts from: the prefilled cache, the decode path's state, the first logits."""
 
     static: bool  # fixed-shape step (`StaticDecoder`): every row steps, the active ones are sampled
-    lean: bool  # shared-prompt step (`SharedPromptDecoder`)
     cache: Cache
-    decoder: StaticDecoder | SharedPromptDecoder | None  # None: the model's own forward on `cache`
+    decoder: StaticDecoder | None  # None: the model's own forward on `cache`
     mask: torch.Tensor | None  # the model's forward: `attention_mask` over [prompt | response], sliced per step
     logits: torch.Tensor  # [b, V] float32, at each row's last prompt token
     next_position: torch.Tensor  # [b] position of each row's first response token
@@ -148,8 +88,10 @@ class HFGenerator:
             `model.generation_config.eos_token_id` (an id or a list) and `tokenizer.eos_token_id`.
             An empty list disables EOS (completions run to `max_new_tokens`).
         pad_token_id: Id that fills padding; defaults to the tokenizer's pad id, else the first EOS id.
-        seed: Seed of the generator's own `torch.Generator`, used when `SamplingParams.seed` is
-            None. None draws it from torch's global RNG (so `torch.manual_seed` fixes it).
+        seed: Seed of the generator's own random stream, used when `SamplingParams.seed` is None (each
+            call then draws its seed from it). None draws it from torch's global RNG (so `torch.manual_seed`
+            fixes it). Row i of a call samples from its own stream (`lmrl.engine.sampling`): the same
+            tokens whichever decode path, `batch_size` or neighbours it has.
         cuda_graph: On CUDA, decode with fixed shapes and replay each step as a CUDA graph
             (`lmrl.rollout.static_decode`) where the model allows it; `decode_path` says why not.
         fixed_shapes: Take the fixed-shape decode step even where no graph is captured (a CPU):
@@ -188,7 +130,7 @@ class HFGenerator:
         self._banned = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        self._rng = torch.Generator(device=self.device)
+        self._rng = torch.Generator()  # on the host: a call's seed is drawn with no device round trip
         self._rng.manual_seed(seed)
 
         text_config = model.config.get_text_config(decoder=True)
@@ -202,10 +144,10 @@ class HFGenerator:
             raise ValueError("fixed_shapes: needs a full-attention model with the sdpa or eager kernel")
 
     def decode_path(self) -> tuple[str, str]:
-        """The decode path the next chunk takes, and why: "cuda_graph", "fixed_shapes" (the same step
-        without a graph), "shared_prompt" or "cache" (`lmrl.rollout.static_decode.decode_path`). Asked per
-        chunk: hooks (FSDP's) may come and go."""
-        lean = self._full_attention and SharedPromptDecoder.supports(self.model)
+        """The decode path the next call takes, and why: "cuda_graph", "fixed_shapes" (the same step
+        without a graph), "engine" (`lmrl.engine`) or "cache" (`lmrl.rollout.static_decode.decode_path`). Asked per
+        call: hooks (FSDP's) may come and go."""
+        lean = self._full_attention and engine_supports(self.model)
         path, why = decode_path(self.model, self.device, self.cuda_graph, lean)
         if self.fixed_shapes and path != "cuda_graph":
             return "fixed_shapes", "fixed_shapes=True"
@@ -235,13 +177,13 @@ class HFGenerator:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
-        rng = self._rng
-        if params.seed is not None:
-            rng = torch.Generator(device=self.device)
-            rng.manual_seed(params.seed)
+        base = params.seed if params.seed is not None else self.draw_seed()
 
+        if self.decode_path()[0] == "engine" and (media is None or all(m is None for m in media)):
+            return self._generate_engine(prompts, n, params, base)
         num_rows = len(prompts) * n
         row_prompt = torch.arange(len(prompts)).repeat_interleave(n)  # [B]
+        keys = row_keys(base, torch.arange(num_rows, device=self.device))  # [B] each row's random stream
         if self.batch_size is None or self.batch_size >= num_rows:
             chunks = [torch.arange(num_rows)]
         else:
@@ -256,24 +198,72 @@ class HFGenerator:
         try:
             with torch.inference_mode():
                 for rows in chunks:
-                    results.append(self._generate_chunk(prompts, row_prompt[rows].tolist(), params, rng, media))
+                    results.append(self._generate_chunk(prompts, row_prompt[rows].tolist(), params,
+                                                        keys[rows.to(self.device)], media))
         finally:
             self.model.train(was_training)
         return self._assemble(prompts, n, chunks, results, params)
+
+    def draw_seed(self) -> int:
+        """The next seed of the generator's own stream (a call without `SamplingParams.seed`)."""
+        return int(torch.randint(0, 2**62, (), generator=self._rng))
+
+    def _generate_engine(self, prompts: list[list[int]], n: int, params: SamplingParams, base: int) -> Rollout:
+        """Every row through one `DecodeEngine`: rows of prompts of similar length first, at most `batch_size` in a
+        step, more joining as rows end (a quarter of the room free, or none in flight)."""
+        num_rows = len(prompts) * n
+        limit = min(self.batch_size or num_rows, num_rows)
+        by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        keys = row_keys(base, torch.arange(num_rows)).tolist()
+        queue = [Request(prompts[i], params.max_new_tokens, i * n + j, keys[i * n + j]) for i in by_length for j in range(n)]
+        stops = StopChecker(self.tokenizer, params.stop) if params.stop else None
+        results: list[Ended | None] = [None] * num_rows
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                engine = DecodeEngine(self.model, params, self.eos_token_ids, banned=self._banned, stops=stops,
+                                      rows=limit, pad_token_id=self.pad_token_id)
+                taken = 0
+                while taken < num_rows or len(engine):
+                    room = limit - len(engine)
+                    if taken < num_rows and (not len(engine) or room >= max(1, limit // 4)):
+                        engine.add(queue[taken: taken + room])
+                        taken += len(queue[taken: taken + room])
+                    for ended in engine.step():
+                        results[ended.owner] = ended
+        finally:
+            self.model.train(was_training)
+        return self._rollout(prompts, n, results, params)
+
+    def _rollout(self, prompts: list[list[int]], n: int, rows: list[Ended], params: SamplingParams) -> Rollout:
+        """The `Rollout` of rows decoded by the engine, in prompt order, responses right-padded."""
+        width = max(len(r.tokens) for r in rows)
+        tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+            logprobs[i, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+        lengths = torch.tensor([len(r.tokens) for r in rows])
+        finished = torch.tensor([r.finished for r in rows], dtype=torch.bool)
+        texts = [cut_at_stop(text, params.stop)
+                 for text in decode_batch(self.tokenizer, [r.tokens for r in rows], skip_special_tokens=True)]
+        return self._as_rollout(prompts, n, tokens.to(self.device), logprobs.to(self.device),
+                                lengths.to(self.device), finished.to(self.device), texts)
 
     def _generate_chunk(
         self,
         prompts: list[list[int]],
         row_prompt: list[int],
         params: SamplingParams,
-        rng: torch.Generator,
+        keys: torch.Tensor,
         media: Sequence[Media | None] | None = None,
     ) -> _ChunkResult:
         """Prefill the distinct prompts of `row_prompt`, then decode one completion per row."""
         device, max_new, num_rows = self.device, params.max_new_tokens, len(row_prompt)
         # 1. prefill: each distinct prompt once
         start = self._prefill(prompts, row_prompt, max_new, media)
-        static, lean, cache, decoder, mask = start.static, start.lean, start.cache, start.decoder, start.mask
+        static, cache, decoder, mask = start.static, start.cache, start.decoder, start.mask
         logits, next_position, prompt_len = start.logits, start.next_position, start.prompt_len
         first_position = next_position  # [b] of every row, as the fixed-shape step takes them
         del start  # the first logits [b, V] are freed once the first step replaces them
@@ -284,11 +274,12 @@ class HFGenerator:
         finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
         active = torch.arange(num_rows, device=device)  # chunk rows still in the forward batch
         done = torch.zeros(num_rows, dtype=torch.bool, device=device)  # per active row
-        stops = _StopChecker(self.tokenizer, params.stop, num_rows) if params.stop else None
+        stops = StopChecker(self.tokenizer, params.stop, num_rows) if params.stop else None
 
         # 2. decode: sample from the last logits, record, feed the token back
         for t in range(max_new):
-            token, token_logprob = _sample(logits, params, rng, self._banned)  # [a], [a]
+            steps = torch.full_like(active, t)
+            token, token_logprob = sample(logits, params, keys[active], steps, self._banned)  # [a], [a]
             tokens[active, t] = token
             logprobs[active, t] = token_logprob
             ended = torch.isin(token, self._eos) if len(self.eos_token_ids) else torch.zeros_like(done)
@@ -310,18 +301,13 @@ class HFGenerator:
                     token[keep],
                     next_position[keep],
                 )
-                if lean:
-                    decoder.select(keep)
-                elif not static:  # fixed shapes keep every row in the step; only the sampling leaves them
+                if not static:  # fixed shapes keep every row in the step; only the sampling leaves them
                     cache.batch_select_indices(keep)
                     mask = mask[keep]
             if static:  # every row steps (finished ones on padding); the rows still active are sampled
                 every = torch.full((num_rows,), self.pad_token_id, dtype=torch.long, device=device)
                 every[active] = token
                 logits = decoder.step(every, first_position + t, t).index_select(0, active).float()
-                continue
-            if lean:
-                logits = decoder.step(token, next_position + t, t).float()
                 continue
             kv_length = prompt_len + t + 1
             out = self.model(
@@ -350,8 +336,8 @@ class HFGenerator:
 
         # positions count real tokens only (left padding)
         path, _ = self.decode_path()
-        static, lean = path in ("cuda_graph", "fixed_shapes"), path == "shared_prompt"
-        cache = self._new_cache(prompt_len if lean or static else capacity)
+        static = path in ("cuda_graph", "fixed_shapes")
+        cache = self._new_cache(prompt_len if static else capacity)
         position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
         next_position = prompt_mask.sum(1)  # [U]
         extra = batch_media([media[p] for p in distinct], device) if media is not None else {}
@@ -373,15 +359,13 @@ class HFGenerator:
         if static:
             decoder = StaticDecoder(self.model, cache, prompt_mask, row_local, max_new, self._cache_kwarg,
                                     graph=path == "cuda_graph")
-        elif lean:
-            decoder = SharedPromptDecoder(self.model, cache, prompt_mask, row_local, max_new)
         else:
             cache.batch_select_indices(row_local)  # copy each prompt's cache to its rows
             # attention over [prompt | response]: the response part is all ones, sliced per step
             mask = torch.ones(num_rows, capacity, dtype=torch.bool, device=device)
             mask[:, :prompt_len] = prompt_mask.index_select(0, row_local)
             mask = self._decode_mask(mask)
-        return _Prefill(static, lean, cache, decoder, mask, logits, next_position, prompt_len)
+        return _Prefill(static, cache, decoder, mask, logits, next_position, prompt_len)
 
     def _trimmed(self, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor,
                  finished: torch.Tensor) -> _ChunkResult:
@@ -394,7 +378,7 @@ class HFGenerator:
 
     def _new_cache(self, capacity: int) -> Cache:
         if self._full_attention:
-            return Cache(layers=[_PreallocatedLayer(capacity) for _ in range(self._num_layers)])
+            return Cache(layers=[PrefillLayer(capacity) for _ in range(self._num_layers)])
         return DynamicCache(config=self.model.config)
 
     def _decode_mask(self, mask: torch.Tensor) -> torch.Tensor:
@@ -445,14 +429,18 @@ class HFGenerator:
             logprobs[rows, : r.logprobs.shape[1]] = r.logprobs
             lengths[rows] = r.lengths
             finished[rows] = r.finished
-        response_mask = torch.arange(width, device=self.device) < lengths[:, None]
-        prompt_ids, prompt_mask = self._left_pad(prompts)
-        prompt_index = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
         ids = [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]
         texts = [
             cut_at_stop(text, params.stop)
             for text in decode_batch(self.tokenizer, ids, skip_special_tokens=True)
         ]
+        return self._as_rollout(prompts, n, tokens, logprobs, lengths, finished, texts)
+
+    def _as_rollout(self, prompts: list[list[int]], n: int, tokens: torch.Tensor, logprobs: torch.Tensor,
+                    lengths: torch.Tensor, finished: torch.Tensor, texts: list[str]) -> Rollout:
+        response_mask = torch.arange(tokens.shape[1], device=self.device) < lengths[:, None]
+        prompt_ids, prompt_mask = self._left_pad(prompts)
+        prompt_index = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
         return Rollout(
             prompt_ids=prompt_ids.index_select(0, prompt_index),
             prompt_mask=prompt_mask.index_select(0, prompt_index),
@@ -465,95 +453,50 @@ class HFGenerator:
         )
 
 
-class _StopChecker:
-    """Detects, one step at a time, the token whose decoding completes a stop string.
+class StopChecker:
+    """Finds the token whose decoding completes a stop string, a row's new tokens at a time.
 
-    Only the last `max(len(stop)) + STOP_WINDOW_MARGIN` tokens of each live row are decoded (a stop
-    string of L characters spans at most L tokens that each decode to at least one character), and
-    a stop string is first found in that window at the step that completes it.
+    Only the last `max(len(stop)) + STOP_WINDOW_MARGIN` tokens of a row are decoded (a stop string of L
+    characters spans at most L tokens that each decode to at least one character), after each new token, so a
+    stop string is first found at the token that completes it. Rows are told apart by a key (`new_key`).
     """
 
-    def __init__(self, tokenizer, stop: list[str], num_rows: int) -> None:
+    def __init__(self, tokenizer, stop: list[str], num_rows: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.window = max(len(s) for s in stop) + STOP_WINDOW_MARGIN
         self.history: list[list[int]] = [[] for _ in range(num_rows)]
 
+    def new_key(self) -> int:
+        self.history.append([])
+        return len(self.history) - 1
+
+    def __call__(self, keys: list[int], news: list[list[int]]) -> list[int | None]:
+        """Append each row's new tokens; for each, the index in its new tokens of the one that completed a stop
+        string (the rest are not appended), or None."""
+        hits: list[int | None] = [None] * len(keys)
+        for j in range(max((len(new) for new in news), default=0)):
+            live = [i for i, new in enumerate(news) if j < len(new) and hits[i] is None]
+            tails = []
+            for i in live:
+                history = self.history[keys[i]]
+                history.append(news[i][j])
+                tails.append(history[-self.window:])
+            for i, text in zip(live, decode_batch(self.tokenizer, tails)):
+                if any(s in text for s in self.stop):
+                    hits[i] = j
+        return hits
+
     def update(self, active: torch.Tensor, token: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        """Append this step's tokens; return `[a]` bool, True where a stop string was just completed."""
+        """One step of rows `active` (their keys): append `[a]` tokens of the rows not `done`; `[a]` bool, True where
+        a stop string was just completed."""
         live = (~done).nonzero().squeeze(1).tolist()
         rows, tokens = active.tolist(), token.tolist()
-        tails = []
-        for j in live:
-            history = self.history[rows[j]]
-            history.append(tokens[j])
-            tails.append(history[-self.window :])
+        found = self([rows[j] for j in live], [[tokens[j]] for j in live])
         hit = torch.zeros(done.shape, dtype=torch.bool)
-        for j, text in zip(live, decode_batch(self.tokenizer, tails)):
-            if any(s in text for s in self.stop):
-                hit[j] = True
+        for j, at in zip(live, found):
+            hit[j] = at is not None
         return hit.to(done.device)
-
-
-def _sample(
-    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator, banned: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return it and its log-prob under the untruncated distribution.
-
-    Args:
-        logits: `[B, V]` float32 next-token logits.
-        params: temperature (0 = argmax), top_k, top_p.
-        rng: Source of randomness.
-        banned: `[K]` token ids never sampled (a vision-language model's image placeholders: one in a
-            completion would give the training forward more image tokens than images).
-
-    Returns:
-        `[B]` token ids and `[B]` float32 log softmax(logits / temperature)[token] (temperature 1 when
-        greedy). Top-k / top-p and `banned` only restrict where samples are drawn from; the log-prob is that
-        of the full distribution, which is what the trainer's forward pass computes.
-    """
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = (logits if banned is None else logits.index_fill(1, banned, float("-inf"))).argmax(dim=-1)
-    else:
-        logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [B, V]
-        allowed = logp if banned is None else logp.index_fill(1, banned, float("-inf"))
-        if params.top_k > 0 or params.top_p < 1.0:
-            probs = torch.softmax(_truncate(allowed, params.top_k, params.top_p), dim=-1)
-        else:
-            probs = logp.exp() if banned is None else torch.softmax(allowed, dim=-1)
-        token = _sample_categorical(probs, rng)
-    return token, logp.gather(1, token[:, None]).squeeze(1)
-
-
-def _sample_categorical(probs: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
-    """Draw one index per row of `[B, V]` non-negative weights by inverting the cumulative sum.
-
-    One uniform number per row instead of `torch.multinomial`, which is ~25x slower on CPU for a
-    32k vocabulary. The float64 cumsum keeps the rounding error far below any probability that
-    matters; `right=True` never returns an index of zero weight.
-    """
-    cdf = probs.double().cumsum(-1)  # [B, V]
-    u = torch.rand(cdf.shape[0], 1, generator=rng, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
-
-
-def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf the `[B, V]` log-probs outside the top-k, then outside the top-p nucleus.
-
-    Top-p keeps the smallest set of most likely tokens whose (top-k renormalised) mass reaches
-    `top_p`; the most likely token is always kept.
-    """
-    if 0 < top_k < logp.shape[-1]:
-        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logp = logp.masked_fill(logp < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logp, dim=-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
-        remove = torch.zeros_like(logp, dtype=torch.bool).scatter_(1, order, mass_before >= top_p)
-        logp = logp.masked_fill(remove, float("-inf"))
-    return logp
 
 
 def resolve_eos(model: nn.Module, tokenizer, eos_token_id: int | list[int] | None) -> list[int]:

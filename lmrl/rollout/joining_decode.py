@@ -16,10 +16,9 @@ once, its slot taken by the last row (only that row's keys move). The cache is r
 row reads dropped) only when the slots, the room left of the next column (a longer prompt) or the columns right of
 it (a longer max_new) run out, with a quarter more of each (`SLACK`).
 
-Steps of Llama / Qwen2 models run module by module (`_LeanStep`), others the model's own forward; neither is
-`SharedPromptDecoder`'s shared-prompt kernels, whose rows advance together, so one large request alone decodes
-somewhat slower here than as one `generate` call. Only full-attention models with the sdpa or eager kernel
-(`joinable`); others keep the batcher's whole-call behaviour.
+Llama / Qwen2 models decode in `lmrl.engine.DecodeEngine`, the loop `generate` runs too (this class only hands
+rows in and texts out); others step with the model's own forward over `_JoinLayer`s as above. Only full-attention
+models with the sdpa or eager kernel (`joinable`); others keep the batcher's whole-call behaviour.
 """
 
 from __future__ import annotations
@@ -28,18 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from lmrl.models.shared_prompt import apply_rotary, bypassable, decoder_stack
+from lmrl.engine import DecodeEngine, Request
+from lmrl.engine import supports as engine_supports
+from lmrl.engine.cache import PrefillLayer
+from lmrl.engine.sampling import row_keys, sample
 from lmrl.rollout.base import SamplingParams
-from lmrl.rollout.hf import HFGenerator, _PreallocatedLayer, _sample, _StopChecker
+from lmrl.rollout.hf import HFGenerator, StopChecker
 from lmrl.rollout.ops import cut_at_stop, decode_batch
-from lmrl.rollout.shared_prompt_decoder import _Linear, _rms_norm
 
-# Decode steps of Llama / Qwen2 models module by module (`_LeanStep`) instead of the model's forward; off: the
-# model's forward for every model (the tests run both).
+# Llama / Qwen2 models decode in the engine (`lmrl.engine`); off: the model's forward for every model (the tests run
+# both).
 LEAN_STEPS = True
 # Room a rebuilt cache keeps beyond what the rows in flight need, as a fraction of it: more slots, more columns
 # left of the next one (a longer prompt's) and right of it (a longer max_new's).
@@ -83,6 +82,7 @@ class _Row:
     max_new: int
     start: int  # the first cache column it attends to
     key: int  # its index in the stop checker's history
+    stream: int  # its random stream (`lmrl.engine.sampling.row_keys`)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -144,22 +144,29 @@ class JoiningDecode:
         self.columns = 0  # the next column written
         self.forwards = 0  # forward passes run (prefills and steps): what a test counts
         self.rebuilds = 0
-        self.stops = _StopChecker(generator.tokenizer, params.stop, 0) if params.stop else None
-        lean = LEAN_STEPS and bypassable(generator.model)
-        self.lean = _LeanStep(generator.model) if lean else None
+        self.stops = StopChecker(generator.tokenizer, params.stop, 0) if params.stop else None
+        self.lean = None  # the engine, for the models it decodes
+        if LEAN_STEPS and engine_supports(generator.model):
+            self.lean = DecodeEngine(generator.model, params, generator.eos_token_ids, banned=generator._banned, stops=self.stops, rows=generator.batch_size or 64,
+                                     pad_token_id=generator.pad_token_id)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.lean) if self.lean is not None else len(self.rows)
 
     def add(self, joining: list[Joining]) -> None:
         """Prefill the distinct prompts of `joining` and put their rows in the batch; their first token is sampled
         by the next `step`."""
         g = self.g
+        if self.lean is not None:
+            keys = row_keys(g.draw_seed(), torch.arange(len(joining))).tolist()
+            self.lean.add([Request(j.prompt, j.max_new, j.owner, k) for j, k in zip(joining, keys)])
+            self.forwards, self.rebuilds = self.lean.forwards, self.lean.rebuilds
+            return
         distinct = list(dict.fromkeys(tuple(j.prompt) for j in joining))
         local = torch.tensor([distinct.index(tuple(j.prompt)) for j in joining], device=g.device)  # [r]
         ids, prompt_mask = g._left_pad([list(p) for p in distinct])  # [U, P]
         width = ids.shape[1]
-        prefill = Cache(layers=[_PreallocatedLayer(width) for _ in range(g._num_layers)])
+        prefill = Cache(layers=[PrefillLayer(width) for _ in range(g._num_layers)])
         out = g.model(input_ids=ids, attention_mask=prompt_mask.long(),
                       position_ids=(prompt_mask.long().cumsum(1) - 1).clamp(min=0),
                       **{g._cache_kwarg: prefill}, use_cache=True, logits_to_keep=1)
@@ -180,8 +187,9 @@ class JoiningDecode:
         self.mask[b: b + r, at] = prompt_mask
         self.mask[b: b + r, self.columns:] = True
         first = (prompt_mask.long().cumsum(1) == 0).sum(1).tolist()  # left padding of each new row's prompt
-        for j, pad in zip(joining, first):
-            self.rows.append(_Row(j.owner, j.max_new, at.start + pad, self._stop_key()))
+        streams = row_keys(g.draw_seed(), torch.arange(len(joining))).tolist()
+        for j, pad, stream in zip(joining, first, streams):
+            self.rows.append(_Row(j.owner, j.max_new, at.start + pad, self._stop_key(), stream))
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.position = position if self.position is None else torch.cat([self.position, position])
         self._set_rows()
@@ -248,7 +256,16 @@ class JoiningDecode:
     def step(self) -> list[Ended]:
         """Sample each row's next token; hand back the rows that ended, feed the others' tokens forward."""
         g = self.g
-        token, logprob = _sample(self.logits, self.params, g._rng, g._banned)  # [b], [b]
+        if self.lean is not None:
+            out = [Ended(e.owner, e.tokens, e.logprobs, e.finished, "") for e in self.lean.step()]
+            texts = decode_batch(g.tokenizer, [e.tokens for e in out], skip_special_tokens=True) if out else []
+            for e, text in zip(out, texts):
+                e.text = cut_at_stop(text, self.params.stop)
+            self.forwards, self.rebuilds = self.lean.forwards, self.lean.rebuilds
+            return out
+        keys = torch.tensor([row.stream for row in self.rows], device=self.logits.device)
+        steps = torch.tensor([len(row.tokens) for row in self.rows], device=self.logits.device)
+        token, logprob = sample(self.logits, self.params, keys, steps, g._banned)  # [b], [b]
         ended = torch.isin(token, g._eos) if len(g.eos_token_ids) else torch.zeros_like(token, dtype=torch.bool)
         if self.stops is not None:
             keys = torch.tensor([row.key for row in self.rows])
@@ -273,63 +290,9 @@ class JoiningDecode:
         b, lo = len(self.rows), self.layers[0].lo
         self.columns += 1
         mask = self.mask[:b, lo: self.columns]  # [b, C]: this step's column included
-        if self.lean is not None and not torch.is_autocast_enabled(token.device.type):
-            logits = self.lean(token, self.position, self.layers, mask[:, None, None])
-        else:
-            logits = g.model(input_ids=token[:, None], attention_mask=g._decode_mask(mask),
-                             position_ids=self.position[:, None], **{g._cache_kwarg: Cache(layers=self.layers)},
-                             use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = g.model(input_ids=token[:, None], attention_mask=g._decode_mask(mask),
+                         position_ids=self.position[:, None], **{g._cache_kwarg: Cache(layers=self.layers)},
+                         use_cache=True, logits_to_keep=1).logits[:, -1]
         self.forwards += 1
         self.logits, self.position = logits.float(), self.position + 1
         return out
-
-
-class _LeanStep:
-    """A decode step of a Llama / Qwen2 model (`bypassable`) over the joining cache, module by module: what the
-    model's forward computes (RMSNorm, q / k / v, rotary at each row's position, attention over the row's columns,
-    the MLP), without transformers' per-step mask construction, rotary recomputation and module plumbing, which
-    at the shipped model's size cost more than the arithmetic. q / k / v are one matmul where they are plain
-    nn.Linear. Attention is torch's sdpa with the bool mask, in the cache's dtype (float32 here; under autocast
-    `JoiningDecode` calls the model instead)."""
-
-    def __init__(self, model: nn.Module):
-        self.inner = decoder_stack(model)
-        self.layers, self.lm_head = list(self.inner.layers), model.lm_head
-        config = model.config.get_text_config(decoder=True)
-        attn = self.layers[0].self_attn
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        self.qkv = [_Linear.concat([a.q_proj, a.k_proj, a.v_proj], 0, pack=False)
-                    for a in (layer.self_attn for layer in self.layers)]
-        self.cos = self.sin = None  # [positions, D], grown as positions do
-
-    def _rotary(self, position: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin `[b, 1, D]` at each row's position, from a table computed once per doubling."""
-        need = int(position.max()) + 1
-        if self.cos is None or self.cos.shape[0] < need:
-            size = max(64, 2 * need)
-            cos, sin = self.inner.rotary_emb(like, position_ids=torch.arange(size, device=like.device)[None])
-            self.cos, self.sin = cos[0].to(like.dtype), sin[0].to(like.dtype)
-        return self.cos[position][:, None], self.sin[position][:, None]
-
-    def __call__(self, token: torch.Tensor, position: torch.Tensor, layers: list[_JoinLayer],
-                 mask: torch.Tensor) -> torch.Tensor:
-        """`[b]` tokens at `[b]` positions, written at the cache's next column; `[b, 1, 1, C]` bool mask over the
-        columns (this one included) -> `[b, V]` logits."""
-        b, heads, kv, d = token.shape[0], self.heads, self.kv_heads, self.head_dim
-        hidden = self.inner.embed_tokens(token)  # [b, hidden]
-        cos, sin = self._rotary(position, layers[0].key_buffer)
-        for i, layer in enumerate(self.layers):
-            attn, x = layer.self_attn, _rms_norm(layer.input_layernorm, hidden)
-            if self.qkv[i] is not None:
-                q, k, v = self.qkv[i](x).split([heads * d, kv * d, kv * d], dim=-1)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            qk = apply_rotary(torch.cat([q, k], dim=-1).view(b, heads + kv, d), cos, sin)  # [b, heads + kv, D]
-            keys, values = layers[i].append(qk[:, heads:], v.view(b, kv, d))  # [b, K, C, D]
-            out = F.scaled_dot_product_attention(qk[:, :heads, None], keys, values, attn_mask=mask,
-                                                 scale=self.scaling, enable_gqa=heads != kv)  # [b, heads, 1, D]
-            hidden = hidden + attn.o_proj(out.reshape(b, heads * d))
-            hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
-        return self.lm_head(_rms_norm(self.inner.norm, hidden))
-

@@ -34,8 +34,8 @@ MASKED_KERNELS = ("sdpa", "eager")
 def decode_path(model: nn.Module, device: torch.device, cuda_graph: bool, lean: bool) -> tuple[str, str]:
     """The decode path `HFGenerator` takes, and why.
 
-    Returns ("cuda_graph", why) for the fixed-shape step captured in a CUDA graph; ("shared_prompt", why)
-    for `SharedPromptDecoder` (`lean`: a Llama / Qwen2 it reproduces exactly); ("cache", why) for the
+    Returns ("cuda_graph", why) for the fixed-shape step captured in a CUDA graph; ("engine", why)
+    for `lmrl.engine` (`lean`: a Llama / Qwen2 it reproduces exactly); ("cache", why) for the
     model's own forward over a preallocated (or, for sliding-window models, transformers') cache.
     """
     kernel = getattr(model.config, "_attn_implementation", None)
@@ -51,7 +51,7 @@ def decode_path(model: nn.Module, device: torch.device, cuda_graph: bool, lean: 
         reason = "the model is spread over devices"
     else:
         return "cuda_graph", "a fixed-shape decode step captured in a CUDA graph"
-    return ("shared_prompt", reason) if lean else ("cache", reason)
+    return ("engine", reason) if lean else ("cache", reason)
 
 
 class StaticDecoder:

@@ -261,7 +261,8 @@ def test_an_asynchronous_run_samples_images_in_its_generator_process(data):
     lmrl's decode over its own copy of the model and sends the bundles back with the batch (multi-turn episodes whose
     environment shows an image: one bundle per episode). Step 1 is sampled by the weights the trainer starts from:
     its log-probs are the trainer's with the same images; step 2's are a step old."""
-    run = _train(data, "async", "train.steps=2", "train.async_steps=1", *MULTI_TURN)
+    # train.seed=1: a first batch whose rewards differ (an update at step 1; seed 0's scored 0 everywhere)
+    run = _train(data, "async", "train.steps=2", "train.async_steps=1", "train.seed=1", *MULTI_TURN)
     assert run.returncode == 0, run.stderr[-2000:]
     steps = [h for h in map(json.loads, (data / "async" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
     assert [h["async/version_lag"] for h in steps] == [0.0, 1.0] and all(math.isfinite(h["loss"]) for h in steps)

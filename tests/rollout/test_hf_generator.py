@@ -7,12 +7,16 @@ import copy
 import pytest
 import torch
 
+import lmrl.engine.layers as spd
 import lmrl.rollout.hf as hf
-import lmrl.rollout.shared_prompt_decoder as spd
+from lmrl.engine import supports as engine_supports
+from lmrl.engine.layers import Linear as _Linear
+from lmrl.engine.layers import onednn_weight as _onednn_weight
+from lmrl.engine.sampling import row_keys, uniform
+from lmrl.engine.sampling import sample_categorical as _sample_categorical
+from lmrl.engine.sampling import truncate as _truncate
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 from lmrl.rollout import Generator, HFGenerator, Rollout, SamplingParams
-from lmrl.rollout.hf import _sample_categorical, _truncate
-from lmrl.rollout.shared_prompt_decoder import SharedPromptDecoder, _Linear, _onednn_weight
 
 TEXTS = ["hello there", "ab", "what is 2+2?", "x"]
 
@@ -303,13 +307,30 @@ def test_truncate_top_k_and_top_p_by_hand():
 
 
 def test_sample_categorical_frequencies_and_zero_weights():
+    """Drawn with the rows' own streams (`uniform`): 20,000 rows at step 0, then one row over 20,000 steps."""
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3]).expand(20000, 4)
-    draws = _sample_categorical(probs, torch.Generator().manual_seed(0))
-    freq = torch.bincount(draws, minlength=4).double() / draws.numel()
-    assert freq[1] == 0
-    torch.testing.assert_close(
-        freq, torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.float64), atol=0.015, rtol=0
-    )
+    across_rows = uniform(row_keys(0, torch.arange(20000)), torch.zeros(20000, dtype=torch.long))
+    along_a_row = uniform(row_keys(1, torch.zeros(20000, dtype=torch.long)), torch.arange(20000))
+    for u in (across_rows, along_a_row):
+        draws = _sample_categorical(probs, u)
+        freq = torch.bincount(draws, minlength=4).double() / draws.numel()
+        assert freq[1] == 0
+        torch.testing.assert_close(
+            freq, torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.float64), atol=0.015, rtol=0
+        )
+
+
+def test_row_streams_are_uniform_and_independent_by_hand():
+    """The counter-based stream: values in [0, 1) with the uniform's mean and variance, no correlation between
+    neighbouring rows or steps, and a bijective mix (distinct keys never collide)."""
+    keys = row_keys(3, torch.arange(500))
+    u = uniform(keys[:, None].expand(500, 200), torch.arange(200)[None].expand(500, 200))  # [rows, steps]
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    for a, b in ((u[:-1], u[1:]), (u[:, :-1], u[:, 1:])):
+        assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 0.01
+    assert len(set(keys.tolist())) == 500 and not torch.equal(row_keys(3, torch.arange(5)), row_keys(4, torch.arange(5)))
+    assert torch.equal(u[7, 9:10], uniform(keys[7:8], torch.tensor([9])))  # a row's number depends on it alone
 
 
 def gqa_model(tok, arch: str):
@@ -343,20 +364,20 @@ def gqa_model(tok, arch: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_shared_prompt_decoder_matches_generic_path(tok, arch, monkeypatch):
-    """The module-by-module decode with shared-prompt attention equals transformers' forward: 40
-    response tokens, grouped-query attention, groups split over forward
-    batches (batch_size 5 with n 3) and rows leaving the batch (EOS made likely)."""
+def test_engine_matches_generic_path(tok, arch, monkeypatch):
+    """The engine's module-by-module decode with shared-prompt attention equals transformers' forward: 40
+    response tokens, grouped-query attention, at most 5 rows in a step with n 3 (groups split, rows joining as
+    others leave) and rows leaving the batch (EOS made likely); each row samples the same tokens on both paths."""
     model = gqa_model(tok, arch)
-    assert SharedPromptDecoder.supports(model)
+    assert engine_supports(model)
     bias = torch.zeros(model.config.vocab_size)
-    bias[tok.eos_token_id] = 1.5
+    bias[tok.eos_token_id] = 1.0
     handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
     try:
         params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=11)
         lean = HFGenerator(model, tok, batch_size=5).generate(encode(tok), 3, params)
         expected = reference_logprobs(model, lean, 0.9)
-        monkeypatch.setattr(SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+        monkeypatch.setattr(hf, "engine_supports", lambda model: False)
         generic = HFGenerator(model, tok, batch_size=5).generate(encode(tok), 3, params)
     finally:
         handle.remove()
@@ -369,7 +390,7 @@ def test_shared_prompt_decoder_matches_generic_path(tok, arch, monkeypatch):
 
 def test_generic_path_greedy_matches_generate(llama, tok, monkeypatch):
     """Models the shared-prompt decoder does not know use transformers' forward with the preallocated cache."""
-    monkeypatch.setattr(SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+    monkeypatch.setattr(hf, "engine_supports", lambda model: False)
     rollout = HFGenerator(llama, tok).generate(
         encode(tok), 2, SamplingParams(max_new_tokens=12, temperature=0)
     )
@@ -408,15 +429,15 @@ def test_greedy_gqa_long_response_matches_generate(tok):
     assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
 
 
-def test_shared_prompt_decoder_only_for_known_unhooked_models(tok):
+def test_engine_only_for_known_unhooked_models(tok):
     """Hooks on the decoder layers would be bypassed by the module-by-module decode: such models take the
     generic path (and so does any other architecture)."""
     llama = tiny_causal_lm(tok, "llama")
-    assert SharedPromptDecoder.supports(llama) and SharedPromptDecoder.supports(
+    assert engine_supports(llama) and engine_supports(
         tiny_causal_lm(tok, "qwen2")
     )
     handle = llama.model.layers[1].register_forward_hook(lambda module, inputs, output: output * 0.5)
-    assert not SharedPromptDecoder.supports(llama)
+    assert not engine_supports(llama)
     # the hooked model still generates what transformers generates
     rollout = HFGenerator(llama, tok).generate(
         encode(tok), 1, SamplingParams(max_new_tokens=6, temperature=0)
@@ -426,8 +447,8 @@ def test_shared_prompt_decoder_only_for_known_unhooked_models(tok):
         out = llama.generate(**enc, do_sample=False, max_new_tokens=6)
     handle.remove()
     assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
-    assert SharedPromptDecoder.supports(llama)
-    assert not SharedPromptDecoder.supports(torch.nn.Linear(2, 2))
+    assert engine_supports(llama)
+    assert not engine_supports(torch.nn.Linear(2, 2))
 
 
 def test_hooked_projections_and_norms_are_called_not_fused(tok, monkeypatch):
@@ -439,10 +460,10 @@ def test_hooked_projections_and_norms_are_called_not_fused(tok, monkeypatch):
                layer.mlp.up_proj.register_forward_hook(lambda m, i, o: o * 0.5),
                layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: o * 2.0)]
     try:
-        assert SharedPromptDecoder.supports(model)
+        assert engine_supports(model)
         params = SamplingParams(max_new_tokens=12, temperature=0)
         lean = HFGenerator(model, tok).generate(encode(tok), 2, params)
-        monkeypatch.setattr(SharedPromptDecoder, "supports", classmethod(lambda cls, model: False))
+        monkeypatch.setattr(hf, "engine_supports", lambda model: False)
         generic = HFGenerator(model, tok).generate(encode(tok), 2, params)
     finally:
         for h in handles:
@@ -499,10 +520,10 @@ def test_gate_and_up_too_small_to_pack_stay_unpacked_when_concatenated(monkeypat
     try:
         torch.set_num_threads(2)
         monkeypatch.setattr(spd, "PACK_MIN_ELEMENTS", 64 * 256)  # the concatenation's size, twice gate's
-        gated = spd._GatedMLP(mlp, rows=8)
+        gated = spd.GatedMLP(mlp, rows=8)
         assert gated.gate.packed is None and gated.gate_up is not None and gated.gate_up.packed is None
         monkeypatch.setattr(spd, "PACK_MIN_ELEMENTS", 64 * 128)
-        gated = spd._GatedMLP(mlp, rows=8)
+        gated = spd.GatedMLP(mlp, rows=8)
         assert gated.gate.packed is not None and gated.gate_up is None
     finally:
         torch.set_num_threads(threads)

@@ -28,7 +28,7 @@ def generator(request, tok):
 
 @pytest.fixture(params=["module by module", "the model's forward"])
 def steps(request, monkeypatch):
-    """Both step paths: `_LeanStep` (Llama / Qwen2) and the model's own forward."""
+    """Both step paths: the engine (Llama / Qwen2) and the model's own forward."""
     monkeypatch.setattr(joining_decode, "LEAN_STEPS", request.param == "module by module")
 
 

@@ -27,7 +27,7 @@ def test_the_path_and_why(tok):
     assert decode_path(model, CUDA, cuda_graph=True, lean=True) == (
         "cuda_graph", "a fixed-shape decode step captured in a CUDA graph")
     assert decode_path(model, torch.device("cpu"), cuda_graph=True, lean=True) == (
-        "shared_prompt", "no CUDA graphs on cpu")
+        "engine", "no CUDA graphs on cpu")
     assert decode_path(model, CUDA, cuda_graph=False, lean=False) == ("cache", "rollout.cuda_graph=false")
     model.config._attn_implementation = "flash_attention_2"
     assert decode_path(model, CUDA, True, False) == (

@@ -1,0 +1,257 @@
+"""The engine's KV cache: every key / value head stored once, a prompt's keys once for all the rows that share it.
+
+Two stores per layer, each of fixed capacity, grown (copied once, with slack) only when a join needs more room:
+
+    prompt_keys / prompt_values  [Uc, K, Pc, D]  one slot per distinct prompt in flight, right-aligned: a prompt of
+                                                 m tokens fills columns Pc - m .. Pc - 1 (left padding before it)
+    row_keys / row_values        [Rc, K, Nc, D]  one slot per row (completion), response column j its j-th token
+
+K key / value heads (never repeated for grouped-query attention), D head size. Rows in flight take slots
+0 .. b - 1 and prompts 0 .. U - 1: a row that leaves gives its slot to the last row (only that row moves), a prompt
+whose last row left gives its slot to the last prompt. What attention reads of a row is its prompt's m live columns
+and its own response so far, `length[r] + 1` columns with the new one: the C kernel reads exactly that; the PyTorch
+path reads the longest of them rounded up to `BLOCK` columns, under a mask.
+
+The host keeps each row's prompt, prompt length and response length as Python ints: it knows them without asking
+the device, which keeps a decode step free of host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+# The PyTorch attention path reads prompt and response columns in multiples of this many (fewer distinct shapes).
+BLOCK = 16
+# Room a grown store keeps beyond what the rows in flight and the joining ones need, as a fraction of it.
+SLACK = 0.25
+
+
+def _round_up(n: int, block: int = BLOCK) -> int:
+    return -(-n // block) * block
+
+
+class KVCache:
+    """The keys and values of an engine's rows and their prompts (see the module docstring).
+
+    Args:
+        num_layers, kv_heads, head_dim: the model's decoder shape.
+        dtype: the stores' dtype (float32 for a 16-bit model on a CPU: attention in float32, as transformers'
+            kernels accumulate).
+        device: where the stores live.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.prompt_keys: list[torch.Tensor] = []
+        self.prompt_values: list[torch.Tensor] = []
+        self.row_keys: list[torch.Tensor] = []
+        self.row_values: list[torch.Tensor] = []
+        self.tokens = self.logprobs = None  # [Rc, Nc] each row's sampled tokens and their log-probs
+        self.prompt_length: list[int] = []  # [U] live columns of each prompt slot
+        self.prompt_rows: list[int] = []  # [U] rows in flight per prompt
+        self.row_prompt: list[int] = []  # [b]
+        self.row_length: list[int] = []  # [b] response tokens whose keys are stored
+        self.rebuilds = 0  # times the stores were grown
+        self.version = 0  # bumped whenever rows, prompts or buffers change: views and kernels' checks follow it
+        self._sync()
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_prompt)
+
+    @property
+    def capacity(self) -> tuple[int, int, int, int]:
+        """(prompt slots, prompt columns, row slots, response columns)."""
+        if not self.prompt_keys:
+            return 0, 0, 0, 0
+        (uc, _, pc, _), (rc, _, nc, _) = self.prompt_keys[0].shape, self.row_keys[0].shape
+        return uc, pc, rc, nc
+
+    def reserve(self, prompts: int, prompt_len: int, rows: int, new: int) -> None:
+        """Room for `prompts` more prompts of up to `prompt_len` tokens and `rows` more rows of up to `new` response
+        tokens, beside those in flight (their response room kept): the stores grow, with `SLACK`, when it is not
+        there."""
+        uc, pc, rc, nc = self.capacity
+        need_u, need_r = len(self.prompt_length) + prompts, self.rows + rows
+        need_p = max([prompt_len, *self.prompt_length])
+        need_n = max(new, nc if self.rows else 0)
+        if need_u <= uc and need_p <= pc and need_r <= rc and need_n <= nc:
+            return
+        grow = lambda need, have: have if need <= have else need + max(int(SLACK * need), 4)  # noqa: E731
+        # columns in whole blocks: the spans the PyTorch path reads always fit
+        uc, pc, rc, nc = grow(need_u, uc), _round_up(grow(need_p, pc)), grow(need_r, rc), _round_up(grow(need_n, nc))
+        u, b = len(self.prompt_length), self.rows
+        old_pc = self.capacity[1]
+        for store, shape, live, width in ((self.prompt_keys, (uc, pc), u, old_pc), (self.prompt_values, (uc, pc), u, old_pc),
+                                          (self.row_keys, (rc, nc), b, None), (self.row_values, (rc, nc), b, None)):
+            for i in range(self.num_layers):
+                # zeros, not empty: a masked column still multiplies its value by a zero weight (NaN * 0 is NaN)
+                new_buffer = torch.zeros((shape[0], self.kv_heads, shape[1], self.head_dim), dtype=self.dtype,
+                                         device=self.device)
+                if store and live:
+                    old = store[i]
+                    if width is None:  # rows: response columns from 0
+                        new_buffer[:live, :, : old.shape[2]] = old[:live]
+                    else:  # prompts: right-aligned, so the old columns end at the new last column
+                        new_buffer[:live, :, shape[1] - width:] = old[:live]
+                if len(store) < self.num_layers:
+                    store.append(new_buffer)
+                else:
+                    store[i] = new_buffer
+        tokens = torch.zeros((rc, nc), dtype=torch.long, device=self.device)
+        logprobs = torch.zeros((rc, nc), dtype=torch.float32, device=self.device)
+        if self.tokens is not None and b:
+            tokens[:b, : self.tokens.shape[1]] = self.tokens[:b]
+            logprobs[:b, : self.logprobs.shape[1]] = self.logprobs[:b]
+        self.tokens, self.logprobs = tokens, logprobs
+        self.rebuilds += 1
+        self._sync()
+
+    def add_prompts(self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int]) -> list[int]:
+        """Store a prefill's prompts: per layer `[U', K, P', D]` keys and values, left-padded (prompt i's real tokens
+        in its last `lengths[i]` columns). Returns their slots. `reserve` made room."""
+        start, width = len(self.prompt_length), keys[0].shape[2]
+        pc = self.capacity[1]
+        for i in range(self.num_layers):
+            self.prompt_keys[i][start: start + len(lengths), :, pc - width:] = keys[i]
+            self.prompt_values[i][start: start + len(lengths), :, pc - width:] = values[i]
+        self.prompt_length += lengths
+        self.prompt_rows += [0] * len(lengths)
+        self._sync()
+        return list(range(start, start + len(lengths)))
+
+    def add_rows(self, prompt_slots: list[int]) -> None:
+        """New rows (response empty) after those in flight, row i of prompt slot `prompt_slots[i]`."""
+        for u in prompt_slots:
+            self.prompt_rows[u] += 1
+        self.row_prompt += prompt_slots
+        self.row_length += [0] * len(prompt_slots)
+        self._sync()
+
+    def record(self, token: torch.Tensor, logprob: torch.Tensor) -> None:
+        """Each row's sampled `[b]` token and log-prob, at its response column `length` (fed to the next step)."""
+        rows = torch.arange(self.rows, device=self.device)
+        self.tokens[rows, self.length_tensor] = token
+        self.logprobs[rows, self.length_tensor] = logprob
+
+    def advance(self) -> None:
+        """Every row's key and value of its last recorded token are stored: each response one longer."""
+        self.row_length = [n + 1 for n in self.row_length]
+        self.length_tensor += 1
+
+    def keep(self, keep: list[int]) -> list[int]:
+        """Only rows `keep` (indices, in order) stay: each slot of a row that left, below the new row count, takes a
+        row from above it; prompts left without rows give their slots up the same way. Returns the old index of each
+        row slot's row."""
+        b = len(keep)
+        kept = set(keep)
+        moving = [i for i in keep if i >= b]
+        holes = [i for i in range(b) if i not in kept]
+        order = list(range(b))
+        for hole, row in zip(holes, moving):
+            order[hole] = row
+        if moving:
+            self._move([*self.row_keys, *self.row_values, self.tokens, self.logprobs], moving, holes)
+        for i in range(self.rows):
+            if i not in kept:
+                self.prompt_rows[self.row_prompt[i]] -= 1
+        self.row_prompt = [self.row_prompt[i] for i in order]
+        self.row_length = [self.row_length[i] for i in order]
+        # prompts without rows: the last prompts in use move into their slots
+        used = [u for u, n in enumerate(self.prompt_rows) if n > 0]
+        count = len(used)
+        moving = [u for u in used if u >= count]
+        holes = [u for u in range(count) if self.prompt_rows[u] == 0]
+        if moving:
+            self._move([*self.prompt_keys, *self.prompt_values], moving, holes)
+        where = {u: u for u in used}
+        where.update(zip(moving, holes))
+        prompt_order = list(range(count))
+        for hole, u in zip(holes, moving):
+            prompt_order[hole] = u
+        self.prompt_length = [self.prompt_length[u] for u in prompt_order]
+        self.prompt_rows = [self.prompt_rows[u] for u in prompt_order]
+        self.row_prompt = [where[u] for u in self.row_prompt]
+        self._sync()
+        return order
+
+    def spans(self) -> tuple[int, int]:
+        """(prompt columns, response columns) the PyTorch attention path reads this step: the longest live prompt,
+        and the longest response with the token this step adds, each rounded up to `BLOCK` (at most the capacity)."""
+        _, pc, _, nc = self.capacity
+        return (min(_round_up(max(self.prompt_length, default=1)), pc),
+                min(_round_up(max(self.row_length, default=0) + 1), nc))
+
+    def _move(self, buffers: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for buffer in buffers:
+            buffer.index_copy_(0, dst_t, buffer.index_select(0, src_t))
+
+    def _sync(self) -> None:
+        """The device's copies of the host's row and prompt lists, and the prompt-slot layout of the PyTorch path."""
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        self.prompt_tensor, self.length_tensor = as_tensor(self.row_prompt), as_tensor(self.row_length)
+        self.prompt_length_tensor = as_tensor(self.prompt_length)
+        # rows grouped by prompt: slot = prompt * S + rank of the row among its prompt's rows (S the most rows)
+        self.slots_per_prompt = max(self.prompt_rows, default=1) or 1
+        rank, seen = [], [0] * len(self.prompt_length)
+        for u in self.row_prompt:
+            rank.append(seen[u])
+            seen[u] += 1
+        slot = [u * self.slots_per_prompt + k for u, k in zip(self.row_prompt, rank)]
+        self.identity_slots = slot == list(range(len(self.prompt_length) * self.slots_per_prompt))
+        self.slot_tensor = as_tensor(slot)
+        self.version += 1
+
+
+class PrefillLayer(DynamicLayer):
+    """A full-attention KV-cache layer for a prefill, writing into a buffer sized for it.
+
+    transformers' `DynamicLayer` concatenates the whole cache at every call; this one writes in place and returns
+    views of the filled prefix. Buffers are `[B, capacity, K, D]` (sequence before heads) and the views
+    `[B, K, L, D]`: each row's filled prefix is one contiguous block, which CPU attention reads about as fast as a
+    contiguous tensor.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.key_buffer = key_states.new_empty((b, self.capacity, h, d))
+        self.value_buffer = value_states.new_empty((b, self.capacity, value_states.shape[1], value_states.shape[3]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} tokens for a capacity of {self.capacity}")
+        self.key_buffer[:, self.length: end] = key_states.transpose(1, 2)
+        self.value_buffer[:, self.length: end] = value_states.transpose(1, 2)
+        self.length = end
+        self._set_views()
+        return self.keys, self.values
+
+    def _set_views(self) -> None:
+        self.keys = self.key_buffer[:, : self.length].transpose(1, 2)  # [B, K, L, D]
+        self.values = self.value_buffer[:, : self.length].transpose(1, 2)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        # index_select also repeats rows: this is how a prompt's cache is copied to its n completions
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.index_select(0, indices)
+            self.value_buffer = self.value_buffer.index_select(0, indices)
+            self._set_views()

@@ -1,0 +1,226 @@
+"""The decode loop: rows join when there is room and leave the step they end (continuous batching).
+
+    engine = DecodeEngine(model, params, eos=[2])
+    engine.add([Request(prompt, max_new, owner, key) for ...])     # prefill: each distinct prompt once
+    while len(engine):
+        for ended in engine.step():                          # sample, check, leave, feed forward
+            ...
+
+A training batch is many requests added at once (the `n` completions of a prompt share its prefill and its keys);
+a server adds requests as they arrive. Each `step`:
+
+1. samples one token per row from its logits (`lmrl.engine.sampling`, on the device, from the row's own random
+   stream: what a row samples does not depend on the rows beside it) and records it with its log-prob;
+2. learns which rows ended: the host knows when a row reaches its `max_new` (it counts steps); EOS and stop strings
+   need the tokens, which the host reads only every `check_every` steps (1 on a CPU, where reading is free; on a
+   GPU a read waits for the device, so rows run a few steps past their end and are cut back to it);
+3. hands back the rows that ended and drops them from the cache (`KVCache.keep`);
+4. feeds the other rows' tokens through the model (`LlamaStep`), one new key per row, for the next logits.
+
+The engine knows token ids only: the caller decodes texts, and stop strings come in as a `stops` callable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+from lmrl.engine.cache import PrefillLayer
+from lmrl.engine.llama import LlamaStep
+from lmrl.engine.sampling import sample
+
+# Steps between the host's reads of the sampled tokens on a GPU (each read waits for the device).
+CHECK_EVERY_GPU = 8
+
+
+@dataclass
+class Request:
+    """One row to decode: its prompt's token ids, its most new tokens, whatever the caller tells rows apart by, and
+    its random stream (`lmrl.engine.sampling.row_keys`)."""
+
+    prompt: list[int]
+    max_new: int
+    owner: Any
+    key: int = 0
+
+
+@dataclass
+class Ended:
+    """A row the step ended: its sampled tokens and their log-probs, and why it ended."""
+
+    owner: Any
+    tokens: list[int]
+    logprobs: list[float]
+    finished: bool  # EOS or a stop string; False: it reached its max_new
+
+
+@dataclass
+class _Row:
+    owner: Any
+    max_new: int
+    prompt_len: int  # real prompt tokens: the row's first response token sits at this position
+    tokens: list[int] = field(default_factory=list)  # sampled tokens the host has read
+    end: int | None = None  # tokens kept, once an EOS or a stop string ended it
+    key: int = -1  # its index in the stop checker
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` in transformers releases that renamed it
+    (5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`. A peft model
+    passes it through to its base model."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+class DecodeEngine:
+    """Continuous-batching decode of a Llama / Qwen2 model (`lmrl.engine.llama.supports`).
+
+    Args:
+        model: the causal LM, in eval mode, run under `torch.inference_mode()` by the caller; its weights are read
+            when the engine is built (build a new engine after they change).
+        params: temperature, top_k, top_p of every row (`lmrl.rollout.SamplingParams` or alike).
+        eos: token ids that end a row (empty: rows run to their max_new).
+        banned: `[k]` token ids never sampled (image placeholders), or None.
+        stops: `stops(keys, tokens)` -> for each row key, the index in its new tokens of the token that completed a
+            stop string, or None; `new_key()` gives a row its key. None: no stop strings.
+        rows: about how many rows a step runs (oneDNN's weight layout); check_every: steps between the host's reads
+            of sampled tokens (None: 1 on a CPU, `CHECK_EVERY_GPU` elsewhere).
+    """
+
+    def __init__(self, model: nn.Module, params: Any, eos: list[int], banned: torch.Tensor | None = None,
+                 stops: Any = None, rows: int = 64, check_every: int | None = None, pad_token_id: int = 0) -> None:
+        self.model, self.params, self.banned, self.stops = model, params, banned, stops
+        self.device = next(model.parameters()).device
+        self.eos = set(eos)
+        self.step_fn = LlamaStep(model, rows)
+        self.cache = self.step_fn.new_cache(self.device)
+        self.check_every = check_every or (1 if self.device.type == "cpu" else CHECK_EVERY_GPU)
+        self.pad_token_id = pad_token_id
+        self.rows: list[_Row] = []
+        self.logits: torch.Tensor | None = None  # [b, V] float32, each row's next-token logits
+        self.start: torch.Tensor | None = None  # [b] each row's prompt length: position = start + response length
+        self.keys: torch.Tensor | None = None  # [b] int64 each row's random stream
+        self.forwards = 0  # prefills and steps run: what a test counts
+        self.reads = 0  # times the host read the sampled tokens: what a test counts
+        self._since_read = 0
+        self._cache_kwarg = cache_keyword(model)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def rebuilds(self) -> int:
+        return self.cache.rebuilds
+
+    def add(self, requests: list[Request]) -> None:
+        """Prefill the distinct prompts of `requests` (one forward) and put their rows in the batch; their first
+        token is sampled by the next `step`."""
+        if not requests:
+            return
+        distinct = list(dict.fromkeys(tuple(r.prompt) for r in requests))
+        index = {p: i for i, p in enumerate(distinct)}
+        local = [index[tuple(r.prompt)] for r in requests]
+        lengths = [len(p) for p in distinct]
+        width = max(lengths)
+        ids = torch.full((len(distinct), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(distinct), width, dtype=torch.long)
+        for i, p in enumerate(distinct):  # left-padded
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        num_layers = len(self.step_fn.layers)
+        prefill = Cache(layers=[PrefillLayer(width) for _ in range(num_layers)])
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                         **{self._cache_kwarg: prefill}, use_cache=True, logits_to_keep=1)
+        self.forwards += 1
+        local_t = torch.tensor(local, device=self.device)
+        logits = out.logits[:, -1].float().index_select(0, local_t)  # [r, V]
+        cache = self.cache
+        cache.reserve(len(distinct), width, len(requests), max(r.max_new for r in requests))
+        slots = cache.add_prompts([layer.keys.to(cache.dtype) for layer in prefill.layers],
+                                  [layer.values.to(cache.dtype) for layer in prefill.layers], lengths)
+        cache.add_rows([slots[i] for i in local])
+        for r, i in zip(requests, local):
+            self.rows.append(_Row(r.owner, r.max_new, lengths[i], key=self.stops.new_key() if self.stops else -1))
+        start = torch.tensor([lengths[i] for i in local], dtype=torch.long, device=self.device)
+        keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device)
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        self.start = start if self.start is None else torch.cat([self.start, start])
+        self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
+
+    def step(self) -> list[Ended]:
+        """Sample each row's next token; hand back the rows that ended, feed the others' tokens forward."""
+        cache = self.cache
+        token, logprob = sample(self.logits, self.params, self.keys, cache.length_tensor, self.banned)  # [b], [b]
+        cache.record(token, logprob)
+        counts = [n + 1 for n in cache.row_length]  # tokens sampled per row
+        self._since_read += 1
+        at_max = any(n >= row.max_new for n, row in zip(counts, self.rows))
+        if self._since_read >= self.check_every or at_max:
+            self._read(token, counts)
+        ended, keep = [], []
+        for i, (row, n) in enumerate(zip(self.rows, counts)):
+            (ended if row.end is not None or n >= row.max_new else keep).append(i)
+        out = self._hand_back(ended, counts) if ended else []
+        if not keep:
+            self.rows, self.logits, self.start, self.keys = [], None, None, None
+            cache.keep([])
+            return out
+        if ended:
+            order = cache.keep(keep)
+            index = torch.tensor(order, device=self.device)
+            self.rows = [self.rows[i] for i in order]
+            token, self.start = token.index_select(0, index), self.start.index_select(0, index)
+            self.keys = self.keys.index_select(0, index)
+        position = self.start + cache.length_tensor
+        positions = max(row.prompt_len for row in self.rows) + max(cache.row_length) + 1
+        self.logits = self.step_fn(token, position, cache, positions).float()
+        cache.advance()
+        self.forwards += 1
+        return out
+
+    def _read(self, token: torch.Tensor, counts: list[int]) -> None:
+        """The host reads the tokens sampled since its last read and marks where EOS or a stop string ended a row."""
+        self.reads += 1
+        self._since_read = 0
+        seen = [len(row.tokens) for row in self.rows]
+        lo, hi = min(seen), max(counts)
+        if all(n - s == 1 for s, n in zip(seen, counts)):  # every step read (a CPU): this step's tokens
+            window = [[t] for t in token.tolist()]
+        else:
+            window = [row[s - lo: n - lo] for row, s, n in zip(self.cache.tokens[: len(self.rows), lo:hi].tolist(), seen, counts)]
+        keys, news = [], []
+        for row, new in zip(self.rows, window):
+            if row.end is not None:
+                continue
+            start = len(row.tokens)
+            row.tokens += new
+            hit = next((j for j, t in enumerate(new) if t in self.eos), None)
+            if hit is not None:
+                row.end = start + hit + 1
+            if self.stops is not None:
+                keys.append((row, start))
+                news.append(new if hit is None else new[: hit + 1])
+        if self.stops is not None and keys:
+            for (row, start), j in zip(keys, self.stops([row.key for row, _ in keys], news)):
+                if j is not None:
+                    row.end = start + j + 1 if row.end is None else min(row.end, start + j + 1)
+
+    def _hand_back(self, ended: list[int], counts: list[int]) -> list[Ended]:
+        """The ended rows' tokens and log-probs, cut at their end."""
+        rows = [self.rows[i] for i in ended]
+        ends = [row.end if row.end is not None else min(counts[i], row.max_new) for i, row in zip(ended, rows)]
+        width = max(ends)
+        logprobs = self.cache.logprobs[torch.tensor(ended, device=self.device), :width].tolist()
+        out = []
+        for row, end, lp in zip(rows, ends, logprobs):
+            if len(row.tokens) < end:  # rows at max_new are read at that step, so their tokens are all there
+                raise RuntimeError(f"engine: a row ended at {end} tokens with {len(row.tokens)} read")
+            out.append(Ended(row.owner, row.tokens[:end], lp[:end], row.end is not None))
+        return out

@@ -1,0 +1,175 @@
+"""A decode step of a Llama / Qwen2 model over the engine's cache, module by module.
+
+What the model's forward computes for one new token per row (RMSNorm, q / k / v, rotary at each row's position,
+attention, the MLP), without transformers' per-step mask construction, rotary recomputation and module plumbing,
+which at small sizes cost more than the arithmetic. q / k / v run as one matmul (their weights concatenated once per
+engine) where they are plain `nn.Linear`s; the linears and the MLP are `lmrl.engine.layers`' (oneDNN-packed with
+fused epilogues on a CPU where that pays).
+
+Attention is shared-prompt ("cascade") attention over `KVCache`: a row's scores over its prompt's keys (stored once
+for the whole group) and over its own response keys go through one softmax, so the result is ordinary attention
+over [prompt | response] (Juravsky et al., 2024, Hydragen) while the prompt part reads n times less memory. Key /
+value heads are never repeated: a prompt's g query heads per key head form one matrix against its keys. On a CPU in
+float32 with a C compiler, rotary, the cache write and attention run as one C call per layer and RMSNorm as another
+(`lmrl.kernels`); elsewhere the same in PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmrl.engine.cache import KVCache
+from lmrl.engine.layers import GatedMLP, Linear, plain_mlp, rms_norm
+from lmrl.kernels import load as load_kernels
+from lmrl.models.shared_prompt import apply_rotary, bypassable, decoder_stack
+
+# The C decode kernels (`lmrl.kernels`) where they apply; off here (or `LMRL_KERNELS=0` in the environment)
+# decodes with the PyTorch ops alone (`benchmarks/decode_ab.py` compares the two).
+USE_KERNELS = True
+
+
+def supports(model: nn.Module) -> bool:
+    """True if `model` is a causal LM whose decoder layers `LlamaStep` reproduces exactly (`bypassable`: Llama /
+    Qwen2, static rotary, no hooks on the layers and attention modules, whose `forward` is bypassed; hooks on the
+    leaf modules called here still run)."""
+    return bypassable(model) and hasattr(model, "lm_head")
+
+
+class LlamaStep:
+    """Decode steps of a Llama / Qwen2 causal LM (`supports`) over a `KVCache`.
+
+    Args:
+        model: the causal LM; its weights are read when the step is built (q / k / v concatenated, oneDNN layouts):
+            build a new step after the weights change.
+        rows: about how many rows a step runs (oneDNN picks its weight layout for it).
+    """
+
+    def __init__(self, model: nn.Module, rows: int) -> None:
+        self.inner = decoder_stack(model)
+        self.layers, self.model = list(self.inner.layers), model
+        config = model.config.get_text_config(decoder=True)
+        attn = self.layers[0].self_attn
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.group = self.heads // self.kv_heads
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.qkv = [Linear.concat([a.q_proj, a.k_proj, a.v_proj], rows) for a in (layer.self_attn for layer in self.layers)]
+        self.o_proj = [Linear.of(layer.self_attn.o_proj, rows) for layer in self.layers]
+        self.mlp = [GatedMLP(m, rows) if plain_mlp(m) else None for m in (layer.mlp for layer in self.layers)]
+        self.lm_head = Linear.of(model.lm_head, rows)
+        self.cos = self.sin = None  # [positions, D] rotary tables in the cache's dtype, grown as positions do
+        self.kernels, self._checked = None, -1  # the cache version the kernels' inputs were checked at
+        self.kernel_steps = 0  # steps the C kernels ran: what a test counts
+
+    def cache_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype keys and values are stored (and attention runs) in: float32 on a CPU for a 16-bit model (as
+        transformers' kernels accumulate in float32), else the model's."""
+        dtype = next(self.model.parameters()).dtype
+        return torch.float32 if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16) else dtype
+
+    def new_cache(self, device: torch.device) -> KVCache:
+        cache = KVCache(len(self.layers), self.kv_heads, self.head_dim, self.cache_dtype(device), device)
+        if (USE_KERNELS and device.type == "cpu" and cache.dtype == torch.float32
+                and all(qkv is not None for qkv in self.qkv) and self.head_dim % 2 == 0):
+            self.kernels = load_kernels()
+        return cache
+
+    def rotary(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin tables `[L, D]` for at least `positions` positions (the host's count: no device query)."""
+        if self.cos is None or self.cos.shape[0] < positions:
+            size = max(64, 2 * positions)
+            cos, sin = self.inner.rotary_emb(like, position_ids=torch.arange(size, device=like.device)[None])
+            self.cos, self.sin = cos[0].to(like.dtype).contiguous(), sin[0].to(like.dtype).contiguous()
+        return self.cos, self.sin
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache, positions: int) -> torch.Tensor:
+        """Feed `[b]` tokens at `[b]` positions (each below `positions`), each written at its row's response column
+        `cache.row_length`; return `[b, V]` next-token logits. The cache's lengths advance after this returns."""
+        hidden = self.inner.embed_tokens(token)  # [b, hidden]
+        cos, sin = self.rotary(positions, cache.row_keys[0])
+        kernels = self.kernels if not torch.is_autocast_enabled("cpu") else None  # autocast: bf16 projections
+        if kernels is not None and self._checked != cache.version:
+            for i in range(len(self.layers)):
+                kernels.check_attention(cos, sin, cache.prompt_keys[i], cache.prompt_values[i],
+                                        cache.prompt_length_tensor, cache.row_keys[i], cache.row_values[i], self.heads)
+            self._checked = cache.version
+        if kernels is not None:
+            self.kernel_steps += 1
+        else:
+            cos, sin = cos[position][:, None], sin[position][:, None]  # [b, 1, D]
+            masks = self._masks(cache)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(layer.input_layernorm, hidden, kernels)
+            if kernels is not None:
+                # 16-bit models: q / k / v upcast, attention in float32 (as the PyTorch path), output back
+                out = kernels.decode_attention(
+                    self.qkv[i](x).float().contiguous(), cos, sin, position, cache.prompt_keys[i],
+                    cache.prompt_values[i], cache.prompt_length_tensor, cache.row_keys[i], cache.row_values[i],
+                    cache.prompt_tensor, cache.length_tensor, self.heads, self.scaling, checked=True)
+            else:
+                out = self._attention(i, layer.self_attn, x, cos, sin, cache, masks)
+            hidden = self.o_proj[i](out.to(hidden.dtype), add=hidden)
+            x = rms_norm(layer.post_attention_layernorm, hidden, kernels)
+            hidden = self.mlp[i](x, residual=hidden) if self.mlp[i] is not None else hidden + layer.mlp(x)
+        return self.lm_head(rms_norm(self.inner.norm, hidden, kernels))
+
+    def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache, masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The PyTorch path of one layer's attention: `[b, hidden]` normed input -> `[b, heads * D]`; the new key
+        and value written into the cache."""
+        b, heads, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if self.qkv[i] is not None:
+            q, k, v = self.qkv[i](x).split([heads * d, kv * d, kv * d], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        qk = apply_rotary(torch.cat([q, k], dim=-1).view(b, heads + kv, d), cos, sin)  # [b, heads + kv, D]
+        rows = torch.arange(b, device=x.device)
+        cache.row_keys[i][rows, :, cache.length_tensor] = qk[:, heads:].to(cache.dtype)
+        cache.row_values[i][rows, :, cache.length_tensor] = v.view(b, kv, d).to(cache.dtype)
+        out = self._attend(i, qk[:, :heads].reshape(b, kv, self.group, d), cache, masks)
+        return out.reshape(b, heads * d)
+
+    def _masks(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Additive `[U, 1, 1, p]` prompt and `[b, 1, 1, n]` response masks over the columns this step reads
+        (`cache.spans`): 0 where a row's prompt or response (with its new token) has a key, a very negative number
+        elsewhere. Built from the device's lengths: no host synchronisation."""
+        p, n = cache.spans()
+        closed = torch.finfo(cache.dtype).min
+        columns = torch.arange(p, device=cache.device)
+        prompt = columns[None] < (p - cache.prompt_length_tensor)[:, None]  # [U, p] True: before the prompt
+        response = torch.arange(n, device=cache.device)[None] > cache.length_tensor[:, None]  # [b, n] not written yet
+        zeros = torch.zeros((), dtype=cache.dtype, device=cache.device)
+        return (torch.where(prompt, closed, zeros)[:, None, None], torch.where(response, closed, zeros)[:, None, None])
+
+    def _attend(self, i: int, q: torch.Tensor, cache: KVCache, masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`[b, K, g, D]` queries -> `[b, K, g, D]` attention over each row's prompt and its response so far."""
+        prompt_mask, response_mask = masks
+        p, n = prompt_mask.shape[-1], response_mask.shape[-1]
+        u, pc = len(cache.prompt_length), cache.capacity[1]
+        q = q.to(cache.dtype) * self.scaling
+        prompt_keys = cache.prompt_keys[i][:u, :, pc - p:]  # [U, K, p, D]
+        prompt_values = cache.prompt_values[i][:u, :, pc - p:]
+        scores_prompt = self._from_slots(torch.matmul(self._to_slots(q, cache), prompt_keys.transpose(2, 3))
+                                         + prompt_mask, cache)  # [b, K, g, p]
+        b = q.shape[0]
+        response_keys = cache.row_keys[i][:b, :, :n]  # [b, K, n, D]
+        scores_response = torch.matmul(q, response_keys.transpose(2, 3)) + response_mask  # [b, K, g, n]
+        scores = torch.cat([scores_prompt, scores_response], dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1).to(cache.dtype)
+        out = self._from_slots(torch.matmul(self._to_slots(probs[..., :p], cache), prompt_values), cache)
+        return out + torch.matmul(probs[..., p:], cache.row_values[i][:b, :, :n])
+
+    def _to_slots(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """`[b, K, g, X]` per row -> `[U, K, S * g, X]` per prompt (empty slots are zero)."""
+        s = cache.slots_per_prompt
+        if not cache.identity_slots:
+            x = x.new_zeros((len(cache.prompt_length) * s, *x.shape[1:])).index_copy_(0, cache.slot_tensor, x)
+        _, k, g, last = x.shape
+        return x.view(-1, s, k, g, last).transpose(1, 2).reshape(-1, k, s * g, last)
+
+    def _from_slots(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """`[U, K, S * g, X]` per prompt -> `[b, K, g, X]` per row."""
+        u, k, _, last = x.shape
+        s = cache.slots_per_prompt
+        x = x.view(u, k, s, self.group, last).transpose(1, 2).reshape(u * s, k, self.group, last)
+        return x if cache.identity_slots else x.index_select(0, cache.slot_tensor)
