@@ -12,8 +12,8 @@ whose last row left gives its slot to the last prompt. What attention reads of a
 and its own response so far, `length[r] + 1` columns with the new one: the C kernel reads exactly that; the PyTorch
 path reads the longest of them rounded up to `BLOCK` columns, under a mask.
 
-The host keeps each row's prompt, prompt length and response length as Python ints: it knows them without asking
-the device, which keeps a decode step free of host synchronisation.
+The host keeps each row's prompt and the step it joined at as Python ints, so it knows every length without asking
+the device (a decode step stays free of host synchronisation), and a step costs the host no work per row.
 """
 
 from __future__ import annotations
@@ -39,11 +39,14 @@ class KVCache:
         dtype: the stores' dtype (float32 for a 16-bit model on a CPU: attention in float32, as transformers'
             kernels accumulate).
         device: where the stores live.
+        zeroed: fill new stores with zeros (the PyTorch path multiplies masked columns' values by a zero weight,
+            and NaN * 0 is NaN); the C kernel never reads a column it did not write, so it skips the fill.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 zeroed: bool = True):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.zeroed = dtype, device, zeroed
         self.prompt_keys: list[torch.Tensor] = []
         self.prompt_values: list[torch.Tensor] = []
         self.row_keys: list[torch.Tensor] = []
@@ -52,7 +55,8 @@ class KVCache:
         self.prompt_length: list[int] = []  # [U] live columns of each prompt slot
         self.prompt_rows: list[int] = []  # [U] rows in flight per prompt
         self.row_prompt: list[int] = []  # [b]
-        self.row_length: list[int] = []  # [b] response tokens whose keys are stored
+        self.row_born: list[int] = []  # [b] the value of `steps` when the row joined
+        self.steps = 0  # `advance` calls so far: a row's response holds steps - born tokens
         self.rebuilds = 0  # times the stores were grown
         self.version = 0  # bumped whenever rows, prompts or buffers change: views and kernels' checks follow it
         self._sync()
@@ -62,6 +66,16 @@ class KVCache:
         return len(self.row_prompt)
 
     @property
+    def row_length(self) -> list[int]:
+        """[b] response tokens whose keys are stored, per row."""
+        return [self.steps - born for born in self.row_born]
+
+    @property
+    def longest(self) -> int:
+        """The longest response stored (0 without rows)."""
+        return self.steps - self.first_born if self.row_born else 0
+
+    @property
     def capacity(self) -> tuple[int, int, int, int]:
         """(prompt slots, prompt columns, row slots, response columns)."""
         if not self.prompt_keys:
@@ -69,17 +83,18 @@ class KVCache:
         (uc, _, pc, _), (rc, _, nc, _) = self.prompt_keys[0].shape, self.row_keys[0].shape
         return uc, pc, rc, nc
 
-    def reserve(self, prompts: int, prompt_len: int, rows: int, new: int) -> None:
+    def reserve(self, prompts: int, prompt_len: int, rows: int, new: int, slack: bool = True) -> None:
         """Room for `prompts` more prompts of up to `prompt_len` tokens and `rows` more rows of up to `new` response
-        tokens, beside those in flight (their response room kept): the stores grow, with `SLACK`, when it is not
-        there."""
+        tokens, beside those in flight (their response room kept): the stores grow, with `SLACK` (unless `slack` is
+        False: a caller that knows all it will add), when it is not there."""
         uc, pc, rc, nc = self.capacity
         need_u, need_r = len(self.prompt_length) + prompts, self.rows + rows
         need_p = max([prompt_len, *self.prompt_length])
         need_n = max(new, nc if self.rows else 0)
         if need_u <= uc and need_p <= pc and need_r <= rc and need_n <= nc:
             return
-        grow = lambda need, have: have if need <= have else need + max(int(SLACK * need), 4)  # noqa: E731
+        extra = (lambda need: max(int(SLACK * need), 4)) if slack else (lambda need: 0)  # noqa: E731
+        grow = lambda need, have: have if need <= have else need + extra(need)  # noqa: E731
         # columns in whole blocks: the spans the PyTorch path reads always fit
         uc, pc, rc, nc = grow(need_u, uc), _round_up(grow(need_p, pc)), grow(need_r, rc), _round_up(grow(need_n, nc))
         u, b = len(self.prompt_length), self.rows
@@ -88,8 +103,8 @@ class KVCache:
                                           (self.row_keys, (rc, nc), b, None), (self.row_values, (rc, nc), b, None)):
             for i in range(self.num_layers):
                 # zeros, not empty: a masked column still multiplies its value by a zero weight (NaN * 0 is NaN)
-                new_buffer = torch.zeros((shape[0], self.kv_heads, shape[1], self.head_dim), dtype=self.dtype,
-                                         device=self.device)
+                new_buffer = (torch.zeros if self.zeroed else torch.empty)(
+                    (shape[0], self.kv_heads, shape[1], self.head_dim), dtype=self.dtype, device=self.device)
                 if store and live:
                     old = store[i]
                     if width is None:  # rows: response columns from 0
@@ -100,14 +115,32 @@ class KVCache:
                     store.append(new_buffer)
                 else:
                     store[i] = new_buffer
-        tokens = torch.zeros((rc, nc), dtype=torch.long, device=self.device)
-        logprobs = torch.zeros((rc, nc), dtype=torch.float32, device=self.device)
+        tokens = torch.empty((rc, nc), dtype=torch.long, device=self.device)
+        logprobs = torch.empty((rc, nc), dtype=torch.float32, device=self.device)
         if self.tokens is not None and b:
             tokens[:b, : self.tokens.shape[1]] = self.tokens[:b]
             logprobs[:b, : self.logprobs.shape[1]] = self.logprobs[:b]
         self.tokens, self.logprobs = tokens, logprobs
         self.rebuilds += 1
         self._sync()
+
+    def zero_unread(self) -> None:
+        """Zeros in every column no row's attention covers (before each prompt, past each response, the unused
+        slots), once, before the PyTorch path reads a store allocated without the fill (`zeroed`)."""
+        if self.zeroed or not self.prompt_keys:
+            return
+        uc, pc, rc, nc = self.capacity
+        starts = torch.full((uc,), pc, dtype=torch.long, device=self.device)
+        starts[: len(self.prompt_length)] -= self.prompt_length_tensor
+        before = torch.arange(pc, device=self.device)[None] < starts[:, None]  # [Uc, Pc]
+        lengths = torch.zeros(rc, dtype=torch.long, device=self.device)
+        lengths[: self.rows] = self.length_tensor
+        past = torch.arange(nc, device=self.device)[None] >= lengths[:, None]  # [Rc, Nc]
+        for store in (*self.prompt_keys, *self.prompt_values):
+            store.masked_fill_(before[:, None, :, None], 0)
+        for store in (*self.row_keys, *self.row_values):
+            store.masked_fill_(past[:, None, :, None], 0)
+        self.zeroed = True
 
     def add_prompts(self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int]) -> list[int]:
         """Store a prefill's prompts: per layer `[U', K, P', D]` keys and values, left-padded (prompt i's real tokens
@@ -127,7 +160,7 @@ class KVCache:
         for u in prompt_slots:
             self.prompt_rows[u] += 1
         self.row_prompt += prompt_slots
-        self.row_length += [0] * len(prompt_slots)
+        self.row_born += [self.steps] * len(prompt_slots)
         self._sync()
 
     def record(self, token: torch.Tensor, logprob: torch.Tensor) -> None:
@@ -138,7 +171,7 @@ class KVCache:
 
     def advance(self) -> None:
         """Every row's key and value of its last recorded token are stored: each response one longer."""
-        self.row_length = [n + 1 for n in self.row_length]
+        self.steps += 1
         self.length_tensor += 1
 
     def keep(self, keep: list[int]) -> list[int]:
@@ -158,7 +191,7 @@ class KVCache:
             if i not in kept:
                 self.prompt_rows[self.row_prompt[i]] -= 1
         self.row_prompt = [self.row_prompt[i] for i in order]
-        self.row_length = [self.row_length[i] for i in order]
+        self.row_born = [self.row_born[i] for i in order]
         # prompts without rows: the last prompts in use move into their slots
         used = [u for u, n in enumerate(self.prompt_rows) if n > 0]
         count = len(used)
@@ -182,7 +215,7 @@ class KVCache:
         and the longest response with the token this step adds, each rounded up to `BLOCK` (at most the capacity)."""
         _, pc, _, nc = self.capacity
         return (min(_round_up(max(self.prompt_length, default=1)), pc),
-                min(_round_up(max(self.row_length, default=0) + 1), nc))
+                min(_round_up(self.longest + 1), nc))
 
     def _move(self, buffers: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
         src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
@@ -193,6 +226,7 @@ class KVCache:
         """The device's copies of the host's row and prompt lists, and the prompt-slot layout of the PyTorch path."""
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         self.prompt_tensor, self.length_tensor = as_tensor(self.row_prompt), as_tensor(self.row_length)
+        self.first_born = min(self.row_born, default=self.steps)
         self.prompt_length_tensor = as_tensor(self.prompt_length)
         # rows grouped by prompt: slot = prompt * S + rank of the row among its prompt's rows (S the most rows)
         self.slots_per_prompt = max(self.prompt_rows, default=1) or 1

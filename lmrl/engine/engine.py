@@ -22,7 +22,7 @@ The engine knows token ids only: the caller decodes texts, and stop strings come
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ class _Row:
     owner: Any
     max_new: int
     prompt_len: int  # real prompt tokens: the row's first response token sits at this position
-    tokens: list[int] = field(default_factory=list)  # sampled tokens the host has read
+    last: int  # the cache step at which the row samples its max_new-th token
     end: int | None = None  # tokens kept, once an EOS or a stop string ended it
     key: int = -1  # its index in the stop checker
 
@@ -98,6 +98,10 @@ class DecodeEngine:
         self.model, self.params, self.banned, self.stops = model, params, banned, stops
         self.device = next(model.parameters()).device
         self.eos = set(eos)
+        self._eos_tensor = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device)
+        self._next_last: int | None = None  # the earliest step a row in flight reaches its max_new
+        self._longest_prompt = 0
+        self._work: dict = {}  # sampling's [b, V] buffers, reused step to step
         self.step_fn = LlamaStep(model, rows)
         self.cache = self.step_fn.new_cache(self.device)
         self.check_every = check_every or (1 if self.device.type == "cpu" else CHECK_EVERY_GPU)
@@ -118,6 +122,11 @@ class DecodeEngine:
     def rebuilds(self) -> int:
         return self.cache.rebuilds
 
+    def reserve(self, prompts: int, prompt_len: int, rows: int, new: int) -> None:
+        """Room for all a caller will add (`prompts` distinct prompts of up to `prompt_len` tokens, `rows` rows of up to
+        `new` tokens at once), allocated once and exactly: a training batch knows its sizes."""
+        self.cache.reserve(prompts, prompt_len, rows, new, slack=False)
+
     def add(self, requests: list[Request]) -> None:
         """Prefill the distinct prompts of `requests` (one forward) and put their rows in the batch; their first
         token is sampled by the next `step`."""
@@ -128,14 +137,10 @@ class DecodeEngine:
         local = [index[tuple(r.prompt)] for r in requests]
         lengths = [len(p) for p in distinct]
         width = max(lengths)
-        ids = torch.full((len(distinct), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(distinct), width, dtype=torch.long)
-        for i, p in enumerate(distinct):  # left-padded
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+        ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in distinct])  # left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
         ids, mask = ids.to(self.device), mask.to(self.device)
-        num_layers = len(self.step_fn.layers)
-        prefill = Cache(layers=[PrefillLayer(width) for _ in range(num_layers)])
+        prefill = Cache(layers=[PrefillLayer(width) for _ in self.step_fn.layers])
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                          **{self._cache_kwarg: prefill}, use_cache=True, logits_to_keep=1)
         self.forwards += 1
@@ -147,80 +152,109 @@ class DecodeEngine:
                                   [layer.values.to(cache.dtype) for layer in prefill.layers], lengths)
         cache.add_rows([slots[i] for i in local])
         for r, i in zip(requests, local):
-            self.rows.append(_Row(r.owner, r.max_new, lengths[i], key=self.stops.new_key() if self.stops else -1))
+            key = self.stops.new_key() if self.stops else -1
+            self.rows.append(_Row(r.owner, r.max_new, lengths[i], cache.steps + r.max_new - 1, key=key))
         start = torch.tensor([lengths[i] for i in local], dtype=torch.long, device=self.device)
         keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device)
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.start = start if self.start is None else torch.cat([self.start, start])
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
+        self._rows_changed()
+
+    def _rows_changed(self) -> None:
+        """What the host derives from the rows in flight, once per change of them (not per step)."""
+        self._next_last = min((row.last for row in self.rows), default=None)
+        self._longest_prompt = max((row.prompt_len for row in self.rows), default=0)
 
     def step(self) -> list[Ended]:
         """Sample each row's next token; hand back the rows that ended, feed the others' tokens forward."""
         cache = self.cache
-        token, logprob = sample(self.logits, self.params, self.keys, cache.length_tensor, self.banned)  # [b], [b]
+        token, logprob = sample(self.logits, self.params, self.keys, cache.length_tensor, self.banned,
+                                self._work)  # [b], [b]
         cache.record(token, logprob)
-        counts = [n + 1 for n in cache.row_length]  # tokens sampled per row
         self._since_read += 1
-        at_max = any(n >= row.max_new for n, row in zip(counts, self.rows))
-        if self._since_read >= self.check_every or at_max:
-            self._read(token, counts)
-        ended, keep = [], []
-        for i, (row, n) in enumerate(zip(self.rows, counts)):
-            (ended if row.end is not None or n >= row.max_new else keep).append(i)
-        out = self._hand_back(ended, counts) if ended else []
-        if not keep:
-            self.rows, self.logits, self.start, self.keys = [], None, None, None
-            cache.keep([])
-            return out
-        if ended:
+        at_max = cache.steps >= self._next_last
+        found = self._read(token) if self._since_read >= self.check_every or at_max else False
+        out = []
+        if found or at_max:
+            ended = [i for i, row in enumerate(self.rows) if row.end is not None or row.last <= cache.steps]
+            out = self._hand_back(ended)
+            gone = set(ended)
+            keep = [i for i in range(len(self.rows)) if i not in gone]
+            if not keep:
+                self.rows, self.logits, self.start, self.keys = [], None, None, None
+                cache.keep([])
+                return out
             order = cache.keep(keep)
             index = torch.tensor(order, device=self.device)
             self.rows = [self.rows[i] for i in order]
             token, self.start = token.index_select(0, index), self.start.index_select(0, index)
             self.keys = self.keys.index_select(0, index)
+            self._rows_changed()
         position = self.start + cache.length_tensor
-        positions = max(row.prompt_len for row in self.rows) + max(cache.row_length) + 1
+        positions = self._longest_prompt + cache.longest + 1
         self.logits = self.step_fn(token, position, cache, positions).float()
         cache.advance()
         self.forwards += 1
         return out
 
-    def _read(self, token: torch.Tensor, counts: list[int]) -> None:
-        """The host reads the tokens sampled since its last read and marks where EOS or a stop string ended a row."""
+    def _read(self, token: torch.Tensor) -> bool:
+        """The host reads the tokens sampled since its last read and marks where EOS or a stop string ended a row;
+        whether one did. One synchronisation."""
         self.reads += 1
-        self._since_read = 0
-        seen = [len(row.tokens) for row in self.rows]
-        lo, hi = min(seen), max(counts)
-        if all(n - s == 1 for s, n in zip(seen, counts)):  # every step read (a CPU): this step's tokens
-            window = [[t] for t in token.tolist()]
-        else:
-            window = [row[s - lo: n - lo] for row, s, n in zip(self.cache.tokens[: len(self.rows), lo:hi].tolist(), seen, counts)]
-        keys, news = [], []
-        for row, new in zip(self.rows, window):
-            if row.end is not None:
-                continue
-            start = len(row.tokens)
-            row.tokens += new
-            hit = next((j for j, t in enumerate(new) if t in self.eos), None)
-            if hit is not None:
-                row.end = start + hit + 1
-            if self.stops is not None:
-                keys.append((row, start))
-                news.append(new if hit is None else new[: hit + 1])
-        if self.stops is not None and keys:
-            for (row, start), j in zip(keys, self.stops([row.key for row, _ in keys], news)):
-                if j is not None:
-                    row.end = start + j + 1 if row.end is None else min(row.end, start + j + 1)
+        width, self._since_read = self._since_read, 0
+        cache, b = self.cache, len(self.rows)
+        count = cache.length_tensor + 1  # [b] tokens each row has sampled
+        if width == 1:
+            window, valid = token[:, None], None  # [b, 1]
+        else:  # each row's last `width` columns, fewer for a row that joined since
+            columns = count[:, None] - width + torch.arange(width, device=self.device)  # [b, w]
+            window = cache.tokens[:b].gather(1, columns.clamp(min=0))
+            valid = columns >= 0
+        if self.stops is not None:
+            return self._read_stops(window.tolist(), valid, count)
+        if not self.eos:
+            return False
+        hits = torch.isin(window, self._eos_tensor)
+        if valid is not None:
+            hits &= valid
+        if not bool(hits.any()):
+            return False
+        rows = hits.any(1).nonzero().squeeze(1)
+        ends = (count.index_select(0, rows) - width + hits.index_select(0, rows).int().argmax(1) + 1).tolist()
+        for i, end in zip(rows.tolist(), ends):
+            self.rows[i].end = end
+        return True
 
-    def _hand_back(self, ended: list[int], counts: list[int]) -> list[Ended]:
+    def _read_stops(self, window: list[list[int]], valid: torch.Tensor | None, count: torch.Tensor) -> bool:
+        """`_read` with stop strings: the window's tokens go through the stop checker on the host, EOS with them."""
+        width = len(window[0]) if window else 0
+        counts = (count if valid is not None else torch.zeros(0)).tolist()
+        news, firsts = [], []
+        for i, tokens in enumerate(window):
+            first = 0 if valid is None else max(0, width - counts[i])  # columns before the row's first are not its
+            news.append(tokens[first:])
+            firsts.append(first)
+        found = False
+        eos_at = [next((j for j, t in enumerate(new) if t in self.eos), None) for new in news]
+        cut = [new if j is None else new[: j + 1] for new, j in zip(news, eos_at)]
+        stop_at = self.stops([row.key for row in self.rows], cut)
+        for i, (row, new, e, st) in enumerate(zip(self.rows, news, eos_at, stop_at)):
+            hit = min(j for j in (e, st) if j is not None) if e is not None or st is not None else None
+            if hit is not None:
+                sampled = self.cache.steps - self.cache.row_born[i] + 1
+                row.end = sampled - len(new) + hit + 1
+                found = True
+        return found
+
+    def _hand_back(self, ended: list[int]) -> list[Ended]:
         """The ended rows' tokens and log-probs, cut at their end."""
         rows = [self.rows[i] for i in ended]
-        ends = [row.end if row.end is not None else min(counts[i], row.max_new) for i, row in zip(ended, rows)]
+        cache = self.cache
+        ends = [row.end if row.end is not None else row.max_new for row in rows]
         width = max(ends)
-        logprobs = self.cache.logprobs[torch.tensor(ended, device=self.device), :width].tolist()
-        out = []
-        for row, end, lp in zip(rows, ends, logprobs):
-            if len(row.tokens) < end:  # rows at max_new are read at that step, so their tokens are all there
-                raise RuntimeError(f"engine: a row ended at {end} tokens with {len(row.tokens)} read")
-            out.append(Ended(row.owner, row.tokens[:end], lp[:end], row.end is not None))
-        return out
+        index = torch.tensor(ended, device=self.device)
+        tokens = cache.tokens.index_select(0, index)[:, :width].tolist()
+        logprobs = cache.logprobs.index_select(0, index)[:, :width].tolist()
+        return [Ended(row.owner, t[:end], lp[:end], row.end is not None)
+                for row, end, t, lp in zip(rows, ends, tokens, logprobs)]

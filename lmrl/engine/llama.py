@@ -68,11 +68,13 @@ class LlamaStep:
         return torch.float32 if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16) else dtype
 
     def new_cache(self, device: torch.device) -> KVCache:
-        cache = KVCache(len(self.layers), self.kv_heads, self.head_dim, self.cache_dtype(device), device)
-        if (USE_KERNELS and device.type == "cpu" and cache.dtype == torch.float32
+        """An empty cache for these steps; the C kernels are chosen here (they never read a column they did not
+        write, so their stores skip the zero fill)."""
+        dtype = self.cache_dtype(device)
+        if (USE_KERNELS and device.type == "cpu" and dtype == torch.float32
                 and all(qkv is not None for qkv in self.qkv) and self.head_dim % 2 == 0):
             self.kernels = load_kernels()
-        return cache
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim, dtype, device, zeroed=self.kernels is None)
 
     def rotary(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin tables `[L, D]` for at least `positions` positions (the host's count: no device query)."""
@@ -96,6 +98,7 @@ class LlamaStep:
         if kernels is not None:
             self.kernel_steps += 1
         else:
+            cache.zero_unread()  # stores made for the kernel (autocast came on since) are read under a mask here
             cos, sin = cos[position][:, None], sin[position][:, None]  # [b, 1, D]
             masks = self._masks(cache)
         for i, layer in enumerate(self.layers):

@@ -224,6 +224,7 @@ class HFGenerator:
             with torch.inference_mode():
                 engine = DecodeEngine(self.model, params, self.eos_token_ids, banned=self._banned, stops=stops,
                                       rows=limit, pad_token_id=self.pad_token_id)
+                engine.reserve(min(limit, len(prompts)), max(len(p) for p in prompts), limit, params.max_new_tokens)
                 taken = 0
                 while taken < num_rows or len(engine):
                     room = limit - len(engine)
@@ -239,11 +240,8 @@ class HFGenerator:
     def _rollout(self, prompts: list[list[int]], n: int, rows: list[Ended], params: SamplingParams) -> Rollout:
         """The `Rollout` of rows decoded by the engine, in prompt order, responses right-padded."""
         width = max(len(r.tokens) for r in rows)
-        tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(len(rows), width, dtype=torch.float32)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
-            logprobs[i, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+        tokens = torch.tensor([r.tokens + [self.pad_token_id] * (width - len(r.tokens)) for r in rows], dtype=torch.long)
+        logprobs = torch.tensor([r.logprobs + [0.0] * (width - len(r.logprobs)) for r in rows], dtype=torch.float32)
         lengths = torch.tensor([len(r.tokens) for r in rows])
         finished = torch.tensor([r.finished for r in rows], dtype=torch.bool)
         texts = [cut_at_stop(text, params.stop)
