@@ -59,6 +59,7 @@ class KVCache:
         self.steps = 0  # `advance` calls so far: a row's response holds steps - born tokens
         self.rebuilds = 0  # times the stores were grown
         self.version = 0  # bumped whenever rows, prompts or buffers change: views and kernels' checks follow it
+        self._slots: tuple | None = None  # (version, `slots()`)
         self._sync()
 
     @property
@@ -95,8 +96,9 @@ class KVCache:
             return
         extra = (lambda need: max(int(SLACK * need), 4)) if slack else (lambda need: 0)  # noqa: E731
         grow = lambda need, have: have if need <= have else need + extra(need)  # noqa: E731
-        # columns in whole blocks: the spans the PyTorch path reads always fit
-        uc, pc, rc, nc = grow(need_u, uc), _round_up(grow(need_p, pc)), grow(need_r, rc), _round_up(grow(need_n, nc))
+        # exactly what is asked (a span the PyTorch path reads stops at the capacity): a store's first write faults in
+        # its pages, which on a CPU costs more than a short decode's arithmetic
+        uc, pc, rc, nc = grow(need_u, uc), grow(need_p, pc), grow(need_r, rc), grow(need_n, nc)
         u, b = len(self.prompt_length), self.rows
         old_pc = self.capacity[1]
         for store, shape, live, width in ((self.prompt_keys, (uc, pc), u, old_pc), (self.prompt_values, (uc, pc), u, old_pc),
@@ -228,16 +230,21 @@ class KVCache:
         self.prompt_tensor, self.length_tensor = as_tensor(self.row_prompt), as_tensor(self.row_length)
         self.first_born = min(self.row_born, default=self.steps)
         self.prompt_length_tensor = as_tensor(self.prompt_length)
-        # rows grouped by prompt: slot = prompt * S + rank of the row among its prompt's rows (S the most rows)
-        self.slots_per_prompt = max(self.prompt_rows, default=1) or 1
-        rank, seen = [], [0] * len(self.prompt_length)
-        for u in self.row_prompt:
-            rank.append(seen[u])
-            seen[u] += 1
-        slot = [u * self.slots_per_prompt + k for u, k in zip(self.row_prompt, rank)]
-        self.identity_slots = slot == list(range(len(self.prompt_length) * self.slots_per_prompt))
-        self.slot_tensor = as_tensor(slot)
         self.version += 1
+
+    def slots(self) -> tuple[int, bool, torch.Tensor]:
+        """The PyTorch path's layout of rows by prompt: S (the most rows of one prompt), whether row r sits in slot r,
+        and `[b]` each row's slot, prompt * S + its rank among its prompt's rows. Computed once per change of rows."""
+        if self._slots is None or self._slots[0] != self.version:
+            per_prompt = max(self.prompt_rows, default=1) or 1
+            rank, seen = [], [0] * len(self.prompt_length)
+            for u in self.row_prompt:
+                rank.append(seen[u])
+                seen[u] += 1
+            slot = [u * per_prompt + k for u, k in zip(self.row_prompt, rank)]
+            identity = slot == list(range(len(self.prompt_length) * per_prompt))
+            self._slots = (self.version, (per_prompt, identity, torch.tensor(slot, dtype=torch.long, device=self.device)))
+        return self._slots[1]
 
 
 class PrefillLayer(DynamicLayer):

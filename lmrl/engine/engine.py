@@ -53,9 +53,10 @@ class Ended:
     """A row the step ended: its sampled tokens and their log-probs, and why it ended."""
 
     owner: Any
-    tokens: list[int]
-    logprobs: list[float]
+    tokens: list[int] | None  # None: copied into the engine's `sink` instead
+    logprobs: list[float] | None
     finished: bool  # EOS or a stop string; False: it reached its max_new
+    length: int = 0  # tokens kept
 
 
 @dataclass
@@ -102,6 +103,7 @@ class DecodeEngine:
         self._next_last: int | None = None  # the earliest step a row in flight reaches its max_new
         self._longest_prompt = 0
         self._work: dict = {}  # sampling's [b, V] buffers, reused step to step
+        self.sink: tuple[torch.Tensor, torch.Tensor] | None = None  # see `collect_into`
         self.step_fn = LlamaStep(model, rows)
         self.cache = self.step_fn.new_cache(self.device)
         self.check_every = check_every or (1 if self.device.type == "cpu" else CHECK_EVERY_GPU)
@@ -121,6 +123,12 @@ class DecodeEngine:
     @property
     def rebuilds(self) -> int:
         return self.cache.rebuilds
+
+    def collect_into(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Copy each ended row's tokens and log-probs into row `owner` of these `[N, W]` tensors on the device (owners
+        are row numbers), instead of handing them back as lists: a training batch reads them once at the end. What
+        lies past a row's length there is undefined."""
+        self.sink = (tokens, logprobs)
 
     def reserve(self, prompts: int, prompt_len: int, rows: int, new: int) -> None:
         """Room for all a caller will add (`prompts` distinct prompts of up to `prompt_len` tokens, `rows` rows of up to
@@ -254,7 +262,12 @@ class DecodeEngine:
         ends = [row.end if row.end is not None else row.max_new for row in rows]
         width = max(ends)
         index = torch.tensor(ended, device=self.device)
+        if self.sink is not None:
+            owners = torch.tensor([row.owner for row in rows], device=self.device)
+            for out, buffer in zip(self.sink, (cache.tokens, cache.logprobs)):
+                out.index_copy_(0, owners, buffer.index_select(0, index)[:, : out.shape[1]])
+            return [Ended(row.owner, None, None, row.end is not None, end) for row, end in zip(rows, ends)]
         tokens = cache.tokens.index_select(0, index)[:, :width].tolist()
         logprobs = cache.logprobs.index_select(0, index)[:, :width].tolist()
-        return [Ended(row.owner, t[:end], lp[:end], row.end is not None)
+        return [Ended(row.owner, t[:end], lp[:end], row.end is not None, end)
                 for row, end, t, lp in zip(rows, ends, tokens, logprobs)]

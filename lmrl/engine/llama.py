@@ -164,15 +164,15 @@ class LlamaStep:
 
     def _to_slots(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """`[b, K, g, X]` per row -> `[U, K, S * g, X]` per prompt (empty slots are zero)."""
-        s = cache.slots_per_prompt
-        if not cache.identity_slots:
-            x = x.new_zeros((len(cache.prompt_length) * s, *x.shape[1:])).index_copy_(0, cache.slot_tensor, x)
+        s, identity, slot = cache.slots()
+        if not identity:
+            x = x.new_zeros((len(cache.prompt_length) * s, *x.shape[1:])).index_copy_(0, slot, x)
         _, k, g, last = x.shape
         return x.view(-1, s, k, g, last).transpose(1, 2).reshape(-1, k, s * g, last)
 
     def _from_slots(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """`[U, K, S * g, X]` per prompt -> `[b, K, g, X]` per row."""
         u, k, _, last = x.shape
-        s = cache.slots_per_prompt
+        s, identity, slot = cache.slots()
         x = x.view(u, k, s, self.group, last).transpose(1, 2).reshape(u * s, k, self.group, last)
-        return x if cache.identity_slots else x.index_select(0, cache.slot_tensor)
+        return x if identity else x.index_select(0, slot)

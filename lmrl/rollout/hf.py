@@ -225,6 +225,9 @@ class HFGenerator:
                 engine = DecodeEngine(self.model, params, self.eos_token_ids, banned=self._banned, stops=stops,
                                       rows=limit, pad_token_id=self.pad_token_id)
                 engine.reserve(min(limit, len(prompts)), max(len(p) for p in prompts), limit, params.max_new_tokens)
+                tokens = torch.empty(num_rows, params.max_new_tokens, dtype=torch.long, device=self.device)
+                logprobs = torch.empty(num_rows, params.max_new_tokens, dtype=torch.float32, device=self.device)
+                engine.collect_into(tokens, logprobs)
                 taken = 0
                 while taken < num_rows or len(engine):
                     room = limit - len(engine)
@@ -235,19 +238,22 @@ class HFGenerator:
                         results[ended.owner] = ended
         finally:
             self.model.train(was_training)
-        return self._rollout(prompts, n, results, params)
+        return self._rollout(prompts, n, results, tokens, logprobs, params)
 
-    def _rollout(self, prompts: list[list[int]], n: int, rows: list[Ended], params: SamplingParams) -> Rollout:
-        """The `Rollout` of rows decoded by the engine, in prompt order, responses right-padded."""
-        width = max(len(r.tokens) for r in rows)
-        tokens = torch.tensor([r.tokens + [self.pad_token_id] * (width - len(r.tokens)) for r in rows], dtype=torch.long)
-        logprobs = torch.tensor([r.logprobs + [0.0] * (width - len(r.logprobs)) for r in rows], dtype=torch.float32)
-        lengths = torch.tensor([len(r.tokens) for r in rows])
-        finished = torch.tensor([r.finished for r in rows], dtype=torch.bool)
-        texts = [cut_at_stop(text, params.stop)
-                 for text in decode_batch(self.tokenizer, [r.tokens for r in rows], skip_special_tokens=True)]
-        return self._as_rollout(prompts, n, tokens.to(self.device), logprobs.to(self.device),
-                                lengths.to(self.device), finished.to(self.device), texts)
+    def _rollout(self, prompts: list[list[int]], n: int, rows: list[Ended], tokens: torch.Tensor,
+                 logprobs: torch.Tensor, params: SamplingParams) -> Rollout:
+        """The `Rollout` of rows the engine copied into `[N, max_new]` `tokens` and `logprobs`: cut to the longest
+        row, padding (and log-prob 0) past each row's length."""
+        length_list = [r.length for r in rows]
+        width = max(length_list)
+        lengths = torch.tensor(length_list, device=self.device)
+        valid = torch.arange(width, device=self.device) < lengths[:, None]
+        tokens = tokens[:, :width].masked_fill(~valid, self.pad_token_id)
+        logprobs = logprobs[:, :width].masked_fill(~valid, 0.0)
+        finished = torch.tensor([r.finished for r in rows], dtype=torch.bool, device=self.device)
+        ids = [row[:k] for row, k in zip(tokens.tolist(), length_list)]
+        texts = [cut_at_stop(text, params.stop) for text in decode_batch(self.tokenizer, ids, skip_special_tokens=True)]
+        return self._as_rollout(prompts, n, tokens, logprobs, lengths, finished, texts)
 
     def _generate_chunk(
         self,
@@ -399,11 +405,8 @@ class HFGenerator:
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token lists -> `[U, P]` left-padded ids and their bool mask."""
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = True
+        ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
         return ids.to(self.device), mask.to(self.device)
 
     def _assemble(

@@ -89,7 +89,9 @@ def test_attention_reads_only_live_columns(model, tok, path):
                 engine.step()
             cache = engine.cache
             p, n = cache.spans()
-            assert p == -(-max(cache.prompt_length) // BLOCK) * BLOCK and n == -(-(max(cache.row_length) + 1) // BLOCK) * BLOCK
+            _, pc, _, nc = cache.capacity
+            assert p == min(-(-max(cache.prompt_length) // BLOCK) * BLOCK, pc)
+            assert n == min(-(-(max(cache.row_length) + 1) // BLOCK) * BLOCK, nc) and n < nc  # reads less than it holds
             if poison:  # what the path never reads (PyTorch reads the spans, masked columns within them as zeros)
                 _, pc, _, _ = cache.capacity
                 for store in (*cache.prompt_keys, *cache.prompt_values):
