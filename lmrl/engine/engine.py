@@ -35,9 +35,13 @@ from lmrl.engine.sampling import sample
 
 # Steps between the host's reads of the sampled tokens on a GPU (each read waits for the device).
 CHECK_EVERY_GPU = 8
+# Rows that ended leave the cache (their slots compacted) once they are this fraction of the rows in it, or sooner
+# when one reaches its max_new or new rows join; until then they step on, their tokens ignored: compacting copies the
+# cache, so doing it for every row that ends costs more than it saves.
+COMPACT_FRACTION = 0.25
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One row to decode: its prompt's token ids, its most new tokens, whatever the caller tells rows apart by, and
     its random stream (`lmrl.engine.sampling.row_keys`)."""
@@ -48,7 +52,7 @@ class Request:
     key: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Ended:
     """A row the step ended: its sampled tokens and their log-probs, and why it ended."""
 
@@ -59,7 +63,7 @@ class Ended:
     length: int = 0  # tokens kept
 
 
-@dataclass
+@dataclass(slots=True)
 class _Row:
     owner: Any
     max_new: int
@@ -67,6 +71,7 @@ class _Row:
     last: int  # the cache step at which the row samples its max_new-th token
     end: int | None = None  # tokens kept, once an EOS or a stop string ended it
     key: int = -1  # its index in the stop checker
+    done: bool = False  # handed back; it steps on (ignored) until the cache is compacted
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -104,6 +109,7 @@ class DecodeEngine:
         self._longest_prompt = 0
         self._work: dict = {}  # sampling's [b, V] buffers, reused step to step
         self.sink: tuple[torch.Tensor, torch.Tensor] | None = None  # see `collect_into`
+        self._done = 0  # rows handed back but still in the cache
         self.step_fn = LlamaStep(model, rows)
         self.cache = self.step_fn.new_cache(self.device)
         self.check_every = check_every or (1 if self.device.type == "cpu" else CHECK_EVERY_GPU)
@@ -118,7 +124,8 @@ class DecodeEngine:
         self._cache_kwarg = cache_keyword(model)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        """Rows in flight (not counting those that ended and wait for the next compaction)."""
+        return len(self.rows) - self._done
 
     @property
     def rebuilds(self) -> int:
@@ -140,6 +147,8 @@ class DecodeEngine:
         token is sampled by the next `step`."""
         if not requests:
             return
+        if self._done:  # the room of rows that ended, before new rows take room
+            self._compact(None)
         distinct = list(dict.fromkeys(tuple(r.prompt) for r in requests))
         index = {p: i for i, p in enumerate(distinct)}
         local = [index[tuple(r.prompt)] for r in requests]
@@ -169,6 +178,18 @@ class DecodeEngine:
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
         self._rows_changed()
 
+    def _compact(self, token: torch.Tensor | None) -> torch.Tensor | None:
+        """Drop the rows that ended from the cache and the batch; `[b]` this step's tokens of the rows kept."""
+        order = self.cache.keep([i for i, row in enumerate(self.rows) if not row.done])
+        index = torch.tensor(order, device=self.device)
+        self.rows = [self.rows[i] for i in order]
+        self.start, self.keys = self.start.index_select(0, index), self.keys.index_select(0, index)
+        if self.logits is not None and token is None:  # between steps (a join): the next logits of the rows kept
+            self.logits = self.logits.index_select(0, index)
+        self._done = 0
+        self._rows_changed()
+        return None if token is None else token.index_select(0, index)
+
     def _rows_changed(self) -> None:
         """What the host derives from the rows in flight, once per change of them (not per step)."""
         self._next_last = min((row.last for row in self.rows), default=None)
@@ -185,20 +206,18 @@ class DecodeEngine:
         found = self._read(token) if self._since_read >= self.check_every or at_max else False
         out = []
         if found or at_max:
-            ended = [i for i, row in enumerate(self.rows) if row.end is not None or row.last <= cache.steps]
-            out = self._hand_back(ended)
-            gone = set(ended)
-            keep = [i for i in range(len(self.rows)) if i not in gone]
-            if not keep:
-                self.rows, self.logits, self.start, self.keys = [], None, None, None
+            ended = [i for i, row in enumerate(self.rows)
+                     if not row.done and (row.end is not None or row.last <= cache.steps)]
+            out = self._hand_back(ended) if ended else []  # none: a row that ended earlier reached its max_new
+            for i in ended:
+                self.rows[i].done = True
+            self._done += len(ended)
+            if self._done == len(self.rows):
+                self.rows, self.logits, self.start, self.keys, self._done = [], None, None, None, 0
                 cache.keep([])
                 return out
-            order = cache.keep(keep)
-            index = torch.tensor(order, device=self.device)
-            self.rows = [self.rows[i] for i in order]
-            token, self.start = token.index_select(0, index), self.start.index_select(0, index)
-            self.keys = self.keys.index_select(0, index)
-            self._rows_changed()
+            if self._done >= COMPACT_FRACTION * len(self.rows) or at_max:  # at_max: a row has no columns left
+                token = self._compact(token)
         position = self.start + cache.length_tensor
         positions = self._longest_prompt + cache.longest + 1
         self.logits = self.step_fn(token, position, cache, positions).float()
@@ -230,28 +249,32 @@ class DecodeEngine:
             return False
         rows = hits.any(1).nonzero().squeeze(1)
         ends = (count.index_select(0, rows) - width + hits.index_select(0, rows).int().argmax(1) + 1).tolist()
+        found = False
         for i, end in zip(rows.tolist(), ends):
-            self.rows[i].end = end
-        return True
+            if not self.rows[i].done:  # a row handed back samples on until the compaction, ignored
+                self.rows[i].end, found = end, True
+        return found
 
     def _read_stops(self, window: list[list[int]], valid: torch.Tensor | None, count: torch.Tensor) -> bool:
         """`_read` with stop strings: the window's tokens go through the stop checker on the host, EOS with them."""
         width = len(window[0]) if window else 0
-        counts = (count if valid is not None else torch.zeros(0)).tolist()
-        news, firsts = [], []
-        for i, tokens in enumerate(window):
-            first = 0 if valid is None else max(0, width - counts[i])  # columns before the row's first are not its
+        counts = count.tolist() if valid is not None else None
+        live, news = [], []
+        for i, (row, tokens) in enumerate(zip(self.rows, window)):
+            if row.done:
+                continue
+            first = 0 if counts is None else max(0, width - counts[i])  # columns before the row's first are not its
+            live.append(i)
             news.append(tokens[first:])
-            firsts.append(first)
-        found = False
         eos_at = [next((j for j, t in enumerate(new) if t in self.eos), None) for new in news]
         cut = [new if j is None else new[: j + 1] for new, j in zip(news, eos_at)]
-        stop_at = self.stops([row.key for row in self.rows], cut)
-        for i, (row, new, e, st) in enumerate(zip(self.rows, news, eos_at, stop_at)):
-            hit = min(j for j in (e, st) if j is not None) if e is not None or st is not None else None
-            if hit is not None:
+        stop_at = self.stops([self.rows[i].key for i in live], cut)
+        found = False
+        for i, new, e, st in zip(live, news, eos_at, stop_at):
+            hits = [j for j in (e, st) if j is not None]
+            if hits:
                 sampled = self.cache.steps - self.cache.row_born[i] + 1
-                row.end = sampled - len(new) + hit + 1
+                self.rows[i].end = sampled - len(new) + min(hits) + 1
                 found = True
         return found
 
