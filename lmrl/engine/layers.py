@@ -59,8 +59,13 @@ class Linear:
         return cls(weight, None if biases[0] is None else torch.cat([b.detach() for b in biases]), rows, pack=pack)
 
     def __call__(self, x: torch.Tensor, act: nn.Module | None = None, add: torch.Tensor | None = None,
-                 mul: torch.Tensor | None = None) -> torch.Tensor:
-        """act(x @ W.T + b), then `+ add` or `* mul` (at most one of the two)."""
+                 mul: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """act(x @ W.T + b), then `+ add` or `* mul` (at most one of the two). `out`: where a plain `x @ W.T`
+        (2-D, no bias, unpacked) is written instead of a fresh tensor (the LM head's `[rows, V]` logits: on a CPU a
+        fresh tensor that large faults in new pages every step); elsewhere ignored."""
+        if (out is not None and self.packed is None and self.module is None and self.bias is None and act is None
+                and add is None and mul is None and x.dim() == 2 and out.dtype == x.dtype):
+            return torch.mm(x, self.weight.t(), out=out)
         if self.packed is not None and (act is None or _is_silu(act)):
             if add is not None or mul is not None:
                 other, op = (add, "add") if add is not None else (mul, "mul")

@@ -60,6 +60,7 @@ class LlamaStep:
         self.cos = self.sin = None  # [positions, D] rotary tables in the cache's dtype, grown as positions do
         self.kernels, self._checked = None, -1  # the cache version the kernels' inputs were checked at
         self.kernel_steps = 0  # steps the C kernels ran: what a test counts
+        self._logits: torch.Tensor | None = None  # see `_logits_buffer`
 
     def cache_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype keys and values are stored (and attention runs) in: float32 on a CPU for a 16-bit model (as
@@ -114,7 +115,18 @@ class LlamaStep:
             hidden = self.o_proj[i](out.to(hidden.dtype), add=hidden)
             x = rms_norm(layer.post_attention_layernorm, hidden, kernels)
             hidden = self.mlp[i](x, residual=hidden) if self.mlp[i] is not None else hidden + layer.mlp(x)
-        return self.lm_head(rms_norm(self.inner.norm, hidden, kernels))
+        hidden = rms_norm(self.inner.norm, hidden, kernels)
+        return self.lm_head(hidden, out=self._logits_buffer(hidden))
+
+    def _logits_buffer(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`[b, V]` room for this step's logits, reused step to step (the caller has sampled from the last ones)."""
+        weight = self.lm_head.weight
+        if weight is None or hidden.device.type != "cpu":
+            return None
+        rows = hidden.shape[0]
+        if self._logits is None or self._logits.shape[0] < rows or self._logits.dtype != hidden.dtype:
+            self._logits = hidden.new_empty((rows, weight.shape[0]))
+        return self._logits[:rows]
 
     def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: KVCache, masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
