@@ -179,3 +179,29 @@ def test_a_step_on_cuda_synchronises_only_when_the_host_reads_the_tokens(tok, mo
                     synced_steps.append(steps)
                     assert engine.reads == reads_before + 1, counter.calls  # only a read synchronises
     assert steps > 12 and synced_steps and len(synced_steps) <= steps // 4 + 3, synced_steps  # 3 rows: 3 max_new reads
+
+
+@pytest.mark.parametrize("stop", [None, ["e ", "o"]])
+def test_reading_every_few_steps_cuts_rows_back_to_where_reading_every_step_ends_them(model, tok, stop):
+    """A GPU's engine reads the sampled tokens every `check_every` steps, so rows run past their EOS or stop string
+    and are cut back: the rows handed back (tokens, log-probs, finished) equal those of reading every step, with rows
+    of different ages (a second group joins at step 3) and EOS and stop strings both ending rows."""
+    from lmrl.rollout.hf import StopChecker
+
+    eos = tok.encode("aiu")
+    prompts = ["what is 2+2?", "hello there", "x"]
+
+    def decode(check_every: int) -> dict:
+        stops = StopChecker(tok, stop) if stop else None
+        engine = DecodeEngine(model, PARAMS, eos, stops=stops, check_every=check_every)
+        joins = {0: [Request(tok.encode(p), 30, (p, j), 100 * i + j) for i, p in enumerate(prompts[:2]) for j in range(3)],
+                 3: [Request(tok.encode(prompts[2]), 25, (prompts[2], j), 300 + j) for j in range(3)]}
+        return run(engine, joins), engine.reads
+
+    (every, reads_every), (batched, reads_batched) = decode(1), decode(5)
+    assert reads_batched < reads_every / 2  # the rows did run past their ends between reads
+    assert every.keys() == batched.keys() and len(every) == 9
+    assert {finished for _, _, finished in every.values()} == {True, False} or stop is None
+    for owner, (tokens, logprobs, finished) in every.items():
+        assert batched[owner][0] == tokens and batched[owner][2] == finished, owner
+        assert batched[owner][1] == pytest.approx(logprobs, abs=1e-5)  # other rows beside it: float rounding
