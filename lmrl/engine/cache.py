@@ -31,6 +31,19 @@ def _round_up(n: int, block: int = BLOCK) -> int:
     return -(-n // block) * block
 
 
+def fill_holes(keep: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Slots 0 .. len(keep) - 1 after only the slots `keep` (in order) stay: each slot below the new count whose
+    tenant left takes a kept tenant from above it (only those move). Returns (the old slot of each new slot's tenant,
+    the slots moved from, the slots moved to)."""
+    b, kept = len(keep), set(keep)
+    moving = [i for i in keep if i >= b]
+    holes = [i for i in range(b) if i not in kept]
+    order = list(range(b))
+    for hole, old in zip(holes, moving):
+        order[hole] = old
+    return order, moving, holes
+
+
 class KVCache:
     """The keys and values of an engine's rows and their prompts (see the module docstring).
 
@@ -104,7 +117,6 @@ class KVCache:
         for store, shape, live, width in ((self.prompt_keys, (uc, pc), u, old_pc), (self.prompt_values, (uc, pc), u, old_pc),
                                           (self.row_keys, (rc, nc), b, None), (self.row_values, (rc, nc), b, None)):
             for i in range(self.num_layers):
-                # zeros, not empty: a masked column still multiplies its value by a zero weight (NaN * 0 is NaN)
                 new_buffer = (torch.zeros if self.zeroed else torch.empty)(
                     (shape[0], self.kv_heads, shape[1], self.head_dim), dtype=self.dtype, device=self.device)
                 if store and live:
@@ -167,9 +179,8 @@ class KVCache:
 
     def record(self, token: torch.Tensor, logprob: torch.Tensor) -> None:
         """Each row's sampled `[b]` token and log-prob, at its response column `length` (fed to the next step)."""
-        rows = torch.arange(self.rows, device=self.device)
-        self.tokens[rows, self.length_tensor] = token
-        self.logprobs[rows, self.length_tensor] = logprob
+        self.tokens[self.row_index, self.length_tensor] = token
+        self.logprobs[self.row_index, self.length_tensor] = logprob
 
     def advance(self) -> None:
         """Every row's key and value of its last recorded token are stored: each response one longer."""
@@ -180,32 +191,20 @@ class KVCache:
         """Only rows `keep` (indices, in order) stay: each slot of a row that left, below the new row count, takes a
         row from above it; prompts left without rows give their slots up the same way. Returns the old index of each
         row slot's row."""
-        b = len(keep)
-        kept = set(keep)
-        moving = [i for i in keep if i >= b]
-        holes = [i for i in range(b) if i not in kept]
-        order = list(range(b))
-        for hole, row in zip(holes, moving):
-            order[hole] = row
+        order, moving, holes = fill_holes(keep)
         if moving:
             self._move([*self.row_keys, *self.row_values, self.tokens, self.logprobs], moving, holes)
+        kept = set(keep)
         for i in range(self.rows):
             if i not in kept:
                 self.prompt_rows[self.row_prompt[i]] -= 1
         self.row_prompt = [self.row_prompt[i] for i in order]
         self.row_born = [self.row_born[i] for i in order]
         # prompts without rows: the last prompts in use move into their slots
-        used = [u for u, n in enumerate(self.prompt_rows) if n > 0]
-        count = len(used)
-        moving = [u for u in used if u >= count]
-        holes = [u for u in range(count) if self.prompt_rows[u] == 0]
+        prompt_order, moving, holes = fill_holes([u for u, n in enumerate(self.prompt_rows) if n > 0])
         if moving:
             self._move([*self.prompt_keys, *self.prompt_values], moving, holes)
-        where = {u: u for u in used}
-        where.update(zip(moving, holes))
-        prompt_order = list(range(count))
-        for hole, u in zip(holes, moving):
-            prompt_order[hole] = u
+        where = {old: new for new, old in enumerate(prompt_order)}
         self.prompt_length = [self.prompt_length[u] for u in prompt_order]
         self.prompt_rows = [self.prompt_rows[u] for u in prompt_order]
         self.row_prompt = [where[u] for u in self.row_prompt]
@@ -225,8 +224,9 @@ class KVCache:
             buffer.index_copy_(0, dst_t, buffer.index_select(0, src_t))
 
     def _sync(self) -> None:
-        """The device's copies of the host's row and prompt lists, and the prompt-slot layout of the PyTorch path."""
+        """The device's copies of the host's row and prompt lists."""
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        self.row_index = torch.arange(self.rows, device=self.device)  # [b], where `record` writes
         self.prompt_tensor, self.length_tensor = as_tensor(self.row_prompt), as_tensor(self.row_length)
         self.first_born = min(self.row_born, default=self.steps)
         self.prompt_length_tensor = as_tensor(self.prompt_length)

@@ -14,7 +14,8 @@ a server adds requests as they arrive. Each `step`:
 2. learns which rows ended: the host knows when a row reaches its `max_new` (it counts steps); EOS and stop strings
    need the tokens, which the host reads only every `check_every` steps (1 on a CPU, where reading is free; on a
    GPU a read waits for the device, so rows run a few steps past their end and are cut back to it);
-3. hands back the rows that ended and drops them from the cache (`KVCache.keep`);
+3. hands back the rows that ended; they leave the cache (`KVCache.keep`) once a quarter of the rows have ended
+   (`COMPACT_FRACTION`), stepping on ignored until then;
 4. feeds the other rows' tokens through the model (`LlamaStep`), one new key per row, for the next logits.
 
 The engine knows token ids only: the caller decodes texts, and stop strings come in as a `stops` callable.
@@ -22,6 +23,7 @@ The engine knows token ids only: the caller decodes texts, and stop strings come
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +80,6 @@ def cache_keyword(model: nn.Module) -> str:
     """The forward argument that takes the KV cache: `cache` in transformers releases that renamed it
     (5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`. A peft model
     passes it through to its base model."""
-    import inspect
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
@@ -230,6 +230,8 @@ class DecodeEngine:
         whether one did. One synchronisation."""
         self.reads += 1
         width, self._since_read = self._since_read, 0
+        if self.stops is None and not self.eos:  # rows end at their max_new only, which the host counts
+            return False
         cache, b = self.cache, len(self.rows)
         count = cache.length_tensor + 1  # [b] tokens each row has sampled
         if width == 1:
@@ -240,8 +242,6 @@ class DecodeEngine:
             valid = columns >= 0
         if self.stops is not None:
             return self._read_stops(window.tolist(), valid, count)
-        if not self.eos:
-            return False
         hits = torch.isin(window, self._eos_tensor)
         if valid is not None:
             hits &= valid

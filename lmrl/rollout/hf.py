@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from lmrl.engine import DecodeEngine, Ended, Request
 from lmrl.engine import supports as engine_supports
 from lmrl.engine.cache import PrefillLayer
-from lmrl.engine.engine import cache_keyword
+from lmrl.engine.engine import COMPACT_FRACTION, cache_keyword
 from lmrl.engine.sampling import row_keys, sample
 from lmrl.models.shared_prompt import full_attention
 from lmrl.models.vision import Media, batch_media, media_token_ids, mrope_positions
@@ -41,10 +41,6 @@ from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import cut_at_stop, decode_batch
 from lmrl.rollout.static_decode import MASKED_KERNELS, StaticDecoder, decode_path
 
-# Compact the batch (drop finished rows from the forward pass and the KV cache) once this fraction
-# of the rows still in the batch has finished: compacting copies the cache, so doing it for every
-# single finished row costs more than it saves.
-COMPACT_FRACTION = 0.25
 # Stop strings are searched in the decoded last (longest stop string in characters + this) tokens.
 STOP_WINDOW_MARGIN = 8
 

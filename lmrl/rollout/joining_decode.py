@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from lmrl.engine import DecodeEngine, Request
 from lmrl.engine import supports as engine_supports
-from lmrl.engine.cache import PrefillLayer
+from lmrl.engine.cache import PrefillLayer, fill_holes
 from lmrl.engine.sampling import row_keys, sample
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator, StopChecker
@@ -231,12 +231,7 @@ class JoiningDecode:
     def _leave(self, keep: list[int]) -> list[int]:
         """Only rows `keep` stay: each slot of a row that left, below the new row count, takes a row from above it.
         Returns the old index of each new slot's row."""
-        b = len(keep)
-        moving = [i for i in keep if i >= b]
-        holes = [i for i in range(b) if i not in set(keep)]
-        order = list(range(b))
-        for hole, row in zip(holes, moving):
-            order[hole] = row
+        order, moving, holes = fill_holes(keep)
         if moving:
             src = torch.tensor(moving, device=self.mask.device)
             dst = torch.tensor(holes, device=self.mask.device)
