@@ -12,6 +12,11 @@ whose last row left gives its slot to the last prompt. What attention reads of a
 and its own response so far, `length[r] + 1` columns with the new one: the C kernel reads exactly that; the PyTorch
 path reads the longest of them rounded up to `BLOCK` columns, under a mask.
 
+`joined=True` is the layout of steps through the model's own forward (`lmrl.engine.model_step`), whose attention
+takes one `[b, K, columns, D]` tensor per layer: each row has a prompt slot of its own (its prompt's keys copied to
+it), and the two stores of a layer are views of one `[Rc, K, Pc + Nc, D]` buffer, so that row r's prompt and
+response are one contiguous span of its slot (`sequence_keys[i][r, :, Pc - m : Pc + length]`).
+
 The host keeps each row's prompt and the step it joined at as Python ints, so it knows every length without asking
 the device (a decode step stays free of host synchronisation), and a step costs the host no work per row.
 """
@@ -54,16 +59,19 @@ class KVCache:
         device: where the stores live.
         zeroed: fill new stores with zeros (the PyTorch path multiplies masked columns' values by a zero weight,
             and NaN * 0 is NaN); the C kernel never reads a column it did not write, so it skips the fill.
+        joined: one prompt slot per row, both stores views of one buffer (see the module docstring).
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 zeroed: bool = True):
+                 zeroed: bool = True, joined: bool = False):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.dtype, self.device, self.zeroed = dtype, device, zeroed
+        self.dtype, self.device, self.zeroed, self.joined = dtype, device, zeroed, joined
         self.prompt_keys: list[torch.Tensor] = []
         self.prompt_values: list[torch.Tensor] = []
         self.row_keys: list[torch.Tensor] = []
         self.row_values: list[torch.Tensor] = []
+        self.sequence_keys: list[torch.Tensor] = []  # joined: [Rc, K, Pc + Nc, D], the two stores' common buffer
+        self.sequence_values: list[torch.Tensor] = []
         self.tokens = self.logprobs = None  # [Rc, Nc] each row's sampled tokens and their log-probs
         self.prompt_length: list[int] = []  # [U] live columns of each prompt slot
         self.prompt_rows: list[int] = []  # [U] rows in flight per prompt
@@ -103,6 +111,8 @@ class KVCache:
         False: a caller that knows all it will add), when it is not there."""
         uc, pc, rc, nc = self.capacity
         need_u, need_r = len(self.prompt_length) + prompts, self.rows + rows
+        if self.joined:  # a prompt slot per row
+            need_u = need_r = max(need_u, need_r)
         need_p = max([prompt_len, *self.prompt_length])
         need_n = max(new, nc if self.rows else 0)
         if need_u <= uc and need_p <= pc and need_r <= rc and need_n <= nc:
@@ -112,23 +122,11 @@ class KVCache:
         # exactly what is asked (a span the PyTorch path reads stops at the capacity): a store's first write faults in
         # its pages, which on a CPU costs more than a short decode's arithmetic
         uc, pc, rc, nc = grow(need_u, uc), grow(need_p, pc), grow(need_r, rc), grow(need_n, nc)
-        u, b = len(self.prompt_length), self.rows
-        old_pc = self.capacity[1]
-        for store, shape, live, width in ((self.prompt_keys, (uc, pc), u, old_pc), (self.prompt_values, (uc, pc), u, old_pc),
-                                          (self.row_keys, (rc, nc), b, None), (self.row_values, (rc, nc), b, None)):
-            for i in range(self.num_layers):
-                new_buffer = (torch.zeros if self.zeroed else torch.empty)(
-                    (shape[0], self.kv_heads, shape[1], self.head_dim), dtype=self.dtype, device=self.device)
-                if store and live:
-                    old = store[i]
-                    if width is None:  # rows: response columns from 0
-                        new_buffer[:live, :, : old.shape[2]] = old[:live]
-                    else:  # prompts: right-aligned, so the old columns end at the new last column
-                        new_buffer[:live, :, shape[1] - width:] = old[:live]
-                if len(store) < self.num_layers:
-                    store.append(new_buffer)
-                else:
-                    store[i] = new_buffer
+        b = self.rows
+        if self.joined:
+            self._grow_joined(rc, pc, nc, b)
+        else:
+            self._grow(uc, pc, rc, nc, b)
         tokens = torch.empty((rc, nc), dtype=torch.long, device=self.device)
         logprobs = torch.empty((rc, nc), dtype=torch.float32, device=self.device)
         if self.tokens is not None and b:
@@ -137,6 +135,43 @@ class KVCache:
         self.tokens, self.logprobs = tokens, logprobs
         self.rebuilds += 1
         self._sync()
+
+    def _grow(self, uc: int, pc: int, rc: int, nc: int, b: int) -> None:
+        """`reserve`'s new stores: `[uc, K, pc, D]` prompts (right-aligned, so the old columns end at the new last
+        one) and `[rc, K, nc, D]` rows (response columns from 0), the live ones copied."""
+        u, old_pc = len(self.prompt_length), self.capacity[1]
+        for store, shape, live, width in ((self.prompt_keys, (uc, pc), u, old_pc), (self.prompt_values, (uc, pc), u, old_pc),
+                                          (self.row_keys, (rc, nc), b, None), (self.row_values, (rc, nc), b, None)):
+            for i in range(self.num_layers):
+                new_buffer = (torch.zeros if self.zeroed else torch.empty)(
+                    (shape[0], self.kv_heads, shape[1], self.head_dim), dtype=self.dtype, device=self.device)
+                if store and live:
+                    old = store[i]
+                    if width is None:
+                        new_buffer[:live, :, : old.shape[2]] = old[:live]
+                    else:
+                        new_buffer[:live, :, shape[1] - width:] = old[:live]
+                if len(store) < self.num_layers:
+                    store.append(new_buffer)
+                else:
+                    store[i] = new_buffer
+
+    def _grow_joined(self, rc: int, pc: int, nc: int, b: int) -> None:
+        """`reserve` of a joined cache: new `[rc, K, pc + nc, D]` buffers, the rows' prompts right-aligned before
+        column pc and their responses after it, as they were."""
+        _, old_pc, _, old_nc = self.capacity
+        stores = ((self.sequence_keys, self.prompt_keys, self.row_keys),
+                  (self.sequence_values, self.prompt_values, self.row_values))
+        for joined, prompts, rows in stores:
+            if not joined:
+                for store in (joined, prompts, rows):
+                    store.extend([None] * self.num_layers)
+            for i in range(self.num_layers):
+                buffer = (torch.zeros if self.zeroed else torch.empty)(
+                    (rc, self.kv_heads, pc + nc, self.head_dim), dtype=self.dtype, device=self.device)
+                if b:
+                    buffer[:b, :, pc - old_pc: pc + old_nc] = joined[i][:b]
+                joined[i], prompts[i], rows[i] = buffer, buffer[:, :, :pc], buffer[:, :, pc:]
 
     def zero_unread(self) -> None:
         """Zeros in every column no row's attention covers (before each prompt, past each response, the unused
@@ -192,8 +227,9 @@ class KVCache:
         row from above it; prompts left without rows give their slots up the same way. Returns the old index of each
         row slot's row."""
         order, moving, holes = fill_holes(keep)
-        if moving:
-            self._move([*self.row_keys, *self.row_values, self.tokens, self.logprobs], moving, holes)
+        if moving:  # joined: a row's prompt moves with it (its prompt slot is its row slot)
+            stores = [*self.sequence_keys, *self.sequence_values] if self.joined else [*self.row_keys, *self.row_values]
+            self._move([*stores, self.tokens, self.logprobs], moving, holes)
         kept = set(keep)
         for i in range(self.rows):
             if i not in kept:
@@ -202,7 +238,7 @@ class KVCache:
         self.row_born = [self.row_born[i] for i in order]
         # prompts without rows: the last prompts in use move into their slots
         prompt_order, moving, holes = fill_holes([u for u, n in enumerate(self.prompt_rows) if n > 0])
-        if moving:
+        if moving and not self.joined:
             self._move([*self.prompt_keys, *self.prompt_values], moving, holes)
         where = {old: new for new, old in enumerate(prompt_order)}
         self.prompt_length = [self.prompt_length[u] for u in prompt_order]

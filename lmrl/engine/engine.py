@@ -16,14 +16,15 @@ a server adds requests as they arrive. Each `step`:
    GPU a read waits for the device, so rows run a few steps past their end and are cut back to it);
 3. hands back the rows that ended; they leave the cache (`KVCache.keep`) once a quarter of the rows have ended
    (`COMPACT_FRACTION`), stepping on ignored until then;
-4. feeds the other rows' tokens through the model (`LlamaStep`), one new key per row, for the next logits.
+4. feeds the other rows' tokens through the model, one new key per row, for the next logits: module by module
+   (`LlamaStep`) for the Llama / Qwen2 models it reproduces, through the model's own forward (`ModelStep`) for every
+   other (`step_path`).
 
 The engine knows token ids only: the caller decodes texts, and stop strings come in as a `stops` callable.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,13 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from lmrl.engine.cache import PrefillLayer
+from lmrl.engine.cache import KVCache, PrefillLayer
 from lmrl.engine.llama import LlamaStep
+from lmrl.engine.llama import supports as llama_supports
+from lmrl.engine.model_step import ModelStep, cache_keyword
 from lmrl.engine.sampling import sample
+from lmrl.models.shared_prompt import full_attention
+from lmrl.models.vision import batch_media, mrope_positions
 
 # Steps between the host's reads of the sampled tokens on a GPU (each read waits for the device).
 CHECK_EVERY_GPU = 8
@@ -52,6 +57,7 @@ class Request:
     max_new: int
     owner: Any
     key: int = 0
+    media: Any = None  # a vision-language prompt's processor outputs (`lmrl.models.vision.Media`), prefilled with it
 
 
 @dataclass(slots=True)
@@ -76,16 +82,18 @@ class _Row:
     done: bool = False  # handed back; it steps on (ignored) until the cache is compacted
 
 
-def cache_keyword(model: nn.Module) -> str:
-    """The forward argument that takes the KV cache: `cache` in transformers releases that renamed it
-    (5.24 deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`. A peft model
-    passes it through to its base model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+def step_path(model: nn.Module) -> tuple[bool, str]:
+    """Whether `model` steps module by module (`LlamaStep`, shared-prompt attention: the Llama / Qwen2 models it
+    reproduces exactly) or through its own forward (`ModelStep`), and why."""
+    if not full_attention(model):
+        return False, "its own forward: the model has sliding-window layers"
+    if not llama_supports(model):
+        return False, f"its own forward: {type(model).__name__} (module by module: Llama / Qwen2, no hooks on layers)"
+    return True, "module by module, each prompt's keys shared by its rows"
 
 
 class DecodeEngine:
-    """Continuous-batching decode of a Llama / Qwen2 model (`lmrl.engine.llama.supports`).
+    """Continuous-batching decode of any causal LM (`step_for` picks its step).
 
     Args:
         model: the causal LM, in eval mode, run under `torch.inference_mode()` by the caller; its weights are read
@@ -110,13 +118,16 @@ class DecodeEngine:
         self._work: dict = {}  # sampling's [b, V] buffers, reused step to step
         self.sink: tuple[torch.Tensor, torch.Tensor] | None = None  # see `collect_into`
         self._done = 0  # rows handed back but still in the cache
-        self.step_fn = LlamaStep(model, rows)
-        self.cache = self.step_fn.new_cache(self.device)
+        lean, self.path = step_path(model)
+        self.step_fn = LlamaStep(model, rows) if lean else ModelStep(model)
+        self.cache: KVCache | None = None  # made at the first prefill, which shows the keys' shape
+        self._reserved: tuple[int, int, int, int] | None = None  # `reserve`'s sizes, until the cache is made
+        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.check_every = check_every or (1 if self.device.type == "cpu" else CHECK_EVERY_GPU)
         self.pad_token_id = pad_token_id
         self.rows: list[_Row] = []
         self.logits: torch.Tensor | None = None  # [b, V] float32, each row's next-token logits
-        self.start: torch.Tensor | None = None  # [b] each row's prompt length: position = start + response length
+        self.start: torch.Tensor | None = None  # [b] each row's first response position: position = start + length
         self.keys: torch.Tensor | None = None  # [b] int64 each row's random stream
         self.forwards = 0  # prefills and steps run: what a test counts
         self.reads = 0  # times the host read the sampled tokens: what a test counts
@@ -129,7 +140,7 @@ class DecodeEngine:
 
     @property
     def rebuilds(self) -> int:
-        return self.cache.rebuilds
+        return self.cache.rebuilds if self.cache is not None else 0
 
     def collect_into(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Copy each ended row's tokens and log-probs into row `owner` of these `[N, W]` tensors on the device (owners
@@ -140,43 +151,74 @@ class DecodeEngine:
     def reserve(self, prompts: int, prompt_len: int, rows: int, new: int) -> None:
         """Room for all a caller will add (`prompts` distinct prompts of up to `prompt_len` tokens, `rows` rows of up to
         `new` tokens at once), allocated once and exactly: a training batch knows its sizes."""
-        self.cache.reserve(prompts, prompt_len, rows, new, slack=False)
+        if self.cache is None:
+            self._reserved = (prompts, prompt_len, rows, new)
+        else:
+            self.cache.reserve(prompts, prompt_len, rows, new, slack=False)
 
     def add(self, requests: list[Request]) -> None:
-        """Prefill the distinct prompts of `requests` (one forward) and put their rows in the batch; their first
-        token is sampled by the next `step`."""
+        """Prefill the distinct prompts of `requests` (one forward; a prompt with images, `Request.media`, is told
+        apart by its bundle) and put their rows in the batch; their first token is sampled by the next `step`."""
         if not requests:
             return
         if self._done:  # the room of rows that ended, before new rows take room
             self._compact(None)
-        distinct = list(dict.fromkeys(tuple(r.prompt) for r in requests))
-        index = {p: i for i, p in enumerate(distinct)}
-        local = [index[tuple(r.prompt)] for r in requests]
-        lengths = [len(p) for p in distinct]
-        width = max(lengths)
-        ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in distinct])  # left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        prefill = Cache(layers=[PrefillLayer(width) for _ in self.step_fn.layers])
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                         **{self._cache_kwarg: prefill}, use_cache=True, logits_to_keep=1)
-        self.forwards += 1
+        distinct: list[Request] = []  # the first request of each distinct prompt
+        index: dict = {}
+        local = []  # each request's distinct prompt
+        for r in requests:
+            if (key := (tuple(r.prompt), id(r.media))) not in index:
+                index[key] = len(distinct)
+                distinct.append(r)
+            local.append(index[key])
+        lengths = [len(r.prompt) for r in distinct]
+        logits, keys, values, next_position = self._prefill(distinct)
         local_t = torch.tensor(local, device=self.device)
-        logits = out.logits[:, -1].float().index_select(0, local_t)  # [r, V]
+        logits = logits.index_select(0, local_t)  # [r, V]
+        if self.cache is None:
+            self.cache = self.step_fn.new_cache(self.device, keys[0])
+            if self._reserved is not None:
+                self.cache.reserve(*self._reserved, slack=False)
         cache = self.cache
-        cache.reserve(len(distinct), width, len(requests), max(r.max_new for r in requests))
-        slots = cache.add_prompts([layer.keys.to(cache.dtype) for layer in prefill.layers],
-                                  [layer.values.to(cache.dtype) for layer in prefill.layers], lengths)
+        if not self.step_fn.shares_prompts:  # each row its own copy of its prompt's keys
+            keys = [k.index_select(0, local_t) for k in keys]
+            values = [v.index_select(0, local_t) for v in values]
+            lengths, local = [lengths[i] for i in local], list(range(len(requests)))
+        cache.reserve(len(lengths), max(lengths), len(requests), max(r.max_new for r in requests))
+        slots = cache.add_prompts([k.to(cache.dtype) for k in keys], [v.to(cache.dtype) for v in values], lengths)
         cache.add_rows([slots[i] for i in local])
         for r, i in zip(requests, local):
             key = self.stops.new_key() if self.stops else -1
             self.rows.append(_Row(r.owner, r.max_new, lengths[i], cache.steps + r.max_new - 1, key=key))
-        start = torch.tensor([lengths[i] for i in local], dtype=torch.long, device=self.device)
+        start = next_position.index_select(0, local_t)
         keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device)
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.start = start if self.start is None else torch.cat([self.start, start])
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
         self._rows_changed()
+
+    def _prefill(self, prompts: list[Request]) -> tuple[torch.Tensor, list, list, torch.Tensor]:
+        """One forward over the (left-padded) prompts of `prompts` with their images: `[U, V]` float32 logits at each
+        one's last token, per layer `[U, K, P, D]` keys and values (left-padded), `[U]` each one's next position
+        (its length; after images, Qwen2-VL's largest 3D position + 1)."""
+        width = max(len(r.prompt) for r in prompts)
+        ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt)) + list(r.prompt) for r in prompts])
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in prompts])
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        position_ids, next_position = (mask.cumsum(1) - 1).clamp(min=0), mask.sum(1)
+        extra = {}
+        if any(r.media is not None for r in prompts):
+            extra = batch_media([r.media for r in prompts], self.device)
+            rope = mrope_positions(self.model, ids, mask, extra)
+            if rope is not None:  # 3-D positions; text goes on after each prompt's largest one
+                position_ids, next_position = rope, rope.amax(dim=(0, 2)) + 1
+        prefill = Cache(layers=[PrefillLayer(width) for _ in range(self.num_layers)])
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                         **{self._cache_kwarg: prefill}, use_cache=True, logits_to_keep=1, **extra)
+        self.forwards += 1
+        keys = [layer.keys for layer in prefill.layers]
+        values = [layer.values for layer in prefill.layers]
+        return out.logits[:, -1].float(), keys, values, next_position
 
     def _compact(self, token: torch.Tensor | None) -> torch.Tensor | None:
         """Drop the rows that ended from the cache and the batch; `[b]` this step's tokens of the rows kept."""

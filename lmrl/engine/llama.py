@@ -45,6 +45,8 @@ class LlamaStep:
         rows: about how many rows a step runs (oneDNN picks its weight layout for it).
     """
 
+    shares_prompts = True  # a prompt's keys stored once for all its rows
+
     def __init__(self, model: nn.Module, rows: int) -> None:
         self.inner = decoder_stack(model)
         self.layers, self.model = list(self.inner.layers), model
@@ -68,9 +70,10 @@ class LlamaStep:
         dtype = next(self.model.parameters()).dtype
         return torch.float32 if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16) else dtype
 
-    def new_cache(self, device: torch.device) -> KVCache:
-        """An empty cache for these steps; the C kernels are chosen here (they never read a column they did not
-        write, so their stores skip the zero fill)."""
+    def new_cache(self, device: torch.device, like: torch.Tensor | None = None) -> KVCache:
+        """An empty cache for these steps (`like`, a prefill's keys, is not needed: the model's config gives the
+        shape); the C kernels are chosen here (they never read a column they did not write, so their stores skip
+        the zero fill)."""
         dtype = self.cache_dtype(device)
         if (USE_KERNELS and device.type == "cpu" and dtype == torch.float32
                 and all(qkv is not None for qkv in self.qkv) and self.head_dim % 2 == 0):

@@ -1,24 +1,14 @@
-"""Hugging Face generation backend: a decode loop with a KV cache, written for RL rollouts.
+"""Hugging Face generation backend: lmrl's decode engine over the live model the trainer updates.
 
-`HFGenerator` samples with the live `transformers` model the trainer updates in place, so every
-rollout uses the current weights. It is faster than `model.generate` because it does only what
-rollouts need:
+`HFGenerator` samples with the live `transformers` model the trainer updates in place, so every rollout uses the
+current weights. A call is many requests to one `lmrl.engine.DecodeEngine`: each distinct prompt prefilled once,
+at most `batch_size` rows in a step, more joining as rows end, each row sampling from its own random stream
+(`lmrl.engine.sampling`). Llama / Qwen2 models step module by module with each prompt's keys shared by its rows;
+every other model steps through its own forward (`lmrl.engine.model_step`). Stop strings are checked on the last
+few tokens only (`StopChecker`), texts decoded once at the end.
 
-1. prefill each distinct prompt once (`generate(num_return_sequences=n)` runs the prompt `n` times);
-2. Llama / Qwen2 models decode in lmrl's engine (`lmrl.engine.DecodeEngine`): continuous batching
-   (at most `batch_size` rows in a step, more joining as rows end), each prompt's keys and values
-   stored once, not once per completion, projections fused, C kernels on CPU; (3) and (4) below are
-   the other models' loop;
-3. other models: the prompt's KV cache is copied to its `n` completions, in a cache preallocated
-   for prompt + `max_new_tokens` (no `torch.cat` of the whole cache per step) with, for
-   full-attention models, a ready-made 4D attention mask sliced per step;
-4. finished rows leave the forward batch (the cache is compacted with `index_select` once a
-   quarter of the batch has finished), so late steps do less work;
-5. sampling on `[B, V]` float32 logits with one `torch.Generator`, the log-prob of each sampled
-   token computed from the same log-softmax, and stop strings checked on the last few tokens only.
-
-Models whose config declares sliding-window or other non-full attention layers use transformers'
-own `DynamicCache` and mask construction instead of (2) and (3); everything else is shared.
+On CUDA with `cuda_graph`, full-attention models with the sdpa or eager kernel take the fixed-shape step replayed as
+a CUDA graph instead (`lmrl.rollout.static_decode`); it samples what the engine samples (tested).
 """
 
 from __future__ import annotations
@@ -28,18 +18,18 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 
 from lmrl.engine import DecodeEngine, Ended, Request
-from lmrl.engine import supports as engine_supports
 from lmrl.engine.cache import PrefillLayer
-from lmrl.engine.engine import COMPACT_FRACTION, cache_keyword
+from lmrl.engine.engine import COMPACT_FRACTION, step_path
+from lmrl.engine.model_step import MASKED_KERNELS, cache_keyword
 from lmrl.engine.sampling import row_keys, sample
 from lmrl.models.shared_prompt import full_attention
 from lmrl.models.vision import Media, batch_media, media_token_ids, mrope_positions
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import cut_at_stop, decode_batch
-from lmrl.rollout.static_decode import MASKED_KERNELS, StaticDecoder, decode_path
+from lmrl.rollout.static_decode import StaticDecoder, decode_path
 
 # Stop strings are searched in the decoded last (longest stop string in characters + this) tokens.
 STOP_WINDOW_MARGIN = 8
@@ -140,13 +130,13 @@ class HFGenerator:
             raise ValueError("fixed_shapes: needs a full-attention model with the sdpa or eager kernel")
 
     def decode_path(self) -> tuple[str, str]:
-        """The decode path the next call takes, and why: "cuda_graph", "fixed_shapes" (the same step
-        without a graph), "engine" (`lmrl.engine`) or "cache" (`lmrl.rollout.static_decode.decode_path`). Asked per
-        call: hooks (FSDP's) may come and go."""
-        lean = self._full_attention and engine_supports(self.model)
-        path, why = decode_path(self.model, self.device, self.cuda_graph, lean)
+        """The decode path the next call takes, and why: "cuda_graph", "fixed_shapes" (the same step without a
+        graph) or "engine" (`lmrl.engine`, with the step it takes). Asked per call: hooks (FSDP's) may come and go."""
+        path, why = decode_path(self.model, self.device, self.cuda_graph)
         if self.fixed_shapes and path != "cuda_graph":
             return "fixed_shapes", "fixed_shapes=True"
+        if path == "engine":
+            why = f"{step_path(self.model)[1]}; {why}"
         return path, why
 
     def generate(
@@ -175,8 +165,8 @@ class HFGenerator:
         params.validate()
         base = params.seed if params.seed is not None else self.draw_seed()
 
-        if self.decode_path()[0] == "engine" and (media is None or all(m is None for m in media)):
-            return self._generate_engine(prompts, n, params, base)
+        if self.decode_path()[0] == "engine":
+            return self._generate_engine(prompts, n, params, base, media)
         num_rows = len(prompts) * n
         row_prompt = torch.arange(len(prompts)).repeat_interleave(n)  # [B]
         keys = row_keys(base, torch.arange(num_rows, device=self.device))  # [B] each row's random stream
@@ -204,14 +194,16 @@ class HFGenerator:
         """The next seed of the generator's own stream (a call without `SamplingParams.seed`)."""
         return int(torch.randint(0, 2**62, (), generator=self._rng))
 
-    def _generate_engine(self, prompts: list[list[int]], n: int, params: SamplingParams, base: int) -> Rollout:
+    def _generate_engine(self, prompts: list[list[int]], n: int, params: SamplingParams, base: int,
+                         media: Sequence[Media | None] | None) -> Rollout:
         """Every row through one `DecodeEngine`: rows of prompts of similar length first, at most `batch_size` in a
         step, more joining as rows end (a quarter of the room free, or none in flight)."""
         num_rows = len(prompts) * n
         limit = min(self.batch_size or num_rows, num_rows)
         by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         keys = row_keys(base, torch.arange(num_rows)).tolist()
-        queue = [Request(prompts[i], params.max_new_tokens, i * n + j, keys[i * n + j]) for i in by_length for j in range(n)]
+        queue = [Request(prompts[i], params.max_new_tokens, i * n + j, keys[i * n + j], media[i] if media else None)
+                 for i in by_length for j in range(n)]
         stops = StopChecker(self.tokenizer, params.stop) if params.stop else None
         results: list[Ended | None] = [None] * num_rows
         was_training = self.model.training
@@ -259,24 +251,19 @@ class HFGenerator:
         keys: torch.Tensor,
         media: Sequence[Media | None] | None = None,
     ) -> _ChunkResult:
-        """Prefill the distinct prompts of `row_prompt`, then decode one completion per row."""
+        """The fixed-shape path (`StaticDecoder`): prefill the distinct prompts of `row_prompt`, then decode one
+        completion per row, every row stepping (finished ones on padding), the active ones sampled."""
         device, max_new, num_rows = self.device, params.max_new_tokens, len(row_prompt)
-        # 1. prefill: each distinct prompt once
-        start = self._prefill(prompts, row_prompt, max_new, media)
-        static, cache, decoder, mask = start.static, start.cache, start.decoder, start.mask
-        logits, next_position, prompt_len = start.logits, start.next_position, start.prompt_len
-        first_position = next_position  # [b] of every row, as the fixed-shape step takes them
-        del start  # the first logits [b, V] are freed once the first step replaces them
+        decoder, logits, first_position = self._prefill(prompts, row_prompt, max_new, media)
 
         tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)
         lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
         finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
-        active = torch.arange(num_rows, device=device)  # chunk rows still in the forward batch
+        active = torch.arange(num_rows, device=device)  # chunk rows still sampled
         done = torch.zeros(num_rows, dtype=torch.bool, device=device)  # per active row
         stops = StopChecker(self.tokenizer, params.stop, num_rows) if params.stop else None
 
-        # 2. decode: sample from the last logits, record, feed the token back
         for t in range(max_new):
             steps = torch.full_like(active, t)
             token, token_logprob = sample(logits, params, keys[active], steps, self._banned)  # [a], [a]
@@ -295,108 +282,40 @@ class HFGenerator:
                 break
             if int(done.sum()) >= COMPACT_FRACTION * done.numel():
                 keep = (~done).nonzero().squeeze(1)
-                active, done, token, next_position = (
-                    active[keep],
-                    done[keep],
-                    token[keep],
-                    next_position[keep],
-                )
-                if not static:  # fixed shapes keep every row in the step; only the sampling leaves them
-                    cache.batch_select_indices(keep)
-                    mask = mask[keep]
-            if static:  # every row steps (finished ones on padding); the rows still active are sampled
-                every = torch.full((num_rows,), self.pad_token_id, dtype=torch.long, device=device)
-                every[active] = token
-                logits = decoder.step(every, first_position + t, t).index_select(0, active).float()
-                continue
-            kv_length = prompt_len + t + 1
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=mask[..., :kv_length],
-                position_ids=(next_position + t)[:, None],
-                **{self._cache_kwarg: cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1].float()
-        return self._trimmed(tokens, logprobs, lengths, finished)
+                active, done, token = active[keep], done[keep], token[keep]
+            every = torch.full((num_rows,), self.pad_token_id, dtype=torch.long, device=device)
+            every[active] = token
+            logits = decoder.step(every, first_position + t, t).index_select(0, active).float()
+        width = int(lengths.max())
+        valid = torch.arange(width, device=device) < lengths[:, None]
+        tokens = tokens[:, :width].masked_fill(~valid, self.pad_token_id)
+        logprobs = logprobs[:, :width].masked_fill(~valid, 0.0)
+        return _ChunkResult(tokens=tokens, logprobs=logprobs, lengths=lengths, finished=finished)
 
     def _prefill(
         self, prompts: list[list[int]], row_prompt: list[int], max_new: int, media: Sequence[Media | None] | None = None
-    ) -> _Prefill:
-        """Run each distinct prompt of `row_prompt` once (with its images) and set up the decode path; `[b, V]`
-        first logits."""
+    ) -> tuple[StaticDecoder, torch.Tensor, torch.Tensor]:
+        """Run each distinct prompt of `row_prompt` once (with its images) and set up the fixed-shape step: the
+        decoder, `[b, V]` first logits, `[b]` each row's first response position."""
         device = self.device
         distinct = sorted(set(row_prompt))
         local = {p: i for i, p in enumerate(distinct)}
         row_local = torch.tensor([local[p] for p in row_prompt], device=device)  # [b] row -> prefill row
         prompt_ids, prompt_mask = self._left_pad([prompts[p] for p in distinct])  # [U, P]
-        num_rows, prompt_len = len(row_prompt), prompt_ids.shape[1]
-        capacity = prompt_len + max_new
-
-        # positions count real tokens only (left padding)
-        path, _ = self.decode_path()
-        static = path in ("cuda_graph", "fixed_shapes")
-        cache = self._new_cache(prompt_len if static else capacity)
-        position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
+        prompt_len = prompt_ids.shape[1]
+        cache = Cache(layers=[PrefillLayer(prompt_len) for _ in range(self._num_layers)])
+        position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)  # positions count real tokens only
         next_position = prompt_mask.sum(1)  # [U]
         extra = batch_media([media[p] for p in distinct], device) if media is not None else {}
         rope = mrope_positions(self.model, prompt_ids, prompt_mask.long(), extra) if extra else None
         if rope is not None:  # 3-D positions (Qwen2-VL); text goes on after each prompt's largest position
             position_ids, next_position = rope, rope.amax(dim=(0, 2)) + 1
-        out = self.model(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask.long(),
-            position_ids=position_ids,
-            **{self._cache_kwarg: cache},
-            use_cache=True,
-            logits_to_keep=1,
-            **extra,
-        )
+        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids,
+                         **{self._cache_kwarg: cache}, use_cache=True, logits_to_keep=1, **extra)
         logits = out.logits[:, -1].float().index_select(0, row_local)  # [b, V]
-        next_position = next_position.index_select(0, row_local)  # [b]
-        decoder, mask = None, None
-        if static:
-            decoder = StaticDecoder(self.model, cache, prompt_mask, row_local, max_new, self._cache_kwarg,
-                                    graph=path == "cuda_graph")
-        else:
-            cache.batch_select_indices(row_local)  # copy each prompt's cache to its rows
-            # attention over [prompt | response]: the response part is all ones, sliced per step
-            mask = torch.ones(num_rows, capacity, dtype=torch.bool, device=device)
-            mask[:, :prompt_len] = prompt_mask.index_select(0, row_local)
-            mask = self._decode_mask(mask)
-        return _Prefill(static, cache, decoder, mask, logits, next_position, prompt_len)
-
-    def _trimmed(self, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor,
-                 finished: torch.Tensor) -> _ChunkResult:
-        """`[b, max_new]` buffers cut to the longest row, padding (and log-prob 0) past each row's length."""
-        width = int(lengths.max())
-        valid = torch.arange(width, device=tokens.device) < lengths[:, None]
-        tokens = tokens[:, :width].masked_fill(~valid, self.pad_token_id)
-        logprobs = logprobs[:, :width].masked_fill(~valid, 0.0)
-        return _ChunkResult(tokens=tokens, logprobs=logprobs, lengths=lengths, finished=finished)
-
-    def _new_cache(self, capacity: int) -> Cache:
-        if self._full_attention:
-            return Cache(layers=[PrefillLayer(capacity) for _ in range(self._num_layers)])
-        return DynamicCache(config=self.model.config)
-
-    def _decode_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """`[b, capacity]` bool mask -> what the decode steps pass as `attention_mask` (sliced on the last dim).
-
-        A 4D mask is used by the model as is, which skips transformers' mask construction at every
-        step; only for full attention with the sdpa (bool: True attends) or eager (additive float)
-        kernels, whose mask formats are known. Otherwise the 2D padding mask is passed.
-        """
-        if not self._full_attention or self._attn_implementation not in ("sdpa", "eager"):
-            return mask.long()
-        mask = mask[:, None, None, :]  # [b, 1, 1, capacity]
-        if self._attn_implementation == "sdpa":
-            return mask
-        dtype = next(self.model.parameters()).dtype
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(dtype).min
-        )
+        decoder = StaticDecoder(self.model, cache, prompt_mask, row_local, max_new, self._cache_kwarg,
+                                graph=self.decode_path()[0] == "cuda_graph")
+        return decoder, logits, next_position.index_select(0, row_local)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token lists -> `[U, P]` left-padded ids and their bool mask."""

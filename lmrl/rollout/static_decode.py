@@ -11,7 +11,7 @@ the step that form:
 - the step reads its tokens and positions from two `[b, 1]` buffers and writes its logits to one.
 Rows that finish stay in the batch (their tokens are ignored): compacting would change the shapes.
 
-`decode_path` chooses between this and `HFGenerator`'s other paths. On CUDA the step is captured after
+`decode_path` chooses between this and lmrl's decode engine (`lmrl.engine`). On CUDA the step is captured after
 one eager warm-up step; if capturing fails, the decoder says why once and runs the same fixed-shape step
 eagerly. On a CPU there are no graphs: the fixed-shape step runs eagerly (only tests ask for it there),
 and it samples the same tokens as the other paths (tested).
@@ -25,33 +25,27 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
+from lmrl.engine.model_step import MASKED_KERNELS
 from lmrl.models.shared_prompt import full_attention
 
-# the attention kernels whose 4D mask format is known: sdpa (bool, True attends), eager (additive float)
-MASKED_KERNELS = ("sdpa", "eager")
 
-
-def decode_path(model: nn.Module, device: torch.device, cuda_graph: bool, lean: bool) -> tuple[str, str]:
-    """The decode path `HFGenerator` takes, and why.
-
-    Returns ("cuda_graph", why) for the fixed-shape step captured in a CUDA graph; ("engine", why)
-    for `lmrl.engine` (`lean`: a Llama / Qwen2 it reproduces exactly); ("cache", why) for the
-    model's own forward over a preallocated (or, for sliding-window models, transformers') cache.
-    """
+def decode_path(model: nn.Module, device: torch.device, cuda_graph: bool) -> tuple[str, str]:
+    """The decode path `HFGenerator` takes, and why: ("cuda_graph", why) for the fixed-shape step captured in a CUDA
+    graph, else ("engine", why not) for `lmrl.engine`."""
     kernel = getattr(model.config, "_attn_implementation", None)
     if not cuda_graph:
         reason = "rollout.cuda_graph=false"
     elif device.type != "cuda":
         reason = f"no CUDA graphs on {device.type}"
     elif not full_attention(model):
-        reason = "the model has sliding-window layers"
+        reason = "no CUDA graph: the model has sliding-window layers"
     elif kernel not in MASKED_KERNELS:
-        reason = f"attn_implementation={kernel!r} takes no 4D mask (sdpa or eager do)"
+        reason = f"no CUDA graph: attn_implementation={kernel!r} takes no 4D mask (sdpa or eager do)"
     elif getattr(model, "hf_device_map", None):
-        reason = "the model is spread over devices"
+        reason = "no CUDA graph: the model is spread over devices"
     else:
         return "cuda_graph", "a fixed-shape decode step captured in a CUDA graph"
-    return ("engine", reason) if lean else ("cache", reason)
+    return "engine", reason
 
 
 class StaticDecoder:

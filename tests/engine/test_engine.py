@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import lmrl.engine.engine as engine_module
 import lmrl.engine.llama as llama
 from lmrl.engine import DecodeEngine, Request
 from lmrl.engine.cache import BLOCK
@@ -31,9 +32,20 @@ def model(request, tok):
 
 @pytest.fixture(params=["kernels", "pytorch"])
 def path(request, monkeypatch):
-    """Both attention paths: the C kernel (where it builds) and PyTorch's."""
+    """Both attention paths of `LlamaStep`: the C kernel (where it builds) and PyTorch's."""
     if request.param == "pytorch":
         monkeypatch.setattr(llama, "USE_KERNELS", False)
+    return request.param
+
+
+@pytest.fixture(params=["kernels", "pytorch", "forward"])
+def step(request, monkeypatch):
+    """Every step: `LlamaStep` with either attention path, and the model's own forward (`ModelStep`, the step of
+    every other model)."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(llama, "USE_KERNELS", False)
+    if request.param == "forward":
+        monkeypatch.setattr(engine_module, "llama_supports", lambda model: False)
     return request.param
 
 
@@ -50,7 +62,7 @@ def run(engine: DecodeEngine, joins: dict[int, list[Request]], steps: int = 200)
     return out
 
 
-def test_rows_that_join_and_leave_sample_what_they_sample_alone(model, tok, path):
+def test_rows_that_join_and_leave_sample_what_they_sample_alone(model, tok, step):
     """Sampled, not greedy: rows join at different steps with prompts shorter and longer than any so far (the
     stores grow), a group of three shares its prompt, rows leave at different steps (EOS or max_new) and give
     their slots to later rows; each row's tokens equal its decode alone, log-probs within 1e-5."""
@@ -64,7 +76,8 @@ def test_rows_that_join_and_leave_sample_what_they_sample_alone(model, tok, path
     joined = DecodeEngine(model, PARAMS, eos)
     together = run(joined, {s: [r for r, a in zip(requests, at) if a == s] for s in set(at)})
     prefills = len(set(at))
-    assert joined.rebuilds >= 2 and joined.step_fn.kernel_steps == (joined.forwards - prefills if path == "kernels" else 0)
+    kernel_steps = getattr(joined.step_fn, "kernel_steps", 0)
+    assert joined.rebuilds >= 2 and kernel_steps == (joined.forwards - prefills if step == "kernels" else 0)
     assert {finished for _, _, finished in together.values()} == {True, False}  # EOS and max_new both ended rows
     for r in requests:
         alone = run(DecodeEngine(model, PARAMS, eos), {0: [r]})[r.owner]
@@ -72,10 +85,11 @@ def test_rows_that_join_and_leave_sample_what_they_sample_alone(model, tok, path
         assert together[r.owner][1] == pytest.approx(alone[1], abs=1e-5)
 
 
-def test_attention_reads_only_live_columns(model, tok, path):
+def test_attention_reads_only_live_columns(model, tok, step):
     """Every column of the stores a step must not read is NaN: the unused slots, and with the C kernel the columns
-    before each prompt and past each row's length; with PyTorch, those outside the spans it reads (the longest prompt
-    and response rounded up to the block). The step's logits stay finite and equal to those of clean stores."""
+    before each prompt and past each row's length; with PyTorch and the model's forward, those outside the spans it
+    reads (the longest prompt and response rounded up to the block). The step's logits stay finite and equal to
+    those of clean stores."""
     requests = [Request(tok.encode(p), 40, i, i) for i, p in enumerate(["hello there", "ab", "ab", "what is 2+2?"])]
 
     def logits_after(poison: bool) -> torch.Tensor:
@@ -97,11 +111,11 @@ def test_attention_reads_only_live_columns(model, tok, path):
                 for store in (*cache.prompt_keys, *cache.prompt_values):
                     store[len(cache.prompt_length):] = float("nan")
                     for u, m in enumerate(cache.prompt_length):
-                        store[u, :, : pc - (m if path == "kernels" else p)] = float("nan")
+                        store[u, :, : pc - (m if step == "kernels" else p)] = float("nan")
                 for store in (*cache.row_keys, *cache.row_values):
                     store[cache.rows:] = float("nan")
                     for r, length in enumerate(cache.row_length):
-                        store[r, :, length if path == "kernels" else n:] = float("nan")
+                        store[r, :, length if step == "kernels" else n:] = float("nan")
             engine.step()
             return engine.logits
 
@@ -156,19 +170,23 @@ class SyncCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_on_cuda_synchronises_only_when_the_host_reads_the_tokens(tok, monkeypatch):
+@pytest.mark.parametrize("step", ["module by module", "the model's forward"])
+def test_a_step_on_cuda_synchronises_only_when_the_host_reads_the_tokens(tok, monkeypatch, step):
     """On "cuda" (`tests.fakecuda`) rows run without the host reading anything back, except every `check_every`
     steps and the step a row reaches its max_new (then the ended rows' log-probs): the sampling, the cache writes,
-    the masks and attention, stop checks included, make no host synchronisation."""
+    the masks and attention, stop checks included, make no host synchronisation; through `LlamaStep` and through
+    the model's own forward (`ModelStep`) alike."""
     monkeypatch.setattr(llama, "USE_KERNELS", False)
+    monkeypatch.setattr(engine_module, "llama_supports", lambda model: step == "module by module")
     with fake_cuda():
         model = gqa_model(tok, "qwen2").to("cuda").eval()
         engine = DecodeEngine(model, SamplingParams(temperature=1.0, top_k=5, top_p=0.9), [tok.eos_token_id],
                               check_every=4)
-        assert engine.device.type == "cuda" and engine.cache.device.type == "cuda"
+        assert type(engine.step_fn).__name__ == ("LlamaStep" if step == "module by module" else "ModelStep")
         synced_steps, steps = [], 0
         with torch.inference_mode():
             engine.add([Request(tok.encode(p), m, i, i) for i, (p, m) in enumerate([("hello", 30), ("ab", 30), ("x", 18)])])
+            assert engine.device.type == "cuda" and engine.cache.device.type == "cuda"
             while len(engine):
                 reads_before = engine.reads
                 counter = SyncCounter()

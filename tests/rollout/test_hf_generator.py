@@ -7,11 +7,12 @@ import copy
 import pytest
 import torch
 
+import lmrl.engine.engine as engine_module
 import lmrl.engine.layers as spd
-import lmrl.rollout.hf as hf
 from lmrl.engine import supports as engine_supports
 from lmrl.engine.layers import Linear as _Linear
 from lmrl.engine.layers import onednn_weight as _onednn_weight
+from lmrl.engine.model_step import cache_keyword
 from lmrl.engine.sampling import row_keys, uniform
 from lmrl.engine.sampling import sample_categorical as _sample_categorical
 from lmrl.engine.sampling import truncate as _truncate
@@ -365,7 +366,8 @@ def gqa_model(tok, arch: str):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_engine_matches_generic_path(tok, arch, monkeypatch):
-    """The engine's module-by-module decode with shared-prompt attention equals transformers' forward: 40
+    """The engine's module-by-module step with shared-prompt attention equals its step through transformers' forward
+    (`ModelStep`, every other model's): 40
     response tokens, grouped-query attention, at most 5 rows in a step with n 3 (groups split, rows joining as
     others leave) and rows leaving the batch (EOS made likely); each row samples the same tokens on both paths."""
     model = gqa_model(tok, arch)
@@ -377,7 +379,7 @@ def test_engine_matches_generic_path(tok, arch, monkeypatch):
         params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=11)
         lean = HFGenerator(model, tok, batch_size=5).generate(encode(tok), 3, params)
         expected = reference_logprobs(model, lean, 0.9)
-        monkeypatch.setattr(hf, "engine_supports", lambda model: False)
+        monkeypatch.setattr(engine_module, "llama_supports", lambda model: False)
         generic = HFGenerator(model, tok, batch_size=5).generate(encode(tok), 3, params)
     finally:
         handle.remove()
@@ -389,8 +391,8 @@ def test_engine_matches_generic_path(tok, arch, monkeypatch):
 
 
 def test_generic_path_greedy_matches_generate(llama, tok, monkeypatch):
-    """Models the shared-prompt decoder does not know use transformers' forward with the preallocated cache."""
-    monkeypatch.setattr(hf, "engine_supports", lambda model: False)
+    """Models the module-by-module step does not know step through transformers' forward (`ModelStep`)."""
+    monkeypatch.setattr(engine_module, "llama_supports", lambda model: False)
     rollout = HFGenerator(llama, tok).generate(
         encode(tok), 2, SamplingParams(max_new_tokens=12, temperature=0)
     )
@@ -403,6 +405,52 @@ def test_generic_path_greedy_matches_generate(llama, tok, monkeypatch):
             max_new_tokens=12,
         )
     assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_a_sliding_window_model_samples_what_its_forward_scores(tok, kernel):
+    """Mistral with a window of 4 tokens, 24 sampled through its own forward (`ModelStep`): rows of different ages
+    share each step (batch_size 3, n 2: rows join as others end, EOS made likely), each row's window counted in its
+    own tokens; the sampled log-probs equal a full forward's over the finished rows, which differ from those of the
+    same weights without the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=2, sliding_window=4, pad_token_id=tok.pad_token_id,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, attn_implementation=kernel)
+    torch.manual_seed(3)
+    model = MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape) * 0.2)
+        model.lm_head.weight[tok.eos_token_id] += 0.05 * model.lm_head.weight.mean(0)
+    generator = HFGenerator(model, tok, batch_size=3)
+    assert generator.decode_path()[1].startswith("its own forward: the model has sliding-window layers")
+    rollout = generator.generate(encode(tok), 2, SamplingParams(max_new_tokens=24, temperature=1.0, seed=4))
+    assert int(rollout.lengths.max()) > 8 and len(set(rollout.lengths.tolist())) > 1
+    torch.testing.assert_close(rollout.logprobs, reference_logprobs(model, rollout, 1.0), atol=1e-4, rtol=0)
+    model.config.sliding_window = None  # the window mattered
+    assert not torch.allclose(rollout.logprobs, reference_logprobs(model, rollout, 1.0), atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_other_architectures_sample_what_their_forward_scores(tok, arch):
+    """GPT-2 (learned positions) and GPT-NeoX (partial rotary) step through their own forward, rows joining and
+    leaving: the sampled log-probs equal a full forward's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(gpt2=dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+                 gpt_neox=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))[arch]
+    config = AutoConfig.for_model(arch, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **shape)
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    generator = HFGenerator(model, tok, batch_size=3)
+    assert generator.decode_path()[1].startswith("its own forward:")
+    rollout = generator.generate(encode(tok), 2, SamplingParams(max_new_tokens=20, temperature=1.0, seed=1))
+    assert len(set(rollout.lengths.tolist())) > 1 or not rollout.finished.any()
+    torch.testing.assert_close(rollout.logprobs, reference_logprobs(model, rollout, 1.0), atol=1e-4, rtol=0)
 
 
 def test_greedy_gqa_long_response_matches_generate(tok):
@@ -463,7 +511,7 @@ def test_hooked_projections_and_norms_are_called_not_fused(tok, monkeypatch):
         assert engine_supports(model)
         params = SamplingParams(max_new_tokens=12, temperature=0)
         lean = HFGenerator(model, tok).generate(encode(tok), 2, params)
-        monkeypatch.setattr(hf, "engine_supports", lambda model: False)
+        monkeypatch.setattr(engine_module, "llama_supports", lambda model: False)
         generic = HFGenerator(model, tok).generate(encode(tok), 2, params)
     finally:
         for h in handles:
@@ -602,7 +650,7 @@ def test_cache_keyword_follows_the_models_forward():
 
         def forward(self, *args, **kwargs): ...
 
-    assert hf.cache_keyword(Renamed()) == "cache"
-    assert hf.cache_keyword(Old()) == "past_key_values"
-    assert hf.cache_keyword(Wrapper(Renamed())) == "cache"
-    assert hf.cache_keyword(Wrapper(Old())) == "past_key_values"
+    assert cache_keyword(Renamed()) == "cache"
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(Wrapper(Renamed())) == "cache"
+    assert cache_keyword(Wrapper(Old())) == "past_key_values"

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-import lmrl.rollout.joining_decode as joining_decode
+import lmrl.engine.engine as engine_module
 from lmrl.models.tiny import char_tokenizer, tiny_causal_lm
 from lmrl.rollout import HFGenerator, SamplingParams
 from lmrl.rollout.batcher import Batcher
@@ -28,8 +28,9 @@ def generator(request, tok):
 
 @pytest.fixture(params=["module by module", "the model's forward"])
 def steps(request, monkeypatch):
-    """Both step paths: the engine (Llama / Qwen2) and the model's own forward."""
-    monkeypatch.setattr(joining_decode, "LEAN_STEPS", request.param == "module by module")
+    """Both of the engine's steps: module by module (Llama / Qwen2) and the model's own forward (every other model)."""
+    monkeypatch.setattr(engine_module, "llama_supports", lambda model: request.param == "module by module")
+    return request.param
 
 
 def alone(generator: HFGenerator, prompt: list[int], max_new: int, stop: list[str] = ()) -> tuple[list, list]:
@@ -49,7 +50,7 @@ def test_a_row_that_joins_mid_decode_samples_what_it_samples_alone(generator, to
     # takes its slot; e wants more columns than are left (the cache grows, dropping the columns no row reads)
     joins_at = {"a": 0, "b": 3, "c": 3, "d": 6, "e": 12}
     decode = JoiningDecode(generator, SamplingParams(temperature=0.0))
-    assert (decode.lean is not None) == joining_decode.LEAN_STEPS
+    assert type(decode.engine.step_fn).__name__ == ("LlamaStep" if steps == "module by module" else "ModelStep")
     got = {}
     with torch.inference_mode():
         for step in range(80):

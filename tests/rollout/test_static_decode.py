@@ -24,20 +24,24 @@ def tok():
 
 def test_the_path_and_why(tok):
     model = scrambled_model(tok)
-    assert decode_path(model, CUDA, cuda_graph=True, lean=True) == (
+    assert decode_path(model, CUDA, cuda_graph=True) == (
         "cuda_graph", "a fixed-shape decode step captured in a CUDA graph")
-    assert decode_path(model, torch.device("cpu"), cuda_graph=True, lean=True) == (
-        "engine", "no CUDA graphs on cpu")
-    assert decode_path(model, CUDA, cuda_graph=False, lean=False) == ("cache", "rollout.cuda_graph=false")
+    assert decode_path(model, torch.device("cpu"), cuda_graph=True) == ("engine", "no CUDA graphs on cpu")
+    assert decode_path(model, CUDA, cuda_graph=False) == ("engine", "rollout.cuda_graph=false")
     model.config._attn_implementation = "flash_attention_2"
-    assert decode_path(model, CUDA, True, False) == (
-        "cache", "attn_implementation='flash_attention_2' takes no 4D mask (sdpa or eager do)")
+    assert decode_path(model, CUDA, True) == (
+        "engine", "no CUDA graph: attn_implementation='flash_attention_2' takes no 4D mask (sdpa or eager do)")
     model.config._attn_implementation = "sdpa"
     model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
-    assert decode_path(model, CUDA, True, False) == ("cache", "the model is spread over devices")
+    assert decode_path(model, CUDA, True) == ("engine", "no CUDA graph: the model is spread over devices")
     sliding = scrambled_model(tok, "qwen2")
     sliding.config.layer_types = ["sliding_attention", "full_attention"]
-    assert decode_path(sliding, CUDA, True, False) == ("cache", "the model has sliding-window layers")
+    assert decode_path(sliding, CUDA, True) == ("engine", "no CUDA graph: the model has sliding-window layers")
+    # the generator's line names the engine's step too
+    assert HFGenerator(scrambled_model(tok), tok).decode_path() == (
+        "engine", "module by module, each prompt's keys shared by its rows; no CUDA graphs on cpu")
+    assert HFGenerator(sliding, tok).decode_path() == (
+        "engine", "its own forward: the model has sliding-window layers; no CUDA graphs on cpu")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
