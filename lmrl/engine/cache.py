@@ -247,12 +247,12 @@ class KVCache:
         self._sync()
         return order
 
-    def spans(self) -> tuple[int, int]:
-        """(prompt columns, response columns) the PyTorch attention path reads this step: the longest live prompt,
-        and the longest response with the token this step adds, each rounded up to `BLOCK` (at most the capacity)."""
+    def spans(self, block: int = BLOCK) -> tuple[int, int]:
+        """(prompt columns, response columns) the PyTorch attention paths read this step: the longest live prompt,
+        and the longest response with the token this step adds, each rounded up to `block` (at most the capacity)."""
         _, pc, _, nc = self.capacity
-        return (min(_round_up(max(self.prompt_length, default=1)), pc),
-                min(_round_up(self.longest + 1), nc))
+        return (min(_round_up(max(self.prompt_length, default=1), block), pc),
+                min(_round_up(self.longest + 1, block), nc))
 
     def _move(self, buffers: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
         src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)

@@ -3,8 +3,8 @@
 GPT-2, OPT, Falcon, Gemma, Mistral, Phi-3, Qwen3, the vision-language models, and a Llama / Qwen2 with hooks on its
 layers (FSDP's) decode here: one forward of the model per step, one new token per row, over the engine's `KVCache` in
 its joined layout (each row's prompt and response one contiguous span of its slot). Rows of different ages share the
-step as in `LlamaStep`: each writes its new key at its own column, and attention reads the longest live span rounded
-up to the cache's block, under a mask that opens each row's own prompt and response so far.
+step as in `LlamaStep`: each writes its new key at its own column, and attention reads the longest live span (rounded
+up to the cache's block on a GPU), under a mask that opens each row's own prompt and response so far.
 
 The mask is what the model's attention kernel takes:
 - sdpa and eager: a 4D mask made here (boolean, or additive in the model's dtype), so transformers builds none. A model
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from lmrl.engine.cache import KVCache
+from lmrl.engine.cache import BLOCK, KVCache
 
 # The attention kernels whose 4D mask format is known: sdpa (bool, True attends), eager (additive float).
 MASKED_KERNELS = ("sdpa", "eager")
@@ -84,6 +84,9 @@ class ModelStep:
             if "sliding_attention" not in self.layer_types:
                 self.window = None
         self.sliding = self.window is not None
+        # columns read: the longest live span exactly on a CPU (the model's attention copies what it reads to repeat
+        # grouped-query heads, so every column costs), rounded up to the cache's block elsewhere (fewer shapes)
+        self.block = 1 if next(model.parameters()).device.type == "cpu" else BLOCK
 
     def cache_dtype(self, device: torch.device) -> torch.dtype:
         return next(self.model.parameters()).dtype
@@ -95,7 +98,7 @@ class ModelStep:
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache, positions: int) -> torch.Tensor:
         """Feed `[b]` tokens at `[b]` positions, each written at its row's response column `cache.row_length`;
         return `[b, V]` next-token logits. The cache's lengths advance after this returns."""
-        p, n = cache.spans()
+        p, n = cache.spans(self.block)
         pc = cache.capacity[1]
         view = slice(pc - p, pc + n)
         column = pc + cache.length_tensor
