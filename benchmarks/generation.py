@@ -20,6 +20,8 @@ Presets (random weights built from a config, or the model lmrl ships; nothing is
              ~494M parameters), bfloat16 on the GPU; 64 prompts x n=8, 256 new tokens: the GPU set-up. Also prints
              ms per decode step, the device's bound for the same work (`decode_bound`) and each backend's
              fraction of it.
+    qwen3    the 30m shape as Qwen3 (an RMSNorm of each query and key head), 2 key / value heads (~60M parameters,
+             untied); 16 prompts x n=8, 64 new tokens
 
 Backends (--backends): hf (`model.generate`), lmrl (`HFGenerator`), engine (`HFGenerator(cuda_graph=False)`:
 lmrl's decode engine also on CUDA, where `lmrl` takes the CUDA-graph step), vllm (`VLLMGenerator`, rollout.backend=vllm:
@@ -59,6 +61,7 @@ PRESETS = {
     "30m": dict(prompts=16, n=8, max_new_tokens=64),
     "100m": dict(prompts=8, n=4, max_new_tokens=32),
     "qwen0.5b": dict(prompts=64, n=8, max_new_tokens=256),
+    "qwen3": dict(prompts=16, n=8, max_new_tokens=64),  # the 30m shape as Qwen3 (q / k head norms), 2 KV heads
 }
 QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -97,6 +100,15 @@ def build(preset: str) -> Setup:
         path = SHIPPED_MODELS["tiny-addition"]
         model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
         return Setup(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
+    if preset == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(vocab_size=32000, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                             eos_token_id=2, pad_token_id=0, **SHAPES["30m"])
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config).eval()
+        model.generation_config.pad_token_id = 0
+        return Setup(model, tokenizer, 2, 0, config.vocab_size)
     # a Llama shape of random weights (the 100m one close to TinyLlama's layer). The char tokenizer is only
     # used to decode texts; ids above its vocabulary decode to nothing, which is fine here.
     shape = SHAPES[preset]
@@ -179,7 +191,7 @@ def vllm_engine(s: Setup, eos: bool, max_len: int):
 
 LABELS = {"tiny": "tiny Llama (hidden 64, 2 layers)", "shipped": "the shipped model (~0.5M parameters)",
           "30m": "~41M Llama (hidden 512, 8 layers, V 32k)", "100m": "~110M Llama (hidden 768, 12 layers, V 32k)",
-          "qwen0.5b": "Qwen2 of Qwen2-0.5B's shape, bfloat16"}
+          "qwen0.5b": "Qwen2 of Qwen2-0.5B's shape, bfloat16", "qwen3": "~60M Qwen3 (hidden 512, 8 layers, 2 KV heads, V 32k)"}
 NAMES = {"hf": "`model.generate`", "lmrl": "lmrl", "engine": "lmrl's engine", "vllm": "vLLM"}
 HEADERS = {b: f"{name} tok/s" for b, name in NAMES.items()}
 

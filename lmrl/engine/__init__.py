@@ -3,7 +3,7 @@
 `DecodeEngine` (`engine.py`) is the loop: rows join when there is room and leave the step they end (continuous
 batching); a training batch is many requests, a server's requests join a running decode. `KVCache` (`cache.py`)
 holds every key / value head once and a prompt's keys once for all its rows; `LlamaStep` (`llama.py`) is the
-module-by-module decode step of Llama / Qwen2 models with shared-prompt attention that reads each row's live columns,
+module-by-module decode step of Llama / Qwen2 / Qwen3 models with shared-prompt attention that reads each row's live columns,
 `ModelStep` (`model_step.py`) every other model's step through its own forward;
 `sampling.py` samples on the device; `layers.py` holds the linears, MLP and RMSNorm the step runs.
 

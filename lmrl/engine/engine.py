@@ -17,7 +17,7 @@ a server adds requests as they arrive. Each `step`:
 3. hands back the rows that ended; they leave the cache (`KVCache.keep`) once a quarter of the rows have ended
    (`COMPACT_FRACTION`), stepping on ignored until then;
 4. feeds the other rows' tokens through the model, one new key per row, for the next logits: module by module
-   (`LlamaStep`) for the Llama / Qwen2 models it reproduces, through the model's own forward (`ModelStep`) for every
+   (`LlamaStep`) for the Llama / Qwen2 / Qwen3 models it reproduces, through the model's own forward (`ModelStep`) for every
    other (`step_path`).
 
 The engine knows token ids only: the caller decodes texts, and stop strings come in as a `stops` callable.
@@ -83,12 +83,12 @@ class _Row:
 
 
 def step_path(model: nn.Module) -> tuple[bool, str]:
-    """Whether `model` steps module by module (`LlamaStep`, shared-prompt attention: the Llama / Qwen2 models it
+    """Whether `model` steps module by module (`LlamaStep`, shared-prompt attention: the Llama / Qwen2 / Qwen3 models it
     reproduces exactly) or through its own forward (`ModelStep`), and why."""
     if not full_attention(model):
         return False, "its own forward: the model has sliding-window layers"
     if not llama_supports(model):
-        return False, f"its own forward: {type(model).__name__} (module by module: Llama / Qwen2, no hooks on layers)"
+        return False, f"its own forward: {type(model).__name__} (module by module: Llama / Qwen2 / Qwen3, no hooks on layers)"
     return True, "module by module, each prompt's keys shared by its rows"
 
 

@@ -1,10 +1,11 @@
-"""A decode step of a Llama / Qwen2 model over the engine's cache, module by module.
+"""A decode step of a Llama / Qwen2 / Qwen3 model over the engine's cache, module by module.
 
 What the model's forward computes for one new token per row (RMSNorm, q / k / v, rotary at each row's position,
 attention, the MLP), without transformers' per-step mask construction, rotary recomputation and module plumbing,
-which at small sizes cost more than the arithmetic. q / k / v run as one matmul (their weights concatenated once per
-engine) where they are plain `nn.Linear`s; the linears and the MLP are `lmrl.engine.layers`' (oneDNN-packed with
-fused epilogues on a CPU where that pays).
+which at small sizes cost more than the arithmetic (Qwen3 adds an RMSNorm of each query and key head before
+rotary). q / k / v run as one matmul (their weights concatenated once per engine) where they are plain
+`nn.Linear`s; the linears and the MLP are `lmrl.engine.layers`' (oneDNN-packed with fused epilogues on a CPU where
+that pays).
 
 Attention is shared-prompt ("cascade") attention over `KVCache`: a row's scores over its prompt's keys (stored once
 for the whole group) and over its own response keys go through one softmax, so the result is ordinary attention
@@ -22,7 +23,7 @@ from torch import nn
 from lmrl.engine.cache import KVCache
 from lmrl.engine.layers import GatedMLP, Linear, plain_mlp, rms_norm
 from lmrl.kernels import load as load_kernels
-from lmrl.models.shared_prompt import apply_rotary, bypassable, decoder_stack
+from lmrl.models.shared_prompt import apply_rotary, bypassable, decoder_stack, head_norms
 
 # The C decode kernels (`lmrl.kernels`) where they apply; off here (or `LMRL_KERNELS=0` in the environment)
 # decodes with the PyTorch ops alone (`benchmarks/decode_ab.py` compares the two).
@@ -55,6 +56,7 @@ class LlamaStep:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.group = self.heads // self.kv_heads
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.head_norms = getattr(attn, "q_norm", None) is not None  # Qwen3: RMSNorm of each query and key head
         self.qkv = [Linear.concat([a.q_proj, a.k_proj, a.v_proj], rows) for a in (layer.self_attn for layer in self.layers)]
         self.o_proj = [Linear.of(layer.self_attn.o_proj, rows) for layer in self.layers]
         self.mlp = [GatedMLP(m, rows) if plain_mlp(m) else None for m in (layer.mlp for layer in self.layers)]
@@ -110,7 +112,7 @@ class LlamaStep:
             if kernels is not None:
                 # 16-bit models: q / k / v upcast, attention in float32 (as the PyTorch path), output back
                 out = kernels.decode_attention(
-                    self.qkv[i](x).float().contiguous(), cos, sin, position, cache.prompt_keys[i],
+                    self._qkv(i, layer.self_attn, x).float().contiguous(), cos, sin, position, cache.prompt_keys[i],
                     cache.prompt_values[i], cache.prompt_length_tensor, cache.row_keys[i], cache.row_values[i],
                     cache.prompt_tensor, cache.length_tensor, self.heads, self.scaling, checked=True)
             else:
@@ -137,15 +139,27 @@ class LlamaStep:
         and value written into the cache."""
         b, heads, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         if self.qkv[i] is not None:
-            q, k, v = self.qkv[i](x).split([heads * d, kv * d, kv * d], dim=-1)
+            q, k, v = self._qkv(i, attn, x).split([heads * d, kv * d, kv * d], dim=-1)
         else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q, k = head_norms(attn, attn.q_proj(x).view(b, heads, d), attn.k_proj(x).view(b, kv, d))
+            q, k, v = q.reshape(b, -1), k.reshape(b, -1), attn.v_proj(x)
         qk = apply_rotary(torch.cat([q, k], dim=-1).view(b, heads + kv, d), cos, sin)  # [b, heads + kv, D]
         rows = torch.arange(b, device=x.device)
         cache.row_keys[i][rows, :, cache.length_tensor] = qk[:, heads:].to(cache.dtype)
         cache.row_values[i][rows, :, cache.length_tensor] = v.view(b, kv, d).to(cache.dtype)
         out = self._attend(i, qk[:, :heads].reshape(b, kv, self.group, d), cache, masks)
         return out.reshape(b, heads * d)
+
+    def _qkv(self, i: int, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`[b, (heads + 2 kv) * D]` queries, keys and values of `[b, hidden]` normed inputs, in one matmul; Qwen3's
+        head norms applied to the queries and keys."""
+        qkv = self.qkv[i](x)
+        if not self.head_norms:
+            return qkv
+        b, heads, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        q, k, v = qkv.split([heads * d, kv * d, kv * d], dim=-1)
+        q, k = head_norms(attn, q.view(b, heads, d), k.view(b, kv, d))
+        return torch.cat([q.reshape(b, -1), k.reshape(b, -1), v], dim=-1)
 
     def _masks(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Additive `[U, 1, 1, p]` prompt and `[b, 1, 1, n]` response masks over the columns this step reads

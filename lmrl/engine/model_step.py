@@ -1,6 +1,6 @@
 """A decode step through the model's own forward: the engine's step for every model `LlamaStep` does not reproduce.
 
-GPT-2, OPT, Falcon, Gemma, Mistral, Phi-3, Qwen3, the vision-language models, and a Llama / Qwen2 with hooks on its
+GPT-2, OPT, Falcon, Gemma, Mistral, Phi-3, the vision-language models, and a Llama / Qwen2 with hooks on its
 layers (FSDP's) decode here: one forward of the model per step, one new token per row, over the engine's `KVCache` in
 its joined layout (each row's prompt and response one contiguous span of its slot). Rows of different ages share the
 step as in `LlamaStep`: each writes its new key at its own column, and attention reads the longest live span (rounded

@@ -9,9 +9,9 @@ float rounding (tests), with the prompt's share of the projection and MLP work d
 `python benchmarks/shared_prompt.py` measures it.
 
 `shared_prompt_hidden` gives the final hidden states at those positions, for a model without an LM head
-(PPO's critic, a value head on a Llama / Qwen2 backbone) as for one with.
+(PPO's critic, a value head on a Llama / Qwen2 / Qwen3 backbone) as for one with.
 
-Only for the Llama / Qwen2 classes whose decoder layers this module reproduces (`bypassable`), with
+Only for the Llama / Qwen2 / Qwen3 classes whose decoder layers this module reproduces (`bypassable`), with
 full attention, no attention dropout in training and no gradient checkpointing; the modules called
 here (norms, projections, MLP, embeddings, LM head) may be LoRA-wrapped (a peft LoRA model is
 looked through) or hooked. Attention is torch's sdpa, or explicit matmuls with a float32 softmax for
@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-BACKBONES = ("LlamaModel", "Qwen2Model")  # the same decoder stacks without an LM head (a critic's backbone)
-LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+BACKBONES = ("LlamaModel", "Qwen2Model", "Qwen3Model")  # the same decoder stacks without an LM head (a critic's backbone)
+LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies that do not depend on the length seen
 
 
 def decoder_stack(model: nn.Module) -> nn.Module | None:
-    """The decoder stack (embeddings, layers, final norm, rotary embedding) of a Llama / Qwen2 causal LM, or
+    """The decoder stack (embeddings, layers, final norm, rotary embedding) of a Llama / Qwen2 / Qwen3 causal LM, or
     the model itself when it is such a stack without an LM head; None for any other class."""
     name = type(model).__name__
     if name in MODELS:
@@ -43,7 +43,7 @@ def decoder_stack(model: nn.Module) -> nn.Module | None:
 
 
 def bypassable(model: nn.Module) -> bool:
-    """True if `model` is a Llama / Qwen2 causal LM (or its decoder stack alone) whose model, layer and
+    """True if `model` is a Llama / Qwen2 / Qwen3 causal LM (or its decoder stack alone) whose model, layer and
     attention `forward` may be replaced by module-by-module code: the exact classes, a position-independent
     rotary embedding, no device map, and no hooks on the bypassed modules (hooks on the leaf modules still
     run)."""
@@ -76,6 +76,14 @@ def supports(model: nn.Module) -> bool:
         return False
     dropout = getattr(model.config, "attention_dropout", 0.0)
     return not (model.training and dropout) and not _checkpointing(model)
+
+
+def head_norms(attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's RMSNorm of each query and key head (`q_norm`, `k_norm`, over the head size) before rotary; `[..., heads,
+    D]` queries and keys as they are for Llama / Qwen2, which have none."""
+    if getattr(attn, "q_norm", None) is None:
+        return q, k
+    return attn.q_norm(q), attn.k_norm(k)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -146,6 +154,7 @@ def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_ma
         q = attn.q_proj(x).view(-1, heads, head_dim)
         k = attn.k_proj(x).view(-1, kv_heads, head_dim)
         v = attn.v_proj(x).view(-1, kv_heads, head_dim)
+        q, k = head_norms(attn, q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if heads != kv_heads:
             k, v = (y.repeat_interleave(heads // kv_heads, dim=1) for y in (k, v))
@@ -167,14 +176,14 @@ def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_ma
     return inner.norm(scoring)
 
 
-PAIR_MODELS = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification")
+PAIR_MODELS = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 
 
 def shared_prefix_rewards(model: nn.Module, chosen: list[list[int]], rejected: list[list[int]]) -> torch.Tensor | None:
     """`[2b]` rewards of a reward model (one output, pooled at each row's last real token) for b chosen then b
     rejected sequences, with the tokens each pair shares at its start (the prompt, and any common start of the two
     answers) computed once: what the pair's two forwards of the plain batch compute twice. None when the model is
-    not a Llama / Qwen2 sequence classifier `supports` covers, or a pair shares no first token: call the model."""
+    not a Llama / Qwen2 / Qwen3 sequence classifier `supports` covers, or a pair shares no first token: call the model."""
     base = lora_base(model)
     backbone = getattr(base, "model", None)
     if type(base).__name__ not in PAIR_MODELS or backbone is None:

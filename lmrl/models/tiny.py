@@ -9,7 +9,15 @@ from __future__ import annotations
 import string
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -82,10 +90,11 @@ def tiny_causal_lm(
     max_position_embeddings: int = 256,
     seed: int = 0,
 ):
-    """A randomly initialised Llama- or Qwen2-architecture causal LM sized for tests."""
+    """A randomly initialised Llama-, Qwen2- or Qwen3-architecture causal LM sized for tests."""
     import torch
 
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     if arch not in cls:
         raise ValueError(f"arch: unknown architecture {arch!r}; choose one of {sorted(cls)}")
     config_cls, model_cls = cls[arch]

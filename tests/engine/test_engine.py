@@ -25,7 +25,7 @@ def tok():
     return char_tokenizer()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def model(request, tok):
     return gqa_model(tok, request.param).eval()
 

@@ -336,11 +336,19 @@ def test_row_streams_are_uniform_and_independent_by_hand():
 
 def gqa_model(tok, arch: str):
     """A scrambled tiny model with grouped-query attention (4 query heads share each of 2 key/value heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[arch]
     config = config_cls(
         vocab_size=len(tok),
@@ -364,7 +372,7 @@ def gqa_model(tok, arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_engine_matches_generic_path(tok, arch, monkeypatch):
     """The engine's module-by-module step with shared-prompt attention equals its step through transformers' forward
     (`ModelStep`, every other model's): 40
