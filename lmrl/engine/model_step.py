@@ -80,7 +80,8 @@ class ModelStep:
         if self.layer_types is not None:
             unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if unknown:
-                raise ValueError(f"model: layer types {unknown} are not decoded by lmrl (it decodes {list(LAYER_TYPES)})")
+                raise ValueError(f"model: layer types {unknown} are not decoded by lmrl's engine (it decodes "
+                                 f"{list(LAYER_TYPES)}); use rollout.backend=vllm")
             if "sliding_attention" not in self.layer_types:
                 self.window = None
         self.sliding = self.window is not None

@@ -88,3 +88,12 @@ def test_fixed_shapes_need_a_kernel_that_takes_a_mask(tok):
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="fixed_shapes: needs a full-attention model with the sdpa or eager kernel"):
         HFGenerator(model, tok, fixed_shapes=True)
+
+
+def test_layer_types_the_engine_does_not_decode_are_refused_in_one_line(tok):
+    from lmrl.engine.model_step import ModelStep
+
+    model = scrambled_model(tok, "qwen2")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match=r"^model: layer types \['linear_attention'\] are not decoded by lmrl's engine"):
+        ModelStep(model)
