@@ -24,7 +24,7 @@ Presets (random weights built from a config, or the model lmrl ships; nothing is
              untied); 16 prompts x n=8, 64 new tokens
 
 Backends (--backends): hf (`model.generate`), lmrl (`HFGenerator`), engine (`HFGenerator(cuda_graph=False)`:
-lmrl's decode engine also on CUDA, where `lmrl` takes the CUDA-graph step), vllm (`VLLMGenerator`, rollout.backend=vllm:
+the engine's unfixed steps also on CUDA, where `lmrl` replays its fixed-shape steps as CUDA graphs), vllm (`VLLMGenerator`, rollout.backend=vllm:
 vLLM's CPU build here, its CUDA build on a GPU; the weights pushed to it once before timing). Ratios are against
 the first backend listed.
 

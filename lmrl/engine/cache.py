@@ -23,6 +23,8 @@ the device (a decode step stays free of host synchronisation), and a step costs 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -49,6 +51,18 @@ def fill_holes(keep: list[int]) -> tuple[list[int], list[int], list[int]]:
     return order, moving, holes
 
 
+class StepRows(NamedTuple):
+    """The rows a decode step runs: `[r]` slot indices, response lengths and prompt slots, `[u]` prompt lengths, and
+    the prompt and response columns it reads."""
+
+    index: torch.Tensor
+    length: torch.Tensor
+    prompt: torch.Tensor
+    prompt_length: torch.Tensor
+    prompt_columns: int
+    response_columns: int
+
+
 class KVCache:
     """The keys and values of an engine's rows and their prompts (see the module docstring).
 
@@ -60,12 +74,14 @@ class KVCache:
         zeroed: fill new stores with zeros (the PyTorch path multiplies masked columns' values by a zero weight,
             and NaN * 0 is NaN); the C kernel never reads a column it did not write, so it skips the fill.
         joined: one prompt slot per row, both stores views of one buffer (see the module docstring).
+        fixed: steps of fixed shapes (`step_rows`), which a GPU can replay as a CUDA graph.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 zeroed: bool = True, joined: bool = False):
+                 zeroed: bool = True, joined: bool = False, fixed: bool = False):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.dtype, self.device, self.zeroed, self.joined = dtype, device, zeroed, joined
+        self.dtype, self.device, self.zeroed, self.joined, self.fixed = dtype, device, zeroed, joined, fixed
+        self._every: StepRows | None = None  # fixed: every slot's row tensors, in buffers made once per `reserve`
         self.prompt_keys: list[torch.Tensor] = []
         self.prompt_values: list[torch.Tensor] = []
         self.row_keys: list[torch.Tensor] = []
@@ -134,6 +150,9 @@ class KVCache:
             logprobs[:b, : self.logprobs.shape[1]] = self.logprobs[:b]
         self.tokens, self.logprobs = tokens, logprobs
         self.rebuilds += 1
+        if self.fixed:
+            zeros = lambda n: torch.zeros(n, dtype=torch.long, device=self.device)  # noqa: E731
+            self._every = StepRows(torch.arange(rc, device=self.device), zeros(rc), zeros(rc), zeros(uc), pc, nc)
         self._sync()
 
     def _grow(self, uc: int, pc: int, rc: int, nc: int, b: int) -> None:
@@ -260,13 +279,32 @@ class KVCache:
             buffer.index_copy_(0, dst_t, buffer.index_select(0, src_t))
 
     def _sync(self) -> None:
-        """The device's copies of the host's row and prompt lists."""
+        """The device's copies of the host's row and prompt lists (fixed: written into `step_rows`' buffers, of
+        which they are the first b and U entries; the slots past them hold 0)."""
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         self.row_index = torch.arange(self.rows, device=self.device)  # [b], where `record` writes
         self.prompt_tensor, self.length_tensor = as_tensor(self.row_prompt), as_tensor(self.row_length)
         self.first_born = min(self.row_born, default=self.steps)
         self.prompt_length_tensor = as_tensor(self.prompt_length)
+        if self._every is not None:
+            b, u = self.rows, len(self.prompt_length)
+            views = []
+            for buffer, live, count in ((self._every.length, self.length_tensor, b),
+                                        (self._every.prompt, self.prompt_tensor, b),
+                                        (self._every.prompt_length, self.prompt_length_tensor, u)):
+                buffer.zero_()
+                buffer[:count] = live
+                views.append(buffer[:count])
+            self.length_tensor, self.prompt_tensor, self.prompt_length_tensor = views
         self.version += 1
+
+    def step_rows(self) -> StepRows:
+        """What a step reads of the rows: those in flight and the spans; fixed, every slot (the rows past those in
+        flight are padding: prompt slot 0, response length 0) and the whole capacity, the same shapes every step."""
+        if self._every is not None:
+            return self._every
+        return StepRows(self.row_index, self.length_tensor, self.prompt_tensor, self.prompt_length_tensor,
+                        *self.spans())
 
     def slots(self) -> tuple[int, bool, torch.Tensor]:
         """The PyTorch path's layout of rows by prompt: S (the most rows of one prompt), whether row r sits in slot r,

@@ -25,6 +25,7 @@ The engine knows token ids only: the caller decodes texts, and stop strings come
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,10 +106,13 @@ class DecodeEngine:
             stop string, or None; `new_key()` gives a row its key. None: no stop strings.
         rows: about how many rows a step runs (oneDNN's weight layout); check_every: steps between the host's reads
             of sampled tokens (None: 1 on a CPU, `CHECK_EVERY_GPU` elsewhere).
+        fixed: steps of fixed shapes (`_fixed_step`), replayed as CUDA graphs where `graphs` (None: on CUDA);
+            elsewhere they run eagerly (tests check that they sample what the other steps sample).
     """
 
     def __init__(self, model: nn.Module, params: Any, eos: list[int], banned: torch.Tensor | None = None,
-                 stops: Any = None, rows: int = 64, check_every: int | None = None, pad_token_id: int = 0) -> None:
+                 stops: Any = None, rows: int = 64, check_every: int | None = None, pad_token_id: int = 0,
+                 fixed: bool = False, graphs: bool | None = None) -> None:
         self.model, self.params, self.banned, self.stops = model, params, banned, stops
         self.device = next(model.parameters()).device
         self.eos = set(eos)
@@ -133,6 +137,13 @@ class DecodeEngine:
         self.reads = 0  # times the host read the sampled tokens: what a test counts
         self._since_read = 0
         self._cache_kwarg = cache_keyword(model)
+        self.fixed = fixed
+        # capture the fixed-shape step (`_fixed_step`); None: on CUDA
+        self.graphs = fixed and (self.device.type == "cuda" if graphs is None else graphs)
+        self.note: str | None = None  # why capturing failed, when it did
+        self.captures = 0  # graphs captured: what a test counts
+        self._graph: tuple | None = None  # (storage it reads, graph, its logits), or (storage, None, None): warmed up
+        self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # the fixed-shape step's token / position
 
     def __len__(self) -> int:
         """Rows in flight (not counting those that ended and wait for the next compaction)."""
@@ -176,7 +187,7 @@ class DecodeEngine:
         local_t = torch.tensor(local, device=self.device)
         logits = logits.index_select(0, local_t)  # [r, V]
         if self.cache is None:
-            self.cache = self.step_fn.new_cache(self.device, keys[0])
+            self.cache = self.step_fn.new_cache(self.device, keys[0], fixed=self.fixed)
             if self._reserved is not None:
                 self.cache.reserve(*self._reserved, slack=False)
         cache = self.cache
@@ -261,11 +272,53 @@ class DecodeEngine:
             if self._done >= COMPACT_FRACTION * len(self.rows) or at_max:  # at_max: a row has no columns left
                 token = self._compact(token)
         position = self.start + cache.length_tensor
-        positions = self._longest_prompt + cache.longest + 1
-        self.logits = self.step_fn(token, position, cache, positions).float()
+        if self.fixed:
+            self.logits = self._fixed_step(token, position).float()
+        else:
+            self.logits = self.step_fn(token, position, cache, self._longest_prompt + cache.longest + 1).float()
         cache.advance()
         self.forwards += 1
         return out
+
+    def _fixed_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The step with the same shapes every time: every row slot of the cache steps (those past the rows in flight
+        on padding) over the whole capacity, from buffers that stay put until the cache grows. On CUDA the first such
+        step after a growth runs eagerly (the warm-up), the next is captured as a CUDA graph, and the rest replay it
+        (one launch for the whole step); a capture that fails says why once and the same step runs eagerly."""
+        cache, b = self.cache, token.shape[0]
+        _, pc, rc, nc = cache.capacity
+        if self._inputs is None or self._inputs[0].shape[0] != rc:
+            self._inputs = tuple(torch.zeros(rc, dtype=torch.long, device=self.device) for _ in range(2))
+        tokens, positions = self._inputs
+        tokens.fill_(self.pad_token_id)
+        tokens[:b] = token
+        positions.zero_()
+        positions[:b] = position
+        storage = cache.rebuilds
+        if self._graph is not None and self._graph[0] == storage and self._graph[1] is not None:
+            self._graph[1].replay()
+            return self._graph[2][:b]
+        logits = self.step_fn(tokens, positions, cache, pc + nc + 1)
+        if self.graphs and self._graph is not None and self._graph[0] == storage:
+            self._capture(tokens, positions, pc + nc + 1)
+        else:
+            self._graph = (storage, None, None)
+        return logits[:b]
+
+    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> None:
+        """Record the fixed-shape step (recording runs nothing: the cache stays as the eager step left it)."""
+        try:
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                logits = self.step_fn(tokens, positions, self.cache, length)
+        except Exception as e:  # noqa: BLE001 - any failure falls back to the same step, eager
+            self.graphs, self._graph = False, None
+            self.note = f"CUDA graph capture failed, decoding eagerly: {type(e).__name__}: {e}"
+            warnings.warn(self.note, RuntimeWarning, stacklevel=4)
+            return
+        self._graph = (self.cache.rebuilds, graph, logits)
+        self.captures += 1
 
     def _read(self, token: torch.Tensor) -> bool:
         """The host reads the tokens sampled since its last read and marks where EOS or a stop string ended a row;

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmrl.engine.cache import KVCache
+from lmrl.engine.cache import KVCache, StepRows
 from lmrl.engine.layers import GatedMLP, Linear, plain_mlp, rms_norm
 from lmrl.kernels import load as load_kernels
 from lmrl.models.shared_prompt import apply_rotary, bypassable, decoder_stack, head_norms
@@ -72,15 +72,16 @@ class LlamaStep:
         dtype = next(self.model.parameters()).dtype
         return torch.float32 if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16) else dtype
 
-    def new_cache(self, device: torch.device, like: torch.Tensor | None = None) -> KVCache:
+    def new_cache(self, device: torch.device, like: torch.Tensor | None = None, fixed: bool = False) -> KVCache:
         """An empty cache for these steps (`like`, a prefill's keys, is not needed: the model's config gives the
-        shape); the C kernels are chosen here (they never read a column they did not write, so their stores skip
-        the zero fill)."""
+        shape; `fixed`: steps of fixed shapes); the C kernels are chosen here (they never read a column they did not
+        write, so their stores skip the zero fill)."""
         dtype = self.cache_dtype(device)
-        if (USE_KERNELS and device.type == "cpu" and dtype == torch.float32
+        if (USE_KERNELS and device.type == "cpu" and dtype == torch.float32 and not fixed
                 and all(qkv is not None for qkv in self.qkv) and self.head_dim % 2 == 0):
             self.kernels = load_kernels()
-        return KVCache(len(self.layers), self.kv_heads, self.head_dim, dtype, device, zeroed=self.kernels is None)
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim, dtype, device, zeroed=self.kernels is None,
+                       fixed=fixed)
 
     def rotary(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin tables `[L, D]` for at least `positions` positions (the host's count: no device query)."""
@@ -95,7 +96,9 @@ class LlamaStep:
         `cache.row_length`; return `[b, V]` next-token logits. The cache's lengths advance after this returns."""
         hidden = self.inner.embed_tokens(token)  # [b, hidden]
         cos, sin = self.rotary(positions, cache.row_keys[0])
-        kernels = self.kernels if not torch.is_autocast_enabled("cpu") else None  # autocast: bf16 projections
+        # autocast: bf16 projections; fixed shapes: the PyTorch path (what a GPU captures)
+        kernels = self.kernels if not torch.is_autocast_enabled("cpu") and not cache.fixed else None
+        rows = cache.step_rows()
         if kernels is not None and self._checked != cache.version:
             for i in range(len(self.layers)):
                 kernels.check_attention(cos, sin, cache.prompt_keys[i], cache.prompt_values[i],
@@ -106,7 +109,7 @@ class LlamaStep:
         else:
             cache.zero_unread()  # stores made for the kernel (autocast came on since) are read under a mask here
             cos, sin = cos[position][:, None], sin[position][:, None]  # [b, 1, D]
-            masks = self._masks(cache)
+            masks = self._masks(cache, rows)
         for i, layer in enumerate(self.layers):
             x = rms_norm(layer.input_layernorm, hidden, kernels)
             if kernels is not None:
@@ -116,7 +119,7 @@ class LlamaStep:
                     cache.prompt_values[i], cache.prompt_length_tensor, cache.row_keys[i], cache.row_values[i],
                     cache.prompt_tensor, cache.length_tensor, self.heads, self.scaling, checked=True)
             else:
-                out = self._attention(i, layer.self_attn, x, cos, sin, cache, masks)
+                out = self._attention(i, layer.self_attn, x, cos, sin, cache, rows, masks)
             hidden = self.o_proj[i](out.to(hidden.dtype), add=hidden)
             x = rms_norm(layer.post_attention_layernorm, hidden, kernels)
             hidden = self.mlp[i](x, residual=hidden) if self.mlp[i] is not None else hidden + layer.mlp(x)
@@ -134,7 +137,7 @@ class LlamaStep:
         return self._logits[:rows]
 
     def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: KVCache, masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   cache: KVCache, rows: StepRows, masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The PyTorch path of one layer's attention: `[b, hidden]` normed input -> `[b, heads * D]`; the new key
         and value written into the cache."""
         b, heads, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
@@ -144,10 +147,9 @@ class LlamaStep:
             q, k = head_norms(attn, attn.q_proj(x).view(b, heads, d), attn.k_proj(x).view(b, kv, d))
             q, k, v = q.reshape(b, -1), k.reshape(b, -1), attn.v_proj(x)
         qk = apply_rotary(torch.cat([q, k], dim=-1).view(b, heads + kv, d), cos, sin)  # [b, heads + kv, D]
-        rows = torch.arange(b, device=x.device)
-        cache.row_keys[i][rows, :, cache.length_tensor] = qk[:, heads:].to(cache.dtype)
-        cache.row_values[i][rows, :, cache.length_tensor] = v.view(b, kv, d).to(cache.dtype)
-        out = self._attend(i, qk[:, :heads].reshape(b, kv, self.group, d), cache, masks)
+        cache.row_keys[i][rows.index, :, rows.length] = qk[:, heads:].to(cache.dtype)
+        cache.row_values[i][rows.index, :, rows.length] = v.view(b, kv, d).to(cache.dtype)
+        out = self._attend(i, qk[:, :heads].reshape(b, kv, self.group, d), cache, rows, masks)
         return out.reshape(b, heads * d)
 
     def _qkv(self, i: int, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -161,34 +163,42 @@ class LlamaStep:
         q, k = head_norms(attn, q.view(b, heads, d), k.view(b, kv, d))
         return torch.cat([q.reshape(b, -1), k.reshape(b, -1), v], dim=-1)
 
-    def _masks(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(self, cache: KVCache, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Additive `[U, 1, 1, p]` prompt and `[b, 1, 1, n]` response masks over the columns this step reads
-        (`cache.spans`): 0 where a row's prompt or response (with its new token) has a key, a very negative number
+        (`rows`' spans): 0 where a row's prompt or response (with its new token) has a key, a very negative number
         elsewhere. Built from the device's lengths: no host synchronisation."""
-        p, n = cache.spans()
+        p, n = rows.prompt_columns, rows.response_columns
         closed = torch.finfo(cache.dtype).min
         columns = torch.arange(p, device=cache.device)
-        prompt = columns[None] < (p - cache.prompt_length_tensor)[:, None]  # [U, p] True: before the prompt
-        response = torch.arange(n, device=cache.device)[None] > cache.length_tensor[:, None]  # [b, n] not written yet
+        prompt = columns[None] < (p - rows.prompt_length)[:, None]  # [U, p] True: before the prompt
+        response = torch.arange(n, device=cache.device)[None] > rows.length[:, None]  # [b, n] not written yet
         zeros = torch.zeros((), dtype=cache.dtype, device=cache.device)
         return (torch.where(prompt, closed, zeros)[:, None, None], torch.where(response, closed, zeros)[:, None, None])
 
-    def _attend(self, i: int, q: torch.Tensor, cache: KVCache, masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _attend(self, i: int, q: torch.Tensor, cache: KVCache, rows: StepRows,
+                masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`[b, K, g, D]` queries -> `[b, K, g, D]` attention over each row's prompt and its response so far."""
         prompt_mask, response_mask = masks
         p, n = prompt_mask.shape[-1], response_mask.shape[-1]
-        u, pc = len(cache.prompt_length), cache.capacity[1]
+        u, pc = prompt_mask.shape[0], cache.capacity[1]
         q = q.to(cache.dtype) * self.scaling
         prompt_keys = cache.prompt_keys[i][:u, :, pc - p:]  # [U, K, p, D]
         prompt_values = cache.prompt_values[i][:u, :, pc - p:]
-        scores_prompt = self._from_slots(torch.matmul(self._to_slots(q, cache), prompt_keys.transpose(2, 3))
-                                         + prompt_mask, cache)  # [b, K, g, p]
         b = q.shape[0]
+        if cache.fixed:  # each row's prompt gathered (the slots' layout changes with the rows; a graph's may not)
+            prompt_keys, prompt_values = prompt_keys[rows.prompt], prompt_values[rows.prompt]  # [b, K, p, D]
+            scores_prompt = torch.matmul(q, prompt_keys.transpose(2, 3)) + prompt_mask[rows.prompt]
+        else:
+            scores_prompt = self._from_slots(torch.matmul(self._to_slots(q, cache), prompt_keys.transpose(2, 3))
+                                             + prompt_mask, cache)  # [b, K, g, p]
         response_keys = cache.row_keys[i][:b, :, :n]  # [b, K, n, D]
         scores_response = torch.matmul(q, response_keys.transpose(2, 3)) + response_mask  # [b, K, g, n]
         scores = torch.cat([scores_prompt, scores_response], dim=-1)
         probs = torch.softmax(scores.float(), dim=-1).to(cache.dtype)
-        out = self._from_slots(torch.matmul(self._to_slots(probs[..., :p], cache), prompt_values), cache)
+        if cache.fixed:
+            out = torch.matmul(probs[..., :p], prompt_values)
+        else:
+            out = self._from_slots(torch.matmul(self._to_slots(probs[..., :p], cache), prompt_values), cache)
         return out + torch.matmul(probs[..., p:], cache.row_values[i][:b, :, :n])
 
     def _to_slots(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from lmrl.engine.cache import BLOCK, KVCache
+from lmrl.engine.cache import BLOCK, KVCache, StepRows
 
 # The attention kernels whose 4D mask format is known: sdpa (bool, True attends), eager (additive float).
 MASKED_KERNELS = ("sdpa", "eager")
@@ -92,30 +92,34 @@ class ModelStep:
     def cache_dtype(self, device: torch.device) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def new_cache(self, device: torch.device, like: torch.Tensor) -> KVCache:
-        """An empty joined cache for keys shaped like `like` (`[U, K, P, D]`, a prefill's)."""
-        return KVCache(self.num_layers, like.shape[1], like.shape[3], self.cache_dtype(device), device, joined=True)
+    def new_cache(self, device: torch.device, like: torch.Tensor, fixed: bool = False) -> KVCache:
+        """An empty joined cache for keys shaped like `like` (`[U, K, P, D]`, a prefill's); `fixed`: steps of fixed
+        shapes."""
+        return KVCache(self.num_layers, like.shape[1], like.shape[3], self.cache_dtype(device), device, joined=True,
+                       fixed=fixed)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache, positions: int) -> torch.Tensor:
         """Feed `[b]` tokens at `[b]` positions, each written at its row's response column `cache.row_length`;
         return `[b, V]` next-token logits. The cache's lengths advance after this returns."""
-        p, n = cache.spans(self.block)
+        rows = cache.step_rows()
+        p, n = cache.spans(self.block) if not cache.fixed else (rows.prompt_columns, rows.response_columns)
         pc = cache.capacity[1]
         view = slice(pc - p, pc + n)
-        column = pc + cache.length_tensor
-        layers = [_StepLayer(cache.sequence_keys[i], cache.sequence_values[i], view, cache.row_index, column)
+        column = pc + rows.length
+        layers = [_StepLayer(cache.sequence_keys[i], cache.sequence_values[i], view, rows.index, column)
                   for i in range(self.num_layers)]
-        out = self.model(input_ids=token[:, None], attention_mask=self._mask(cache, p, n),
+        out = self.model(input_ids=token[:, None], attention_mask=self._mask(cache, rows, p, n),
                          position_ids=position[:, None], **{self.cache_keyword: Cache(layers=layers)},
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
-    def _mask(self, cache: KVCache, p: int, n: int):
+    def _mask(self, cache: KVCache, rows: StepRows, p: int, n: int):
         """What the model's forward takes as `attention_mask` for the `p + n` columns the step reads (module
         docstring); built from the device's lengths, no host synchronisation."""
         columns = torch.arange(p + n, device=cache.device)[None]  # [1, L]
-        last = (p + cache.length_tensor)[:, None]  # [b, 1] the column of each row's new token
-        full = (columns >= (p - cache.prompt_length_tensor)[:, None]) & (columns <= last)  # [b, L]
+        last = (p + rows.length)[:, None]  # [b, 1] the column of each row's new token
+        prompt_length = rows.prompt_length[: len(rows.length)]  # joined: prompt slot r is row r's
+        full = (columns >= (p - prompt_length)[:, None]) & (columns <= last)  # [b, L]
         if self.kernel not in MASKED_KERNELS:
             return full.long()
         masks = {"full_attention": full}

@@ -7,55 +7,27 @@ at most `batch_size` rows in a step, more joining as rows end, each row sampling
 every other model steps through its own forward (`lmrl.engine.model_step`). Stop strings are checked on the last
 few tokens only (`StopChecker`), texts decoded once at the end.
 
-On CUDA with `cuda_graph`, full-attention models with the sdpa or eager kernel take the fixed-shape step replayed as
-a CUDA graph instead (`lmrl.rollout.static_decode`); it samples what the engine samples (tested).
+On CUDA with `cuda_graph` the engine's steps take fixed shapes and each is replayed as a CUDA graph (`graph_path`
+says where not); run eagerly (`fixed_shapes`), they sample what the other steps sample (tested).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 
 from lmrl.engine import DecodeEngine, Ended, Request
-from lmrl.engine.cache import PrefillLayer
-from lmrl.engine.engine import COMPACT_FRACTION, step_path
-from lmrl.engine.model_step import MASKED_KERNELS, cache_keyword
-from lmrl.engine.sampling import row_keys, sample
-from lmrl.models.shared_prompt import full_attention
-from lmrl.models.vision import Media, batch_media, media_token_ids, mrope_positions
+from lmrl.engine.engine import step_path
+from lmrl.engine.model_step import MASKED_KERNELS
+from lmrl.engine.sampling import row_keys
+from lmrl.models.vision import Media, media_token_ids
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.ops import cut_at_stop, decode_batch
-from lmrl.rollout.static_decode import StaticDecoder, decode_path
 
 # Stop strings are searched in the decoded last (longest stop string in characters + this) tokens.
 STOP_WINDOW_MARGIN = 8
-
-
-@dataclass
-class _ChunkResult:
-    """Responses of one forward batch (b rows, Tc response tokens)."""
-
-    tokens: torch.Tensor  # [b, Tc]
-    logprobs: torch.Tensor  # [b, Tc]
-    lengths: torch.Tensor  # [b] real response tokens
-    finished: torch.Tensor  # [b]
-
-
-@dataclass
-class _Prefill:
-    """What a chunk's decode loop starts from: the prefilled cache, the decode path's state, the first logits."""
-
-    static: bool  # fixed-shape step (`StaticDecoder`): every row steps, the active ones are sampled
-    cache: Cache
-    decoder: StaticDecoder | None  # None: the model's own forward on `cache`
-    mask: torch.Tensor | None  # the model's forward: `attention_mask` over [prompt | response], sliced per step
-    logits: torch.Tensor  # [b, V] float32, at each row's last prompt token
-    next_position: torch.Tensor  # [b] position of each row's first response token
-    prompt_len: int  # P, the left-padded prompt width
 
 
 class HFGenerator:
@@ -78,10 +50,10 @@ class HFGenerator:
             call then draws its seed from it). None draws it from torch's global RNG (so `torch.manual_seed`
             fixes it). Row i of a call samples from its own stream (`lmrl.engine.sampling`): the same
             tokens whichever decode path, `batch_size` or neighbours it has.
-        cuda_graph: On CUDA, decode with fixed shapes and replay each step as a CUDA graph
-            (`lmrl.rollout.static_decode`) where the model allows it; `decode_path` says why not.
-        fixed_shapes: Take the fixed-shape decode step even where no graph is captured (a CPU):
-            for tests, which check that it samples what the other paths sample.
+        cuda_graph: On CUDA, decode with the engine's fixed-shape steps, each replayed as a CUDA graph, where the
+            model allows it (`graph_path`); `decode_path` says why not.
+        fixed_shapes: Take the fixed-shape steps even where no graph is captured (a CPU): for tests, which check
+            that they sample what the other steps sample.
 
     The model runs in its own dtype; logits are upcast to float32 for sampling and log-probs. With
     temperature 0 (greedy) the returned log-probs are those of softmax(logits), i.e. temperature 1.
@@ -119,25 +91,22 @@ class HFGenerator:
         self._rng = torch.Generator()  # on the host: a call's seed is drawn with no device round trip
         self._rng.manual_seed(seed)
 
-        text_config = model.config.get_text_config(decoder=True)
-        self._num_layers = text_config.num_hidden_layers
-        # the preallocated cache and the ready-made mask assume every layer attends to the full past
-        self._full_attention = full_attention(model)
-        self._cache_kwarg = cache_keyword(model)
-        self._attn_implementation = getattr(model.config, "_attn_implementation", None)
         self.cuda_graph, self.fixed_shapes = cuda_graph, fixed_shapes
-        if fixed_shapes and (not self._full_attention or self._attn_implementation not in MASKED_KERNELS):
-            raise ValueError("fixed_shapes: needs a full-attention model with the sdpa or eager kernel")
+        self.note: str | None = None  # why a CUDA graph capture failed, once one did
+        kernel = getattr(model.config, "_attn_implementation", None)
+        if fixed_shapes and not step_path(model)[0] and kernel not in MASKED_KERNELS:
+            raise ValueError("fixed_shapes: needs the sdpa or eager kernel for a model that steps through its own "
+                             "forward")
 
     def decode_path(self) -> tuple[str, str]:
-        """The decode path the next call takes, and why: "cuda_graph", "fixed_shapes" (the same step without a
-        graph) or "engine" (`lmrl.engine`, with the step it takes). Asked per call: hooks (FSDP's) may come and go."""
-        path, why = decode_path(self.model, self.device, self.cuda_graph)
+        """The decode path the next call takes, and why: "cuda_graph" (the engine's fixed-shape steps replayed as CUDA
+        graphs), "fixed_shapes" (the same steps without graphs) or "engine"; the reason names the engine's step.
+        Asked per call: hooks (FSDP's) may come and go."""
+        lean, step = step_path(self.model)
+        path, why = graph_path(self.model, self.device, self.cuda_graph, lean)
         if self.fixed_shapes and path != "cuda_graph":
-            return "fixed_shapes", "fixed_shapes=True"
-        if path == "engine":
-            why = f"{step_path(self.model)[1]}; {why}"
-        return path, why
+            path, why = "fixed_shapes", "fixed_shapes=True"
+        return path, f"{step}; {why}"
 
     def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams, media: Sequence[Media | None] | None = None
@@ -165,30 +134,7 @@ class HFGenerator:
         params.validate()
         base = params.seed if params.seed is not None else self.draw_seed()
 
-        if self.decode_path()[0] == "engine":
-            return self._generate_engine(prompts, n, params, base, media)
-        num_rows = len(prompts) * n
-        row_prompt = torch.arange(len(prompts)).repeat_interleave(n)  # [B]
-        keys = row_keys(base, torch.arange(num_rows, device=self.device))  # [B] each row's random stream
-        if self.batch_size is None or self.batch_size >= num_rows:
-            chunks = [torch.arange(num_rows)]
-        else:
-            # rows of prompts of similar length share a forward batch: less padding
-            by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-            order = torch.tensor(by_length).repeat_interleave(n) * n + torch.arange(n).repeat(len(prompts))
-            chunks = list(order.split(self.batch_size))
-
-        results = []
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.inference_mode():
-                for rows in chunks:
-                    results.append(self._generate_chunk(prompts, row_prompt[rows].tolist(), params,
-                                                        keys[rows.to(self.device)], media))
-        finally:
-            self.model.train(was_training)
-        return self._assemble(prompts, n, chunks, results, params)
+        return self._generate_engine(prompts, n, params, base, media)
 
     def draw_seed(self) -> int:
         """The next seed of the generator's own stream (a call without `SamplingParams.seed`)."""
@@ -206,12 +152,15 @@ class HFGenerator:
                  for i in by_length for j in range(n)]
         stops = StopChecker(self.tokenizer, params.stop) if params.stop else None
         results: list[Ended | None] = [None] * num_rows
+        path = self.decode_path()[0]
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
                 engine = DecodeEngine(self.model, params, self.eos_token_ids, banned=self._banned, stops=stops,
-                                      rows=limit, pad_token_id=self.pad_token_id)
+                                      rows=limit, pad_token_id=self.pad_token_id,
+                                      fixed=path in ("cuda_graph", "fixed_shapes"),
+                                      graphs=path == "cuda_graph" and self.note is None)  # a failed capture: eager
                 engine.reserve(min(limit, len(prompts)), max(len(p) for p in prompts), limit, params.max_new_tokens)
                 tokens = torch.empty(num_rows, params.max_new_tokens, dtype=torch.long, device=self.device)
                 logprobs = torch.empty(num_rows, params.max_new_tokens, dtype=torch.float32, device=self.device)
@@ -224,6 +173,7 @@ class HFGenerator:
                         taken += len(queue[taken: taken + room])
                     for ended in engine.step():
                         results[ended.owner] = ended
+                self.note = engine.note or self.note
         finally:
             self.model.train(was_training)
         return self._rollout(prompts, n, results, tokens, logprobs, params)
@@ -243,114 +193,12 @@ class HFGenerator:
         texts = [cut_at_stop(text, params.stop) for text in decode_batch(self.tokenizer, ids, skip_special_tokens=True)]
         return self._as_rollout(prompts, n, tokens, logprobs, lengths, finished, texts)
 
-    def _generate_chunk(
-        self,
-        prompts: list[list[int]],
-        row_prompt: list[int],
-        params: SamplingParams,
-        keys: torch.Tensor,
-        media: Sequence[Media | None] | None = None,
-    ) -> _ChunkResult:
-        """The fixed-shape path (`StaticDecoder`): prefill the distinct prompts of `row_prompt`, then decode one
-        completion per row, every row stepping (finished ones on padding), the active ones sampled."""
-        device, max_new, num_rows = self.device, params.max_new_tokens, len(row_prompt)
-        decoder, logits, first_position = self._prefill(prompts, row_prompt, max_new, media)
-
-        tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)
-        logprobs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)
-        lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
-        finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
-        active = torch.arange(num_rows, device=device)  # chunk rows still sampled
-        done = torch.zeros(num_rows, dtype=torch.bool, device=device)  # per active row
-        stops = StopChecker(self.tokenizer, params.stop, num_rows) if params.stop else None
-
-        for t in range(max_new):
-            steps = torch.full_like(active, t)
-            token, token_logprob = sample(logits, params, keys[active], steps, self._banned)  # [a], [a]
-            tokens[active, t] = token
-            logprobs[active, t] = token_logprob
-            ended = torch.isin(token, self._eos) if len(self.eos_token_ids) else torch.zeros_like(done)
-            if stops is not None:
-                ended |= stops.update(active, token, done)
-            ended &= ~done
-            if bool(ended.any()):
-                ended_rows = active[ended]
-                lengths[ended_rows] = t + 1
-                finished[ended_rows] = True
-                done |= ended
-            if t == max_new - 1 or bool(done.all()):
-                break
-            if int(done.sum()) >= COMPACT_FRACTION * done.numel():
-                keep = (~done).nonzero().squeeze(1)
-                active, done, token = active[keep], done[keep], token[keep]
-            every = torch.full((num_rows,), self.pad_token_id, dtype=torch.long, device=device)
-            every[active] = token
-            logits = decoder.step(every, first_position + t, t).index_select(0, active).float()
-        width = int(lengths.max())
-        valid = torch.arange(width, device=device) < lengths[:, None]
-        tokens = tokens[:, :width].masked_fill(~valid, self.pad_token_id)
-        logprobs = logprobs[:, :width].masked_fill(~valid, 0.0)
-        return _ChunkResult(tokens=tokens, logprobs=logprobs, lengths=lengths, finished=finished)
-
-    def _prefill(
-        self, prompts: list[list[int]], row_prompt: list[int], max_new: int, media: Sequence[Media | None] | None = None
-    ) -> tuple[StaticDecoder, torch.Tensor, torch.Tensor]:
-        """Run each distinct prompt of `row_prompt` once (with its images) and set up the fixed-shape step: the
-        decoder, `[b, V]` first logits, `[b]` each row's first response position."""
-        device = self.device
-        distinct = sorted(set(row_prompt))
-        local = {p: i for i, p in enumerate(distinct)}
-        row_local = torch.tensor([local[p] for p in row_prompt], device=device)  # [b] row -> prefill row
-        prompt_ids, prompt_mask = self._left_pad([prompts[p] for p in distinct])  # [U, P]
-        prompt_len = prompt_ids.shape[1]
-        cache = Cache(layers=[PrefillLayer(prompt_len) for _ in range(self._num_layers)])
-        position_ids = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)  # positions count real tokens only
-        next_position = prompt_mask.sum(1)  # [U]
-        extra = batch_media([media[p] for p in distinct], device) if media is not None else {}
-        rope = mrope_positions(self.model, prompt_ids, prompt_mask.long(), extra) if extra else None
-        if rope is not None:  # 3-D positions (Qwen2-VL); text goes on after each prompt's largest position
-            position_ids, next_position = rope, rope.amax(dim=(0, 2)) + 1
-        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids,
-                         **{self._cache_kwarg: cache}, use_cache=True, logits_to_keep=1, **extra)
-        logits = out.logits[:, -1].float().index_select(0, row_local)  # [b, V]
-        decoder = StaticDecoder(self.model, cache, prompt_mask, row_local, max_new, self._cache_kwarg,
-                                graph=self.decode_path()[0] == "cuda_graph")
-        return decoder, logits, next_position.index_select(0, row_local)
-
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token lists -> `[U, P]` left-padded ids and their bool mask."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
         mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
         return ids.to(self.device), mask.to(self.device)
-
-    def _assemble(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        chunks: list[torch.Tensor],
-        results: list[_ChunkResult],
-        params: SamplingParams,
-    ) -> Rollout:
-        """Put the rows of every chunk back in prompt order, padded to common widths."""
-        num_rows = len(prompts) * n
-        width = max(r.tokens.shape[1] for r in results)
-        tokens = torch.full((num_rows, width), self.pad_token_id, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros(num_rows, width, dtype=torch.float32, device=self.device)
-        lengths = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-        finished = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
-        for rows, r in zip(chunks, results):
-            rows = rows.to(self.device)
-            tokens[rows, : r.tokens.shape[1]] = r.tokens
-            logprobs[rows, : r.logprobs.shape[1]] = r.logprobs
-            lengths[rows] = r.lengths
-            finished[rows] = r.finished
-        ids = [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]
-        texts = [
-            cut_at_stop(text, params.stop)
-            for text in decode_batch(self.tokenizer, ids, skip_special_tokens=True)
-        ]
-        return self._as_rollout(prompts, n, tokens, logprobs, lengths, finished, texts)
 
     def _as_rollout(self, prompts: list[list[int]], n: int, tokens: torch.Tensor, logprobs: torch.Tensor,
                     lengths: torch.Tensor, finished: torch.Tensor, texts: list[str]) -> Rollout:
@@ -413,6 +261,24 @@ class StopChecker:
         for j, at in zip(live, found):
             hit[j] = at is not None
         return hit.to(done.device)
+
+
+def graph_path(model: nn.Module, device: torch.device, cuda_graph: bool, lean: bool) -> tuple[str, str]:
+    """("cuda_graph", why) where `HFGenerator` replays the engine's fixed-shape steps as CUDA graphs, else ("engine",
+    why not). `lean`: the model steps module by module (`lmrl.engine.engine.step_path`), which takes no mask from
+    the model; through the model's own forward, the kernel must take lmrl's 4D mask."""
+    kernel = getattr(model.config, "_attn_implementation", None)
+    if not cuda_graph:
+        reason = "rollout.cuda_graph=false"
+    elif device.type != "cuda":
+        reason = f"no CUDA graphs on {device.type}"
+    elif not lean and kernel not in MASKED_KERNELS:
+        reason = f"no CUDA graph: attn_implementation={kernel!r} takes no 4D mask (sdpa or eager do)"
+    elif getattr(model, "hf_device_map", None):
+        reason = "no CUDA graph: the model is spread over devices"
+    else:
+        return "cuda_graph", "fixed-shape steps captured in CUDA graphs"
+    return "engine", reason
 
 
 def resolve_eos(model: nn.Module, tokenizer, eos_token_id: int | list[int] | None) -> list[int]:

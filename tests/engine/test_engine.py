@@ -170,19 +170,21 @@ class SyncCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("step", ["module by module", "the model's forward"])
+@pytest.mark.parametrize("step", ["module by module", "the model's forward", "module by module, fixed shapes",
+                                  "the model's forward, fixed shapes"])
 def test_a_step_on_cuda_synchronises_only_when_the_host_reads_the_tokens(tok, monkeypatch, step):
     """On "cuda" (`tests.fakecuda`) rows run without the host reading anything back, except every `check_every`
     steps and the step a row reaches its max_new (then the ended rows' log-probs): the sampling, the cache writes,
     the masks and attention, stop checks included, make no host synchronisation; through `LlamaStep` and through
     the model's own forward (`ModelStep`) alike."""
     monkeypatch.setattr(llama, "USE_KERNELS", False)
-    monkeypatch.setattr(engine_module, "llama_supports", lambda model: step == "module by module")
+    lean = step.startswith("module by module")
+    monkeypatch.setattr(engine_module, "llama_supports", lambda model: lean)
     with fake_cuda():
         model = gqa_model(tok, "qwen2").to("cuda").eval()
         engine = DecodeEngine(model, SamplingParams(temperature=1.0, top_k=5, top_p=0.9), [tok.eos_token_id],
-                              check_every=4)
-        assert type(engine.step_fn).__name__ == ("LlamaStep" if step == "module by module" else "ModelStep")
+                              check_every=4, fixed=step.endswith("fixed shapes"), graphs=False)
+        assert type(engine.step_fn).__name__ == ("LlamaStep" if lean else "ModelStep")
         synced_steps, steps = [], 0
         with torch.inference_mode():
             engine.add([Request(tok.encode(p), m, i, i) for i, (p, m) in enumerate([("hello", 30), ("ab", 30), ("x", 18)])])

@@ -178,7 +178,7 @@ def test_a_frozen_vision_tower_gets_no_gradient_and_the_rest_finite_ones():
 
 
 def test_the_fixed_shape_step_a_gpu_captures_samples_the_same(llava):
-    """On CUDA the decode step is a CUDA graph of fixed shapes (`lmrl.rollout.static_decode`); the same step run
+    """On CUDA the engine's decode steps are CUDA graphs of fixed shapes; the same steps run
     eagerly here (fixed_shapes=True) samples what the cache path samples, images and all."""
     model, processor = llava
     ids, media = encode_with_media(processor, PROMPTS, IMAGES)

@@ -415,12 +415,8 @@ def test_generic_path_greedy_matches_generate(llama, tok, monkeypatch):
     assert torch.equal(rollout.response_ids, out[:, enc.input_ids.shape[1] :])
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
-def test_a_sliding_window_model_samples_what_its_forward_scores(tok, kernel):
-    """Mistral with a window of 4 tokens, 24 sampled through its own forward (`ModelStep`): rows of different ages
-    share each step (batch_size 3, n 2: rows join as others end, EOS made likely), each row's window counted in its
-    own tokens; the sampled log-probs equal a full forward's over the finished rows, which differ from those of the
-    same weights without the window."""
+def sliding_model(tok, kernel: str = "sdpa"):
+    """A scrambled tiny Mistral with a sliding window of 4 tokens and grouped-query attention."""
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -433,6 +429,16 @@ def test_a_sliding_window_model_samples_what_its_forward_scores(tok, kernel):
             if "norm" not in name:
                 p.add_(torch.randn(p.shape) * 0.2)
         model.lm_head.weight[tok.eos_token_id] += 0.05 * model.lm_head.weight.mean(0)
+    return model
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_a_sliding_window_model_samples_what_its_forward_scores(tok, kernel):
+    """Mistral with a window of 4 tokens, 24 sampled through its own forward (`ModelStep`): rows of different ages
+    share each step (batch_size 3, n 2: rows join as others end, EOS made likely), each row's window counted in its
+    own tokens; the sampled log-probs equal a full forward's over the finished rows, which differ from those of the
+    same weights without the window."""
+    model = sliding_model(tok, kernel)
     generator = HFGenerator(model, tok, batch_size=3)
     assert generator.decode_path()[1].startswith("its own forward: the model has sliding-window layers")
     rollout = generator.generate(encode(tok), 2, SamplingParams(max_new_tokens=24, temperature=1.0, seed=4))
