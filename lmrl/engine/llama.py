@@ -98,7 +98,6 @@ class LlamaStep:
         cos, sin = self.rotary(positions, cache.row_keys[0])
         # autocast: bf16 projections; fixed shapes: the PyTorch path (what a GPU captures)
         kernels = self.kernels if not torch.is_autocast_enabled("cpu") and not cache.fixed else None
-        rows = cache.step_rows()
         if kernels is not None and self._checked != cache.version:
             for i in range(len(self.layers)):
                 kernels.check_attention(cos, sin, cache.prompt_keys[i], cache.prompt_values[i],
@@ -108,6 +107,7 @@ class LlamaStep:
             self.kernel_steps += 1
         else:
             cache.zero_unread()  # stores made for the kernel (autocast came on since) are read under a mask here
+            rows = cache.step_rows()
             cos, sin = cos[position][:, None], sin[position][:, None]  # [b, 1, D]
             masks = self._masks(cache, rows)
         for i, layer in enumerate(self.layers):
