@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                          "variable, which other users cannot read in the process list); needed beyond loopback")
     sv.add_argument("--weights-secret", default=None, metavar="SECRET",
                     help="wanted from a weight push as the X-Lmrl-Weights-Secret header (better: LMRL_WEIGHTS_SECRET); "
-                         "without one, weights are taken on loopback only")
+                         "without one, the server takes no weights (an inference server)")
     sv.add_argument("--max-body-mb", type=_positive_float, default=8.0, help="the largest JSON request body, in MB")
     sv.add_argument("--max-n", type=_at_least(0), default=64, help="the most completions per prompt (n); 0: no limit")
     sv.add_argument("--max-sequences", type=_at_least(0), default=2048,

@@ -268,11 +268,12 @@ def test_an_agent_programs_episodes_train_on_cuda(tmp_path):
     assert history[-1]["env/turns"] > 1 and history[-1]["agent/failures"] == 0 and _finite(history[-1])
 
 
-def test_a_run_through_a_generation_server_trains_on_cuda(tmp_path):
+def test_a_run_through_a_generation_server_trains_on_cuda(tmp_path, monkeypatch):
     """rollout.backend=vllm-server against `lmrl serve` in its own process (on the CPU): the rollouts come back as
     token lists, built on the CPU, and train with the policy on "cuda"; the policy's weights go the other way."""
-    from .rollout.test_server_security import serve
+    from .rollout.test_server_security import SECRET, serve
 
+    monkeypatch.setenv("LMRL_WEIGHTS_SECRET", SECRET)  # the server's, and what the run sends
     process, url = serve("rollout.max_new_tokens=8")
     try:
         cfg = Config(model={"device": "cuda"}, rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8,

@@ -25,8 +25,8 @@ never during one: a client that pushes weights and then generates samples with t
 
 Who gets in (docs/generation.md, "Who can reach the server"): with an API key (`api_key`), every endpoint
 /health included wants `Authorization: Bearer KEY`, compared in constant time; without one the server listens
-on loopback only. A weight push also wants the weights secret (`X-Lmrl-Weights-Secret`); without a secret the
-server takes weights only on loopback. What a request may ask for is bounded (`Limits`): a body over the limit
+on loopback only. A weight push also wants the weights secret (`X-Lmrl-Weights-Secret`); a server started without
+one takes no weights, on loopback too (a server a run starts has a random one). What a request may ask for is bounded (`Limits`): a body over the limit
 is refused from its Content-Length before it is read, a chunked one where it crosses the limit.
 """
 
@@ -169,7 +169,7 @@ class GenerationServer(ThreadingHTTPServer):
 
     Args:
         api_key: wanted from every request as `Authorization: Bearer KEY`; None only on loopback.
-        weights_secret: wanted from a weight push as `X-Lmrl-Weights-Secret`; None: pushes only on loopback.
+        weights_secret: wanted from a weight push as `X-Lmrl-Weights-Secret`; None: no pushes (an inference server).
         limits: what one request may ask for (`Limits`).
     """
 
@@ -516,10 +516,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _weights_body(self):
         secret = self.server.weights_secret
-        if secret is None and not self.server.loopback:
-            raise Refused(403, "weights: this server takes no weights: it listens beyond loopback without a weights "
-                          "secret (lmrl serve --weights-secret / LMRL_WEIGHTS_SECRET)", "weights_refused")
-        if secret is not None and not _same(self.headers.get("X-Lmrl-Weights-Secret"), secret):
+        if secret is None:
+            raise Refused(403, "weights: this server takes no weights: it was started without a weights secret "
+                          "(lmrl serve --weights-secret SECRET, better LMRL_WEIGHTS_SECRET)", "weights_refused")
+        if not _same(self.headers.get("X-Lmrl-Weights-Secret"), secret):
             raise Refused(403, "weights: a missing or wrong X-Lmrl-Weights-Secret header (the server's "
                           "--weights-secret / LMRL_WEIGHTS_SECRET)", "invalid_weights_secret")
         return self._body(self.server.limits.max_weights_bytes)

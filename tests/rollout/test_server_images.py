@@ -22,6 +22,8 @@ from lmrl.models.weights import export_weights
 from lmrl.rollout import SamplingParams
 from lmrl.rollout.remote import ServerGenerator
 
+SECRET = "test-weights-secret"  # a server takes weights only with a weights secret
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
@@ -37,10 +39,10 @@ def served(tmp_path_factory):
     processor.save_pretrained(path)
     serving = serving_generator(load_config(None, [f"model.name_or_path={path}", "rollout.backend=lmrl",
                                                    "model.device=cpu"]))
-    server = GenerationServer(serving.generator, serving.tokenizer, str(path),
+    server = GenerationServer(serving.generator, serving.tokenizer, str(path), weights_secret=SECRET,
                               limits=Limits(max_prompt_length=64, vocab_size=serving.vocab_size))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield ServerGenerator(server.url, processor.tokenizer, timeout=120), model, processor, path
+    yield ServerGenerator(server.url, processor.tokenizer, timeout=120, weights_secret=SECRET), model, processor, path
     server.shutdown()
     server.server_close()
 
@@ -80,13 +82,14 @@ def test_what_the_server_cannot_take_is_one_line(served):
             server._json("POST", "/lmrl/generate", {**body, "images": images})
 
 
-def test_a_vision_policy_trains_through_a_generation_server(served, tmp_path):
+def test_a_vision_policy_trains_through_a_generation_server(served, tmp_path, monkeypatch):
     """`rollout.backend=vllm-server` at the server's URL: every step pushes the policy's weights and samples the
     step's image prompts there; the sync check holds the server to the trainer's log-probs with the images."""
     from lmrl.cli import main
     from tests.models.test_vision_train import _dataset
 
     server, _, _, path = served
+    monkeypatch.setenv("LMRL_WEIGHTS_SECRET", SECRET)  # rollout.vllm.server_weights_secret_env's default
     data = _dataset(tmp_path, lambda: tiny_llava(seed=2))
     code = main(["train", f"model.name_or_path={path}", f"data.path={data / 'data.jsonl'}",
                  f"reward.functions=[{data / 'rw.py'}:reward]", "rollout.prompts_per_step=3", "rollout.group_size=4",

@@ -276,15 +276,19 @@ class _Echo:
         raise AssertionError("weights were taken")
 
 
-def test_beyond_loopback_without_a_weights_secret_no_weights_are_taken():
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_a_server_started_without_a_weights_secret_takes_no_weights_on_loopback_too(host):
+    """A hand-started server without `--weights-secret` is an inference server: any local user could otherwise
+    replace its model. (A server a run starts has a random secret of its own.)"""
     with pytest.raises(ConfigError, match="--host 0.0.0.0: listening beyond loopback needs an API key"):
         GenerationServer(_Echo(), None, "m", host="0.0.0.0")
-    server = GenerationServer(_Echo(), None, "m", host="0.0.0.0", api_key=KEY)
+    server = GenerationServer(_Echo(), None, "m", host=host, api_key=KEY)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         status, answer = call(url, "POST", "/lmrl/weights", b"\0\0\0\0")
-        refused(status, answer, 403, "this server takes no weights: it listens beyond loopback without a weights secret")
+        refused(status, answer, 403, "weights: this server takes no weights: it was started without a weights secret "
+                "(lmrl serve --weights-secret SECRET, better LMRL_WEIGHTS_SECRET)")
         assert call(url, "GET", "/health")[0] == 200
     finally:
         server.shutdown()
