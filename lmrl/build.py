@@ -204,7 +204,7 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
         raise ModelError(f"model: {cfg.model.name_or_path if model is None else 'the given model'} has non-finite "
                          "weights (NaN or inf); refusing to train or evaluate it")
     check_rollout_fits(cfg, models.policy.config, data.longest_prompt, device)
-    notes: list[str] = []
+    notes: list[str] = [note] if (note := max_parallel(cfg)[1]) else []
     world, units = _shard_models(cfg, world, models, notes)
     optimizer, scheduler = make_optimizer(cfg, models.policy, models.critic)
     return Run(cfg, world, device, environment, data, models, units, optimizer, scheduler, notes, inputs)
@@ -486,6 +486,20 @@ def _left_out(source: str, bad: list[Any], kept: int) -> str:
             f"the first, {bad[0].where}: {bad[0].problem}")
 
 
+def max_parallel(cfg: Config) -> tuple[int, str | None]:
+    """`env.max_parallel`, or its default and a line saying what was picked: with a program per episode, two per core
+    this process may use (at most 32): each program is an interpreter, and 32 of them on 2 cores spent the step
+    starting up."""
+    if cfg.env.max_parallel is not None:
+        return cfg.env.max_parallel, None
+    if cfg.env.name != "agent" or cfg.env.agent_mode != "episode":
+        return 32, None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    picked = min(32, 2 * cores)
+    return picked, (f"env.max_parallel={picked}: agent programs at once, two per core of the {cores} this process may "
+                    "use (set env.max_parallel to choose)")
+
+
 def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any:
     """The multi-turn environment of `env.name`, or `env` as given (an Environment object), or the built-in task's
     own (the calculator's tool); None: single-turn. Its tools and sandbox start here, so that a machine that
@@ -496,7 +510,7 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
         from lmrl.rollout.verifiers_env import verifiers_environment
 
         given = env if env is not None else cfg.env.name
-        return verifiers_environment(given, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel,
+        return verifiers_environment(given, cfg.env.timeout, cfg.reward.on_error, max_parallel(cfg)[0],
                                      cfg.model.tool_call_format)
     if cfg.env.name is None:
         if not use_task or cfg.data.path is not None or cfg.data.task is None:
@@ -514,7 +528,7 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
     if cfg.env.name == "agent":
         from lmrl.rollout.agent import AgentEnvironment
 
-        return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, cfg.env.max_parallel,
+        return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, max_parallel(cfg)[0],
                                 mode=cfg.env.agent_mode, host=cfg.env.agent_host, port=cfg.env.agent_port,
                                 url=cfg.env.agent_url, work_file=os.path.join(cfg.train.output_dir, "agent.json"),
                                 tool_format=cfg.model.tool_call_format)

@@ -414,8 +414,10 @@ class EnvConfig(Section):
     """The agent program of env.name=agent, e.g. "python my_agent.py" (split as a shell would, run without one)."""
     timeout: PositiveFloat = 120.0
     """Seconds one agent episode may run (env.name=agent or verifiers:MODULE) before it is stopped and counted as failed."""
-    max_parallel: PositiveInt = 32
-    """Most agent episodes running at once (env.name=agent or verifiers:MODULE); the rest of the batch waits its turn."""
+    max_parallel: PositiveInt | None = None
+    """Most agent episodes running at once (env.name=agent or verifiers:MODULE); the rest of the batch waits its turn.
+    None: with a program per episode (env.agent_mode=episode), two per core this process may use, at most 32 (each is
+    an interpreter; the run says what it picked); otherwise 32."""
     agent_mode: Literal["episode", "batch", "persistent", "serve"] = "episode"
     """env.name=agent: "episode" starts env.command once per episode; "batch" once per batch of episodes (a step's,
     an evaluation's), every episode's base URL, key and row in the JSONL file $LMRL_EPISODES names; "persistent"

@@ -42,11 +42,12 @@ import secrets
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,10 @@ from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import (
     is_loopback,
 )
+
+# A program per episode (env.agent_mode=episode) whose median time before its first request is at least this share
+# of its whole run is mostly start-up: the run says so once.
+STARTUP_SHARE = 0.5
 
 
 class AgentEnvironment:
@@ -111,6 +116,7 @@ class AgentEnvironment:
                 raise ConfigError(f"env.agent_host: {host}: listening beyond loopback needs a run key of yours, in the "
                                   "LMRL_AGENT_KEY environment variable; or listen on 127.0.0.1")
             self.run_key = self.run_key or "lmrl-run-" + secrets.token_urlsafe(24)
+        self._told_startup = False  # `_tell_startup` said its line
         self._program: subprocess.Popen | None = None  # env.agent_mode=persistent: the run's program
         self._folder: str | None = None
         atexit.register(self.close)
@@ -152,6 +158,7 @@ class AgentEnvironment:
                 run_served(gateway, episodes, self.timeout, self.work_file)
             else:
                 {"batch": self._run_batch, "persistent": self._run_persistent}.get(self.mode, self._run)(gateway, episodes)
+                self._tell_startup(episodes.values())
         finally:
             for eid in episodes:
                 gateway.episodes.pop(eid, None)
@@ -174,7 +181,8 @@ class AgentEnvironment:
                     eid, e = waiting.pop(0)
                     given = {"OPENAI_BASE_URL": gateway.episode_url(eid), "OPENAI_API_KEY": e.key,
                              "LMRL_ROW": json.dumps(dict(e.row), default=str)}
-                    running.append((self._start(given), time.monotonic() + self.timeout, e))
+                    e.started = time.monotonic()
+                    running.append((self._start(given), e.started + self.timeout, e))
                 time.sleep(0.01)
                 still = []
                 for proc, deadline, e in running:
@@ -186,6 +194,20 @@ class AgentEnvironment:
         finally:
             for proc, _, _ in running:
                 _kill(proc)
+
+    def _tell_startup(self, episodes: Iterable[_Episode]) -> None:
+        """Once per run: where a program per episode spends most of its time starting (an interpreter, its imports)
+        before its first request, one line naming the modes that start a program for many episodes."""
+        spans = [(e.first_call - e.started, e.ended - e.started) for e in episodes
+                 if e.started is not None and e.first_call is not None and e.ended is not None]
+        if self._told_startup or not spans:
+            return
+        start, whole = statistics.median(s for s, _ in spans), statistics.median(w for _, w in spans)
+        if whole > 0 and start >= STARTUP_SHARE * whole:
+            self._told_startup = True
+            print(f"lmrl: env.agent_mode=episode: each agent program spent {start:.2f} s of its {whole:.2f} s (median) "
+                  "starting, before its first request; env.agent_mode=batch or persistent runs one program for many "
+                  "episodes (docs/agents.md)", file=sys.stderr)
 
     def _run_batch(self, gateway: Gateway, episodes: dict[str, _Episode]) -> None:
         """One run of the command for all `episodes` (env.agent_mode=batch), killed at `timeout`."""
@@ -260,6 +282,7 @@ class AgentEnvironment:
         return proc
 
     def _end(self, proc: subprocess.Popen, e: _Episode) -> None:
+        e.ended = time.monotonic()
         if proc.poll() is None:
             _kill(proc)
             e.error = e.error or f"ran past env.timeout={self.timeout:g}s and was killed"

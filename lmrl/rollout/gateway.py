@@ -63,6 +63,9 @@ class _Episode:
     error: str | None = None
     handed: bool = False
     """env.agent_mode=serve: a program took it."""
+    started: float | None = None  # env.agent_mode=episode: when its program started (time.monotonic)
+    first_call: float | None = None  # when its first model call came
+    ended: float | None = None  # when its program was done
 
     def known(self, chat: bool) -> str:
         return "".join(s.raw if chat else s.text for s in self.segments)
@@ -109,6 +112,7 @@ class Gateway(GenerationServer):
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else _list(stop, "stop")
         with episode.lock:
+            episode.first_call = episode.first_call or time.monotonic()
             if episode.reward is not None:
                 raise Refused(409, "episode: its reward was reported; it takes no more requests", "episode_over")
             if episode.turns >= episode.max_turns:

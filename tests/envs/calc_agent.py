@@ -18,6 +18,8 @@ if mode == "crash":
     sys.exit("agent: something broke")
 if mode == "hang":
     time.sleep(600)
+if mode == "slow-start":  # a program whose start-up is most of its run
+    time.sleep(1.5)
 row = json.loads(os.environ["LMRL_ROW"])
 client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from lmrl
 text, turns = row["prompt"], []
@@ -59,3 +61,5 @@ if mode == "nan":  # what a careless agent in another language sends; Python's J
     urllib.request.urlopen(request)
 elif mode != "noreward":
     client.post("/lmrl/reward", body={"reward": reward}, cast_to=object)
+if mode == "slow-end":  # work after the episode: its start-up is a small part of its run
+    time.sleep(3.0)

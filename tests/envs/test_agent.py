@@ -85,6 +85,41 @@ def test_a_failing_agent_is_one_line_or_a_counted_failure_never_a_hang(policy, t
     assert not episodes.rollout.response_mask.any()  # nothing of a failed episode is trained on
 
 
+def test_programs_that_mostly_start_up_are_told_once_of_the_modes_that_start_one_for_many(policy, tmp_path, capfd):
+    """A program per episode that spends most of its run before its first request (here it sleeps 1.5 s first) gets
+    one line, once per run, naming env.agent_mode=batch / persistent; one that works after its episode does not."""
+    gen, tok = policy
+    prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop=[], seed=0)
+    told = "starting, before its first request; env.agent_mode=batch or persistent runs one program for many episodes"
+    for mode, lines in (("slow-start", 1), ("slow-end", 0)):
+        os.environ["AGENT_MODE"] = mode
+        try:
+            env = AgentEnvironment(f"{sys.executable} {AGENT}", timeout=60)
+            for _ in range(2 if lines else 1):  # two calls, one line
+                generate_episodes(gen, tok, prompts, ROWS, 1, params, env, max_turns=4, max_tokens=96)
+        finally:
+            del os.environ["AGENT_MODE"]
+        assert capfd.readouterr().err.count(told) == lines, mode
+
+
+@pytest.mark.parametrize(("overrides", "cores", "picked"), [([], 2, 4), ([], 64, 32), (["env.max_parallel=3"], 2, 3),
+                                                            (["env.agent_mode=batch"], 2, 32)])
+def test_the_programs_at_once_default_to_two_per_core_and_the_run_says_so(overrides, cores, picked, monkeypatch):
+    from lmrl.build import max_parallel
+    from lmrl.config import load_config
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    cfg = load_config(None, ["env.name=agent", "env.command=python agent.py", *overrides])
+    number, note = max_parallel(cfg)
+    assert number == picked
+    if overrides:
+        assert note is None
+    else:
+        assert note == (f"env.max_parallel={picked}: agent programs at once, two per core of the {cores} this process "
+                        "may use (set env.max_parallel to choose)")
+
+
 def test_a_command_that_cannot_start_is_one_line(policy, tmp_path):
     gen, tok = policy
     env = AgentEnvironment("no-such-agent-program --x")
