@@ -298,11 +298,16 @@ class KVCache:
             self.length_tensor, self.prompt_tensor, self.prompt_length_tensor = views
         self.version += 1
 
-    def step_rows(self) -> StepRows:
-        """What a step reads of the rows: those in flight and the spans; fixed, every slot (the rows past those in
-        flight are padding: prompt slot 0, response length 0) and the whole capacity, the same shapes every step."""
+    def step_rows(self, bucket: int | None = None) -> StepRows:
+        """What a step reads of the rows: those in flight and the spans; fixed, the first `bucket` slots (None: all;
+        the rows past those in flight are padding: prompt slot 0, response length 0) and the whole capacity, the same
+        shapes every step of a bucket, views of the same buffers."""
         if self._every is not None:
-            return self._every
+            if bucket is None:
+                return self._every
+            every = self._every
+            return every._replace(index=every.index[:bucket], length=every.length[:bucket],
+                                  prompt=every.prompt[:bucket])
         return StepRows(self.row_index, self.length_tensor, self.prompt_tensor, self.prompt_length_tensor,
                         *self.spans())
 

@@ -83,6 +83,13 @@ class _Row:
     done: bool = False  # handed back; it steps on (ignored) until the cache is compacted
 
 
+def bucket_of(rows: int, slots: int) -> int:
+    """The row slots a fixed-shape step runs for `rows` rows in flight in a cache of `slots`: all of them, or the power
+    of two at or above `rows` once that is at most half of them (a few graphs per call, the tail of a call cheaper)."""
+    bucket = 1 << max(rows - 1, 0).bit_length()
+    return bucket if 2 * bucket <= slots else slots
+
+
 def step_path(model: nn.Module) -> tuple[bool, str]:
     """Whether `model` steps module by module (`LlamaStep`, shared-prompt attention: the Llama / Qwen2 / Qwen3 models it
     reproduces exactly) or through its own forward (`ModelStep`), and why."""
@@ -142,7 +149,8 @@ class DecodeEngine:
         self.graphs = fixed and (self.device.type == "cuda" if graphs is None else graphs)
         self.note: str | None = None  # why capturing failed, when it did
         self.captures = 0  # graphs captured: what a test counts
-        self._graph: tuple | None = None  # (storage it reads, graph, its logits), or (storage, None, None): warmed up
+        self._graphs: dict[int, tuple | None] = {}  # bucket -> (graph, its logits), or None: warmed up
+        self._storage = -1  # the cache's `rebuilds` the graphs read
         self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # the fixed-shape step's token / position
 
     def __len__(self) -> int:
@@ -281,43 +289,47 @@ class DecodeEngine:
         return out
 
     def _fixed_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """The step with the same shapes every time: every row slot of the cache steps (those past the rows in flight
-        on padding) over the whole capacity, from buffers that stay put until the cache grows. On CUDA the first such
-        step after a growth runs eagerly (the warm-up), the next is captured as a CUDA graph, and the rest replay it
-        (one launch for the whole step); a capture that fails says why once and the same step runs eagerly."""
+        """The step with the same shapes for every step of a bucket: the first B row slots of the cache step (B the
+        cache's slots, or the power of two at or above the rows in flight once they fit in half as many; the slots
+        past the rows on padding) over the whole capacity, from buffers that stay put until the cache grows. On CUDA
+        a bucket's first step runs eagerly (the warm-up), its next is captured as a CUDA graph, and the rest replay
+        it (one launch for the whole step); a capture that fails says why once and the same steps run eagerly."""
         cache, b = self.cache, token.shape[0]
         _, pc, rc, nc = cache.capacity
+        bucket = bucket_of(b, rc)
         if self._inputs is None or self._inputs[0].shape[0] != rc:
             self._inputs = tuple(torch.zeros(rc, dtype=torch.long, device=self.device) for _ in range(2))
-        tokens, positions = self._inputs
+        tokens, positions = (x[:bucket] for x in self._inputs)
         tokens.fill_(self.pad_token_id)
         tokens[:b] = token
         positions.zero_()
         positions[:b] = position
-        storage = cache.rebuilds
-        if self._graph is not None and self._graph[0] == storage and self._graph[1] is not None:
-            self._graph[1].replay()
-            return self._graph[2][:b]
+        if self._storage != cache.rebuilds:  # the stores were remade: every graph reads the old ones
+            self._graphs, self._storage = {}, cache.rebuilds
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph[0].replay()
+            return graph[1][:b]
         logits = self.step_fn(tokens, positions, cache, pc + nc + 1)
-        if self.graphs and self._graph is not None and self._graph[0] == storage:
-            self._capture(tokens, positions, pc + nc + 1)
+        if self.graphs and bucket in self._graphs:  # warmed up: record the next
+            self._capture(bucket, tokens, positions, pc + nc + 1)
         else:
-            self._graph = (storage, None, None)
+            self._graphs[bucket] = None
         return logits[:b]
 
-    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> None:
-        """Record the fixed-shape step (recording runs nothing: the cache stays as the eager step left it)."""
+    def _capture(self, bucket: int, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> None:
+        """Record a bucket's fixed-shape step (recording runs nothing: the cache stays as the eager step left it)."""
         try:
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
             with torch.cuda.graph(graph):
                 logits = self.step_fn(tokens, positions, self.cache, length)
         except Exception as e:  # noqa: BLE001 - any failure falls back to the same step, eager
-            self.graphs, self._graph = False, None
+            self.graphs = False
             self.note = f"CUDA graph capture failed, decoding eagerly: {type(e).__name__}: {e}"
             warnings.warn(self.note, RuntimeWarning, stacklevel=4)
             return
-        self._graph = (self.cache.rebuilds, graph, logits)
+        self._graphs[bucket] = (graph, logits)
         self.captures += 1
 
     def _read(self, token: torch.Tensor) -> bool:

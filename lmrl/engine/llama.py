@@ -107,7 +107,7 @@ class LlamaStep:
             self.kernel_steps += 1
         else:
             cache.zero_unread()  # stores made for the kernel (autocast came on since) are read under a mask here
-            rows = cache.step_rows()
+            rows = cache.step_rows(token.shape[0])
             cos, sin = cos[position][:, None], sin[position][:, None]  # [b, 1, D]
             masks = self._masks(cache, rows)
         for i, layer in enumerate(self.layers):

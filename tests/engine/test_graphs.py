@@ -117,11 +117,19 @@ def test_layer_types_the_engine_does_not_decode_are_refused_in_one_line(tok):
         ModelStep(model)
 
 
+def test_buckets_are_the_cache_or_a_power_of_two_in_half_of_it():
+    from lmrl.engine.engine import bucket_of
+
+    assert [bucket_of(b, 6) for b in (6, 5, 4, 3, 2, 1)] == [6, 6, 6, 6, 2, 1]
+    assert [bucket_of(b, 512) for b in (512, 300, 256, 129, 100, 9, 1)] == [512, 512, 256, 256, 128, 16, 1]
+
+
 def test_what_a_fixed_step_reads_stays_put_while_the_cache_keeps_its_size(tok):
     """A CUDA graph replays the kernels it recorded on the memory it recorded: every tensor the fixed-shape step
-    reads (the stores, every slot's lengths and prompts, the tokens and positions, the rotary tables) keeps its
-    storage from step to step while rows end, leave and join, and the shapes stay the cache's."""
+    reads (the stores, the slots' lengths and prompts, the tokens and positions, the rotary tables) keeps its
+    storage from step to step of a bucket while rows end, leave and join, and the shapes stay the bucket's."""
     from lmrl.engine import DecodeEngine, Request
+    from lmrl.engine.engine import bucket_of
 
     model = gqa_model(tok, "qwen2").eval()
     engine = DecodeEngine(model, SamplingParams(temperature=1.0), tok.encode("aeiou"), fixed=True, graphs=False)
@@ -129,11 +137,12 @@ def test_what_a_fixed_step_reads_stays_put_while_the_cache_keeps_its_size(tok):
     prompts = ["hello there", "ab", "what is 2+2?"]
     queue = [Request(tok.encode(p), 24, (p, j), 10 * i + j) for i, p in enumerate(prompts) for j in range(2)]
 
-    def addresses() -> list[int]:
-        cache, rows = engine.cache, engine.cache.step_rows()
+    def addresses() -> tuple[int, list[int]]:
+        cache = engine.cache
+        rows = cache.step_rows(bucket_of(len(engine.rows), cache.capacity[2]))
         tensors = [*cache.prompt_keys, *cache.prompt_values, *cache.row_keys, *cache.row_values, *engine._inputs,
                    rows.index, rows.length, rows.prompt, rows.prompt_length, engine.step_fn.cos, engine.step_fn.sin]
-        return [t.data_ptr() for t in tensors] + [rows.prompt_columns, rows.response_columns]
+        return len(rows.index), [t.data_ptr() for t in tensors] + [rows.prompt_columns, rows.response_columns]
 
     seen, ended = [], 0
     with torch.inference_mode():
@@ -147,4 +156,7 @@ def test_what_a_fixed_step_reads_stays_put_while_the_cache_keeps_its_size(tok):
                 queue = queue[:4]
             seen.append(addresses())
     assert ended == 6 and engine.rebuilds == 1
-    assert all(a == seen[0] for a in seen)
+    by_bucket = {}
+    for bucket, found in seen:
+        assert by_bucket.setdefault(bucket, found) == found, bucket
+    assert {6, 1} <= set(by_bucket), sorted(by_bucket)  # the cache's 6 slots, then the tail's
