@@ -298,18 +298,15 @@ class KVCache:
             self.length_tensor, self.prompt_tensor, self.prompt_length_tensor = views
         self.version += 1
 
-    def step_rows(self, bucket: int | None = None) -> StepRows:
-        """What a step reads of the rows: those in flight and the spans; fixed, the first `bucket` slots (None: all;
-        the rows past those in flight are padding: prompt slot 0, response length 0) and the whole capacity, the same
-        shapes every step of a bucket, views of the same buffers."""
+    def step_rows(self, count: int, block: int = BLOCK) -> StepRows:
+        """What a step of `count` rows reads of them: those in flight and the spans (rounded up to `block`); fixed,
+        the first `count` slots (the rows past those in flight are padding: prompt slot 0, response length 0) and the
+        whole capacity, the same shapes every step of a bucket, views of the same buffers."""
         if self._every is not None:
-            if bucket is None:
-                return self._every
             every = self._every
-            return every._replace(index=every.index[:bucket], length=every.length[:bucket],
-                                  prompt=every.prompt[:bucket])
+            return every._replace(index=every.index[:count], length=every.length[:count], prompt=every.prompt[:count])
         return StepRows(self.row_index, self.length_tensor, self.prompt_tensor, self.prompt_length_tensor,
-                        *self.spans())
+                        *self.spans(block))
 
     def slots(self) -> tuple[int, bool, torch.Tensor]:
         """The PyTorch path's layout of rows by prompt: S (the most rows of one prompt), whether row r sits in slot r,
@@ -327,7 +324,8 @@ class KVCache:
 
 
 class PrefillLayer(DynamicLayer):
-    """A full-attention KV-cache layer for a prefill, writing into a buffer sized for it.
+    """A KV-cache layer for a prefill that keeps every key (a sliding window is the mask's), writing into a buffer
+    sized for it.
 
     transformers' `DynamicLayer` concatenates the whole cache at every call; this one writes in place and returns
     views of the filled prefix. Buffers are `[B, capacity, K, D]` (sequence before heads) and the views

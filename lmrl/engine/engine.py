@@ -101,7 +101,7 @@ def step_path(model: nn.Module) -> tuple[bool, str]:
 
 
 class DecodeEngine:
-    """Continuous-batching decode of any causal LM (`step_for` picks its step).
+    """Continuous-batching decode of any causal LM (`step_path` picks its step).
 
     Args:
         model: the causal LM, in eval mode, run under `torch.inference_mode()` by the caller; its weights are read
@@ -207,8 +207,8 @@ class DecodeEngine:
         slots = cache.add_prompts([k.to(cache.dtype) for k in keys], [v.to(cache.dtype) for v in values], lengths)
         cache.add_rows([slots[i] for i in local])
         for r, i in zip(requests, local):
-            key = self.stops.new_key() if self.stops else -1
-            self.rows.append(_Row(r.owner, r.max_new, lengths[i], cache.steps + r.max_new - 1, key=key))
+            stop_key = self.stops.new_key() if self.stops else -1
+            self.rows.append(_Row(r.owner, r.max_new, lengths[i], cache.steps + r.max_new - 1, key=stop_key))
         start = next_position.index_select(0, local_t)
         keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device)
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])

@@ -101,8 +101,8 @@ class ModelStep:
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache, positions: int) -> torch.Tensor:
         """Feed `[b]` tokens at `[b]` positions, each written at its row's response column `cache.row_length`;
         return `[b, V]` next-token logits. The cache's lengths advance after this returns."""
-        rows = cache.step_rows(token.shape[0])
-        p, n = cache.spans(self.block) if not cache.fixed else (rows.prompt_columns, rows.response_columns)
+        rows = cache.step_rows(token.shape[0], self.block)
+        p, n = rows.prompt_columns, rows.response_columns
         pc = cache.capacity[1]
         view = slice(pc - p, pc + n)
         column = pc + rows.length

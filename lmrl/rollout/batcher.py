@@ -4,7 +4,7 @@ Clients that each ask one completion at the same moment (an agent framework's wo
 would otherwise run one after another, each paying the whole decode loop for a single row. The batcher queues
 them and one thread serves the queue, in order:
 
-- with lmrl's own decode of a full-attention model (`lmrl.rollout.joining_decode.joinable`), unseeded requests
+- with lmrl's own decode (`lmrl.rollout.joining_decode.joinable`, any model its engine decodes), unseeded requests
   join a running decode (`JoiningDecode`, continuous batching): a request that arrives while others decode is
   prefilled and steps with them from the next step on, and each request is handed back the step its last row
   ends. Requests join from the head of the queue while they sample alike (temperature, top_p, top_k, stop; each

@@ -83,7 +83,6 @@ class HFGenerator:
         if pad_token_id is None:
             pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.pad_token_id = int(pad_token_id)
-        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
         banned = media_token_ids(model)  # image placeholders: never sampled
         self._banned = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
         if seed is None:
@@ -133,7 +132,6 @@ class HFGenerator:
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
         base = params.seed if params.seed is not None else self.draw_seed()
-
         return self._generate_engine(prompts, n, params, base, media)
 
     def draw_seed(self) -> int:
@@ -191,7 +189,12 @@ class HFGenerator:
         finished = torch.tensor([r.finished for r in rows], dtype=torch.bool, device=self.device)
         ids = [row[:k] for row, k in zip(tokens.tolist(), length_list)]
         texts = [cut_at_stop(text, params.stop) for text in decode_batch(self.tokenizer, ids, skip_special_tokens=True)]
-        return self._as_rollout(prompts, n, tokens, logprobs, lengths, finished, texts)
+        prompt_ids, prompt_mask = self._left_pad(prompts)
+        prompt_index = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
+        return Rollout(prompt_ids=prompt_ids.index_select(0, prompt_index),
+                       prompt_mask=prompt_mask.index_select(0, prompt_index), response_ids=tokens,
+                       response_mask=valid, logprobs=logprobs, texts=texts, finished=finished,
+                       prompt_index=prompt_index)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token lists -> `[U, P]` left-padded ids and their bool mask."""
@@ -199,22 +202,6 @@ class HFGenerator:
         ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
         mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
         return ids.to(self.device), mask.to(self.device)
-
-    def _as_rollout(self, prompts: list[list[int]], n: int, tokens: torch.Tensor, logprobs: torch.Tensor,
-                    lengths: torch.Tensor, finished: torch.Tensor, texts: list[str]) -> Rollout:
-        response_mask = torch.arange(tokens.shape[1], device=self.device) < lengths[:, None]
-        prompt_ids, prompt_mask = self._left_pad(prompts)
-        prompt_index = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
-        return Rollout(
-            prompt_ids=prompt_ids.index_select(0, prompt_index),
-            prompt_mask=prompt_mask.index_select(0, prompt_index),
-            response_ids=tokens,
-            response_mask=response_mask,
-            logprobs=logprobs,
-            texts=texts,
-            finished=finished,
-            prompt_index=prompt_index,
-        )
 
 
 class StopChecker:
@@ -225,11 +212,11 @@ class StopChecker:
     stop string is first found at the token that completes it. Rows are told apart by a key (`new_key`).
     """
 
-    def __init__(self, tokenizer, stop: list[str], num_rows: int = 0) -> None:
+    def __init__(self, tokenizer, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.window = max(len(s) for s in stop) + STOP_WINDOW_MARGIN
-        self.history: list[list[int]] = [[] for _ in range(num_rows)]
+        self.history: list[list[int]] = []
 
     def new_key(self) -> int:
         self.history.append([])
@@ -250,17 +237,6 @@ class StopChecker:
                 if any(s in text for s in self.stop):
                     hits[i] = j
         return hits
-
-    def update(self, active: torch.Tensor, token: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        """One step of rows `active` (their keys): append `[a]` tokens of the rows not `done`; `[a]` bool, True where
-        a stop string was just completed."""
-        live = (~done).nonzero().squeeze(1).tolist()
-        rows, tokens = active.tolist(), token.tolist()
-        found = self([rows[j] for j in live], [[tokens[j]] for j in live])
-        hit = torch.zeros(done.shape, dtype=torch.bool)
-        for j, at in zip(live, found):
-            hit[j] = at is not None
-        return hit.to(done.device)
 
 
 def graph_path(model: nn.Module, device: torch.device, cuda_graph: bool, lean: bool) -> tuple[str, str]:

@@ -60,7 +60,7 @@ class JoiningDecode:
 
     def __init__(self, generator: HFGenerator, params: SamplingParams):
         self.g, self.params = generator, params
-        stops = StopChecker(generator.tokenizer, params.stop, 0) if params.stop else None
+        stops = StopChecker(generator.tokenizer, params.stop) if params.stop else None
         self.engine = DecodeEngine(generator.model, params, generator.eos_token_ids, banned=generator._banned,
                                    stops=stops, rows=generator.batch_size or 64, pad_token_id=generator.pad_token_id)
 
