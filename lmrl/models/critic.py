@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmrl.models.forward import position_ids_from_mask, response_hidden
+from lmrl.models.forward import padded_to, position_ids_from_mask, response_hidden, trimmed
 from lmrl.models.loading import DTYPES, _check_exists, _first_line
-from lmrl.models.shared_prompt import shared_prompt_hidden
+from lmrl.models.shared_prompt import packed_states
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -138,6 +138,7 @@ class ValueModel(nn.Module):
     def response_values(
         self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int,
         share_prompt: bool = False,
+        pack: bool = False,
     ) -> torch.Tensor:
         """Values aligned to the response tokens: V(state before token t) for each of the last T.
 
@@ -148,6 +149,8 @@ class ValueModel(nn.Module):
             share_prompt: where rows share a prompt and the backbone allows it (Llama / Qwen2,
                 `lmrl.models.shared_prompt`), run each distinct prompt through the backbone once, as the
                 policy's forward does: the same values, less work.
+            pack: run the real tokens only, as `lmrl.models.forward.response_forward` does (0 after a row's last
+                real token).
 
         Returns:
             [B, T] float32: entry t is the value read at position S-T-1+t, the position just before
@@ -159,12 +162,16 @@ class ValueModel(nn.Module):
             raise ValueError(
                 f"num_response_tokens: must be in [1, {seq_len - 1}] for sequences of length {seq_len}, got {t}"
             )
-        if share_prompt:
-            hidden = shared_prompt_hidden(self.backbone, sequences, attention_mask,
-                                          position_ids_from_mask(attention_mask), t)  # [B, T, H]
-            if hidden is not None:
-                return self.value_head(hidden.float()).squeeze(-1)
-        return self(sequences, attention_mask)[:, -(t + 1) : -1]
+        width = t
+        if pack:
+            sequences, attention_mask, t = trimmed(sequences, attention_mask, t)
+        states = packed_states(self.backbone, sequences, attention_mask, position_ids_from_mask(attention_mask), t,
+                               pack=pack) if share_prompt else None
+        if states is not None:
+            values = states.scatter(self.value_head(states.hidden.float()).squeeze(-1), len(sequences), t)
+        else:
+            values = self(sequences, attention_mask)[:, -(t + 1) : -1]
+        return padded_to(values, width)  # [B, T]
 
 
 class PolicyValueHead(nn.Module):
@@ -199,9 +206,10 @@ class PolicyValueHead(nn.Module):
         return self.value_head(hidden.float()).squeeze(-1)
 
     def response_values(self, policy: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                        num_response_tokens: int, share_prompt: bool = False) -> torch.Tensor:
+                        num_response_tokens: int, share_prompt: bool = False, pack: bool = False) -> torch.Tensor:
         """`ValueModel.response_values` read from `policy`'s backbone: [B, T] float32, V(state before token t)."""
-        return self(response_hidden(policy, sequences, attention_mask, num_response_tokens, share_prompt=share_prompt))
+        return self(response_hidden(policy, sequences, attention_mask, num_response_tokens, share_prompt=share_prompt,
+                                    pack=pack))
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the head to `value_head.safetensors` in `directory` (the backbone is the policy's, saved with it)."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lmrl.algorithms.logprobs import token_entropy, token_logprobs
-from lmrl.models.shared_prompt import lora_base, shared_prompt_hidden
+from lmrl.models.shared_prompt import lora_base, packed_states
 from lmrl.models.vision import mrope_positions
 
 
@@ -51,6 +51,7 @@ def model_forward_logprobs(
     return_entropy: bool = False,
     share_prompt: bool = False,
     media: Mapping[str, torch.Tensor] | None = None,
+    pack: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens (the last T columns of `sequences`) under `model`.
 
@@ -74,13 +75,16 @@ def model_forward_logprobs(
             function, less work when several completions of a prompt are scored together.
         media: a vision-language model's processor outputs for the B rows, batched in row order
             (`lmrl.models.vision.row_media`): passed to the forward as they are; no prompt sharing then.
+        pack: run the real tokens only (`lmrl.models.shared_prompt.packed_states` where the model allows, else
+            the batch without its all-padding columns): the same outputs at every real position, 0 after a
+            row's last real token.
 
     Returns:
         [B, T] float32 log-probs, differentiable when grad is enabled; with `return_entropy`, the
         pair (log-probs, entropies), both [B, T].
     """
     out = response_forward(model, sequences, attention_mask, num_response_tokens, temperature, chunk_size,
-                           entropy=return_entropy, share_prompt=share_prompt, media=media)
+                           entropy=return_entropy, share_prompt=share_prompt, media=media, pack=pack)
     return (out.logprobs, out.entropy) if return_entropy else out.logprobs
 
 
@@ -121,6 +125,7 @@ def response_forward(
     hidden: bool = False,
     share_prompt: bool = False,
     media: Mapping[str, torch.Tensor] | None = None,
+    pack: bool = False,
 ) -> ResponseForward:
     """`model_forward_logprobs` as a record, optionally with the final hidden states it scored from (`hidden`)."""
     seq_len = sequences.shape[1]
@@ -135,46 +140,83 @@ def response_forward(
         )
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
+    width = t
+    if pack and not media:  # the columns where no row has a real token do not run (exact: causal, and masked)
+        sequences, attention_mask, t = trimmed(sequences, attention_mask, t)
     positions = position_ids_from_mask(attention_mask)
     if media:  # a Qwen2-VL-style model rotates with 3-D positions, never these 2-D ones copied to 3 axes
         rope = mrope_positions(model, sequences, attention_mask, media)
         positions = rope if rope is not None else positions
     share_prompt = share_prompt and not media  # the prompt's image features come from the model's own forward
-    states = shared_prompt_hidden(model, sequences, attention_mask, positions, t) if share_prompt else None  # [B, T, H]
-    if states is not None:
-        logits = lora_base(model).lm_head(states)  # [B, T, V]
-    else:
-        with _decoder_output(model) if hidden else contextlib.nullcontext() as captured:
-            out = model(
-                input_ids=sequences,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                logits_to_keep=t + 1,
-                use_cache=False,
-                **(media or {}),
-            )
-        # Models that ignore logits_to_keep return all S positions: keep the last T + 1 either way.
-        logits = out.logits[:, -(t + 1) : -1]  # [B, T, V]
-        states = captured[0][:, -(t + 1) : -1] if hidden else None
+    states = packed_states(model, sequences, attention_mask, positions, t, pack=pack) if share_prompt else None
+    rows = sequences.shape[0]
+    if states is not None:  # the LM head and the log-softmax only where a response token is scored
+        logits = lora_base(model).lm_head(states.hidden)  # [n, V]
+        tokens = sequences[states.rows, sequences.shape[1] - t + states.cols]
+        logprobs = states.scatter(token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size), rows, t)
+        ent = states.scatter(token_entropy(logits, chunk_size=chunk_size, temperature=temperature), rows, t) if entropy else None
+        out = ResponseForward(logprobs, ent, states.padded(rows, t) if hidden else None)
+        return widened(out, width)
+    with _decoder_output(model) if hidden else contextlib.nullcontext() as captured:
+        out = model(
+            input_ids=sequences,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            logits_to_keep=t + 1,
+            use_cache=False,
+            **(media or {}),
+        )
+    # Models that ignore logits_to_keep return all S positions: keep the last T + 1 either way.
+    logits = out.logits[:, -(t + 1) : -1]  # [B, T, V]
+    states = captured[0][:, -(t + 1) : -1] if hidden else None
     tokens = sequences[:, -t:]  # [B, T]
     logprobs = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
     ent = token_entropy(logits, chunk_size=chunk_size, temperature=temperature) if entropy else None
-    return ResponseForward(logprobs, ent, states if hidden else None)
+    return widened(ResponseForward(logprobs, ent, states), width)
+
+
+def trimmed(sequences: torch.Tensor, attention_mask: torch.Tensor,
+            num_response_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`(sequences, attention_mask, T')` without the leading columns that are padding in every row and the
+    trailing response columns that are padding in every row (at least one response column stays): a forward of
+    these gives the same outputs at every real position, since padding is never attended to and positions count
+    real tokens only."""
+    real = attention_mask.bool()
+    p = sequences.shape[1] - num_response_tokens
+    lead = min(int(real[:, :p].any(0).long().argmax()), p - 1)
+    in_use = real[:, p:].any(0).nonzero()
+    t = max(int(in_use[-1]) + 1 if len(in_use) else 1, 1)
+    return sequences[:, lead : p + t], attention_mask[:, lead : p + t], t
+
+
+def widened(out: ResponseForward, width: int) -> ResponseForward:
+    """`out` with its response axis padded with zeros to `width` columns (after `trimmed`)."""
+    return ResponseForward(*(padded_to(x, width) for x in (out.logprobs, out.entropy, out.hidden)))
+
+
+def padded_to(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """`[B, t, ...]` padded with zeros to `[B, width, ...]`."""
+    if x is None or x.shape[1] == width:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1], *x.shape[2:])], dim=1)
 
 
 def response_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int,
-                    share_prompt: bool = False) -> torch.Tensor:
+                    share_prompt: bool = False, pack: bool = False) -> torch.Tensor:
     """`[B, T, H]` final hidden states at the positions that score the T response tokens, without the LM head:
     the decoder stack of a causal LM (looked through a peft LoRA wrapper) run alone, or each distinct prompt once
-    (`share_prompt`)."""
+    (`share_prompt`); with `pack`, the real tokens only (0 after a row's last real token)."""
+    width = num_response_tokens
+    if pack:
+        sequences, attention_mask, num_response_tokens = trimmed(sequences, attention_mask, num_response_tokens)
     t = num_response_tokens
     positions = position_ids_from_mask(attention_mask)
-    states = shared_prompt_hidden(model, sequences, attention_mask, positions, t) if share_prompt else None
+    states = packed_states(model, sequences, attention_mask, positions, t, pack=pack) if share_prompt else None
     if states is not None:
-        return states
+        return padded_to(states.padded(len(sequences), t), width)
     with _decoder_output(model) as captured:  # the whole model runs (FSDP gathers at its root), the head on 1 position
         model(input_ids=sequences, attention_mask=attention_mask, position_ids=positions, logits_to_keep=1, use_cache=False)
-    return captured[0][:, -(t + 1) : -1]
+    return padded_to(captured[0][:, -(t + 1) : -1], width)
 
 
 @contextlib.contextmanager
@@ -208,14 +250,15 @@ class Forwards:
         autocast_bf16: forwards under bf16 autocast.
         shared_critic: the critic is a head on the policy's own hidden states.
         teacher: on-policy distillation's frozen teacher (`lmrl.models.teacher`), or None.
+        pack: every forward runs its rows' real tokens only (`train.packing`, `response_forward`'s `pack`).
     """
 
     def __init__(self, policy: nn.Module, reference: nn.Module | None, critic: nn.Module | None, *, temperature: float,
                  chunk_size: int | None, share_prompt: bool, autocast_bf16: bool, shared_critic: bool,
-                 teacher: nn.Module | None = None):
+                 teacher: nn.Module | None = None, pack: bool = False):
         self.policy_model, self.reference_model, self.critic_model = policy, reference, critic
         self.teacher_model = teacher
-        self.temperature, self.chunk_size, self.share_prompt = temperature, chunk_size, share_prompt
+        self.temperature, self.chunk_size, self.share_prompt, self.pack = temperature, chunk_size, share_prompt, pack
         self.autocast_bf16 = autocast_bf16
         self.shared_critic = critic is not None and shared_critic
         self.counts = {"policy": 0, "reference": 0, "critic": 0} | ({"teacher": 0} if teacher is not None else {})
@@ -227,7 +270,8 @@ class Forwards:
         self.counts["policy"] += 1
         with torch.set_grad_enabled(grad), self.autocast():
             return response_forward(self.policy_model, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
-                                    entropy=True, hidden=hidden, share_prompt=self.share_prompt, media=media)
+                                    entropy=True, hidden=hidden, share_prompt=self.share_prompt, media=media,
+                                    pack=self.pack)
 
     def policy_logprobs(self, seqs: torch.Tensor, attn: torch.Tensor, T: int,
                         media: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +285,7 @@ class Forwards:
         self.counts["reference"] += 1
         with torch.no_grad(), self.autocast(), self._reference() as reference:
             return model_forward_logprobs(reference, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
-                                          share_prompt=self.share_prompt, media=media)
+                                          share_prompt=self.share_prompt, media=media, pack=self.pack)
 
     def teacher(self, seqs: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
         """`[b, T]` log-probs of the response tokens under the teacher, no gradient: the reference's forward (the
@@ -249,7 +293,7 @@ class Forwards:
         self.counts["teacher"] += 1
         with torch.no_grad(), self.autocast():
             return model_forward_logprobs(self.teacher_model, seqs, attn, T, self.temperature, chunk_size=self.chunk_size,
-                                          share_prompt=self.share_prompt)
+                                          share_prompt=self.share_prompt, pack=self.pack)
 
     @contextlib.contextmanager
     def _reference(self) -> Iterator[nn.Module]:
@@ -272,8 +316,9 @@ class Forwards:
         self.counts["critic"] += 1
         with torch.set_grad_enabled(grad), self.autocast():
             if self.shared_critic:  # the value head reads the policy's own hidden states
-                return self.critic_model.response_values(self.policy_model, seqs, attn, T, share_prompt=self.share_prompt)
-            return self.critic_model.response_values(seqs, attn, T, share_prompt=self.share_prompt)
+                return self.critic_model.response_values(self.policy_model, seqs, attn, T, share_prompt=self.share_prompt,
+                                                         pack=self.pack)
+            return self.critic_model.response_values(seqs, attn, T, share_prompt=self.share_prompt, pack=self.pack)
 
     def update_values(self, seqs: torch.Tensor, attn: torch.Tensor, T: int, policy_out: ResponseForward) -> torch.Tensor:
         """`[b, T]` values with their gradient, for the update: a value head on the policy's backbone reads the

@@ -23,6 +23,8 @@ V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,58 +97,137 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def shared_prompt_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                          position_ids: torch.Tensor, num_response_tokens: int) -> torch.Tensor | None:
     """`[B, T, V]` logits at the positions that score the T response tokens (columns S-T-1 .. S-2),
-    computed with each distinct prompt once; `position_ids` `[B, S]` as the model's forward takes them. A peft LoRA wrapper is looked through (its forward is the
-    base model's, with the LoRA layers in place). None when `supports` is False or no two rows share a
-    prompt (nothing to save): call the model instead."""
+    computed with each distinct prompt once; `position_ids` `[B, S]` as the model's forward takes them. A peft LoRA
+    wrapper is looked through (its forward is the base model's, with the LoRA layers in place). None when `supports`
+    is False or no two rows share a prompt (nothing to save): call the model instead."""
     hidden = shared_prompt_hidden(model, sequences, attention_mask, position_ids, num_response_tokens)
     return None if hidden is None else lora_base(model).lm_head(hidden)
 
 
 def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                         position_ids: torch.Tensor, num_response_tokens: int, last: bool = False) -> torch.Tensor | None:
+                         position_ids: torch.Tensor, num_response_tokens: int, last: bool = False,
+                         pack: bool = False) -> torch.Tensor | None:
     """`[B, T, H]` final hidden states (after the last norm, as `last_hidden_state`) at columns S-T-1 .. S-2,
     the positions just before each response token, computed with each distinct prompt once; with `last`,
     `[B, T + 1, H]` at columns S-T-1 .. S-1 (a reward model pools the last real token's). `model` is a
-    causal LM or its decoder stack (`decoder_stack`). None when `supports` is False or no two rows share a
-    prompt."""
+    causal LM or its decoder stack (`decoder_stack`). With `pack`, only the real tokens run (`packed_states`) and
+    the positions after a row's last real token are 0. None when `supports` is False, or, without `pack`, no two
+    rows share a prompt."""
+    states = packed_states(model, sequences, attention_mask, position_ids, num_response_tokens, last=last, pack=pack)
+    return None if states is None else states.padded(len(sequences), num_response_tokens + last)
+
+
+@dataclass
+class PackedStates:
+    """Final hidden states at the positions that score response tokens, only where computed.
+
+    Attributes:
+        hidden: `[n, H]` after the final norm.
+        rows, cols: `[n]` each: the row, and the response token it scores (0 .. T - 1; 0 .. T with `last`).
+    """
+
+    hidden: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    def padded(self, num_rows: int, num_cols: int) -> torch.Tensor:
+        """`[num_rows, num_cols, H]`, zero where nothing was computed (differentiable)."""
+        out = self.hidden.new_zeros(num_rows, num_cols, self.hidden.shape[-1])
+        return out.index_put((self.rows, self.cols), self.hidden)
+
+    def scatter(self, values: torch.Tensor, num_rows: int, num_cols: int) -> torch.Tensor:
+        """`[n]` values of these positions as `[num_rows, num_cols]`, zero elsewhere (differentiable)."""
+        return values.new_zeros(num_rows, num_cols).index_put((self.rows, self.cols), values)
+
+
+def packed_states(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                  position_ids: torch.Tensor, num_response_tokens: int, last: bool = False,
+                  pack: bool = True) -> PackedStates | None:
+    """The states that score the response tokens of B rows, each distinct prompt computed once, as a flat batch of
+    tokens. With `pack`, the tokens are the real ones only: each prompt from its first real token, each response
+    up to its last real token (the one after scores nothing and is left out too, unless `last`); nothing is
+    padded in the projections, the MLP, the norms or the LM head the caller runs on the result, and attention runs
+    per prompt and per completion, re-padded to the longest of this batch. Without `pack`, every column runs, as a
+    padded forward would (the cost `train.packing=false` keeps, for comparison). Holes inside a row (an attention
+    mask of 0 between real tokens) are masked as keys, as the model's forward masks them.
+
+    Returns None when `supports` is False, a prompt's last column is padding (left padding assumed), or, without
+    `pack`, no two rows share a prompt (nothing to save: call the model)."""
     num_rows, seq_len = sequences.shape
-    p = seq_len - num_response_tokens
-    # the last response token scores nothing and no other position attends to it: it is left out, and
-    # the response part runs on the t = T - 1 columns before it (unless `last` asks for its hidden state)
-    t = num_response_tokens - (0 if last else 1)
+    T = num_response_tokens
+    p = seq_len - T
     model = lora_base(model)
-    if t < 1 or not supports(model):
+    if not supports(model):
+        return None
+    device, real = sequences.device, attention_mask.bool()
+    if not bool(real[:, p - 1].all()):
         return None
     # distinct prompts: the same real tokens at the same columns (padding zeroed out)
-    prompt_mask = attention_mask[:, :p].long()
-    key = torch.cat([sequences[:, :p] * prompt_mask, prompt_mask], dim=1)
+    prompt_real = real[:, :p]
+    key = torch.cat([sequences[:, :p] * prompt_real, prompt_real.long()], dim=1)
     distinct, row_prompt = torch.unique(key, dim=0, return_inverse=True)  # [U, 2P], [B]
     num_prompts = distinct.shape[0]
-    if num_prompts == num_rows:
+    if not pack and (num_prompts == num_rows or T - 1 + last < 1):
         return None
-    first = torch.full((num_prompts,), num_rows, device=sequences.device).scatter_reduce(
-        0, row_prompt, torch.arange(num_rows, device=sequences.device), "amin")  # a row of each prompt
-    prompt_ids, prompt_pos, prompt_mask = sequences[first, :p], position_ids[first, :p], prompt_mask[first].bool()
+    first = torch.full((num_prompts,), num_rows, device=device).scatter_reduce(
+        0, row_prompt, torch.arange(num_rows, device=device), "amin")  # a row of each prompt
+    columns = torch.arange(max(p, T), device=device)
+    # each prompt's span: from its first real column to p; each row's queries: response columns 0 .. count - 1
+    if pack:
+        start = torch.where(prompt_real[first], columns[:p], p).amin(1)  # [U]
+        response_real = real[:, p:]
+        ends = torch.where(response_real, columns[:T] + 1, 0).amax(1)  # [B] one past the last real response token
+        count = (ends - 1 + last).clamp(min=0)
+    else:
+        start = torch.zeros(num_prompts, dtype=torch.long, device=device)
+        count = torch.full((num_rows,), T - 1 + last, device=device)
+    length = p - start  # [U]
+    L, C = int(length.max()), int(count.max())
+    prompt_slot = columns[:L] < length[:, None]  # [U, L] slots in use (left-aligned)
+    response_slot = torch.arange(C, device=device) < count[:, None]  # [B, C]
+    # the flat batch: every prompt's tokens, then every row's response tokens
+    prompt_rows = first[:, None].expand(-1, L)[prompt_slot]
+    prompt_cols = (start[:, None] + columns[:L])[prompt_slot]
+    response_rows = torch.arange(num_rows, device=device)[:, None].expand(-1, C)[response_slot]
+    response_cols = (p + torch.arange(C, device=device)).expand(num_rows, -1)[response_slot]
+    rows, cols = torch.cat([prompt_rows, response_rows]), torch.cat([prompt_cols, response_cols])
+    split = prompt_rows.numel()
+    keys_real = real[rows, cols]
+    prompt_keys = torch.zeros(num_prompts, L, dtype=torch.bool, device=device).index_put(
+        (prompt_slot.nonzero(as_tuple=True)), keys_real[:split])  # [U, L]
+    own_keys = torch.zeros(num_rows, C, dtype=torch.bool, device=device).index_put(
+        (response_slot.nonzero(as_tuple=True)), keys_real[split:])  # [B, C]
+    # masks (True attends): prompts causally over their real tokens (a padding query sees itself, so no
+    # row is empty); responses over their prompt's real tokens, then causally over their own real tokens
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    prompt_attends = (causal & prompt_keys[:, None, :]) | torch.eye(L, dtype=torch.bool, device=device)  # [U, L, L]
+    own = torch.ones(C, C, dtype=torch.bool, device=device).tril() & own_keys[:, None, :]
+    response_attends = torch.cat([prompt_keys[row_prompt][:, None, :].expand(-1, C, -1), own], dim=2)  # [B, C, L+C]
+    prompt_index = prompt_slot.flatten().nonzero().squeeze(1)  # flat prompt token -> its slot in [U * L]
+    response_index = response_slot.flatten().nonzero().squeeze(1)
 
     inner, config = decoder_stack(model), model.config.get_text_config(decoder=True)
     attn = inner.layers[0].self_attn
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
-    # [U, P] prompt tokens then [B, t] response tokens as one flat batch of U*P + B*t positions
-    response_ids, response_pos = sequences[:, p : p + t], position_ids[:, p : p + t]
-    hidden = torch.cat([inner.embed_tokens(prompt_ids).flatten(0, 1), inner.embed_tokens(response_ids).flatten(0, 1)])
-    cos, sin = inner.rotary_emb(hidden, torch.cat([prompt_pos.flatten(), response_pos.flatten()])[None])
-    cos, sin = cos[0, :, None], sin[0, :, None]  # [U*P + B*t, 1, D]
-    # masks (True attends): prompts causally over their real tokens (a padding query sees itself, so no
-    # row is empty); responses over their prompt's real tokens, then causally over their own real tokens
-    eye = torch.eye(p, dtype=torch.bool, device=sequences.device)
-    causal = torch.ones(p, p, dtype=torch.bool, device=sequences.device).tril()
-    prompt_attends = ((causal & prompt_mask[:, None, :]) | eye)[:, None]  # [U, 1, P, P]
-    response_mask = attention_mask[:, p : p + t].bool()
-    own = torch.ones(t, t, dtype=torch.bool, device=sequences.device).tril() & response_mask[:, None, :]
-    response_attends = torch.cat([prompt_mask[row_prompt][:, None, :].expand(num_rows, t, p), own], dim=2)[:, None]
-    split = num_prompts * p
+    group = heads // kv_heads
+    hidden = inner.embed_tokens(sequences[rows, cols])  # [N, H]
+    cos, sin = inner.rotary_emb(hidden, position_ids[rows, cols][None])
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
     # the model's own choice: eager is faster than sdpa under bfloat16 autocast on CPU (sdpa's backward)
     attend = _eager_attention if config._attn_implementation == "eager" else F.scaled_dot_product_attention
+
+    def padded(x: torch.Tensor, index: torch.Tensor, count: int, width: int) -> torch.Tensor:
+        """`[n, h, D]` flat tokens -> `[count, h, width, D]` in their slots, zeros elsewhere."""
+        out = x.new_zeros(count * width, x.shape[1], head_dim).index_copy(0, index, x)
+        return out.view(count, width, x.shape[1], head_dim).transpose(1, 2)
+
+    def attention(q, k, v, mask):
+        """Grouped-query attention without repeating the key / value heads: the query heads that share a key
+        head are stacked along the query axis. q `[b, heads, n, D]`, k / v `[b, kv_heads, m, D]`, mask `[b, n, m]`."""
+        b, n = q.shape[0], q.shape[2]
+        q = q.reshape(b, kv_heads, group * n, head_dim)
+        mask = mask[:, None].repeat(1, 1, group, 1)  # [b, 1, group * n, m]
+        return attend(q, k, v, attn_mask=mask, scale=attn.scaling).reshape(b, heads, n, head_dim)
 
     for layer in inner.layers:
         attn = layer.self_attn
@@ -156,24 +237,28 @@ def shared_prompt_hidden(model: nn.Module, sequences: torch.Tensor, attention_ma
         v = attn.v_proj(x).view(-1, kv_heads, head_dim)
         q, k = head_norms(attn, q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if heads != kv_heads:
-            k, v = (y.repeat_interleave(heads // kv_heads, dim=1) for y in (k, v))
         # [rows, heads, length, D] per prompt and per response
-        qp, kp, vp = (y[:split].view(num_prompts, p, heads, head_dim).transpose(1, 2) for y in (q, k, v))
-        qr, kr, vr = (y[split:].view(num_rows, t, heads, head_dim).transpose(1, 2) for y in (q, k, v))
-        out_prompt = attend(qp, kp, vp, attn_mask=prompt_attends, scale=attn.scaling)
-        keys = torch.cat([kp.index_select(0, row_prompt), kr], dim=2)  # [B, heads, P + T, D]
-        values = torch.cat([vp.index_select(0, row_prompt), vr], dim=2)
-        out_response = attend(qr, keys, values, attn_mask=response_attends, scale=attn.scaling)
-        out = torch.cat([out_prompt.transpose(1, 2).flatten(0, 1), out_response.transpose(1, 2).flatten(0, 1)])
-        hidden = hidden + attn.o_proj(out.flatten(1).to(x.dtype))
+        qp, kp, vp = (padded(y[:split], prompt_index, num_prompts, L) for y in (q, k, v))
+        out = [attention(qp, kp, vp, prompt_attends).transpose(1, 2).flatten(0, 1).index_select(0, prompt_index)]
+        if C:
+            qr, kr, vr = (padded(y[split:], response_index, num_rows, C) for y in (q, k, v))
+            keys = torch.cat([kp.index_select(0, row_prompt), kr], dim=2)  # [B, kv_heads, L + C, D]
+            values = torch.cat([vp.index_select(0, row_prompt), vr], dim=2)
+            out.append(attention(qr, keys, values, response_attends).transpose(1, 2).flatten(0, 1)
+                       .index_select(0, response_index))
+        hidden = hidden + attn.o_proj(torch.cat(out).flatten(1).to(x.dtype))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    prompt_hidden = hidden[:split].view(num_prompts, p, -1)
-    response_hidden = hidden[split:].view(num_rows, t, -1)
-    # column S-T-1 (the prompt's last, always a real token) scores response token 0; column S-T-1+j token j
-    scoring = torch.cat([prompt_hidden[row_prompt, -1:], response_hidden], dim=1)  # [B, T, H] ([B, T + 1, H]: last)
-    return inner.norm(scoring)
+    # the state that scores response token 0 is the prompt's last (always real); token j's is response token j - 1's
+    prompt_last = torch.cumsum(length, 0) - 1  # [U] flat index of each prompt's last token
+    response_first = split + torch.cumsum(count, 0) - count  # [B] flat index of each row's first response token
+    scored = count + 1  # [B] positions each row scores: its prompt's last, then its response tokens
+    score_slot = torch.arange(C + 1, device=device) < scored[:, None]  # [B, C + 1]
+    flat = torch.where(score_slot, response_first[:, None] + torch.arange(-1, C, device=device), 0)
+    flat[:, 0] = prompt_last[row_prompt]
+    out_rows = torch.arange(num_rows, device=device)[:, None].expand(-1, C + 1)[score_slot]
+    out_cols = torch.arange(C + 1, device=device).expand(num_rows, -1)[score_slot]
+    return PackedStates(inner.norm(hidden.index_select(0, flat[score_slot])), out_rows, out_cols)
 
 
 PAIR_MODELS = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")

@@ -169,11 +169,11 @@ def test_a_peft_lora_model_is_looked_through_with_the_same_gradients():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)
     seqs, mask = batch()
-    scored = []  # positions the LM head sees: T + 1 in transformers' forward (logits_to_keep), T when shared
-    model.get_base_model().lm_head.register_forward_hook(lambda mod, inp, out: scored.append(inp[0].shape[1]))
+    scored = []  # positions the LM head sees: T + 1 a row in transformers' forward (logits_to_keep), T when shared
+    model.get_base_model().lm_head.register_forward_hook(lambda mod, inp, out: scored.append(inp[0].shape[:-1].numel()))
     plain = logprobs_and_grads(model, seqs, mask)
     shared = logprobs_and_grads(model, seqs, mask, share_prompt=True)
-    assert scored == [T + 1, T]
+    assert scored == [len(seqs) * (T + 1), len(seqs) * T]
     valid = mask[:, P:].bool()
     torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=2e-6, rtol=0)
     lora_grads = [(got, want) for (name, _), got, want in zip(model.named_parameters(), shared[2], plain[2]) if "lora_" in name]
