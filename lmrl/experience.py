@@ -216,6 +216,35 @@ def compute_advantages(
 LogprobFn = Callable[..., torch.Tensor]
 
 
+def micro_batches(attention_mask: torch.Tensor, num_response_tokens: int, size: int, tokens: int | None = None,
+                  group_index: torch.Tensor | None = None) -> list[slice]:
+    """Consecutive row ranges of a batch: at most `size` rows each and, with `tokens`, at most that many tokens, as a
+    packed forward counts them (`lmrl.models.shared_prompt.packed_states`): a row's real prompt tokens once for the
+    rows of its prompt in the range (`group_index`, [B]; None: every row its own), its response up to its last real
+    token. A row alone over `tokens` is a range of its own."""
+    rows = attention_mask.shape[0]
+    if tokens is None:
+        return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
+    real = attention_mask.bool()
+    p = attention_mask.shape[1] - num_response_tokens
+    prompt = real[:, :p].sum(1).tolist()
+    columns = torch.arange(num_response_tokens, device=real.device)
+    response = torch.where(real[:, p:], columns + 1, 0).amax(1).tolist() if num_response_tokens else [0] * rows
+    groups = group_index.tolist() if group_index is not None else list(range(rows))
+    out, start, used, seen = [], 0, 0, set()
+    for i in range(rows):
+        cost = response[i] + (0 if groups[i] in seen else prompt[i])
+        if i > start and (used + cost > tokens or i - start == size):
+            out.append(slice(start, i))
+            start, used, seen = i, 0, set()
+            cost = response[i] + prompt[i]
+        used += cost
+        seen.add(groups[i])
+    if rows:
+        out.append(slice(start, rows))
+    return out
+
+
 def batched_forward(
     fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
     sequences: torch.Tensor,
@@ -224,23 +253,24 @@ def batched_forward(
     micro_batch_size: int,
     world: World = ONE_PROCESS,
     media: tuple[list, torch.Tensor] | None = None,
+    micro_batch_tokens: int | None = None,
+    group_index: torch.Tensor | None = None,
 ) -> list:
-    """`fn(sequences, attention_mask, T)` over micro-batches, no grad; the list of per-micro-batch results.
-    With sharded models a rank makes as many forwards as the busiest rank (`World.calls`). `media`: a
+    """`fn(sequences, attention_mask, T)` over micro-batches (`micro_batches`), no grad; the list of per-micro-batch
+    results. With sharded models a rank makes as many forwards as the busiest rank (`World.calls`). `media`: a
     vision-language policy's (bundles, [B] each row's bundle): each micro-batch gets `media=` its rows'."""
     from lmrl.models.vision import row_media
 
-    starts = range(0, sequences.shape[0], micro_batch_size)
+    parts = micro_batches(attention_mask, num_response_tokens, micro_batch_size, micro_batch_tokens, group_index)
 
-    def images(i: int) -> dict[str, Any]:
+    def images(part: slice) -> dict[str, Any]:
         if media is None:
             return {}
-        return {"media": row_media(media[0], media[1][i : i + micro_batch_size], sequences.device)}
+        return {"media": row_media(media[0], media[1][part], sequences.device)}
 
     with torch.no_grad():
-        outs = [fn(sequences[i : i + micro_batch_size], attention_mask[i : i + micro_batch_size], num_response_tokens,
-                   **images(i)) for i in starts]
-        for _ in range(world.calls(len(starts)) - len(starts)):
+        outs = [fn(sequences[part], attention_mask[part], num_response_tokens, **images(part)) for part in parts]
+        for _ in range(world.calls(len(parts)) - len(parts)):
             fn(*idle_batch(sequences.device))
     return outs
 
@@ -285,6 +315,7 @@ def make_experience(
     distill_coef: float = 1.0,
     kl_coef: float = 0.0,
     micro_batch_size: int = 64,
+    micro_batch_tokens: int | None = None,
     loss_mask: torch.Tensor | None = None,
     info: dict[str, torch.Tensor] | None = None,
     world: World = ONE_PROCESS,
@@ -313,6 +344,7 @@ def make_experience(
         teacher_logprobs: the teacher's log-probs of the response tokens (on-policy distillation), same shape
             contract; each token's advantage gains `distill_coef` x (teacher - student log-prob), after the
             estimator's advantages (and their whitening). The student's are the old log-probs, else the sampler's.
+        micro_batch_size, micro_batch_tokens: the forwards' micro-batches (`micro_batches`).
         loss_mask: [B] bool, False drops a whole completion from the loss (e.g. truncated ones).
         world: the ranks sharing the batch, this rollout being one rank's share (`lmrl.distributed`).
         baseline: [B / G] rewards of each prompt's greedy completion (advantage=remax).
@@ -322,13 +354,14 @@ def make_experience(
     if loss_mask is not None:
         mask = mask & loss_mask[:, None].bool()
 
+    micro = (micro_batch_size, micro_batch_tokens)
     # 1. the policy's forward: old log-probs and entropy, and the per-token weights they give (TIS, entropy mask)
-    old, entropy = _policy_forward(policy_logprobs, rollout, micro_batch_size, world)
+    old, entropy = _policy_forward(policy_logprobs, rollout, micro, world)
     weights = _token_weights(rollout, old, entropy, mask, info, tis_cap=tis_cap, tis_mode=tis_mode, tis_low=tis_low,
                              entropy_top_fraction=entropy_top_fraction)
     # 2. the reference's log-probs and the critic's values
-    ref = _forward(ref_logprobs, rollout, micro_batch_size, world)
-    values = _forward(critic_values, rollout, micro_batch_size, world)
+    ref = _forward(ref_logprobs, rollout, micro, world)
+    values = _forward(critic_values, rollout, micro, world)
     # 3. the KL to the reference, and the rewards the advantages see
     kl, rewards = _kl_and_rewards(rollout, scores, mask, old, ref, info, kl_in=kl_in, kl_estimator=kl_estimator,
                                   kl_clamp=kl_clamp, reward_minus_kl_coef=reward_minus_kl_coef)
@@ -339,7 +372,7 @@ def make_experience(
                              kl_level=kl_level, values=values, world=world, baseline=baseline)
     if adv.relu_zeroed is not None:
         info["relu_zeroed"] = adv.relu_zeroed
-    teacher = _forward(teacher_logprobs, rollout, micro_batch_size, world)
+    teacher = _forward(teacher_logprobs, rollout, micro, world)
     if teacher is not None:  # on-policy distillation: the teacher's verdict on each sampled token
         adv.advantages = adv.advantages + _distill_signal(rollout, old, teacher, mask, info, distill_coef)
     # 5. each group's clip-filter-like weight on its rows
@@ -379,14 +412,15 @@ def _media(rollout: Rollout) -> tuple[list, torch.Tensor] | None:
 def _policy_forward(
     fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None,
     rollout: Rollout,
-    micro_batch_size: int,
+    micro: tuple[int, int | None],
     world: World,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The policy's [B, T] old log-probs and entropy; (None, None) without its forward."""
     if fn is None:
         return None, None
     seqs, T = rollout.sequences, rollout.response_ids.shape[1]
-    outs = batched_forward(fn, seqs, rollout.attention_mask, T, micro_batch_size, world, media=_media(rollout))
+    outs = batched_forward(fn, seqs, rollout.attention_mask, T, micro[0], world, media=_media(rollout),
+                           micro_batch_tokens=micro[1], group_index=rollout.prompt_index)
     return _cat([o[0] for o in outs], seqs, T), _cat([o[1] for o in outs], seqs, T)
 
 
@@ -412,13 +446,13 @@ def _token_weights(rollout: Rollout, old: torch.Tensor | None, entropy: torch.Te
 
 
 def _forward(fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None, rollout: Rollout,
-             micro_batch_size: int, world: World) -> torch.Tensor | None:
+             micro: tuple[int, int | None], world: World) -> torch.Tensor | None:
     """[B, T] float32 of `fn(sequences, attention_mask, T)` over the rollout's micro-batches; None without `fn`."""
     if fn is None:
         return None
     seqs, T = rollout.sequences, rollout.response_ids.shape[1]
-    return _cat(batched_forward(fn, seqs, rollout.attention_mask, T, micro_batch_size, world, media=_media(rollout)),
-                seqs, T)
+    return _cat(batched_forward(fn, seqs, rollout.attention_mask, T, micro[0], world, media=_media(rollout),
+                                micro_batch_tokens=micro[1], group_index=rollout.prompt_index), seqs, T)
 
 
 def _kl_and_rewards(rollout: Rollout, scores: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None,

@@ -103,7 +103,7 @@ class Trainer:
         self.forwards = Forwards(self.policy, self.models.reference, self.models.critic,
                                  temperature=cfg.rollout.temperature, chunk_size=cfg.train.logprob_chunk_size,
                                  share_prompt=cfg.train.share_prompt, autocast_bf16=cfg.train.autocast_bf16,
-                                 shared_critic=cfg.model.shared_critic, teacher=self.models.teacher)
+                                 shared_critic=cfg.model.shared_critic, teacher=self.models.teacher, pack=cfg.train.packing)
         self.collector = Collector(cfg, self.data, sampler, self.generator, self.tokenizer, self.env, self.world,
                                    self._generation_weights(), self.log.warn, processor=self.models.processor,
                                    device=run.device)
@@ -292,8 +292,8 @@ class Trainer:
             ref_logprobs=f.reference if self.models.has_reference else None,
             critic_values=f.critic if self.models.critic is not None else None,
             teacher_logprobs=f.teacher if self.models.teacher is not None else None,
-            kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep,
-            info=c.per_function, world=self.world, baseline=c.baseline,
+            kl_coef=self.kl.value, micro_batch_size=cfg.optim.micro_batch_size, loss_mask=c.keep, info=c.per_function,
+            micro_batch_tokens=cfg.optim.micro_batch_tokens, world=self.world, baseline=c.baseline,
         )
 
     def update(self, exp: Experience) -> dict[str, float]:

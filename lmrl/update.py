@@ -31,7 +31,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.distributed import World, idle_batch, set_gradient_sync
-from lmrl.experience import Experience, kl_clamp_option, rollout_is_weights
+from lmrl.experience import Experience, kl_clamp_option, micro_batches, rollout_is_weights
 from lmrl.models.forward import Forwards
 
 
@@ -121,15 +121,16 @@ class Updater:
         mb = mb.select(live)  # the losses keep the whole minibatch's normalizer; metrics average over `live`
         norms.metric = A.loss_normalizer(mb.response_mask, a.aggregation, norm_length=norms.length)
         self.optimizer.zero_grad(set_to_none=True)
-        finite, size = True, self.cfg.optim.micro_batch_size
-        starts = range(0, len(mb), size)
-        calls = self.world.calls(len(starts))  # sharded models: as many backwards as the busiest rank makes
+        finite, o = True, self.cfg.optim
+        parts = micro_batches(mb.attention_mask, mb.num_response_tokens, o.micro_batch_size, o.micro_batch_tokens,
+                              mb.group_index)
+        calls = self.world.calls(len(parts))  # sharded models: as many backwards as the busiest rank makes
         for i in range(calls):
             set_gradient_sync(self.units, i == calls - 1)  # FSDP: reduce-scatter after the last
-            if i >= len(starts):
+            if i >= len(parts):
                 self.idle_backward()
                 continue
-            micro = mb.select(torch.arange(starts[i], min(starts[i] + size, len(mb))))
+            micro = mb.select(torch.arange(parts[i].start, parts[i].stop))
             share = len(micro) / len(mb)  # metrics average over micro-batches by size
             loss, step_stats = self.micro_batch_loss(micro, loss_fn, norms, share)
             finite = finite and math.isfinite(step_stats["loss/policy_avg"]) and math.isfinite(

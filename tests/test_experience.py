@@ -151,6 +151,26 @@ def test_make_experience_with_reference_and_entropy_filter():
     assert kept.sum() == round(0.5 * int(r.response_mask.sum()))
 
 
+def test_micro_batches_by_rows_and_by_tokens():
+    from lmrl.experience import micro_batches
+
+    # prompts of 2, 2, 3, 3 real tokens (rows 0-1 one prompt, rows 2-3 another); responses of 1, 3, 2, 0 tokens
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    groups = torch.tensor([0, 0, 1, 1])
+    assert micro_batches(mask, 3, 3) == [slice(0, 3), slice(3, 4)]
+    # rows 0-1: 2 + 1 + 3 = 6 tokens (the prompt once); row 2 would add 3 + 2
+    assert micro_batches(mask, 3, 64, tokens=6, group_index=groups) == [slice(0, 2), slice(2, 4)]
+    assert micro_batches(mask, 3, 64, tokens=10, group_index=groups) == [slice(0, 2), slice(2, 4)]
+    assert micro_batches(mask, 3, 64, tokens=11, group_index=groups) == [slice(0, 4)]  # row 3 adds nothing
+    assert micro_batches(mask, 3, 3, tokens=11, group_index=groups) == [slice(0, 3), slice(3, 4)]
+    # without groups each row counts its prompt: 3 + 5 > 6
+    assert micro_batches(mask, 3, 64, tokens=6) == [slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 4)]
+    # a row alone over the budget is a micro-batch of its own; rows still cap
+    assert micro_batches(mask, 3, 64, tokens=1, group_index=groups) == [slice(i, i + 1) for i in range(4)]
+    assert micro_batches(mask, 3, 1, tokens=100, group_index=groups) == [slice(i, i + 1) for i in range(4)]
+    assert micro_batches(mask[:0], 3, 4, tokens=10) == []
+
+
 def test_top_entropy_mask_picks_the_highest():
     ent = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.2, 7.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])

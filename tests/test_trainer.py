@@ -107,10 +107,12 @@ def test_step_one_invariants(tmp_path, device):
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_gradient_accumulation_1x8_equals_8x1(tmp_path, aggregation):
+    """One micro-batch of 8 rows, 8 of one row, and micro-batches cut by tokens give one gradient."""
     tok = char_tokenizer()
-    grads = []
-    for micro in (8, 1):
-        trainer = make_trainer(tmp_path / str(micro), f"optim.micro_batch_size={micro}", "rollout.prompts_per_step=2",
+    grads, counts = [], []
+    for micro in ("8", "1", "8 optim.micro_batch_tokens=40"):
+        size, *tokens = micro.split()
+        trainer = make_trainer(tmp_path / micro, f"optim.micro_batch_size={size}", *tokens, "rollout.prompts_per_step=2",
                                f"algorithm.aggregation={aggregation}", "optim.max_grad_norm=null",
                                model=tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0))
         c = trainer.collect(1)
@@ -120,8 +122,10 @@ def test_gradient_accumulation_1x8_equals_8x1(tmp_path, aggregation):
         trainer.optimizer.step = lambda: None  # keep the gradients, skip the update
         trainer.updater.optimizer_step(exp)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
-    assert grads[0].abs().max() > 0
+        counts.append(trainer.forward_counts["policy"])
+    assert grads[0].abs().max() > 0 and counts[0] == 1 and 1 < counts[2] < counts[1]  # (rows without signal skip)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grads[0], grads[2], atol=1e-5, rtol=1e-4)
 
 
 def _step_with_zeroed_groups(tmp_path, skip: bool, zero_groups, steps=1, *overrides):
@@ -262,26 +266,29 @@ def test_optimizer_is_fused_adamw_and_steps_like_the_per_parameter_loop():
     assert all(not torch.equal(a, b) for a, b in zip(fused_model.parameters(), start.parameters()))  # the steps moved every weight
 
 
-def test_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
+def test_packed_and_shared_prompt_forwards_make_the_same_update(tmp_path, monkeypatch):
+    """train.packing (the default), the padded shared-prompt forward (packing=false) and transformers' own
+    (share_prompt=false) make one update."""
     import lmrl.models.forward as forward
 
     calls = []
-    real = forward.shared_prompt_hidden
-    monkeypatch.setattr(forward, "shared_prompt_hidden", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = forward.packed_states
+    monkeypatch.setattr(forward, "packed_states", lambda *a, **k: calls.append((k["pack"], real(*a, **k))) or calls[-1][1])
     params = {}
-    for share in (True, False):
-        trainer = make_trainer(tmp_path / str(share), "train.steps=1", f"train.share_prompt={str(share).lower()}",
-                               "algorithm.kl_coef=0.05")  # a reference forward too
+    for share, pack in ((True, True), (True, False), (False, False)):
+        trainer = make_trainer(tmp_path / f"{share}{pack}", "train.steps=1", f"train.share_prompt={str(share).lower()}",
+                               f"train.packing={str(pack).lower()}", "algorithm.kl_coef=0.05")  # a reference forward too
         trainer.train_step(1)
-        params[share] = [p.detach().cpu() for p in trainer.policy.parameters()]
-    # the update's forward and the reference forward took the shared path, and only when asked to
-    assert len(calls) == 2 and all(hidden is not None for hidden in calls)
+        params[share, pack] = [p.detach().cpu() for p in trainer.policy.parameters()]
+    # the update's forward and the reference forward took the shared path, packed or not, and only when asked to
+    assert [pack for pack, _ in calls] == [True, True, False, False] and all(s is not None for _, s in calls)
     start = tiny_causal_lm(char_tokenizer(), hidden_size=32, num_layers=1, seed=0)
-    assert any(not torch.equal(a, b) for a, b in zip(params[True], start.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(params[True, True], start.parameters()))
     # Adam's first step moves each weight by about lr = 1e-2; float rounding in tiny gradients may move a few
     # by a little more or less, a different update would move many by ~1e-2
-    for a, b in zip(params[True], params[False]):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    for other in ((True, False), (False, False)):
+        for a, b in zip(params[True, True], params[other]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
 def test_minibatches_keep_a_prompts_rows_adjacent(tmp_path, monkeypatch):

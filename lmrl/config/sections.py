@@ -269,6 +269,11 @@ class OptimConfig(Section):
     gradient to zero, although HF Trainer reads it as "off")."""
     micro_batch_size: PositiveInt = 64
     """Sequences per forward/backward; gradients accumulate over a minibatch (memory knob, same result)."""
+    micro_batch_tokens: PositiveInt | None = None
+    """Tokens per forward/backward as well (None = rows only): a micro-batch ends before the row that would take it
+    past this many real tokens, a prompt counted once for its completions, padding never (a row over it alone is
+    a micro-batch of its own). With train.packing, what a forward costs follows its tokens, not its longest row:
+    verl's ppo_max_token_len_per_gpu. The same update whatever the split."""
 
     @field_validator("max_grad_norm")
     @classmethod
@@ -324,6 +329,11 @@ class TrainConfig(Section):
     """Rows of the [B*T, V] logits turned into float32 log-probs at once (None = all): bounds memory at large V."""
     share_prompt: bool = True
     """Update and reference forwards run each distinct prompt once for all its completions (Llama / Qwen2)."""
+    packing: bool = True
+    """Experience forwards and the update run each micro-batch's real tokens only: no padding in the projections,
+    MLP or LM head, a prompt once for its completions (Llama / Qwen2 / Qwen3 with share_prompt; other models drop
+    only the columns no row uses). false pads each micro-batch to the batch's longest prompt and response. The same
+    loss and gradients to float rounding; docs/performance.md has what it buys."""
     parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     """Under torchrun: "ddp" keeps the whole policy on every rank and sums gradients; "fsdp" shards the
     policy, reference and critic per decoder layer (FSDP2), gathering a layer's weights when it runs and
