@@ -3,6 +3,10 @@
 
     python benchmarks/packing.py                      # 8 prompts x 8, hidden 256 / 4 layers, 2 threads
     python benchmarks/packing.py --repeats 9 --record # the table in docs/performance.md
+    python benchmarks/packing.py --shipped 3 --record # the shipped task: `lmrl train`, packed and padded in turns
+
+With --shipped N, `lmrl train` runs the shipped task (--steps steps) N times packed and N times padded, in
+turns, and compares their summed time/experience + time/update.
 
 The batch is made, not sampled, so that its lengths follow a stated law: 8 prompts of 4 to 90 random tokens, each
 with 8 completions that end at a stop after a geometric number of tokens (mean 15, at most 64, where the
@@ -77,6 +81,31 @@ def step(trainer: Trainer, rollout: Rollout, scores: torch.Tensor) -> tuple[floa
     return time.perf_counter() - start, (metrics["loss/policy_avg"], metrics["policy/grad_norm"])
 
 
+def shipped(args: argparse.Namespace) -> dict:
+    """The shipped task's experience + update seconds a step, packed and padded, from `lmrl train` in turns."""
+    import json
+    import subprocess
+    import tempfile
+
+    per_step: dict[bool, list[float]] = {True: [], False: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for turn in range(args.shipped):
+            for packing in (False, True):
+                out = f"{tmp}/{packing}"
+                subprocess.run([sys.executable, "-m", "lmrl", "train", f"train.steps={args.steps}", f"train.output_dir={out}",
+                                "train.overwrite=true", "log.console=false", f"train.threads={args.threads}",
+                                f"train.packing={str(packing).lower()}", *args.set], check=True, capture_output=True)
+                rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+                steps = [r["time/experience"] + r["time/update"] for r in rows if "time/update" in r]
+                per_step[packing].append(sum(steps) / len(steps))
+                print(f"turn {turn + 1}: packing={str(packing).lower():5} {1000 * per_step[packing][-1]:.1f} ms a step",
+                      flush=True)
+    ratios = sorted(a / b for a, b in zip(per_step[False], per_step[True]))
+    return {"task": f"shipped, {args.steps} steps", "padded": statistics.median(per_step[False]),
+            "packed": statistics.median(per_step[True]), "speedup": statistics.median(ratios), "low": ratios[0],
+            "high": ratios[-1]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
@@ -85,9 +114,24 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.04, help="0: no reference forward")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--set", nargs="*", default=[], help="more config overrides for both trainers")
+    parser.add_argument("--shipped", type=int, metavar="N", help="the shipped task instead: N runs of each, in turns")
+    parser.add_argument("--steps", type=int, default=300, help="with --shipped: steps of each run")
     parser.add_argument("--record", nargs="?", const="packing", metavar="NAME",
-                        help="write the table to benchmarks/results/NAME.MACHINE.json")
+                        help="write the table to benchmarks/results/NAME.MACHINE.json (NAME-shipped with --shipped)")
     args = parser.parse_args()
+    if args.shipped:
+        row = shipped(args)
+        print(f"shipped task, experience + update a step: padded {1000 * row['padded']:.1f} ms, packed "
+              f"{1000 * row['packed']:.1f} ms: {row['speedup']:.2f}x (range {row['low']:.2f}-{row['high']:.2f})")
+        if args.record:
+            from recording import Column, record
+
+            record(f"{args.record}-shipped", [Column("task"), Column("padded", "padded, a step", "{:.4f} s"),
+                                 Column("packed", "packed", "{:.4f} s"),
+                                 Column("speedup", "speedup (range)", "{:.2f}x ({low:.2f}-{high:.2f})")], [row],
+                   note=f"`lmrl train` of the shipped task, {args.steps} steps, {args.shipped} runs "
+                                         "each in turns; time/experience + time/update a step, median over runs.")
+        return
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -117,3 +117,19 @@ def test_the_documented_retry_environment_runs_from_the_command_line(tmp_path):
     last = rows[-1]
     assert last["step"] == 2 and 1 <= last["env/turns"] <= 3
     assert "env/wrong_answers" in last and "reward/env_reward/mean" in last
+
+
+def test_packed_and_padded_make_the_same_update_on_multi_turn_episodes(tmp_path):
+    """Observation tokens inside a response are attended to and not trained on: packing keeps both."""
+    tok = char_tokenizer()
+    runs = []
+    for pack in ("true", "false"):
+        trainer = Trainer(config(tmp_path / pack, "train.steps=1", f"train.packing={pack}", "optim.micro_batch_tokens=60"),
+                          model=tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=1), tokenizer=tok,
+                          train_dataset=ROWS, env=CountDigits)
+        metrics = trainer.train_step(1)
+        runs.append((metrics, [p.detach().clone() for p in trainer.policy.parameters()]))
+    assert runs[0][0]["env/observation_tokens"] > 0
+    assert runs[0][0]["loss/policy_avg"] == pytest.approx(runs[1][0]["loss/policy_avg"], rel=1e-4, abs=1e-6)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
