@@ -46,7 +46,7 @@ from lmrl.generators import check_backend, make_generator, sampler_of
 from lmrl.guards import Guards, SamplerMismatch
 from lmrl.lifecycle import RunLifecycle
 from lmrl.logging import Console
-from lmrl.logging.metrics import experience_metrics, grpo_trainer_names, prompt_text
+from lmrl.logging.metrics import Phases, experience_metrics, grpo_trainer_names, prompt_text
 from lmrl.logging.run_log import RunLog
 from lmrl.models.forward import Forwards
 from lmrl.rewards.core import learned_scores
@@ -219,22 +219,22 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step: collect, make experience, update; returns its metrics (the same on every rank)."""
-        cfg, t0 = self.cfg, time.time()
+        cfg, phases = self.cfg, Phases(self.device)  # each phase's time and memory peak
         self.collector.global_step = step - 1
         with self.lifecycle.abandonable(step):  # 1-3 change nothing but RNGs: a signal or a failure here keeps step - 1
             # 1-2. sample prompts, generate, score
             c = self.collect(step)
             rollout, metrics = c.rollout, c.metrics
-            t1 = time.time()
+            t1 = phases.end("generate")
             # 3. experience: old / reference log-probs, values, KL, advantages
             exp = self.experience(c)
-            t2 = time.time()
+            t2 = phases.end("experience")
         # 4. update
         updated = self.update(exp)  # reduced over ranks
         self.collector.global_step = step
         if self.rollouts is not None:  # the generator process takes these weights for its next batch
             self.rollouts.publish(step)
-        t3 = time.time()
+        t3, t0 = phases.end("update"), phases.start
         # 5. metrics: this rank's share's, then averaged over ranks (every rank sees the same values)
         # the mean negative log-prob of the sampled tokens estimates the policy's entropy even when the
         # update skipped every row (the collapse guard reads it)
@@ -245,7 +245,7 @@ class Trainer:
         if "objective/kl" in metrics and math.isfinite(kl := metrics["objective/kl"]):
             self.kl.update(kl, len(exp) * self.world.size)
         metrics.setdefault("time/generate", t1 - t0)  # an asynchronous run's: the generator process's time
-        metrics.update({"time/experience": t2 - t1, "time/update": t3 - t2,
+        metrics.update({"time/experience": t2 - t1, "time/update": t3 - t2, **phases.peaks,
                         "time/step": t3 - t0, "eps": len(exp) / (t3 - t0), "lr": self.scheduler.get_last_lr()[0],
                         "episode": step * cfg.rollout.prompts_per_step * cfg.rollout.group_size,
                         "objective/kl_coef": self.kl.value})

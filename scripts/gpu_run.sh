@@ -61,7 +61,8 @@ fi
 update=0
 if [[ $parts == *" update "* ]]; then  # not by default: lmrl alone, its rest of a step under each setting suspected of
     # making it slower than TRL's (docs/not-run-here.md, the third run), each run at most GPU_UPDATE_S seconds
-    for set in "" "optim.micro_batch_size=512" "train.logprob_chunk_size=null" "train.share_prompt=false"; do
+    # (packed by default since issue 52; train.packing=false is the padded update, the last one micro-batch cut by tokens)
+    for set in "" "train.packing=false" "train.share_prompt=false" "optim.micro_batch_size=512 optim.micro_batch_tokens=65536"; do
         limit "${GPU_UPDATE_S:-130}" python3 benchmarks/gpu_vs_trl.py --steps 3 --trainers lmrl ${GPU_UPDATE_ARGS:-} \
             ${set:+--lmrl-set $set} 2>&1 | grep -v "Loading weights\|Writing model shards" | tee -a "$out/update.txt"
         update=$(( update || PIPESTATUS[0] ))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -392,3 +393,17 @@ def test_the_trained_forwards_are_the_eval_forwards_unless_model_dropout(tmp_pat
 
     same = [torch.equal(a, b) for a, b in zip(forwards(True), forwards(False))]
     assert same == [not keep] * 3  # policy, reference, critic
+
+
+def test_each_phase_reports_its_own_memory_peak(tmp_path):
+    from lmrl.logging.metrics import Phases
+
+    metrics = make_trainer(tmp_path, "train.steps=1").train_step(1)
+    assert all(metrics[f"memory/peak_{phase}_mb"] > 0 for phase in ("generate", "experience", "update"))
+    phases = Phases("cpu")
+    big = torch.ones(32 * 2**20)  # 128 MiB, touched
+    del big
+    phases.end("big")
+    phases.end("small")
+    if os.path.exists("/proc/self/clear_refs"):  # Linux resets the process's peak at each phase
+        assert phases.peaks["memory/peak_big_mb"] - phases.peaks["memory/peak_small_mb"] > 100

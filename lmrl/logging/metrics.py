@@ -3,9 +3,51 @@ GRPOTrainer logs, beside them (docs/metrics.md lists every name)."""
 
 from __future__ import annotations
 
+import re
+import resource
+import time
 from typing import Any
 
+import torch
+
 from lmrl import algorithms as A
+
+
+class Phases:
+    """A step's phases, one after the other: `end(name)` closes the phase running since the last call (or since
+    this object was made), returns the time it ended, and keeps the memory peak within it as
+    `peaks["memory/peak_<name>_mb"]`: on a GPU torch's peak of allocated memory on `device`, on a CPU the process's
+    peak resident memory (on Linux reset at each phase through /proc/self/clear_refs, elsewhere the peak so far)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.peaks: dict[str, float] = {}
+        self.start = self._reset()
+
+    def end(self, name: str) -> float:
+        self.peaks[f"memory/peak_{name}_mb"] = self._peak_mb()
+        return self._reset()
+
+    def _reset(self) -> float:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:  # "5" resets the peak resident set size (Linux >= 4.0)
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+        return time.time()
+
+    def _peak_mb(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        try:
+            with open("/proc/self/status") as f:
+                return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
+        except (OSError, AttributeError):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def experience_metrics(exp: Any, kl_coef: float) -> dict[str, float]:

@@ -153,12 +153,83 @@ def packed_states(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
 
     Returns None when `supports` is False, a prompt's last column is padding (left padding assumed), or, without
     `pack`, no two rows share a prompt (nothing to save: call the model)."""
-    num_rows, seq_len = sequences.shape
-    T = num_response_tokens
-    p = seq_len - T
     model = lora_base(model)
     if not supports(model):
         return None
+    at = _layout(sequences, attention_mask, num_response_tokens, last, pack)
+    if at is None:
+        return None
+    inner, config = decoder_stack(model), model.config.get_text_config(decoder=True)
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, inner.layers[0].self_attn.head_dim
+    group = heads // kv_heads
+    hidden = inner.embed_tokens(sequences[at.rows, at.cols])  # [N, H]
+    cos, sin = inner.rotary_emb(hidden, position_ids[at.rows, at.cols][None])
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
+    # the model's own choice: eager is faster than sdpa under bfloat16 autocast on CPU (sdpa's backward)
+    attend = _eager_attention if config._attn_implementation == "eager" else F.scaled_dot_product_attention
+
+    def padded(x: torch.Tensor, index: torch.Tensor, count: int, width: int) -> torch.Tensor:
+        """`[n, h, D]` flat tokens -> `[count, h, width, D]` in their slots, zeros elsewhere."""
+        out = x.new_zeros(count * width, x.shape[1], head_dim).index_copy(0, index, x)
+        return out.view(count, width, x.shape[1], head_dim).transpose(1, 2)
+
+    def attention(q, k, v, mask, scale):
+        """Grouped-query attention without repeating the key / value heads: the query heads that share a key
+        head are stacked along the query axis. q `[b, heads, n, D]`, k / v `[b, kv_heads, m, D]`, mask `[b, n, m]`;
+        the output `[b * n, heads * D]`, flat."""
+        b, n = q.shape[0], q.shape[2]
+        q = q.reshape(b, kv_heads, group * n, head_dim)
+        mask = mask[:, None].repeat(1, 1, group, 1)  # [b, 1, group * n, m]
+        out = attend(q, k, v, attn_mask=mask, scale=scale).reshape(b, heads, n, head_dim)
+        return out.transpose(1, 2).flatten(0, 1)
+
+    split, U, B = at.split, at.num_prompts, len(sequences)
+    for layer in inner.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(-1, heads, head_dim)
+        k = attn.k_proj(x).view(-1, kv_heads, head_dim)
+        v = attn.v_proj(x).view(-1, kv_heads, head_dim)
+        q, k = head_norms(attn, q, k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # [rows, heads, length, D] per prompt and per response
+        qp, kp, vp = (padded(y[:split], at.prompt_index, U, at.prompt_width) for y in (q, k, v))
+        out = [attention(qp, kp, vp, at.prompt_attends, attn.scaling).index_select(0, at.prompt_index)]
+        if at.response_width:
+            qr, kr, vr = (padded(y[split:], at.response_index, B, at.response_width) for y in (q, k, v))
+            keys = torch.cat([kp.index_select(0, at.row_prompt), kr], dim=2)  # [B, kv_heads, L + C, D]
+            values = torch.cat([vp.index_select(0, at.row_prompt), vr], dim=2)
+            out.append(attention(qr, keys, values, at.response_attends, attn.scaling).index_select(0, at.response_index))
+        hidden = hidden + attn.o_proj(torch.cat(out).flatten(1).to(x.dtype))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return PackedStates(inner.norm(hidden.index_select(0, at.scoring)), at.out_rows, at.out_cols)
+
+
+@dataclass
+class _Layout:
+    """Where each token of `packed_states`' flat batch comes from, and how attention reads it: U distinct prompts of
+    at most L tokens in `[U, L]` slots, B rows of at most C response tokens in `[B, C]` slots."""
+
+    rows: torch.Tensor  # [N] the row and column of `sequences` of each flat token: prompts' first, then responses'
+    cols: torch.Tensor
+    split: int  # the prompts' share of N
+    num_prompts: int
+    row_prompt: torch.Tensor  # [B] each row's prompt
+    prompt_width: int  # L
+    response_width: int  # C
+    prompt_index: torch.Tensor  # [prompt tokens] each one's slot in [U * L]
+    response_index: torch.Tensor  # [response tokens] each one's slot in [B * C]
+    prompt_attends: torch.Tensor  # [U, L, L] bool
+    response_attends: torch.Tensor  # [B, C, L + C] bool
+    scoring: torch.Tensor  # [n] the flat tokens whose states score a response token
+    out_rows: torch.Tensor  # [n] which row and response token each scores
+    out_cols: torch.Tensor
+
+
+def _layout(sequences: torch.Tensor, attention_mask: torch.Tensor, T: int, last: bool, pack: bool) -> _Layout | None:
+    """`packed_states`' layout of the flat batch (None where it steps aside)."""
+    num_rows, seq_len = sequences.shape
+    p = seq_len - T
     device, real = sequences.device, attention_mask.bool()
     if not bool(real[:, p - 1].all()):
         return None
@@ -171,12 +242,11 @@ def packed_states(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
         return None
     first = torch.full((num_prompts,), num_rows, device=device).scatter_reduce(
         0, row_prompt, torch.arange(num_rows, device=device), "amin")  # a row of each prompt
-    columns = torch.arange(max(p, T), device=device)
+    columns = torch.arange(max(p, T) + 1, device=device)
     # each prompt's span: from its first real column to p; each row's queries: response columns 0 .. count - 1
     if pack:
         start = torch.where(prompt_real[first], columns[:p], p).amin(1)  # [U]
-        response_real = real[:, p:]
-        ends = torch.where(response_real, columns[:T] + 1, 0).amax(1)  # [B] one past the last real response token
+        ends = torch.where(real[:, p:], columns[:T] + 1, 0).amax(1)  # [B] one past the last real response token
         count = (ends - 1 + last).clamp(min=0)
     else:
         start = torch.zeros(num_prompts, dtype=torch.long, device=device)
@@ -184,81 +254,31 @@ def packed_states(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
     length = p - start  # [U]
     L, C = int(length.max()), int(count.max())
     prompt_slot = columns[:L] < length[:, None]  # [U, L] slots in use (left-aligned)
-    response_slot = torch.arange(C, device=device) < count[:, None]  # [B, C]
-    # the flat batch: every prompt's tokens, then every row's response tokens
-    prompt_rows = first[:, None].expand(-1, L)[prompt_slot]
-    prompt_cols = (start[:, None] + columns[:L])[prompt_slot]
-    response_rows = torch.arange(num_rows, device=device)[:, None].expand(-1, C)[response_slot]
-    response_cols = (p + torch.arange(C, device=device)).expand(num_rows, -1)[response_slot]
-    rows, cols = torch.cat([prompt_rows, response_rows]), torch.cat([prompt_cols, response_cols])
-    split = prompt_rows.numel()
+    response_slot = columns[:C] < count[:, None]  # [B, C]
+    rows = torch.cat([first[:, None].expand(-1, L)[prompt_slot],
+                      torch.arange(num_rows, device=device)[:, None].expand(-1, C)[response_slot]])
+    cols = torch.cat([(start[:, None] + columns[:L])[prompt_slot], (p + columns[:C]).expand(num_rows, -1)[response_slot]])
+    split = int(prompt_slot.sum())
     keys_real = real[rows, cols]
     prompt_keys = torch.zeros(num_prompts, L, dtype=torch.bool, device=device).index_put(
-        (prompt_slot.nonzero(as_tuple=True)), keys_real[:split])  # [U, L]
+        prompt_slot.nonzero(as_tuple=True), keys_real[:split])  # [U, L]
     own_keys = torch.zeros(num_rows, C, dtype=torch.bool, device=device).index_put(
-        (response_slot.nonzero(as_tuple=True)), keys_real[split:])  # [B, C]
+        response_slot.nonzero(as_tuple=True), keys_real[split:])  # [B, C]
     # masks (True attends): prompts causally over their real tokens (a padding query sees itself, so no
     # row is empty); responses over their prompt's real tokens, then causally over their own real tokens
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-    prompt_attends = (causal & prompt_keys[:, None, :]) | torch.eye(L, dtype=torch.bool, device=device)  # [U, L, L]
+    prompt_attends = (causal & prompt_keys[:, None, :]) | torch.eye(L, dtype=torch.bool, device=device)
     own = torch.ones(C, C, dtype=torch.bool, device=device).tril() & own_keys[:, None, :]
-    response_attends = torch.cat([prompt_keys[row_prompt][:, None, :].expand(-1, C, -1), own], dim=2)  # [B, C, L+C]
-    prompt_index = prompt_slot.flatten().nonzero().squeeze(1)  # flat prompt token -> its slot in [U * L]
-    response_index = response_slot.flatten().nonzero().squeeze(1)
-
-    inner, config = decoder_stack(model), model.config.get_text_config(decoder=True)
-    attn = inner.layers[0].self_attn
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
-    group = heads // kv_heads
-    hidden = inner.embed_tokens(sequences[rows, cols])  # [N, H]
-    cos, sin = inner.rotary_emb(hidden, position_ids[rows, cols][None])
-    cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
-    # the model's own choice: eager is faster than sdpa under bfloat16 autocast on CPU (sdpa's backward)
-    attend = _eager_attention if config._attn_implementation == "eager" else F.scaled_dot_product_attention
-
-    def padded(x: torch.Tensor, index: torch.Tensor, count: int, width: int) -> torch.Tensor:
-        """`[n, h, D]` flat tokens -> `[count, h, width, D]` in their slots, zeros elsewhere."""
-        out = x.new_zeros(count * width, x.shape[1], head_dim).index_copy(0, index, x)
-        return out.view(count, width, x.shape[1], head_dim).transpose(1, 2)
-
-    def attention(q, k, v, mask):
-        """Grouped-query attention without repeating the key / value heads: the query heads that share a key
-        head are stacked along the query axis. q `[b, heads, n, D]`, k / v `[b, kv_heads, m, D]`, mask `[b, n, m]`."""
-        b, n = q.shape[0], q.shape[2]
-        q = q.reshape(b, kv_heads, group * n, head_dim)
-        mask = mask[:, None].repeat(1, 1, group, 1)  # [b, 1, group * n, m]
-        return attend(q, k, v, attn_mask=mask, scale=attn.scaling).reshape(b, heads, n, head_dim)
-
-    for layer in inner.layers:
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(-1, heads, head_dim)
-        k = attn.k_proj(x).view(-1, kv_heads, head_dim)
-        v = attn.v_proj(x).view(-1, kv_heads, head_dim)
-        q, k = head_norms(attn, q, k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # [rows, heads, length, D] per prompt and per response
-        qp, kp, vp = (padded(y[:split], prompt_index, num_prompts, L) for y in (q, k, v))
-        out = [attention(qp, kp, vp, prompt_attends).transpose(1, 2).flatten(0, 1).index_select(0, prompt_index)]
-        if C:
-            qr, kr, vr = (padded(y[split:], response_index, num_rows, C) for y in (q, k, v))
-            keys = torch.cat([kp.index_select(0, row_prompt), kr], dim=2)  # [B, kv_heads, L + C, D]
-            values = torch.cat([vp.index_select(0, row_prompt), vr], dim=2)
-            out.append(attention(qr, keys, values, response_attends).transpose(1, 2).flatten(0, 1)
-                       .index_select(0, response_index))
-        hidden = hidden + attn.o_proj(torch.cat(out).flatten(1).to(x.dtype))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
+    response_attends = torch.cat([prompt_keys[row_prompt][:, None, :].expand(-1, C, -1), own], dim=2)
     # the state that scores response token 0 is the prompt's last (always real); token j's is response token j - 1's
-    prompt_last = torch.cumsum(length, 0) - 1  # [U] flat index of each prompt's last token
     response_first = split + torch.cumsum(count, 0) - count  # [B] flat index of each row's first response token
-    scored = count + 1  # [B] positions each row scores: its prompt's last, then its response tokens
-    score_slot = torch.arange(C + 1, device=device) < scored[:, None]  # [B, C + 1]
-    flat = torch.where(score_slot, response_first[:, None] + torch.arange(-1, C, device=device), 0)
-    flat[:, 0] = prompt_last[row_prompt]
-    out_rows = torch.arange(num_rows, device=device)[:, None].expand(-1, C + 1)[score_slot]
-    out_cols = torch.arange(C + 1, device=device).expand(num_rows, -1)[score_slot]
-    return PackedStates(inner.norm(hidden.index_select(0, flat[score_slot])), out_rows, out_cols)
+    score_slot = columns[:C + 1] < (count + 1)[:, None]  # [B, C + 1]: its prompt's last, then its response tokens
+    flat = torch.where(score_slot, response_first[:, None] + columns[:C + 1] - 1, 0)
+    flat[:, 0] = (torch.cumsum(length, 0) - 1)[row_prompt]
+    return _Layout(rows, cols, split, num_prompts, row_prompt, L, C, prompt_slot.flatten().nonzero().squeeze(1),
+                   response_slot.flatten().nonzero().squeeze(1), prompt_attends, response_attends, flat[score_slot],
+                   torch.arange(num_rows, device=device)[:, None].expand(-1, C + 1)[score_slot],
+                   columns[:C + 1].expand(num_rows, -1)[score_slot])
 
 
 PAIR_MODELS = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")

@@ -668,3 +668,22 @@ def test_cache_keyword_follows_the_models_forward():
     assert cache_keyword(Old()) == "past_key_values"
     assert cache_keyword(Wrapper(Renamed())) == "cache"
     assert cache_keyword(Wrapper(Old())) == "past_key_values"
+
+
+def test_the_decode_cache_is_freed_when_a_rollout_returns(llama, tok, monkeypatch):
+    """The engine and its KV cache live only while `generate` samples: the update that follows has their memory."""
+    import weakref
+
+    import lmrl.rollout.hf as hf
+
+    made = []
+
+    class Recorded(hf.DecodeEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(hf, "DecodeEngine", Recorded)
+    rollout = HFGenerator(llama, tok).generate(encode(tok), 2, SamplingParams(max_new_tokens=4, seed=0))
+    assert len(made) == 1 and rollout.response_ids.shape[0] == 2 * len(TEXTS)
+    assert made[0]() is None
