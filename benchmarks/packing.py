@@ -95,7 +95,8 @@ def shipped(args: argparse.Namespace) -> dict:
                 subprocess.run([sys.executable, "-m", "lmrl", "train", f"train.steps={args.steps}", f"train.output_dir={out}",
                                 "train.overwrite=true", "log.console=false", f"train.threads={args.threads}",
                                 f"train.packing={str(packing).lower()}", *args.set], check=True, capture_output=True)
-                rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+                with open(f"{out}/metrics.jsonl") as f:
+                    rows = [json.loads(line) for line in f]
                 steps = [r["time/experience"] + r["time/update"] for r in rows if "time/update" in r]
                 per_step[packing].append(sum(steps) / len(steps))
                 print(f"turn {turn + 1}: packing={str(packing).lower():5} {1000 * per_step[packing][-1]:.1f} ms a step",
