@@ -27,7 +27,7 @@ from tests.test_long_runs import ROOT, lmrl_train, metric_rows
 # the shipped model and task, small: 8 prompts x 4 per step, a short evaluation
 SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=8", "train.eval_every=0",
          "log.console=false", "log.samples_every=0", "train.max_minutes=null"]
-TIMING = ("time/", "eps", "/seconds")
+TIMING = ("time/", "eps", "/seconds", "memory/peak_")
 # model.device=auto runs these on a GPU where there is one, whose backward kernels add in no fixed order (atomics): two
 # runs agree to float rounding there (a grad norm 2e-6 apart on the H100, 2026-11-27), bit for bit on the CPU
 SAME = 1e-4 if torch.cuda.is_available() else 1e-6

@@ -36,7 +36,7 @@ CONFIGS = {
     "ppo-critic": ["algorithm=ppo", "model.shared_critic=false"],  # a separate critic
     "lora": ["model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}", "optim.lr=1e-3"],
 }
-TIMING = ("time/", "eps", "/seconds")  # wall-clock metrics: the only ones a resumed run may change
+TIMING = ("time/", "eps", "/seconds", "memory/peak_")  # wall clock and memory peaks: the only metrics a resumed run may change
 
 
 def lmrl_train(out: Path, *args: str, fault: tuple[str, int] | None = None, timeout: float = 240):

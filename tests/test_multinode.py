@@ -109,7 +109,7 @@ def _make_nodes(root: Path) -> list[Path]:
 
 def _rows(out: Path) -> list[dict]:
     """metrics.jsonl without the wall-clock metrics."""
-    timing = ("time", "eps", "reward/record/seconds")
+    timing = ("time", "eps", "reward/record/seconds", "memory/peak_")
     return [{k: v for k, v in json.loads(line).items() if not k.startswith(timing)}
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 

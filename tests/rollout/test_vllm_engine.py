@@ -215,7 +215,7 @@ def test_a_multi_turn_calculator_episode_through_the_engine(tmp_path):
 def test_a_resumed_engine_run_equals_an_uninterrupted_one(tmp_path):
     def metrics(path):
         rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: {k: v for k, v in r.items() if not (k.startswith("time/") or k.endswith("seconds") or k == "eps")}
+        return {r["step"]: {k: v for k, v in r.items() if not (k.startswith(("time/", "memory/")) or k.endswith("seconds") or k == "eps")}
                 for r in rows if r["step"] > 0}
 
     for name, steps in (("straight", 4), ("stopped", 2)):
