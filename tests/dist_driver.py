@@ -27,8 +27,10 @@ from lmrl.trainer import Collected, Trainer
 # 8 prompts x 4 completions of the shipped task; a learning rate that moves weights visibly in one step
 COMMON = ["rollout.prompts_per_step=8", "rollout.group_size=4", "data.num_eval_prompts=0", "log.console=false",
           "optim.lr=1e-3", "optim.micro_batch_size=8", "train.threads=1",
-          # packed forwards differ from one process to two ranks by more than 1e-5 after AdamW's first step (seen
-          # 2026-11-29, not yet explained: the same rows share each forward); padded ones are compared meanwhile
+          # a row's log-probs round up to 2e-7 differently with the rows that share its forward, in every forward
+          # (packed, padded and transformers', measured 2026-11-29); the ranks leave out the rows without signal
+          # and batch the rest unlike one process, and AdamW's first step makes 1e-5 of it (see below). Packed
+          # forwards, whose shapes follow each micro-batch's rows, show it here; padded ones, at these seeds, do not
           "train.packing=false"]
 
 
