@@ -12,7 +12,8 @@ float rounding (tests), with the prompt's share of the projection and MLP work d
 (PPO's critic, a value head on a Llama / Qwen2 / Qwen3 backbone) as for one with.
 
 Only for the Llama / Qwen2 / Qwen3 classes whose decoder layers this module reproduces (`bypassable`), with
-full attention, no attention dropout in training and no gradient checkpointing; the modules called
+full attention and no attention dropout in training (under gradient checkpointing each layer runs again in the
+backward, as transformers' do); the modules called
 here (norms, projections, MLP, embeddings, LM head) may be LoRA-wrapped (a peft LoRA model is
 looked through) or hooked. Attention is torch's sdpa, or explicit matmuls with a float32 softmax for
 a model loaded with attn_implementation="eager" (as transformers' eager attention; on CPU under
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 BACKBONES = ("LlamaModel", "Qwen2Model", "Qwen3Model")  # the same decoder stacks without an LM head (a critic's backbone)
@@ -77,7 +79,7 @@ def supports(model: nn.Module) -> bool:
     if not (bypassable(model) and full_attention(model)):
         return False
     dropout = getattr(model.config, "attention_dropout", 0.0)
-    return not (model.training and dropout) and not _checkpointing(model)
+    return not (model.training and dropout)
 
 
 def head_norms(attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +186,8 @@ def packed_states(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
         return out.transpose(1, 2).flatten(0, 1)
 
     split, U, B = at.split, at.num_prompts, len(sequences)
-    for layer in inner.layers:
+
+    def block(hidden: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         q = attn.q_proj(x).view(-1, heads, head_dim)
@@ -201,7 +204,12 @@ def packed_states(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
             values = torch.cat([vp.index_select(0, at.row_prompt), vr], dim=2)
             out.append(attention(qr, keys, values, at.response_attends, attn.scaling).index_select(0, at.response_index))
         hidden = hidden + attn.o_proj(torch.cat(out).flatten(1).to(x.dtype))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    # model.gradient_checkpointing: each layer keeps only its input and runs again in the backward, as transformers'
+    recompute = model.training and torch.is_grad_enabled() and _checkpointing(model)
+    for layer in inner.layers:
+        hidden = checkpoint(block, hidden, layer, use_reentrant=False) if recompute else block(hidden, layer)
     return PackedStates(inner.norm(hidden.index_select(0, at.scoring)), at.out_rows, at.out_cols)
 
 
@@ -340,7 +348,7 @@ def lora_base(model: nn.Module) -> nn.Module:
 
 
 def _checkpointing(model: nn.Module) -> bool:
-    """Gradient (activation) checkpointing is on: transformers' layers must run to recompute."""
+    """Gradient (activation) checkpointing is on (`model.gradient_checkpointing`): layers run again in the backward."""
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
 

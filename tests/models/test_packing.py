@@ -156,3 +156,23 @@ def test_critic_values_packed_equal_padded(shared_head):
     assert (packed[0][~valid] == 0).all() and len(packed[1]) == len(plain[1])
     for got, want in zip(packed[1], plain[1]):
         torch.testing.assert_close(got, want, atol=1e-6 + 1e-7 * want.abs().max().item(), rtol=1e-4)
+
+
+def test_under_gradient_checkpointing_each_layer_runs_again_in_the_backward():
+    """model.gradient_checkpointing: the packed forward keeps each layer's input only and recomputes the layer in the
+    backward (the MLP runs twice), with the same log-probs and gradients."""
+    model = model_of("llama", 2)
+    seqs, mask = batch()
+    plain = run(model, seqs, mask, share_prompt=True, pack=True)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    calls = []
+    # (a pre-hook: the recomputation stops once it has what the backward needs, inside the MLP)
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    checkpointed = run(model, seqs, mask, share_prompt=True, pack=True)
+    assert len(calls) == 2
+    assert_same(checkpointed, plain, mask)
+    calls.clear()
+    with torch.no_grad():  # no backward to recompute for: the layers run once
+        model_forward_logprobs(model, seqs, mask, T, share_prompt=True, pack=True)
+    assert len(calls) == 1

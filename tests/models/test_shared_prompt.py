@@ -137,10 +137,6 @@ def test_steps_aside_where_it_would_not_be_exact():
     assert not shared_prompt.supports(model_of("llama", attention_dropout=0.1))  # dropout in training
     assert shared_prompt.supports(model_of("llama", attention_dropout=0.1).eval())
     assert not shared_prompt.supports(model_of("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0))
-    checkpointed = model_of("llama")
-    enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
-    enable()
-    assert not shared_prompt.supports(checkpointed)
     rope = model_of("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert not shared_prompt.supports(rope)
     # no two rows share a prompt: nothing to save, so the caller runs the model
@@ -268,5 +264,3 @@ def test_pair_rewards_step_aside_where_they_would_not_be_exact():
     model = seqcls_of("llama")
     assert shared_prompt.shared_prefix_rewards(model, [[5, 6]], [[7, 6]]) is None  # no common first token
     assert shared_prompt.shared_prefix_rewards(model_of("llama"), [[5, 6]], [[5, 7]]) is None  # not a classifier
-    model.gradient_checkpointing_enable()
-    assert shared_prompt.shared_prefix_rewards(model, [[5, 6]], [[5, 7]]) is None
