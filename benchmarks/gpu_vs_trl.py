@@ -20,7 +20,8 @@ What it prints, per trainer (steps 2..N; step 1 is warm-up):
     gen tokens/s     decode tokens per second of generation, against the bandwidth limit: each decode step
                      must read every weight once and every row's KV cache so far, at the device's copy
                      bandwidth (measured here with a large tensor copy);
-    peak memory      torch.cuda.max_memory_allocated (GPU) or the process's peak RSS (CPU).
+    peak memory      torch.cuda.max_memory_allocated (GPU) or the process's peak RSS (CPU); lmrl's also per phase
+                     (generate, experience, update: its memory/peak_*_mb metrics, the largest over the steps).
 Each trainer runs in its own subprocess, one after the other. Needs TRL (`pip install 'lmrl[bench]'`).
 """
 
@@ -153,7 +154,9 @@ def run_lmrl(s: Settings, out_dir: str) -> dict:
     history = trainer.train().history[1:]
     return {"step": [m["time/step"] for m in history], "generate": [m["time/generate"] for m in history],
             "experience": [m["time/experience"] for m in history], "update": [m["time/update"] for m in history],
-            "peak_mb": _peak_mb(s.device), "decode_path": f"{path[0]} ({path[1]})"}
+            "peak_mb": _peak_mb(s.device), "decode_path": f"{path[0]} ({path[1]})",
+            "phase_peaks": {phase: max(m.get(f"memory/peak_{phase}_mb", 0.0) for m in history)
+                            for phase in ("generate", "experience", "update")}}
 
 
 def overridden(cfg, pairs: list[str]):
@@ -318,7 +321,9 @@ def _split(r: dict) -> str:
     """lmrl's rest of the step: the experience (old / reference forwards, advantages) and the update."""
     if "update" not in r:
         return ""
-    return f" (experience {statistics.fmean(r['experience']):.3f} + update {statistics.fmean(r['update']):.3f})"
+    peaks = ", ".join(f"{phase} {mb:,.0f} MB" for phase, mb in r.get("phase_peaks", {}).items())
+    return (f" (experience {statistics.fmean(r['experience']):.3f} + update {statistics.fmean(r['update']):.3f}; "
+            f"peak per phase: {peaks})")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def test_gpu_benchmark_runs_on_a_tiny_qwen2_here():
     line = re.search(r"lmrl\s+samples/s\s+([\d.]+) \(1.00x lmrl\).*tokens/s, ([\d.]+)x the limit\).*decode: (\w+)", out)
     decode = "cuda_graph" if torch.cuda.is_available() else "engine"
     assert line and float(line.group(1)) > 0 and float(line.group(2)) >= 1 and line.group(3) == decode, out
-    assert re.search(r"rest [\d.]+ s \(experience [\d.]+ \+ update [\d.]+\)", out), out  # where lmrl's rest goes
+    assert re.search(r"rest [\d.]+ s \(experience [\d.]+ \+ update [\d.]+; peak per phase: generate [\d,]+ MB, experience [\d,]+ MB, update [\d,]+ MB\)", out), out  # where lmrl's rest goes
     assert "lmrl's config overrides: optim.micro_batch_size=4 train.logprob_chunk_size=null" in out
     bad = _bench("gpu_vs_trl", "--tiny", "--trainers", "lmrl",
                  "--lmrl-set", "optim.no_such=1")
