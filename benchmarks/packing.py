@@ -34,6 +34,7 @@ from seeded_llama import add_model_args, seeded_llama  # noqa: E402
 from lmrl import Trainer  # noqa: E402
 from lmrl.collect import Collected  # noqa: E402
 from lmrl.config import load_config  # noqa: E402
+from lmrl.logging.metrics import Phases  # noqa: E402
 from lmrl.rollout import Rollout  # noqa: E402
 
 
@@ -73,12 +74,17 @@ def trainer_for(args: argparse.Namespace, packing: bool, out: str) -> Trainer:
                    train_dataset=rows)
 
 
-def step(trainer: Trainer, rollout: Rollout, scores: torch.Tensor) -> tuple[float, tuple[float, float]]:
-    """(seconds for the experience and the update, (the update's policy loss, its gradient norm))."""
+def step(trainer: Trainer, rollout: Rollout, scores: torch.Tensor) -> tuple[float, tuple[float, float, float]]:
+    """(seconds for the experience and the update, (the update's policy loss, its gradient norm, the process's
+    memory peak in the update, MiB))."""
     collected = Collected(rollout=rollout, scores=scores, keep=None, rows=[], metrics={}, per_function={})
     start = time.perf_counter()
-    metrics = trainer.update(trainer.experience(collected))
-    return time.perf_counter() - start, (metrics["loss/policy_avg"], metrics["policy/grad_norm"])
+    exp = trainer.experience(collected)
+    phases = Phases("cpu")
+    metrics = trainer.update(exp)
+    phases.end("update")
+    return time.perf_counter() - start, (metrics["loss/policy_avg"], metrics["policy/grad_norm"],
+                                         phases.peaks["memory/peak_update_mb"])
 
 
 def shipped(args: argparse.Namespace) -> dict:
@@ -139,7 +145,7 @@ def main() -> None:
         packed, padded = trainer_for(args, True, f"{tmp}/packed"), trainer_for(args, False, f"{tmp}/padded")
         print(f"torch {torch.__version__}, threads {args.threads}, hidden {args.hidden}, {args.layers} layers, float32; "
               f"{args.prompts} prompts x {args.group}, kl_coef {args.kl_coef}: the experience + one update")
-        turns, losses = [], None
+        turns, losses, peaks = [], None, []
         for turn in range(args.repeats + 1):  # turn 0 warms up (and gives the first-step losses)
             rollout, scores = varied_batch(args.prompts, args.group, seed=turn)
             a, loss_a = step(padded, rollout, scores)
@@ -151,14 +157,18 @@ def main() -> None:
                       f"({real / rollout.sequences.numel():.0%} of the padded batch)")
             else:
                 turns.append((a, b))
+                peaks.append((loss_a[2], loss_b[2]))
         ratios = sorted(a / b for a, b in turns)
         row = {"padded": statistics.median(a for a, _ in turns), "packed": statistics.median(b for _, b in turns),
                "speedup": statistics.median(ratios), "low": ratios[len(ratios) // 4], "high": ratios[3 * len(ratios) // 4],
                "loss_padded": losses[0][0], "loss_packed": losses[1][0], "norm_padded": losses[0][1],
-               "norm_packed": losses[1][1]}
+               "norm_packed": losses[1][1], "peak_padded": statistics.median(a for a, _ in peaks),
+               "peak_packed": statistics.median(b for _, b in peaks)}
     print(f"padded {row['padded']:.3f} s, packed {row['packed']:.3f} s: {row['speedup']:.2f}x "
           f"(quartiles {row['low']:.2f}-{row['high']:.2f})\nfirst step: policy loss padded {row['loss_padded']:.6e}, "
-          f"packed {row['loss_packed']:.6e}; gradient norm padded {row['norm_padded']:.6e}, packed {row['norm_packed']:.6e}")
+          f"packed {row['loss_packed']:.6e}; gradient norm padded {row['norm_padded']:.6e}, packed {row['norm_packed']:.6e}\n"
+          f"the process's memory peak in the update (both trainers resident): padded {row['peak_padded']:,.0f} MiB, "
+          f"packed {row['peak_packed']:,.0f} MiB")
     if args.record:
         from recording import Column, record
 
