@@ -31,7 +31,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.distributed import World, idle_batch, set_gradient_sync
-from lmrl.experience import Experience, kl_clamp_option, micro_batches, rollout_is_weights
+from lmrl.experience import Experience, balanced, kl_clamp_option, micro_batches, rollout_is_weights
 from lmrl.models.forward import Forwards
 
 
@@ -95,6 +95,8 @@ class Updater:
     def update(self, exp: Experience) -> dict[str, float]:
         """num_iterations passes; each splits the batch into num_minibatches shuffled optimizer steps. Returns the
         metrics averaged over the steps and the ranks."""
+        if self.cfg.optim.micro_batch_tokens is not None:  # every rank's share of the tokens about the same
+            exp = balanced(exp, self.world, live=self.rows_with_gradient(exp))
         a, B = self.cfg.algorithm, len(exp)
         size, totals, count = B // a.num_minibatches, {}, 0
         for _ in range(a.num_iterations):

@@ -64,6 +64,8 @@ VARIANTS = {"grpo-lora": ["algorithm=grpo", "model.lora={r: 4, alpha: 8, target_
             # on-policy distillation: the teacher (the shipped calculator model: the same tokenizer, other weights)
             # scores each rank's share; its per-token signal joins GRPO's advantage
             "grpo-distill": ["algorithm=grpo", "algorithm.teacher=tiny-calculator"],
+            # micro-batches of at most 30 tokens; the ranks trade groups so that each trains on about as many tokens
+            "grpo-balanced": ["algorithm=grpo", "optim.micro_batch_tokens=30"],
             "dapo": ["algorithm=dapo", "algorithm.max_sampling_rounds=1", "train.seed=2", "optim.micro_batch_size=4",
                      "train.share_prompt=false"]}
 # train.share_prompt=false where ranks batch rows differently than one process does (uneven shares; FSDP, under
@@ -82,7 +84,19 @@ def full_state(module) -> dict[str, torch.Tensor]:
 
 
 def main(out: Path, algorithms: list[str]) -> None:
+    import lmrl.update
+
+    moved = []  # whether `balanced` gave rank 0 other rows than it had (optim.micro_batch_tokens)
+    real_balanced = lmrl.update.balanced
+
+    def balanced(exp, world, live=None):
+        out = real_balanced(exp, world, live)
+        moved.append(len(out) != len(exp) or int(out.sequences.sum()) != int(exp.sequences.sum()))
+        return out
+
+    lmrl.update.balanced = balanced
     for name in algorithms:
+        moved.clear()
         chosen = VARIANTS.get(name, [f"algorithm={name}"])
         cfg = load_config(None, [*COMMON, *chosen, f"train.output_dir={out}/{name}"])
         trainer = Trainer(cfg)
@@ -100,7 +114,7 @@ def main(out: Path, algorithms: list[str]) -> None:
             params |= {f"critic.{k}": v for k, v in full_state(trainer.models.critic).items()}
         if trainer.world.main:
             torch.save({"params": params, "groups": len(c.rows), "sharded": trainer.world.sharded,
-                        "units": sorted(trainer.units)}, out / f"{name}.pt")
+                        "units": sorted(trainer.units), "moved": any(moved)}, out / f"{name}.pt")
 
 
 if __name__ == "__main__":

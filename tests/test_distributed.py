@@ -25,9 +25,10 @@ DRIVER = ROOT / "tests" / "dist_driver.py"
 # with gradient checkpointing; DAPO with dynamic sampling keeping groups that split unevenly over the ranks; batch
 # statistics of the issue-19 options (grpo-batch-std, gpg); RLOO with LoRA (the reference: adapters disabled); PPO
 # with its value head on the policy's backbone (model.shared_critic); GRPO with a teacher (on-policy distillation);
+# GRPO with micro-batches cut by tokens, whose ranks trade groups to even out their tokens (`balanced`);
 # then the models sharded by FSDP2, the teacher too (tests/dist_driver.py)
 ALGORITHMS = ["grpo", "rloo", "ppo", "reinforce_pp", "grpo-lora", "grpo-checkpointing", "dapo", "grpo-batch-std",
-              "gpg", "rloo-lora", "ppo-shared", "grpo-distill",
+              "gpg", "rloo-lora", "ppo-shared", "grpo-distill", "grpo-balanced",
               "grpo-fsdp", "rloo-fsdp", "ppo-fsdp", "dapo-fsdp", "grpo-checkpointing-fsdp", "ppo-shared-fsdp",
               "grpo-distill-fsdp"]
 
@@ -51,6 +52,7 @@ def test_two_ranks_take_the_step_one_process_takes(tmp_path):
         if name == "grpo-distill-fsdp":  # the teacher is sharded as the reference is
             assert two_ranks["units"] == ["policy", "teacher"], two_ranks["units"]
         assert one_process["groups"] == two_ranks["groups"] == (5 if name.startswith("dapo") else 8), name
+        assert two_ranks["moved"] == (name == "grpo-balanced") and not one_process["moved"], name  # groups traded
         a, b = one_process["params"], two_ranks["params"]
         assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == name.startswith("ppo")
         if name.endswith("-lora"):  # the adapters moved; the base is frozen

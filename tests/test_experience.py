@@ -230,3 +230,61 @@ def test_reward_minus_kl_and_clip_filter_weights_in_make_experience():
     plain = make_experience(r, scores, **algo("algorithm.clip_filter_like_weight=3.0").options_for(make_experience),
                             policy_logprobs=None)
     torch.testing.assert_close(plain.weights[:, 0], torch.tensor([1.0, 1.0, 2.0, 2.0]))
+
+
+class ThreadWorld:
+    """Ranks as threads of one process: `gather` hands every rank's value to all of them."""
+
+    def __init__(self, rank: int, size: int, board: dict, barrier):
+        self.rank, self.size, self.board, self.barrier, self.calls = rank, size, board, barrier, 0
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+    def gather(self, value) -> list:
+        self.calls += 1
+        self.board[self.calls, self.rank] = value
+        self.barrier.wait()
+        out = [self.board[self.calls, r] for r in range(self.size)]
+        self.barrier.wait()
+        return out
+
+
+def test_ranks_trade_whole_groups_until_their_tokens_are_about_even():
+    """Rank 0 holds two groups of long completions and a prompt of 9 tokens, rank 1 two groups of short ones: after
+    `balanced` each rank trains on about half of the tokens, every row once, each with its own advantages, and
+    prompts and responses of other widths padded to fit."""
+    import threading
+
+    from lmrl.experience import balanced, row_tokens
+
+    shares = [make_experience(rollout(P=P, T=T, lengths=lengths, finished=(True,) * 4, seed=rank), SCORES + rank,
+                              **algo().options_for(make_experience), policy_logprobs=None)
+              for rank, (P, T, lengths) in enumerate([(9, 8, (8, 7, 8, 6)), (3, 3, (1, 2, 1, 1))])]
+    board, barrier, out = {}, threading.Barrier(2), [None, None]
+
+    def rank(r):
+        out[r] = balanced(shares[r], ThreadWorld(r, 2, board, barrier))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def tokens(exp):
+        prompt, response = row_tokens(exp.attention_mask, exp.num_response_tokens)
+        firsts = {int(g): row for row, g in reversed(list(enumerate(exp.group_index.tolist())))}
+        return sum(response) + sum(prompt[row] for row in firsts.values())
+
+    before, after = [tokens(s) for s in shares], [tokens(x) for x in out]
+    assert sum(after) == sum(before) and max(after) - min(after) < max(before) - min(before)
+    assert max(after) - min(after) <= 18 + 8  # at most one group's worth apart
+    rows = lambda exp: sorted(  # noqa: E731  every real token of each row, with its advantages
+        (tuple(exp.sequences[i][exp.attention_mask[i].bool()].tolist()), tuple(exp.advantages[i].tolist()[:3]))
+        for i in range(len(exp)))
+    assert rows(out[0]) + rows(out[1]) != [] and sorted(rows(out[0]) + rows(out[1])) == sorted(rows(shares[0]) + rows(shares[1]))
+    for exp in out:  # groups contiguous and numbered from 0
+        g = exp.group_index.tolist()
+        assert g == sorted(g) and g[0] == 0

@@ -273,7 +273,9 @@ class OptimConfig(Section):
     """Tokens per forward/backward as well (None = rows only): a micro-batch ends before the row that would take it
     past this many real tokens, a prompt counted once for its completions, padding never (a row over it alone is
     a micro-batch of its own). With train.packing, what a forward costs follows its tokens, not its longest row:
-    verl's ppo_max_token_len_per_gpu. The same update whatever the split."""
+    verl's ppo_max_token_len_per_gpu. Under torchrun the ranks then trade whole groups before the update so that each
+    trains on about as many tokens (with algorithm.num_minibatches > 1 a rank's minibatches are drawn from what it
+    holds then). The same update whatever the split."""
 
     @field_validator("max_grad_norm")
     @classmethod
