@@ -300,7 +300,7 @@ class AgentEnvironment:
         ids, logps, trained, texts, finished, rewards, turns = [], [], [], [], [], [], []
         for e in ordered:
             segs = e.segments[1:] if e.error is None else []
-            texts.append("".join(s.text for s in segs))
+            texts.append("".join(s.text + s.tail for s in segs))  # the model's text keeps its stop string
             while segs and not segs[-1].trained:  # text after the last model turn conditions nothing trained on:
                 segs = segs[:-1]  # (a tool result the run's budget refused a turn after) it would only widen the batch
             ids.append([t for s in segs for t in s.ids])

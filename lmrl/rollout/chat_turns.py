@@ -141,6 +141,8 @@ class Reply:
     raw: str
     end: str = ""
     """The raw text's closing special token (an EOS the template writes after the content), or ""."""
+    tail: str = ""
+    """The stop string left out of the message's content: the agent may send the content back with it added."""
 
 
 def render_conversation(tokenizer: Any, messages: Sequence[Any], tools: Any, replies: Sequence[Reply]) -> str:
@@ -149,7 +151,7 @@ def render_conversation(tokenizer: Any, messages: Sequence[Any], tools: Any, rep
     rendered, marks, k = [], [], 0
     for message in messages:
         if isinstance(message, dict) and message.get("role") == "assistant":
-            if k < len(replies) and _same_message(message, replies[k].message):
+            if k < len(replies) and _same_message(message, replies[k].message, replies[k].tail):
                 mark = f"\u27e6lmrl-turn-{k}\u27e7"
                 rendered.append({"role": "assistant", "content": mark})
                 marks.append((mark, replies[k]))
@@ -166,9 +168,11 @@ def render_conversation(tokenizer: Any, messages: Sequence[Any], tools: Any, rep
     return text
 
 
-def _same_message(sent: dict[str, Any], ours: dict[str, Any]) -> bool:
-    """The agent sent back our reply as it was: the same content (None and "" alike) and the same calls."""
-    if (_text(sent.get("content")) or None) != (ours.get("content") or None):
+def _same_message(sent: dict[str, Any], ours: dict[str, Any], tail: str = "") -> bool:
+    """The agent sent back our reply as it was: the same content (None and "" alike; with the stop string `tail` added
+    or not) and the same calls."""
+    content, mine = _text(sent.get("content")) or None, ours.get("content") or None
+    if content != mine and not (tail and content == (mine or "") + tail):
         return False
     return _calls(sent.get("tool_calls")) == _calls(ours.get("tool_calls"))
 

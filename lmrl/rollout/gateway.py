@@ -27,7 +27,8 @@ from lmrl.rollout.agent_work import WORK, WorkQueue, authorize_run, hand_out
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
 from lmrl.rollout.chat_turns import Reply, render_conversation, turn_choice
-from lmrl.rollout.server import GenerationServer, Refused, _given, _Handler, _integer, _list, _same
+from lmrl.rollout.ops import stop_found
+from lmrl.rollout.server import GenerationServer, Refused, _flag, _given, _Handler, _integer, _list, _same
 from lmrl.rollout.streaming import stream_events, wants_stream
 
 
@@ -44,6 +45,9 @@ class _Segment:
     """As a chat template renders it (special tokens kept)."""
     message: dict[str, Any] | None = None
     """A sampled turn's reply as the gateway sent it (chat): recognized when the agent sends it back."""
+    tail: str = ""
+    """The stop string that ended a sampled turn, left out of `text` as the OpenAI API leaves it out: the agent may
+    send it back after the text or not, and the record matches either way (its tokens are in `ids` already)."""
 
 
 @dataclass
@@ -67,8 +71,14 @@ class _Episode:
     first_call: float | None = None  # when its first model call came
     ended: float | None = None  # when its program was done
 
-    def known(self, chat: bool) -> str:
-        return "".join(s.raw if chat else s.text for s in self.segments)
+    def known(self, chat: bool, text: str = "") -> str:
+        """The record as text, each turn's stop string where `text` has it after that turn."""
+        out = ""
+        for s in self.segments:
+            out += s.raw if chat else s.text
+            if s.tail and text.startswith(out + s.tail):
+                out += s.tail
+        return out
 
     def response_length(self) -> int:
         return sum(len(s.ids) for s in self.segments[1:])
@@ -129,14 +139,17 @@ class Gateway(GenerationServer):
                                          stop=[*episode.params.stop, *[s for s in stop if s not in episode.params.stop]])
             context = [t for s in episode.segments for t in s.ids]
             rows = self.batcher.generate([context], 1, params)
-            ids, logps = rows.tokens[0], rows.logprobs[0]
+            ids, logps, text = rows.tokens[0], rows.logprobs[0], rows.texts[0]
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
-            choice = turn_choice(rows.texts[0], ids, rows.finished[0], chat, body.get("tools") and self.tool_calls,
-                             f"call-{episode.index}-{episode.turns}")
-            episode.segments.append(_Segment(ids, logps, True, rows.texts[0], raw, choice.get("message")))
+            # the text as the OpenAI API returns it: without the stop string, unless the request asks for it
+            tail = (stop_found(text, params.stop) or "") if rows.finished[0] and not _flag(body, "include_stop_str_in_output") else ""
+            text = text[:len(text) - len(tail)]
+            choice = turn_choice(text, ids, rows.finished[0], chat, body.get("tools") and self.tool_calls,
+                                 f"call-{episode.index}-{episode.turns}")
+            choice["stop_reason"] = (tail or stop_found(rows.texts[0], params.stop)) if rows.finished[0] else None
+            episode.segments.append(_Segment(ids, logps, True, text, raw, choice.get("message"), tail))
             episode.turns += 1
             episode.finished = rows.finished[0]
-        text = rows.texts[0]
         if not chat:
             choice["text"] = text
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{episode.index}-{episode.turns}",
@@ -149,7 +162,7 @@ class Gateway(GenerationServer):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages: expected a non-empty list of {role, content}")
-            replies = [Reply(s.message, s.raw, self._end(s.ids)) for s in episode.segments if s.message is not None]
+            replies = [Reply(s.message, s.raw, self._end(s.ids), s.tail) for s in episode.segments if s.message is not None]
             return render_conversation(self.tokenizer, messages, body.get("tools"), replies)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -158,10 +171,10 @@ class Gateway(GenerationServer):
 
     def _extend(self, episode: _Episode, text: str, chat: bool) -> None:
         """Match `text` to the episode's record; cut the record where they part; tokenize only the rest."""
-        known = episode.known(chat)
+        known = episode.known(chat, text)
         if not text.startswith(known) and chat and not any(s.trained for s in episode.segments):
             self._rebase(episode, text)  # before the first turn: the agent's own rendering (its tools, its system)
-            known = episode.known(chat)
+            known = episode.known(chat, text)
         if not text.startswith(known):
             prompt = episode.segments[0].raw if chat else episode.segments[0].text
             if not text.startswith(prompt):
@@ -173,6 +186,7 @@ class Gateway(GenerationServer):
                 if text.startswith(whole, at):
                     kept.append(seg)
                     at += len(whole)
+                    at += len(seg.tail) if seg.tail and text.startswith(seg.tail, at) else 0
                     continue
                 k = 0  # the longest run of this segment's tokens the agent kept as they were
                 while k < len(seg.ids) and text.startswith(self._decode(seg.ids[:k + 1], chat), at):

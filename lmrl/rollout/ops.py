@@ -106,6 +106,12 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
     return text[: min(ends)] if ends else text
 
 
+def stop_found(text: str, stop: list[str]) -> str | None:
+    """The stop string that ends `text` (cut by `cut_at_stop`; the longest where several end it), else None."""
+    ends = [s for s in stop if s and text.endswith(s)]
+    return max(ends, key=len) if ends else None
+
+
 def decode_batch(tokenizer: Any, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
     """`tokenizer.batch_decode(sequences)`, through its Rust tokenizer where that gives the same text (a fast
     tokenizer that cleans up no spaces): transformers' wrapper costs several microseconds per sequence, which a decode

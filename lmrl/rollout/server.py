@@ -56,6 +56,7 @@ from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
 from lmrl.rollout.chat_turns import parse_tool_calls, tool_call_format
 from lmrl.rollout.hf import HFGenerator
+from lmrl.rollout.ops import stop_found
 from lmrl.rollout.streaming import Events, stream_events, wants_stream
 from lmrl.rollout.wire import Chunked, Sized, TooLarge, read_frames, read_head
 
@@ -258,6 +259,7 @@ class GenerationServer(ThreadingHTTPServer):
                                 seed=None if body.get("seed") is None else _integer(body["seed"], "seed", 0, "", low=None))
         params.validate()
         self._check(prompts, n, params.max_new_tokens, "max_tokens")
+        keep_stop = _flag(body, "include_stop_str_in_output")
         rows = self.batcher.generate(prompts, n, params)
         k = _top_logprobs(body, chat)
         choices = []
@@ -265,9 +267,12 @@ class GenerationServer(ThreadingHTTPServer):
             tokens = [self.tokenizer.decode([t]) for t in ids] if body.get("logprobs") is not None else []  # asked only
             top = self._alternatives(prompts[i // n], ids, k)
             reason = "stop" if rows.finished[i] else "length"
-            choice: dict[str, Any] = {"index": i, "finish_reason": reason, "token_ids": ids}
+            tail = stop_found(text, params.stop) if rows.finished[i] else None
+            choice: dict[str, Any] = {"index": i, "finish_reason": reason, "stop_reason": tail, "token_ids": ids}
+            shown = text[:len(text) - len(tail)] if tail and not keep_stop else text  # the API's text has no stop string
             if chat:
-                content, calls = self.tool_calls(text, ids, f"call-{i}") if body.get("tools") else (text, [])
+                content, calls = self.tool_calls(text, ids, f"call-{i}") if body.get("tools") else (shown, [])
+                content = shown if not calls and content == text else content
                 choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
                 choice["finish_reason"] = "tool_calls" if calls and rows.finished[i] else reason
                 choice["logprobs"] = {"content": [
@@ -275,7 +280,7 @@ class GenerationServer(ThreadingHTTPServer):
                      "top_logprobs": [{"token": a, "logprob": alp, "bytes": None} for a, alp in alts.items()]}
                     for t, lp, alts in zip(tokens, logps, top)]} if body.get("logprobs") else None
             else:
-                choice["text"] = text
+                choice["text"] = shown
                 choice["logprobs"] = {"tokens": tokens, "token_logprobs": logps, "top_logprobs": top if k else None,
                                       "text_offset": []} if body.get("logprobs") is not None else None
             choices.append(choice)
@@ -381,6 +386,14 @@ def _top_logprobs(body: dict[str, Any], chat: bool) -> int:
     if asked is True:  # not the completions API's type, but meant as "the sampled token's"
         return 0
     return _integer(asked, "logprobs", MAX_TOP_LOGPROBS, "OpenAI's limit", low=0)
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    """body[key] as a boolean, False where it is missing or null."""
+    value = _given(body, key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {_show(value)}")
+    return value
 
 
 def _number(value: Any, key: str) -> float:

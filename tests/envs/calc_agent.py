@@ -23,22 +23,28 @@ if mode == "slow-start":  # a program whose start-up is most of its run
 row = json.loads(os.environ["LMRL_ROW"])
 client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from lmrl
 text, turns = row["prompt"], []
-if mode == "chat":  # the same two turns as chat messages, the tool result a user turn
-    messages = [{"role": "user", "content": row["prompt"]}]
+if mode.startswith("chat"):  # the same two turns as chat messages, the tool result a user turn
+    messages, stopped = [{"role": "user", "content": row["prompt"]}], 0
     for turn in range(2):
-        choice = client.chat.completions.create(model="policy", messages=messages, max_tokens=12).choices[0]
+        stop = [" "] if mode == "chat-stop" else None  # chat-stop: the stop string sent back in the content
+        choice = client.chat.completions.create(model="policy", messages=messages, max_tokens=12, stop=stop).choices[0]
         turns.append(choice.model_extra["token_ids"])
-        messages += [{"role": "assistant", "content": choice.message.content}]
+        content = choice.message.content
+        if choice.model_extra.get("stop_reason"):
+            content, stopped = content + choice.model_extra["stop_reason"], stopped + 1
+        messages += [{"role": "assistant", "content": content}]
         if turn == 0:
             messages += [{"role": "user", "content": "=" + str(sum(int(t) for t in row["prompt"].rstrip("=").split("+")))}]
     with open(os.environ["AGENT_LOG"], "a") as f:
-        f.write(json.dumps({"prompt": row["prompt"], "turns": turns, "text": ""}) + "\n")
+        f.write(json.dumps({"prompt": row["prompt"], "turns": turns, "text": "", "stopped": stopped}) + "\n")
     client.post("/lmrl/reward", body={"reward": 0.5}, cast_to=object)
     sys.exit(0)
 for turn in range(2):
     choice = client.completions.create(model="policy", prompt=text, max_tokens=24, stop=["</calc>"]).choices[0]
     turns.append(choice.model_extra["token_ids"])
     said = choice.text
+    if choice.finish_reason == "stop" and "<calc>" in said and mode != "no-stop-back":
+        said += "</calc>"  # the OpenAI API leaves the stop string out of the text: an agent puts it back
     if mode == "edit" and turn == 0:
         said = "<calc>1+1</calc>"  # the agent rewrites what the model said
     text += said

@@ -22,10 +22,11 @@ def episode(spec: dict) -> dict:
     for turn in range(2):
         choice = client.completions.create(model="policy", prompt=text, max_tokens=24, stop=["</calc>"]).choices[0]
         turns.append(choice.model_extra["token_ids"])
-        text += choice.text
+        said = choice.text + ("</calc>" if choice.finish_reason == "stop" and "<calc>" in choice.text else "")
+        text += said  # (the OpenAI API leaves the stop string out of the text: an agent puts it back)
         if turn == 1:
             break
-        match = re.search(r"<calc>([^<>]*)</calc>", choice.text)
+        match = re.search(r"<calc>([^<>]*)</calc>", said)
         terms = (match.group(1) if match else row["prompt"].rstrip("=")).split("+")
         text += f"={sum(int(t) for t in terms if t.strip().isdigit())}\n"  # the tool result
     return {"index": spec["index"], "turns": turns, "text": text,

@@ -203,14 +203,16 @@ def test_the_agent_environment_config_is_checked_in_one_line(overrides, message)
     assert str(info.value) == message
 
 
-def test_a_chat_agent_on_a_bpe_tokenizer_trains_on_exactly_the_sampled_tokens(tmp_path):
+@pytest.mark.parametrize("mode", ["chat", "chat-stop"])
+def test_a_chat_agent_on_a_bpe_tokenizer_trains_on_exactly_the_sampled_tokens(tmp_path, mode):
+    """chat-stop: the turns end at a stop string, which the content leaves out and the agent adds back."""
     from lmrl.models.prompt_encoding import encode_prompts
     from lmrl.models.tiny import bpe_chat_tokenizer, tiny_causal_lm
 
     tok = bpe_chat_tokenizer([r["prompt"] + " =168 the sum is 83" for r in ROWS] * 20, vocab_size=300)
     gen = HFGenerator(tiny_causal_lm(tok, hidden_size=32, num_layers=1, seed=0), tok, seed=0)
     prompts = encode_prompts(tok, [[{"role": "user", "content": r["prompt"]}] for r in ROWS], 64, use_chat_template=True)
-    os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = "chat", str(tmp_path / "log.jsonl")
+    os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
     try:
         episodes = generate_episodes(gen, tok, prompts, ROWS, 1, SamplingParams(max_new_tokens=12, seed=0),
                                      AgentEnvironment(f"{sys.executable} {AGENT}", timeout=60), max_turns=2,
@@ -227,6 +229,7 @@ def test_a_chat_agent_on_a_bpe_tokenizer_trains_on_exactly_the_sampled_tokens(tm
             naive += tok(tok.decode(turn, skip_special_tokens=True), add_special_tokens=False)["input_ids"] != turn
     assert naive > 0  # the case that matters: this tokenizer does not give back the sampled ids
     assert episodes.metrics["agent/retokenized_tokens"] == 0 and episodes.rewards == [0.5, 0.5]
+    assert (sum(entry["stopped"] for entry in log.values()) > 0) == (mode == "chat-stop")
 
 
 def test_the_gateway_samples_under_the_autocast_of_the_trainers_thread(policy, tmp_path):
@@ -333,3 +336,21 @@ def test_a_persistent_program_takes_batch_after_batch_on_its_stdin_and_ends_with
         os.kill(pid, 0)
     first, second, _ = run_batch(policy, tmp_path, mode="crash", agent_mode="persistent")
     assert first.metrics["agent/failures"] == 3 and second.metrics["agent/failures"] == 3  # started again, crashed again
+
+
+@pytest.mark.parametrize("mode", ["ok", "no-stop-back"])
+def test_text_leaves_the_stop_string_out_and_either_way_back_trains_the_sampled_tokens(policy, tmp_path, mode):
+    """As the OpenAI API defines it, a completion's text has no stop string; an agent that puts `</calc>` back (as
+    calc_agent.py does) and one that does not both train exactly the tokens they were served, nothing re-tokenized."""
+    episodes = run(policy, tmp_path, mode=mode)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert episodes.metrics["agent/failures"] == 0 and episodes.metrics["agent/retokenized_tokens"] == 0
+    r = episodes.rollout
+    served = [sum(e["turns"], []) for e in log]
+    for i in range(len(r.texts)):
+        assert r.response_ids[i][r.response_mask[i]].tolist() in served
+    # the turns that closed a call: the text the agent got ended before `</calc>`, which the rollout's text keeps
+    closed = [i for i in range(len(r.texts)) if "</calc>" in r.texts[i]]
+    assert closed, "no episode closed a call: the check would be empty"
+    texts = [e["text"] for e in log]
+    assert any("</calc>" in t for t in texts) == (mode == "ok")

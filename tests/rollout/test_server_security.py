@@ -367,3 +367,29 @@ def test_top_logprobs_are_the_models_likeliest_tokens_in_openais_shapes():
         [a.token for a in entry.top_logprobs] for entry in choice.logprobs.content]  # the same model, both APIs
     assert status == 400 and answer["error"]["message"] == (
         "top_logprobs: 21 is more than this server allows (20; OpenAI's limit)")
+
+
+@pytest.mark.parametrize("route", ["/v1/completions"])  # (chat: the shipped model has no chat template; the agent tests)
+def test_the_text_leaves_the_stop_string_out_unless_asked(server, route):
+    """The OpenAI API's text "will not contain the stop sequence"; vLLM's include_stop_str_in_output puts it back;
+    vLLM's stop_reason names it. The token ids are the sampled ones either way."""
+    chat = route.endswith("chat/completions")
+    ask = {"messages": [{"role": "user", "content": "12+7="}]} if chat else {"prompt": "12+7="}
+    ask |= {"max_tokens": 8, "temperature": 0}
+
+    def text(answer):
+        choice = answer["choices"][0]
+        return choice["message"]["content"] if chat else choice["text"]
+
+    status, free = call(server, "POST", route, ask)
+    assert status == 200 and text(free), free
+    stop = text(free)[-1]  # the last character greedy decoding writes: it stops there again
+    status, cut = call(server, "POST", route, {**ask, "stop": [stop]})
+    status_kept, kept = call(server, "POST", route, {**ask, "stop": [stop], "include_stop_str_in_output": True})
+    assert status == status_kept == 200, (cut, kept)
+    assert text(kept).endswith(stop) and text(cut) == text(kept)[:-len(stop)]
+    assert cut["choices"][0]["stop_reason"] == kept["choices"][0]["stop_reason"] == stop
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["choices"][0]["token_ids"] == kept["choices"][0]["token_ids"]
+    assert free["choices"][0]["stop_reason"] is None  # ended at EOS or the length
+    status, answer = call(server, "POST", route, {**ask, "include_stop_str_in_output": "yes"})
+    refused(status, answer, 400, "include_stop_str_in_output: expected true or false")
