@@ -53,13 +53,20 @@ def episode_runner():
 
         def complete(text: str) -> str | None:
             try:
-                return client.completions.create(model="policy", prompt=text, stop=["</calc>"]).choices[0].text
+                choice = client.completions.create(model="policy", prompt=text, stop=["</calc>"]).choices[0]
+                return closed(choice.text, choice.finish_reason)
             except BadRequestError:  # the episode's tokens are spent (a long error line): it ends, as the built-in's
                 return None
 
         play(spec["row"], complete, lambda reward: client.post("/lmrl/reward", body={"reward": reward}, cast_to=object))
 
     return episode
+
+
+def closed(text: str, finish_reason: str) -> str:
+    """The model's turn as an agent written to the OpenAI API sees it: the text leaves out the stop string that ended
+    it, so a call the model closed gets its `</calc>` back."""
+    return text + "</calc>" if finish_reason == "stop" and "<calc>" in text and "</calc>" not in text else text
 
 
 def play(row: dict, complete, report) -> None:  # noqa: ANN001 - the client's calls
@@ -114,7 +121,9 @@ def stdlib_episode_runner():
         def complete(text: str) -> str | None:
             status, answer = post(spec["base_url"] + "/completions", spec["api_key"],
                                   {"model": "policy", "prompt": text, "stop": ["</calc>"]})
-            return answer["choices"][0]["text"] if status == 200 else None  # not 200: the episode's tokens are spent
+            if status != 200:  # the episode's tokens are spent
+                return None
+            return closed(answer["choices"][0]["text"], answer["choices"][0]["finish_reason"])
 
         play(spec["row"], complete, lambda reward: post(spec["base_url"] + "/lmrl/reward", spec["api_key"],
                                                         {"reward": reward}))
