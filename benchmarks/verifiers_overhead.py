@@ -33,11 +33,11 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lmrl.agents.verifiers import VerifiersEnvironment, load_verifiers_environment
     from lmrl.models.prompt_encoding import encode_prompts
     from lmrl.rollout.base import SamplingParams
     from lmrl.rollout.hf import HFGenerator
     from lmrl.rollout.multiturn import generate_episodes
-    from lmrl.rollout.verifiers_env import VerifiersEnvironment, load_verifiers_environment
     from tests.envs.test_verifiers import chat_addition_model
 
     torch.set_num_threads(1)

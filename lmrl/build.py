@@ -237,7 +237,7 @@ def load_inputs(inputs: Inputs, tokenizer: Any, eval_dataset: Any = None, proces
     vision-language policy's (loaded here when not given)."""
     cfg, env, reward_funcs, train_dataset = inputs.cfg, inputs.env, inputs.reward_funcs, inputs.train_dataset
     environment = make_environment(cfg, env, use_task=train_dataset is None)  # a built-in task may bring its own
-    from lmrl.rollout.verifiers_env import VerifiersEnvironment
+    from lmrl.agents.verifiers import VerifiersEnvironment
 
     verifiers = isinstance(environment, VerifiersEnvironment)  # its taskset is the dataset, its rubric the reward
     if verifiers and train_dataset is None and cfg.data.path is None:
@@ -507,7 +507,7 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
     if env is not None and not type(env).__module__.startswith("verifiers."):
         return env
     if env is not None or (cfg.env.name or "").startswith("verifiers:"):  # a verifiers Env, given or named
-        from lmrl.rollout.verifiers_env import verifiers_environment
+        from lmrl.agents.verifiers import verifiers_environment
 
         given = env if env is not None else cfg.env.name
         return verifiers_environment(given, cfg.env.timeout, cfg.reward.on_error, max_parallel(cfg)[0],
@@ -526,7 +526,7 @@ def make_environment(cfg: Config, env: Any = None, use_task: bool = True) -> Any
         tools = tools_from(cfg.env.tools, sandbox=cfg.sandbox.limits(), builtins=("python",))
         return ToolEnvironment(tools, cfg.env.tool_call_pattern or HERMES_PATTERN, cfg.env.response_format)
     if cfg.env.name == "agent":
-        from lmrl.rollout.agent import AgentEnvironment
+        from lmrl.agents.programs import AgentEnvironment
 
         return AgentEnvironment(cfg.env.command, cfg.env.timeout, cfg.reward.on_error, max_parallel(cfg)[0],
                                 mode=cfg.env.agent_mode, host=cfg.env.agent_host, port=cfg.env.agent_port,

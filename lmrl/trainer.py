@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lmrl import algorithms as A
+from lmrl.agents.programs import close_agents
 from lmrl.algorithms import KLController
 from lmrl.async_rollouts import AsyncRollouts
 from lmrl.build import build_run
@@ -51,7 +52,6 @@ from lmrl.logging.run_log import RunLog
 from lmrl.models.forward import Forwards
 from lmrl.rewards.core import learned_scores
 from lmrl.rollout import HFGenerator, RemoteGenerator
-from lmrl.rollout.agent import close_agents
 from lmrl.update import Updater, needs_old_logprobs
 
 __all__ = ["Collected", "TrainResult", "Trainer"]

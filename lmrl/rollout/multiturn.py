@@ -122,7 +122,7 @@ def generate_episodes(
     if max_turns < 1:
         raise ValueError(f"max_turns: must be >= 1, got {max_turns!r}")
     views = _EpisodeMedia(media, processor, len(prompts), n, images)
-    if hasattr(env, "run_episodes"):  # its episodes are driven by a program of its own (`lmrl.rollout.agent`)
+    if hasattr(env, "run_episodes"):  # its episodes are driven by a program of its own (`lmrl.agents.programs`)
         if views.on:
             raise RunError("env: an environment that runs its own episodes (run_episodes) is not supported with a "
                            "vision-language policy")

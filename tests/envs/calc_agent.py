@@ -43,8 +43,8 @@ for turn in range(2):
     choice = client.completions.create(model="policy", prompt=text, max_tokens=24, stop=["</calc>"]).choices[0]
     turns.append(choice.model_extra["token_ids"])
     said = choice.text
-    if choice.finish_reason == "stop" and "<calc>" in said and mode != "no-stop-back":
-        said += "</calc>"  # the OpenAI API leaves the stop string out of the text: an agent puts it back
+    if mode != "no-stop-back":  # the OpenAI API leaves the stop string out of the text: an agent puts it back
+        said += choice.model_extra.get("stop_reason") or ""  # (vLLM's field naming it; None at EOS or the length)
     if mode == "edit" and turn == 0:
         said = "<calc>1+1</calc>"  # the agent rewrites what the model said
     text += said

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from lmrl.agents.programs import AgentEnvironment
 from lmrl.errors import RunError
 from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
-from lmrl.rollout.agent import AgentEnvironment
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes
@@ -130,7 +130,7 @@ def test_a_command_that_cannot_start_is_one_line(policy, tmp_path):
 def test_a_key_reaches_only_its_own_episode(policy):
     import httpx
 
-    from lmrl.rollout.gateway import Gateway, _Episode, _Segment
+    from lmrl.agents.gateway import Gateway, _Episode, _Segment
 
     gen, tok = policy
     gateway = Gateway(gen, tok)
@@ -154,7 +154,7 @@ def test_a_key_reaches_only_its_own_episode(policy):
 def test_a_tool_result_after_the_last_model_turn_is_not_in_the_batch(policy):
     """The agent's last text was refused a turn (its budget): it conditions nothing trained on, so the batch is as
     wide as the episodes' model turns and the tool results between them, as the built-in environment's budget cut."""
-    from lmrl.rollout.gateway import _Episode, _Segment
+    from lmrl.agents.gateway import _Episode, _Segment
 
     gen, _ = policy
     prompt = _Segment([5, 6], [0.0, 0.0], False, "47", "47")

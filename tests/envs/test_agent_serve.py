@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lmrl.agents.programs import AgentEnvironment
 from lmrl.errors import ConfigError, RunError
 from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
-from lmrl.rollout.agent import AgentEnvironment
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmrl.rollout.agent import AgentEnvironment
+from lmrl.agents.programs import AgentEnvironment
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.chat_turns import parse_tool_calls
 from lmrl.rollout.multiturn import generate_episodes

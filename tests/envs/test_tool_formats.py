@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from lmrl.rollout.agent import AgentEnvironment
+from lmrl.agents.programs import AgentEnvironment
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.chat_turns import parse_tool_calls, tool_call_format
 from lmrl.rollout.multiturn import generate_episodes

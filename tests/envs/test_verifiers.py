@@ -106,10 +106,10 @@ def chat_policy(tmp_path_factory):
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_tokens_trained_on_are_the_tokens_the_verifiers_rollout_was_served(chat_policy, tmp_path, monkeypatch,
                                                                               stream):
+    from lmrl.agents.verifiers import VerifiersEnvironment, load_verifiers_environment
     from lmrl.models.prompt_encoding import encode_prompts
     from lmrl.rollout.base import SamplingParams
     from lmrl.rollout.multiturn import generate_episodes
-    from lmrl.rollout.verifiers_env import VerifiersEnvironment, load_verifiers_environment
 
     gen, tok = chat_policy
     monkeypatch.setenv("VF_SUMS_LOG", str(tmp_path / "calls.jsonl"))
@@ -144,8 +144,8 @@ def test_the_tokens_trained_on_are_the_tokens_the_verifiers_rollout_was_served(c
                                                "returned a value of type 'int', expected a verifiers Env"),
 ])
 def test_a_verifiers_module_that_does_not_load_is_one_line(tmp_path, source, message):
+    from lmrl.agents.verifiers import load_verifiers_environment
     from lmrl.errors import ConfigError
-    from lmrl.rollout.verifiers_env import load_verifiers_environment
 
     path = tmp_path / "my_env.py"
     if source is not None:
@@ -169,7 +169,7 @@ def test_without_verifiers_installed_the_run_says_which_extra_to_install(tmp_pat
 
 def test_a_verifiers_env_passed_from_python_trains_on_its_tasks_and_reward(tmp_path):
     from lmrl import Config, Trainer
-    from lmrl.rollout.verifiers_env import VerifiersEnvironment, load_verifiers_environment
+    from lmrl.agents.verifiers import VerifiersEnvironment, load_verifiers_environment
 
     vf_env = load_verifiers_environment(f"verifiers:{SUMS}")
     cfg = Config(model={"name_or_path": str(chat_addition_model(tmp_path))}, log={"console": False},
@@ -185,11 +185,11 @@ def test_a_verifiers_env_passed_from_python_trains_on_its_tasks_and_reward(tmp_p
 
 
 def test_a_failed_verifiers_episode_is_one_line_or_a_counted_failure(chat_policy, monkeypatch):
+    from lmrl.agents.verifiers import VerifiersEnvironment, load_verifiers_environment
     from lmrl.errors import RunError
     from lmrl.models.prompt_encoding import encode_prompts
     from lmrl.rollout.base import SamplingParams
     from lmrl.rollout.multiturn import generate_episodes
-    from lmrl.rollout.verifiers_env import VerifiersEnvironment, load_verifiers_environment
 
     gen, tok = chat_policy
     monkeypatch.setenv("VF_SUMS_BROKEN", "1")
@@ -208,8 +208,8 @@ def test_a_failed_verifiers_episode_is_one_line_or_a_counted_failure(chat_policy
 def test_the_session_route_takes_only_the_gateways_session_key_and_a_live_session(chat_policy):
     import httpx
 
+    from lmrl.agents.gateway import SESSIONS, Gateway, _Episode, _Segment
     from lmrl.rollout.base import SamplingParams
-    from lmrl.rollout.gateway import SESSIONS, Gateway, _Episode, _Segment
 
     gen, tok = chat_policy
     gateway = Gateway(gen, tok)

@@ -146,7 +146,7 @@ def test_rows_keep_their_episodes_images_when_kept_and_joined():
 
 
 def test_an_environment_that_runs_its_own_episodes_is_refused_with_a_vision_policy():
-    class Agent:  # drives its episodes itself (`lmrl.rollout.agent`): it would not see the images
+    class Agent:  # drives its episodes itself (`lmrl.agents.programs`): it would not see the images
         def run_episodes(self, *args):
             raise AssertionError("not reached")
 

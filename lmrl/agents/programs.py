@@ -12,7 +12,7 @@ The agent calls `/v1/completions` (the prompt so far, as text) or `/v1/chat/comp
 far) and ends by reporting the episode's reward: `POST {OPENAI_BASE_URL}/lmrl/reward {"reward": 1.0}` with its
 key (`client.post("/lmrl/reward", body={"reward": 1.0}, cast_to=object)`), then exits 0.
 
-The gateway that serves and records the episodes is `lmrl.rollout.gateway`.
+The gateway that serves and records the episodes is `lmrl.agents.gateway`.
 
 An episode fails (counted in `agent/failures`, logged, nothing of it trained on, reward 0; with
 `reward.on_error=fail` the run stops with one line) when its program exits non-zero, exits without a reward,
@@ -26,7 +26,7 @@ its own base URL with its own key, reports each reward at that episode's /lmrl/r
 `env.agent_mode=persistent` starts it once per run (the start-up once, not per step): each batch's file path comes
 as a line on its stdin, the batch is over once every episode has reported its reward, and at the end of its stdin
 (the run is over) the program ends. `env.agent_mode=serve` starts no program: programs that run on their own ask
-the gateway for episodes with the run key (`lmrl.rollout.agent_work`).
+the gateway for episodes with the run key (`lmrl.agents.work`).
 
 Each chat turn's tool calls are parsed in the model family's format (`lmrl.rollout.chat_turns`: Hermes, Llama 3's
 JSON, Mistral's [TOOL_CALLS]; `model.tool_call_format`).
@@ -53,16 +53,16 @@ from typing import Any
 
 import torch
 
-from lmrl.errors import ConfigError, RunError
-from lmrl.rollout.agent_work import (
+from lmrl.agents.gateway import Gateway, _Episode, _Segment
+from lmrl.agents.work import (
     end_work,
     episodes_file,
     run_served,
     write_work_file,
 )
+from lmrl.errors import ConfigError, RunError
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 from lmrl.rollout.batcher import thread_precision
-from lmrl.rollout.gateway import Gateway, _Episode, _Segment
 from lmrl.rollout.multiturn import Episodes, _metrics
 from lmrl.rollout.server import (
     is_loopback,
@@ -85,7 +85,7 @@ class AgentEnvironment:
         mode: "episode": a run of the command per episode; "batch": one run for all the episodes of a call, each
             episode's URL, key and row in the file LMRL_EPISODES names (module docstring); "persistent": one run
             for the whole run, each call's episodes file named by a line on its stdin. `timeout` is then the call's.
-            "serve": no command; programs of yours ask for episodes (`lmrl.rollout.agent_work`).
+            "serve": no command; programs of yours ask for episodes (`lmrl.agents.work`).
         host, port: where the gateway listens (mode "serve"; otherwise loopback, a free port). Beyond loopback
             the run key must be yours, in the LMRL_AGENT_KEY environment variable.
         tool_format: how the model writes tool calls (`lmrl.rollout.chat_turns.FORMATS`, "auto": its template's).

@@ -6,12 +6,12 @@ through the recording gateway.
 
 The environment's taskset gives the prompts (one dataset row per task: its system prompt and prompt as chat
 messages), its own rollout (`Env.run_episode`: the harness, verifiers' interception server, the task's tools)
-runs against the gateway's per-episode endpoint (`lmrl.rollout.gateway.Gateway`), so the tokens trained on are
+runs against the gateway's per-episode endpoint (`lmrl.agents.gateway.Gateway`), so the tokens trained on are
 exactly the tokens sampled, and its rubric scores the episode: the reward is the weighted sum of the task's
 `@vf.reward` functions (verifiers' `Trace.reward`), each function's score logged as `verifiers/<name>`.
 
 Episodes run in this process, in one asyncio loop per step, at most `env.max_parallel` at a time. An episode
-fails as an agent's does (`lmrl.rollout.agent`): when verifiers reports an error for it (the harness, the
+fails as an agent's does (`lmrl.agents.programs`): when verifiers reports an error for it (the harness, the
 scoring), when no reward function scored it, or past `env.timeout`.
 """
 
@@ -24,10 +24,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lmrl.agents.gateway import SESSIONS, Gateway, _Episode
+from lmrl.agents.programs import AgentEnvironment
 from lmrl.errors import ConfigError
-from lmrl.rollout.agent import AgentEnvironment
 from lmrl.rollout.base import Generator, SamplingParams
-from lmrl.rollout.gateway import SESSIONS, Gateway, _Episode
 from lmrl.rollout.multiturn import Episodes
 from lmrl.user_code import load_function
 

@@ -1,5 +1,5 @@
 """The recording gateway: the live policy at one OpenAI-compatible endpoint per episode, for episodes driven by a
-program written elsewhere (`lmrl.rollout.agent`) or by a verifiers environment (`lmrl.rollout.verifiers_env`).
+program written elsewhere (`lmrl.agents.programs`) or by a verifiers environment (`lmrl.agents.verifiers`).
 
 The gateway (`Gateway`) serves the live policy, requests of all episodes batched together (`lmrl.rollout.batcher`:
 with lmrl's decode a request joins the running decode at its next step), and records per episode exactly the token ids it sampled and their log-probs. When
@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmrl.agents.work import WORK, WorkQueue, authorize_run, hand_out
 from lmrl.models.prompt_encoding import encode_text
-from lmrl.rollout.agent_work import WORK, WorkQueue, authorize_run, hand_out
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
 from lmrl.rollout.chat_turns import Reply, render_conversation, turn_choice
@@ -86,13 +86,13 @@ class _Episode:
 
 class Gateway(GenerationServer):
     """The live policy at one OpenAI-compatible endpoint per episode (module docstring); on loopback, unless
-    env.agent_mode=serve listens elsewhere with a run key of the user's (`lmrl.rollout.agent_work`)."""
+    env.agent_mode=serve listens elsewhere with a run key of the user's (`lmrl.agents.work`)."""
 
     def __init__(self, generator: Generator, tokenizer: Any, name: str = "lmrl-policy", host: str = "127.0.0.1",
                  port: int = 0, run_key: str | None = None, tool_format: str = "auto"):
         super().__init__(generator, tokenizer, name, host=host, port=port, api_key=run_key, tool_format=tool_format)
         self.RequestHandlerClass = _GatewayHandler
-        # env.agent_mode=serve: programs that run on their own ask for episodes with the run key (`agent_work`)
+        # env.agent_mode=serve: programs that run on their own ask for episodes with the run key (`lmrl.agents.work`)
         self.run_key, self.work = run_key, WorkQueue()
         self.public_url: str | None = None  # where programs reach it, when not where it listens (env.agent_url)
         self.episodes: dict[str, _Episode] = {}
@@ -259,7 +259,7 @@ class _GatewayHandler(_Handler):
 
     def _authorize_session(self, route: str) -> None:
         """/episodes/by-session/v1/...: the gateway's session key, and an X-Session-ID its `sessions` map to a live
-        episode (`lmrl.rollout.verifiers_env`: one HTTP client per step instead of one per episode)."""
+        episode (`lmrl.agents.verifiers`: one HTTP client per step instead of one per episode)."""
         scheme, _, token = self.headers.get("Authorization", "").partition(" ")
         if not _same(token.strip() if scheme.lower() == "bearer" else "", self.server.session_key):
             raise Refused(401, "authorization: a missing or wrong key: send the episode's OPENAI_API_KEY", "invalid_api_key")
