@@ -335,12 +335,46 @@ def rollout_bytes(cfg: Config, model_config: Any, longest_prompt: int) -> int:
     return kv_cache + logits + tokens
 
 
+def micro_batch_tokens(cfg: Config, longest_prompt: int) -> tuple[int, int]:
+    """(tokens, response tokens) of the largest forward of the update and the experience, at most: with packing
+    a micro-batch's real tokens (`optim.micro_batch_tokens` bounds them where set), without it its padded width."""
+    rows = cfg.optim.micro_batch_size
+    tokens, response = rows * (longest_prompt + cfg.rollout.max_new_tokens), rows * cfg.rollout.max_new_tokens
+    if cfg.train.packing and cfg.optim.micro_batch_tokens is not None:
+        # a row alone over the budget still runs whole
+        bound = max(cfg.optim.micro_batch_tokens, longest_prompt + cfg.rollout.max_new_tokens)
+        tokens, response = min(tokens, bound), min(response, bound)
+    return tokens, response
+
+
+def update_bytes(cfg: Config, model_config: Any, longest_prompt: int) -> int:
+    """A lower bound on what the largest forward and backward of a step keep: each layer's input for the backward
+    (what gradient checkpointing keeps too) and the logits of the response tokens (`micro_batch_tokens`)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    layers, hidden = getattr(text, "num_hidden_layers", 0) or 0, getattr(text, "hidden_size", 0) or 0
+    vocab = getattr(text, "vocab_size", 0) or 0
+    itemsize = 2 if cfg.train.autocast_bf16 or cfg.model.dtype in ("bfloat16", "auto") else 4
+    tokens, response = micro_batch_tokens(cfg, longest_prompt)
+    return tokens * layers * hidden * itemsize + response * vocab * itemsize
+
+
 def check_rollout_fits(cfg: Config, model_config: Any, longest_prompt: int, device: torch.device) -> None:
-    """ConfigError when one step's generation cannot fit in the device's memory (`rollout_bytes`)."""
-    need, have = rollout_bytes(cfg, model_config, longest_prompt), memory_bytes(device)
+    """ConfigError when one step's generation (`rollout_bytes`), or its largest training forward (`update_bytes`),
+    cannot fit in the device's memory."""
+    have, gib = memory_bytes(device), 2**30
+    update = update_bytes(cfg, model_config, longest_prompt)
+    if update > have:
+        tokens, _ = micro_batch_tokens(cfg, longest_prompt)
+        o = cfg.optim
+        raise ConfigError(
+            f"optim: a training forward of up to {tokens:,} tokens (optim.micro_batch_size={o.micro_batch_size}"
+            + (f", optim.micro_batch_tokens={o.micro_batch_tokens}" if o.micro_batch_tokens else "")
+            + f") keeps at least {update / gib:,.0f} GiB for its backward; this {device.type} has {have / gib:,.0f} "
+            "GiB: lower optim.micro_batch_size" + ("" if o.micro_batch_tokens else ", or set optim.micro_batch_tokens"))
+    need = rollout_bytes(cfg, model_config, longest_prompt)
     if need <= have:
         return
-    r, gib = cfg.rollout, 2**30
+    r = cfg.rollout
     raise ConfigError(
         f"rollout: a step generates {r.prompts_per_step * r.group_size} sequences (rollout.prompts_per_step="
         f"{r.prompts_per_step} x rollout.group_size={r.group_size}) of up to {longest_prompt + r.max_new_tokens} "

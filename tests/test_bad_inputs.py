@@ -225,6 +225,7 @@ BAD: dict[str, Bad] = {
                                       "'tiny-addition' 99: distillation compares their log-probs of the same token ids; use a "
                                       "teacher with the policy's tokenizer", real=False),
     "rollout cannot fit": Bad("train rollout.prompts_per_step=100000000", "rollout: a step generates 800000000 sequences", real=False),
+    "micro-batch cannot fit": Bad("train optim.micro_batch_size=100000000000", "optim: a training forward of up to ", real=False),
     # --- rewards: a value that is not a finite real number, a failure, an exit: the function, completion, value
     "reward inf": Bad(f"train {QUICK} reward.functions=[rewards.py:inf_reward]",
                       "step 1: reward function 'inf_reward' returned inf for completion 0 (expected a finite number or None)", 1, True),

@@ -407,3 +407,20 @@ def test_each_phase_reports_its_own_memory_peak(tmp_path):
     phases.end("small")
     if os.path.exists("/proc/self/clear_refs"):  # Linux resets the process's peak at each phase
         assert phases.peaks["memory/peak_big_mb"] - phases.peaks["memory/peak_small_mb"] > 100
+
+
+def test_the_memory_check_counts_a_packed_micro_batch_by_its_tokens():
+    """`update_bytes` (checked before step 1): a micro-batch's padded width without a token budget; with packing
+    and optim.micro_batch_tokens, that budget (or one whole row, where it is larger)."""
+    from lmrl.build import update_bytes
+
+    config = tiny_causal_lm(char_tokenizer(), hidden_size=32, num_layers=2, seed=0).config
+    padded = load_config(None, ["optim.micro_batch_size=64", "rollout.max_new_tokens=100"])
+    budget = load_config(None, ["optim.micro_batch_size=64", "rollout.max_new_tokens=100", "optim.micro_batch_tokens=500"])
+    unpacked = load_config(None, ["optim.micro_batch_size=64", "rollout.max_new_tokens=100",
+                                  "optim.micro_batch_tokens=500", "train.packing=false"])
+    layer, logits = 2 * 32 * 4, config.vocab_size * 4  # bytes a token keeps: each layer's input, a response's logits
+    assert update_bytes(padded, config, 50) == 64 * 150 * layer + 64 * 100 * logits
+    assert update_bytes(budget, config, 50) == 500 * layer + 500 * logits
+    assert update_bytes(unpacked, config, 50) == update_bytes(padded, config, 50)
+    assert update_bytes(budget, config, 1000) == 1100 * layer + 1100 * logits  # a row longer than the budget runs whole
