@@ -20,8 +20,9 @@ What it prints, per trainer (steps 2..N; step 1 is warm-up):
     gen tokens/s     decode tokens per second of generation, against the bandwidth limit: each decode step
                      must read every weight once and every row's KV cache so far, at the device's copy
                      bandwidth (measured here with a large tensor copy);
-    peak memory      torch.cuda.max_memory_allocated (GPU) or the process's peak RSS (CPU); lmrl's also per phase
-                     (generate, experience, update: its memory/peak_*_mb metrics, the largest over the steps).
+    peak memory      torch.cuda.max_memory_allocated (GPU) or the process's peak RSS (CPU); also per phase, the
+                     largest over the steps: lmrl's generate, experience and update (its memory/peak_*_mb
+                     metrics), TRL's generate and rest, measured the same way (`lmrl.logging.metrics.Phases`).
 Each trainer runs in its own subprocess, one after the other. Needs TRL (`pip install 'lmrl[bench]'`).
 """
 
@@ -183,15 +184,23 @@ def run_trl(s: Settings, out_dir: str) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from lmrl.logging.metrics import Phases
+
     model, tokenizer = _load(s)
     times: list[float] = []
+    phases: list[Phases] = []  # the step's, as lmrl's trainer measures its own: generation, then the rest
+    peaks = {"generate": 0.0, "rest": 0.0}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             self.start = time.perf_counter()
+            phases[:] = [Phases(s.device)]
 
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter() - self.start)
+            phases[0].end("rest")
+            for name in peaks:
+                peaks[name] = max(peaks[name], phases[0].peaks.get(f"memory/peak_{name}_mb", 0.0))
 
     args = GRPOConfig(
         output_dir=out_dir, max_steps=s.steps, per_device_train_batch_size=s.prompts_per_step * s.group_size,
@@ -205,8 +214,18 @@ def run_trl(s: Settings, out_dir: str) -> dict:
                           callbacks=[StepTimer()])
     generate: list[float] = []
     _timed(trainer, "_generate_and_score_completions", generate)
+    sample = trainer._generate_and_score_completions
+
+    def sample_then_mark(*args, **kwargs):  # the end of the step's generation phase (its memory peak)
+        out = sample(*args, **kwargs)
+        if phases:
+            phases[0].end("generate")
+        return out
+
+    trainer._generate_and_score_completions = sample_then_mark
     trainer.train()
-    return {"step": times[1:], "generate": generate[1:], "peak_mb": _peak_mb(s.device), "decode_path": "model.generate"}
+    return {"step": times[1:], "generate": generate[1:], "peak_mb": _peak_mb(s.device), "decode_path": "model.generate",
+            "phase_peaks": peaks}
 
 
 RUNNERS = {"lmrl": run_lmrl, "trl": run_trl}
@@ -318,10 +337,11 @@ def main() -> None:
 
 
 def _split(r: dict) -> str:
-    """lmrl's rest of the step: the experience (old / reference forwards, advantages) and the update."""
-    if "update" not in r:
-        return ""
+    """lmrl's rest of the step: the experience (old / reference forwards, advantages) and the update; each phase's
+    memory peak (TRL's: its generation and its rest)."""
     peaks = ", ".join(f"{phase} {mb:,.0f} MB" for phase, mb in r.get("phase_peaks", {}).items())
+    if "update" not in r:
+        return f" (peak per phase: {peaks})" if peaks else ""
     return (f" (experience {statistics.fmean(r['experience']):.3f} + update {statistics.fmean(r['update']):.3f}; "
             f"peak per phase: {peaks})")
 
