@@ -21,6 +21,7 @@ How it departs from a textbook PPO update, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -31,7 +32,7 @@ import torch
 
 from lmrl import algorithms as A
 from lmrl.distributed import World, idle_batch, set_gradient_sync
-from lmrl.experience import Experience, balanced, kl_clamp_option, micro_batches, rollout_is_weights
+from lmrl.experience import Experience, kl_clamp_option, micro_batches, rollout_is_weights, row_tokens
 from lmrl.models.forward import Forwards
 
 
@@ -52,6 +53,72 @@ POLICY_LOSSES = {
                                                   "generator": rng}),
     "kl_cov": (A.kl_cov_loss, lambda a, rng: {"kl_fraction": a.kl_cov_fraction, "cov_kl_coef": a.kl_cov_coef}),
 }
+
+
+def balanced(exp: Experience, world: World, live: torch.Tensor | None = None) -> Experience:
+    """This rank's share of the whole batch, whole groups moved between ranks so that each trains on about as many
+    packed tokens as any other (the largest group first, to the rank with the fewest tokens so far; `live`: the
+    indices of the rows the update will run, the only ones counted; None: all). The update stays the same: losses are normalised over the
+    whole minibatch and gradients summed over ranks. A batch with images stays where it is (its bundles are indexed
+    per rank)."""
+    if not world.distributed or exp.media is not None:
+        return exp
+    prompt, response = row_tokens(exp.attention_mask, exp.num_response_tokens)
+    kept = set(range(len(exp))) if live is None else set(live.tolist())
+    live_rows = [row in kept for row in range(len(exp))]
+    groups: dict[int, list[int]] = {}
+    for row, g in enumerate(exp.group_index.tolist()):
+        groups.setdefault(g, []).append(row)
+    costs = [sum(response[r] for r in rows if live_rows[r]) + prompt[rows[0]] * any(live_rows[r] for r in rows)
+             for rows in groups.values()]
+    everyone = world.gather(costs)
+    load, owner = [0] * world.size, {}
+    for cost, rank, g in sorted(((c, r, i) for r, cs in enumerate(everyone) for i, c in enumerate(cs)),
+                                key=lambda x: (-x[0], x[1], x[2])):
+        owner[rank, g] = min(range(world.size), key=lambda k: (load[k], k))
+        load[owner[rank, g]] += cost
+    if all(owner[rank, g] == rank for rank, g in owner):
+        return exp
+    shares = world.gather(exp.select(torch.arange(len(exp))).to("cpu"))
+    mine = []
+    for rank, share in enumerate(shares):
+        rows_of = {}
+        for row, g in enumerate(share.group_index.tolist()):
+            rows_of.setdefault(g, []).append(row)
+        for i, rows in enumerate(rows_of.values()):
+            if owner[rank, i] == world.rank:
+                part = share.select(torch.tensor(rows))
+                part.group_index = torch.full((len(rows),), len(mine))
+                mine.append(part)
+    return concat(mine, exp).to(exp.sequences.device)
+
+
+def concat(parts: list[Experience], like: Experience) -> Experience:
+    """The rows of several batches as one: prompts left-padded and responses right-padded to the widest (`like`:
+    a batch of the same run, for an empty result)."""
+    if not parts:
+        return like.select(torch.arange(0))
+    P = max(x.sequences.shape[1] - x.num_response_tokens for x in parts)
+    T = max(x.num_response_tokens for x in parts)
+
+    def widen(x: Experience, name: str, t: torch.Tensor) -> torch.Tensor:
+        p, t_x = x.sequences.shape[1] - x.num_response_tokens, x.num_response_tokens
+        if name in ("sequences", "attention_mask"):
+            return torch.cat([t.new_zeros(len(t), P - p), t[:, :p], t[:, p:], t.new_zeros(len(t), T - t_x)], dim=1)
+        if t.dim() == 2:  # [b, T] per response token
+            return torch.cat([t, t.new_zeros(len(t), T - t_x)], dim=1)
+        return t  # [b] per row
+
+    out = {}
+    for f in dataclasses.fields(Experience):
+        values = [getattr(x, f.name) for x in parts]
+        if isinstance(values[0], torch.Tensor):
+            out[f.name] = torch.cat([widen(x, f.name, v) for x, v in zip(parts, values)])
+        elif isinstance(values[0], dict):
+            out[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
+        else:
+            out[f.name] = values[0]
+    return Experience(**out)
 
 
 @dataclass

@@ -257,7 +257,8 @@ def test_ranks_trade_whole_groups_until_their_tokens_are_about_even():
     prompts and responses of other widths padded to fit."""
     import threading
 
-    from lmrl.experience import balanced, row_tokens
+    from lmrl.experience import row_tokens
+    from lmrl.update import balanced
 
     shares = [make_experience(rollout(P=P, T=T, lengths=lengths, finished=(True,) * 4, seed=rank), SCORES + rank,
                               **algo().options_for(make_experience), policy_logprobs=None)

@@ -412,7 +412,7 @@ def test_each_phase_reports_its_own_memory_peak(tmp_path):
 def test_the_memory_check_counts_a_packed_micro_batch_by_its_tokens():
     """`update_bytes` (checked before step 1): a micro-batch's padded width without a token budget; with packing
     and optim.micro_batch_tokens, that budget (or one whole row, where it is larger)."""
-    from lmrl.build import update_bytes
+    from lmrl.memory_check import update_bytes
 
     config = tiny_causal_lm(char_tokenizer(), hidden_size=32, num_layers=2, seed=0).config
     padded = load_config(None, ["optim.micro_batch_size=64", "rollout.max_new_tokens=100"])

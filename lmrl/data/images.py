@@ -38,7 +38,7 @@ class ImageInputs:
         image_tokens: the tokens a row's images add to its prompt beyond their placeholders, as the processor
             expands them (counted into the prompt's length); None: not counted.
         measured: told the length of each prompt with images that fits rollout.max_prompt_length, its images'
-            tokens counted (the memory estimate's longest prompt, `lmrl.build.check_rollout_fits`).
+            tokens counted (the memory estimate's longest prompt, `lmrl.memory_check.check_rollout_fits`).
     """
 
     image_token: str | None

@@ -208,8 +208,9 @@ def test_a_prompts_length_counts_its_images_tokens_as_the_processor_expands_them
 def test_the_memory_estimate_counts_a_prompts_images_tokens(tmp_path):
     """The estimate made before the first step (`check_rollout_fits`) takes the longest prompt as the model will see
     it: a two-image prompt of a few characters is 30 tokens longer than its text."""
-    from lmrl.build import load_data, rollout_bytes
+    from lmrl.build import load_data
     from lmrl.config import load_config
+    from lmrl.memory_check import rollout_bytes
     from lmrl.models.tiny import tiny_llava
 
     model, processor = tiny_llava()
