@@ -97,7 +97,6 @@ class _OsExitCalled(SystemExit):
     """Raised by the stand-in for os._exit while score() runs reward functions."""
 
 
-
 def _check_value(name: str, i: int, v: Any) -> float:
     """One reward: None -> NaN, a finite real number -> float; anything else raises _Failure."""
     if v is None:
