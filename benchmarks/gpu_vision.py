@@ -102,7 +102,10 @@ def main() -> None:
     for step, h in enumerate(history, start=1):
         print(f"step {step}: loss {h['loss']:.4g}, val/sampler_kl {h.get('val/sampler_kl', float('nan')):.3g}, "
               f"time/step {h['time/step']:.2f} s")
-    peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
+    # the trainer resets torch's peak at each phase (memory/peak_*_mb): the run's peak is the largest of those and now's
+    phases = [v for h in history for k, v in h.items() if k.startswith("memory/peak_")]
+    most = max([torch.cuda.max_memory_allocated() / 2**20, *phases]) if cuda else 0.0
+    peak = f", peak GPU memory {most / 2**10:.1f} GiB" if cuda else ""
     print(f"{len(history)} steps in {seconds:.1f} s{peak}")
     kl = [h["val/sampler_kl"] for h in history if "val/sampler_kl" in h]  # (a step whose groups all tied has none)
     if not kl or max(map(abs, kl)) >= 1e-2:

@@ -129,6 +129,12 @@ def _load(s: Settings):
     return model.to(s.device), AutoTokenizer.from_pretrained(s.model_dir)
 
 
+def _whole_peak(device: str, phase_peaks: dict[str, float] | None = None) -> dict[str, float]:
+    """{"peak_mb": the run's peak}: on a GPU the phases reset torch's peak (`lmrl.logging.metrics.Phases`), so the
+    largest of the phases' peaks and torch's since the last reset; on a CPU the process's peak resident memory."""
+    return {"peak_mb": max([_peak_mb(device), *(phase_peaks or {}).values()])}
+
+
 def _peak_mb(device: str) -> float:
     import torch
 
@@ -153,11 +159,10 @@ def run_lmrl(s: Settings, out_dir: str) -> dict:
     trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[hashed_reward], train_dataset=prompts(s))
     path = trainer.generator.decode_path()
     history = trainer.train().history[1:]
+    peaks = {phase: max(m.get(f"memory/peak_{phase}_mb", 0.0) for m in history) for phase in ("generate", "experience", "update")}
     return {"step": [m["time/step"] for m in history], "generate": [m["time/generate"] for m in history],
             "experience": [m["time/experience"] for m in history], "update": [m["time/update"] for m in history],
-            "peak_mb": _peak_mb(s.device), "decode_path": f"{path[0]} ({path[1]})",
-            "phase_peaks": {phase: max(m.get(f"memory/peak_{phase}_mb", 0.0) for m in history)
-                            for phase in ("generate", "experience", "update")}}
+            "decode_path": f"{path[0]} ({path[1]})", "phase_peaks": peaks} | _whole_peak(s.device, peaks)
 
 
 def overridden(cfg, pairs: list[str]):
@@ -224,8 +229,8 @@ def run_trl(s: Settings, out_dir: str) -> dict:
 
     trainer._generate_and_score_completions = sample_then_mark
     trainer.train()
-    return {"step": times[1:], "generate": generate[1:], "peak_mb": _peak_mb(s.device), "decode_path": "model.generate",
-            "phase_peaks": peaks}
+    return {"step": times[1:], "generate": generate[1:], "decode_path": "model.generate", "phase_peaks": peaks} | _whole_peak(
+        s.device, peaks)
 
 
 RUNNERS = {"lmrl": run_lmrl, "trl": run_trl}
