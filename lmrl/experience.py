@@ -235,11 +235,7 @@ def micro_batches(attention_mask: torch.Tensor, num_response_tokens: int, size: 
     rows = attention_mask.shape[0]
     if tokens is None:
         return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
-    real = attention_mask.bool()
-    p = attention_mask.shape[1] - num_response_tokens
-    prompt = real[:, :p].sum(1).tolist()
-    columns = torch.arange(num_response_tokens, device=real.device)
-    response = torch.where(real[:, p:], columns + 1, 0).amax(1).tolist() if num_response_tokens else [0] * rows
+    prompt, response = row_tokens(attention_mask, num_response_tokens)
     groups = group_index.tolist() if group_index is not None else list(range(rows))
     out, start, used, seen = [], 0, 0, set()
     for i in range(rows):

@@ -21,12 +21,17 @@ def memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _text(model_config: Any) -> Any:
+    """The language model's part of a (vision-language) model's config."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
 def rollout_bytes(cfg: Config, model_config: Any, longest_prompt: int) -> int:
     """A lower bound on the memory one step's generation needs: the KV cache and the logits of one generation
     batch, and the token tensors of the whole batch. Compared with the device's memory before the first step,
     so that a size that cannot fit fails at once instead of swapping or hanging."""
     r = cfg.rollout
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = _text(model_config)
     layers = getattr(text, "num_hidden_layers", 0) or 0
     heads = getattr(text, "num_attention_heads", 1) or 1
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -58,7 +63,7 @@ def micro_batch_tokens(cfg: Config, longest_prompt: int) -> tuple[int, int]:
 def update_bytes(cfg: Config, model_config: Any, longest_prompt: int) -> int:
     """A lower bound on what the largest forward and backward of a step keep: each layer's input for the backward
     (what gradient checkpointing keeps too) and the logits of the response tokens (`micro_batch_tokens`)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = _text(model_config)
     layers, hidden = getattr(text, "num_hidden_layers", 0) or 0, getattr(text, "hidden_size", 0) or 0
     vocab = getattr(text, "vocab_size", 0) or 0
     itemsize = 2 if cfg.train.autocast_bf16 or cfg.model.dtype in ("bfloat16", "auto") else 4

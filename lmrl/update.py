@@ -58,19 +58,15 @@ POLICY_LOSSES = {
 def balanced(exp: Experience, world: World, live: torch.Tensor | None = None) -> Experience:
     """This rank's share of the whole batch, whole groups moved between ranks so that each trains on about as many
     packed tokens as any other (the largest group first, to the rank with the fewest tokens so far; `live`: the
-    indices of the rows the update will run, the only ones counted; None: all). The update stays the same: losses are normalised over the
-    whole minibatch and gradients summed over ranks. A batch with images stays where it is (its bundles are indexed
-    per rank)."""
+    indices of the rows the update will run, the only ones counted; None: all). The update stays the same: losses
+    are normalised over the whole minibatch and gradients summed over ranks. A batch with images stays where it is
+    (its bundles are indexed per rank)."""
     if not world.distributed or exp.media is not None:
         return exp
     prompt, response = row_tokens(exp.attention_mask, exp.num_response_tokens)
     kept = set(range(len(exp))) if live is None else set(live.tolist())
-    live_rows = [row in kept for row in range(len(exp))]
-    groups: dict[int, list[int]] = {}
-    for row, g in enumerate(exp.group_index.tolist()):
-        groups.setdefault(g, []).append(row)
-    costs = [sum(response[r] for r in rows if live_rows[r]) + prompt[rows[0]] * any(live_rows[r] for r in rows)
-             for rows in groups.values()]
+    costs = [sum(response[r] for r in rows if r in kept) + prompt[rows[0]] * any(r in kept for r in rows)
+             for rows in _group_rows(exp)]
     everyone = world.gather(costs)
     load, owner = [0] * world.size, {}
     for cost, rank, g in sorted(((c, r, i) for r, cs in enumerate(everyone) for i, c in enumerate(cs)),
@@ -79,18 +75,22 @@ def balanced(exp: Experience, world: World, live: torch.Tensor | None = None) ->
         load[owner[rank, g]] += cost
     if all(owner[rank, g] == rank for rank, g in owner):
         return exp
-    shares = world.gather(exp.select(torch.arange(len(exp))).to("cpu"))
     mine = []
-    for rank, share in enumerate(shares):
-        rows_of = {}
-        for row, g in enumerate(share.group_index.tolist()):
-            rows_of.setdefault(g, []).append(row)
-        for i, rows in enumerate(rows_of.values()):
-            if owner[rank, i] == world.rank:
+    for rank, share in enumerate(world.gather(exp.to("cpu"))):
+        for g, rows in enumerate(_group_rows(share)):
+            if owner[rank, g] == world.rank:
                 part = share.select(torch.tensor(rows))
                 part.group_index = torch.full((len(rows),), len(mine))
                 mine.append(part)
     return concat(mine, exp).to(exp.sequences.device)
+
+
+def _group_rows(exp: Experience) -> list[list[int]]:
+    """The rows of each group of `exp`, groups in their order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for row, g in enumerate(exp.group_index.tolist()):
+        groups.setdefault(g, []).append(row)
+    return list(groups.values())
 
 
 def concat(parts: list[Experience], like: Experience) -> Experience:
@@ -103,8 +103,8 @@ def concat(parts: list[Experience], like: Experience) -> Experience:
 
     def widen(x: Experience, name: str, t: torch.Tensor) -> torch.Tensor:
         p, t_x = x.sequences.shape[1] - x.num_response_tokens, x.num_response_tokens
-        if name in ("sequences", "attention_mask"):
-            return torch.cat([t.new_zeros(len(t), P - p), t[:, :p], t[:, p:], t.new_zeros(len(t), T - t_x)], dim=1)
+        if name in ("sequences", "attention_mask"):  # the prompt left-padded, the response right-padded
+            return torch.cat([t.new_zeros(len(t), P - p), t, t.new_zeros(len(t), T - t_x)], dim=1)
         if t.dim() == 2:  # [b, T] per response token
             return torch.cat([t, t.new_zeros(len(t), T - t_x)], dim=1)
         return t  # [b] per row

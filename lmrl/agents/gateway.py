@@ -121,6 +121,7 @@ class Gateway(GenerationServer):
             raise ValueError("n: an episode is one sequence; the gateway samples n=1")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else _list(stop, "stop")
+        keep_stop = _flag(body, "include_stop_str_in_output")
         with episode.lock:
             episode.first_call = episode.first_call or time.monotonic()
             if episode.reward is not None:
@@ -139,14 +140,15 @@ class Gateway(GenerationServer):
                                          stop=[*episode.params.stop, *[s for s in stop if s not in episode.params.stop]])
             context = [t for s in episode.segments for t in s.ids]
             rows = self.batcher.generate([context], 1, params)
-            ids, logps, text = rows.tokens[0], rows.logprobs[0], rows.texts[0]
+            ids, logps, full = rows.tokens[0], rows.logprobs[0], rows.texts[0]
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
             # the text as the OpenAI API returns it: without the stop string, unless the request asks for it
-            tail = (stop_found(text, params.stop) or "") if rows.finished[0] and not _flag(body, "include_stop_str_in_output") else ""
-            text = text[:len(text) - len(tail)]
-            choice = turn_choice(text, ids, rows.finished[0], chat, body.get("tools") and self.tool_calls,
-                                 f"call-{episode.index}-{episode.turns}")
-            choice["stop_reason"] = (tail or stop_found(rows.texts[0], params.stop)) if rows.finished[0] else None
+            found = stop_found(full, params.stop) if rows.finished[0] else None
+            tail = found if found and not keep_stop else ""
+            text = full[:len(full) - len(tail)]
+            choice = turn_choice(full, ids, rows.finished[0], chat, body.get("tools") and self.tool_calls,
+                                 f"call-{episode.index}-{episode.turns}", shown=text)
+            choice["stop_reason"] = found
             episode.segments.append(_Segment(ids, logps, True, text, raw, choice.get("message"), tail))
             episode.turns += 1
             episode.finished = rows.finished[0]

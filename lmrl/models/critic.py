@@ -168,10 +168,8 @@ class ValueModel(nn.Module):
         states = packed_states(self.backbone, sequences, attention_mask, position_ids_from_mask(attention_mask), t,
                                pack=pack) if share_prompt else None
         if states is not None:
-            values = states.scatter(self.value_head(states.hidden.float()).squeeze(-1), len(sequences), t)
-        else:
-            values = self(sequences, attention_mask)[:, -(t + 1) : -1]
-        return padded_to(values, width)  # [B, T]
+            return states.scatter(self.value_head(states.hidden.float()).squeeze(-1), len(sequences), width)
+        return padded_to(self(sequences, attention_mask)[:, -(t + 1) : -1], width)  # [B, T]
 
 
 class PolicyValueHead(nn.Module):

@@ -153,10 +153,12 @@ def response_forward(
     if states is not None:  # the LM head and the log-softmax only where a response token is scored
         logits = lora_base(model).lm_head(states.hidden)  # [n, V]
         tokens = sequences[states.rows, sequences.shape[1] - t + states.cols]
-        logprobs = states.scatter(token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size), rows, t)
-        ent = states.scatter(token_entropy(logits, chunk_size=chunk_size, temperature=temperature), rows, t) if entropy else None
-        out = ResponseForward(logprobs, ent, states.padded(rows, t) if hidden else None)
-        return widened(out, width)
+        # (straight into the caller's `width` columns: the positions after `trimmed`'s are 0 either way)
+        logprobs = states.scatter(token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size), rows,
+                                  width)
+        ent = states.scatter(token_entropy(logits, chunk_size=chunk_size, temperature=temperature), rows,
+                             width) if entropy else None
+        return ResponseForward(logprobs, ent, states.padded(rows, width) if hidden else None)
     with _decoder_output(model) if hidden else contextlib.nullcontext() as captured:
         out = model(
             input_ids=sequences,
@@ -213,7 +215,7 @@ def response_hidden(model: nn.Module, sequences: torch.Tensor, attention_mask: t
     positions = position_ids_from_mask(attention_mask)
     states = packed_states(model, sequences, attention_mask, positions, t, pack=pack) if share_prompt else None
     if states is not None:
-        return padded_to(states.padded(len(sequences), t), width)
+        return states.padded(len(sequences), width)
     with _decoder_output(model) as captured:  # the whole model runs (FSDP gathers at its root), the head on 1 position
         model(input_ids=sequences, attention_mask=attention_mask, position_ids=positions, logits_to_keep=1, use_cache=False)
     return padded_to(captured[0][:, -(t + 1) : -1], width)

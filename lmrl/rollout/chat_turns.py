@@ -196,13 +196,16 @@ def _calls(calls: Any) -> list[tuple[Any, Any]]:
     return out
 
 
-def turn_choice(text: str, ids: list[int], finished: bool, chat: bool, parse: Any, call_id: str) -> dict[str, Any]:
+def turn_choice(text: str, ids: list[int], finished: bool, chat: bool, parse: Any, call_id: str,
+                shown: str | None = None) -> dict[str, Any]:
     """One choice of a completion; a chat turn's tool calls (`parse`: the gateway's, when the request offered tools)
-    in `tool_calls`."""
+    in `tool_calls`, parsed from the whole `text`; the content, where no call was found, is `shown` (the text without
+    the stop string that ended it, as the OpenAI API returns it; default: `text`)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if finished else "length", "token_ids": ids}
     if not chat:
         return choice
     content, calls = parse(text, ids, call_id) if parse else (text, [])
+    content = shown if shown is not None and not calls else content
     choice["message"] = {"role": "assistant", "content": content}
     if calls:
         choice["message"]["tool_calls"] = calls

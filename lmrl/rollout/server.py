@@ -271,8 +271,9 @@ class GenerationServer(ThreadingHTTPServer):
             choice: dict[str, Any] = {"index": i, "finish_reason": reason, "stop_reason": tail, "token_ids": ids}
             shown = text[:len(text) - len(tail)] if tail and not keep_stop else text  # the API's text has no stop string
             if chat:
+                # tool calls from the whole text (a stop string may close one); without any, the content is `shown`
                 content, calls = self.tool_calls(text, ids, f"call-{i}") if body.get("tools") else (shown, [])
-                content = shown if not calls and content == text else content
+                content = content if calls else shown
                 choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
                 choice["finish_reason"] = "tool_calls" if calls and rows.finished[i] else reason
                 choice["logprobs"] = {"content": [
