@@ -26,13 +26,13 @@ def policy():
     return HFGenerator(model, tok, seed=0), tok
 
 
-def run(policy, tmp_path, mode="ok", on_error="fail", timeout=60.0, n=2):
+def run(policy, tmp_path, mode="ok", on_error="fail", timeout=60.0, n=2, temperature=1.0):
     gen, tok = policy
     os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
     try:
         env = AgentEnvironment(f"{sys.executable} {AGENT}", timeout=timeout, on_error=on_error)
         prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
-        params = SamplingParams(max_new_tokens=24, temperature=1.0, stop=[], seed=0)
+        params = SamplingParams(max_new_tokens=24, temperature=temperature, stop=[], seed=0)
         return generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96)
     finally:
         del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
@@ -341,8 +341,9 @@ def test_a_persistent_program_takes_batch_after_batch_on_its_stdin_and_ends_with
 @pytest.mark.parametrize("mode", ["ok", "no-stop-back"])
 def test_text_leaves_the_stop_string_out_and_either_way_back_trains_the_sampled_tokens(policy, tmp_path, mode):
     """As the OpenAI API defines it, a completion's text has no stop string; an agent that puts `</calc>` back (as
-    calc_agent.py does) and one that does not both train exactly the tokens they were served, nothing re-tokenized."""
-    episodes = run(policy, tmp_path, mode=mode)
+    calc_agent.py does) and one that does not both train exactly the tokens they were served, nothing re-tokenized.
+    Greedy: the gateway's sampling is unseeded, and the shipped model's greedy turn closes its call every time."""
+    episodes = run(policy, tmp_path, mode=mode, temperature=0.0)
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert episodes.metrics["agent/failures"] == 0 and episodes.metrics["agent/retokenized_tokens"] == 0
     r = episodes.rollout
