@@ -60,7 +60,7 @@ def sampling_version(step: int, k: int, start: int) -> int:
 
 
 @dataclass
-class _Spec:
+class Spec:
     """What the generator process is built from (pickled into it)."""
 
     cfg: Any  # the run's Config
@@ -112,6 +112,15 @@ class AsyncRollouts:
         self.probe_diffs: list[float] = []
 
     # ------------------------------------------------------------------------------ start, stop
+    @staticmethod
+    def main(spec: Spec, snapshot: dict[str, torch.Tensor], channel) -> None:
+        """The generator process's body (`lmrl.streamed` has another schedule)."""
+        _generator_main(spec, snapshot, channel)
+
+    def shared(self, context) -> tuple:
+        """What else the generator process is given besides its spec, the weights and its pipe."""
+        return ()
+
     def spawn(self) -> None:
         """Start the generator process, with the policy's weights as they are: it imports, loads its prompts,
         reward functions and model while this process builds and resumes the run (`start` sets it going)."""
@@ -122,7 +131,7 @@ class AsyncRollouts:
         skeleton = SimpleNamespace(config=base.config, generation_config=base.generation_config,
                                    dtype=next(base.parameters()).dtype)
         w = self.world
-        spec = _Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads,
+        spec = Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads,
                      (w.rank, w.size, w.local_rank), os.getpid(), self.processor)
         method = start_method()
         try:
@@ -133,7 +142,8 @@ class AsyncRollouts:
                               "define reward functions and environments at module level, or set train.async_steps=0") from e
         context = torch.multiprocessing.get_context(method)
         self.channel, theirs = context.Pipe()
-        self.process = context.Process(target=_generator_main, args=(spec, self.snapshot, theirs), name="lmrl-generator")
+        self.process = context.Process(target=self.main, args=(spec, self.snapshot, theirs, *self.shared(context)),
+                                       name="lmrl-generator")
         self.process.start()
         theirs.close()
         atexit.register(self.close)  # a Trainer built and never trained: before multiprocessing waits for its children
@@ -190,7 +200,7 @@ class AsyncRollouts:
         if self.probe_diffs:  # the sync probes answered while this batch was awaited
             c.metrics["val/sampler_probe_diff"] = max(self.probe_diffs)
             self.probe_diffs = []
-        self.probe_row = _probe_row(c.rollout)
+        self.probe_row = probe_row(c.rollout)
         return c
 
     def publish(self, step: int) -> None:
@@ -324,10 +334,15 @@ def _collected(state: dict[str, Any], device: torch.device) -> tuple[Collected, 
         return x.to(device) if isinstance(x, torch.Tensor) else x
 
     values = {f.name: here(state[f.name]) for f in fields(Collected)}
-    values["rollout"] = Rollout(**{name: here(x) for name, x in state["rollout"].items()})
+    values["rollout"] = rollout_from_state(state["rollout"], device)
     values["per_function"] = {name: here(x) for name, x in values["per_function"].items()}
     values["metrics"] = dict(values["metrics"])
     return Collected(**values), int(state["version"])
+
+
+def rollout_from_state(state: dict[str, Any], device: torch.device) -> Rollout:
+    """A rollout sent as its fields, with its tensors on `device`."""
+    return Rollout(**{name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in state.items()})
 
 
 # ------------------------------------------------------------------------------ the generator process
@@ -345,15 +360,15 @@ class _SharedWeights:
             start = time.perf_counter()
             while (message := self.channel.recv())[0] != "weights" or message[1] < version:
                 if message[0] == "stop":
-                    raise _Stopped
+                    raise Stopped
             loaded = time.perf_counter()
             self.generator.load_weights(self.snapshot.items(), version)
             self.seconds += time.perf_counter() - loaded
             self.waited += loaded - start
-            _send(self.channel, ("taken", version))
+            send_message(self.channel, ("taken", version))
             if (probe := message[2]) is not None:  # the sync probe: this sequence's log-probs under what was taken
                 score = getattr(self.generator, "score", None)
-                _send(self.channel, ("probe", version, score(*probe).tolist() if score is not None else None))
+                send_message(self.channel, ("probe", version, score(*probe).tolist() if score is not None else None))
         yield
 
     def take_seconds(self) -> float:
@@ -362,7 +377,7 @@ class _SharedWeights:
         return seconds
 
 
-def _probe_row(rollout: Rollout) -> tuple[list[int], list[int]] | None:
+def probe_row(rollout: Rollout) -> tuple[list[int], list[int]] | None:
     """The sync probe's sequence from a batch: its first row's prompt and the tokens the model sampled before
     anything else joined the response (a multi-turn episode's first observation), at most 64; None where the row
     shows images (the probe scores text: a vision-language policy's sync is checked by val/sampler_logprob_diff)."""
@@ -375,17 +390,17 @@ def _probe_row(rollout: Rollout) -> tuple[list[int], list[int]] | None:
     return prompt, rollout.response_ids[0][: min(sampled, 64)].tolist()
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """The trainer asked the generator process to stop."""
 
 
-def _send(channel, message: tuple) -> None:
+def send_message(channel, message: tuple) -> None:
     channel.send_bytes(pickle.dumps(message))
 
 
-def _generator_main(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> None:
-    """The generator process: sample and score the batch of every step from `spec.first` on, in order, each with
-    the weights its `sampling_version` names, and send it to the trainer."""
+def in_generator(spec: Spec, channel, body) -> None:
+    """Run `body` as the generator process: Ctrl-C left to the trainer, ending with it, named in `ps`, its threads
+    set; a failure reaches the trainer as one line (the traceback here), a stop or a closed pipe ends it quietly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it checkpoints, then stops this process
     die_with_parent(spec.parent)
     with contextlib.suppress(OSError, AttributeError):  # `ps` and `top` name it
@@ -394,40 +409,50 @@ def _generator_main(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, b"lmrl-generator")  # PR_SET_NAME
     try:
         torch.set_num_threads(spec.threads)
-        collector, weights = _collector(spec, snapshot, channel)
-        # where the run begins or resumes (`start`), the first batch to sample, where the ranks' processes meet
-        while (message := channel.recv())[0] != "start":
-            if message[0] == "stop":
-                return
-        _, begun, first, rendezvous = message
-        if rendezvous is not None:  # one generator process per rank: their own group, for what spans the ranks
-            rank, size, local_rank = spec.world
-            os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's store is the trainers'; rank 0 hosts this
-            torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size,
-                                                 timeout=datetime.timedelta(minutes=5))
-            collector.world = World(rank, size, local_rank, "cpu")
-        for step in range(first, spec.cfg.train.steps + 1):
-            version = sampling_version(step, spec.cfg.train.async_steps, begun)
-            collector.global_step = version  # what reward functions read: the steps done by the sampling policy
-            start, weights.waited = time.perf_counter(), 0.0
-            c = collector.collect(step)
-            c.metrics |= {"time/generate": time.perf_counter() - start - weights.waited,
-                          "time/wait_for_weights": weights.waited}
-            _send(channel, ("batch", _state(c, step, version)))
-        while channel.recv()[0] != "stop":
-            pass
-    except (_Stopped, EOFError, BrokenPipeError, KeyboardInterrupt):
+        body()
+    except (Stopped, EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     except LmrlError as e:
         with contextlib.suppress(OSError):
-            _send(channel, ("error", type(e).__name__, str(e)))
+            send_message(channel, ("error", type(e).__name__, str(e)))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer as one line, the traceback here
         traceback.print_exc(file=sys.stderr)
         with contextlib.suppress(OSError):
-            _send(channel, ("error", "RunError", f"the generator process failed: {_line(e)}"))
+            send_message(channel, ("error", "RunError", f"the generator process failed: {_line(e)}"))
 
 
-def _collector(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> tuple[Collector, _SharedWeights]:
+def _generator_main(spec: Spec, snapshot: dict[str, torch.Tensor], channel) -> None:
+    """The generator process: sample and score the batch of every step from `spec.first` on, in order, each with
+    the weights its `sampling_version` names, and send it to the trainer."""
+    in_generator(spec, channel, lambda: _fixed_lag(spec, snapshot, channel))
+
+
+def _fixed_lag(spec: Spec, snapshot: dict[str, torch.Tensor], channel) -> None:
+    collector, weights = generator_collector(spec, snapshot, channel)
+    # where the run begins or resumes (`start`), the first batch to sample, where the ranks' processes meet
+    while (message := channel.recv())[0] != "start":
+        if message[0] == "stop":
+            return
+    _, begun, first, rendezvous = message
+    if rendezvous is not None:  # one generator process per rank: their own group, for what spans the ranks
+        rank, size, local_rank = spec.world
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's store is the trainers'; rank 0 hosts this
+        torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size,
+                                             timeout=datetime.timedelta(minutes=5))
+        collector.world = World(rank, size, local_rank, "cpu")
+    for step in range(first, spec.cfg.train.steps + 1):
+        version = sampling_version(step, spec.cfg.train.async_steps, begun)
+        collector.global_step = version  # what reward functions read: the steps done by the sampling policy
+        start, weights.waited = time.perf_counter(), 0.0
+        c = collector.collect(step)
+        c.metrics |= {"time/generate": time.perf_counter() - start - weights.waited,
+                      "time/wait_for_weights": weights.waited}
+        send_message(channel, ("batch", _state(c, step, version)))
+    while channel.recv()[0] != "stop":
+        pass
+
+
+def generator_collector(spec: Spec, snapshot: dict[str, torch.Tensor], channel) -> tuple[Collector, _SharedWeights]:
     """The generator process's Collector: its own prompts, reward functions, environment and generator."""
     from lmrl.data.prompts import PromptSampler
 
@@ -436,7 +461,7 @@ def _collector(spec: _Spec, snapshot: dict[str, torch.Tensor], channel) -> tuple
     sampler = None if data.train_stream else PromptSampler(len(data.train_rows), seed=cfg.train.seed)
     generator = process_generator(cfg, spec.skeleton, spec.tokenizer, env, torch.device(spec.device), spec.processor)
     weights = _SharedWeights(generator, snapshot, channel)
-    warn = lambda line: _send(channel, ("warn", line))  # noqa: E731
+    warn = lambda line: send_message(channel, ("warn", line))  # noqa: E731
     return (Collector(cfg, data, sampler, generator, spec.tokenizer, env, ONE_PROCESS, weights, warn,
                       processor=spec.processor), weights)
 

@@ -182,8 +182,8 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
     cfg = cfg.checked()  # fields assigned after the config was built, checked together
     world = init_world()  # one rank unless started by torchrun
     world.shard(cfg.rollout.prompts_per_step)  # a share of whole groups per rank, or one line now
-    if cfg.train.threads or cfg.train.async_steps:
-        torch.set_num_threads(async_threads(cfg)[0] if cfg.train.async_steps else cfg.train.threads)
+    if cfg.train.threads or cfg.asynchronous:
+        torch.set_num_threads(async_threads(cfg)[0] if cfg.asynchronous else cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     if (note := slow_bf16_warning(cfg)) is not None:
         warnings.warn(note, SlowBf16Warning, stacklevel=3)

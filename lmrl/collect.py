@@ -134,7 +134,7 @@ class Collector:
         if cfg.algorithm.dynamic_sampling:  # the same on every rank
             metrics.update({"dynamic_sampling/rounds": float(r + 1), "dynamic_sampling/filtered_groups": float(filtered),
                             "dynamic_sampling/kept_groups": float(min(kept, cfg.rollout.prompts_per_step))})
-        return self._shaped(parts, rows_kept, metrics, outside)
+        return self.shaped(parts, rows_kept, metrics, outside)
 
     def _keep_informative(self, part: tuple, rows: list[dict[str, Any]], share: slice, kept: int,
                           last: bool) -> tuple[tuple, list[dict[str, Any]], int, int]:
@@ -160,8 +160,8 @@ class Collector:
             rollout.media = [rollout.media[int(i)] for i in chosen]
         return (rollout, scores, per_fn, extra), rows, count, int((~ok).sum())
 
-    def _shaped(self, parts: list[tuple], rows: list[dict[str, Any]], metrics: dict[str, float],
-                outside: bool) -> Collected:
+    def shaped(self, parts: list[tuple], rows: list[dict[str, Any]], metrics: dict[str, float],
+               outside: bool = False) -> Collected:
         """The rounds' parts as one rollout with shaped scores (and ReMax's greedy baselines)."""
         cfg = self.cfg
         parts = [p for p in parts if len(p[1])]
@@ -189,18 +189,14 @@ class Collector:
         """n completions of each row's prompt and their rewards (`lmrl.rewards.RewardOutput`)."""
         cfg, col = self.cfg, self.cfg.data.prompt_column
         prompts = [row[col] for row in rows]
-        tools = getattr(getattr(self.env, "tools", None), "schemas", None)  # chat prompts list the tools
         media, images = None, None
         if self.processor is not None:  # each prompt's images processed once, whatever n
             # vLLM processes the images its own way; lmrl's decode takes the bundles
             ids, media, images = prompt_media(self.processor, prompts, rows,
                                               for_engine=getattr(self.generator, "processes_images", False))
         else:
-            ids = encode_prompts(self.tokenizer, prompts, cfg.rollout.max_prompt_length,
-                                 use_chat_template=cfg.model.chat_template, tools=tools)
-        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                temperature=cfg.rollout.temperature if temperature is None else temperature,
-                                stop=list(cfg.rollout.stop), seed=seed)
+            ids = self.encode(prompts)
+        params = self.sampling_params(seed, temperature)
         episodes = None
         with self.weights(self.global_step):
             if self.env is not None:  # multi-turn: every live episode's next turn in one batch, observations out of the loss
@@ -218,14 +214,27 @@ class Collector:
                 rollout = self.generator.generate(ids, n, params)
         if self.device is not None:
             rollout = rollout.to(self.device)
-        return rollout, self._score(rows, rollout, episodes)
+        return rollout, self.score(rows, rollout, episodes)
+
+    def encode(self, prompts: list[Any]) -> list[list[int]]:
+        """Prompts (texts or chat messages) as token ids, as the policy is prompted."""
+        tools = getattr(getattr(self.env, "tools", None), "schemas", None)  # chat prompts list the tools
+        return encode_prompts(self.tokenizer, prompts, self.cfg.rollout.max_prompt_length,
+                              use_chat_template=self.cfg.model.chat_template, tools=tools)
+
+    def sampling_params(self, seed: int | None = None, temperature: float | None = None) -> SamplingParams:
+        """The run's sampling parameters (rollout.*), with a seed and, where given, another temperature."""
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, top_p=r.top_p, top_k=r.top_k,
+                              temperature=r.temperature if temperature is None else temperature,
+                              stop=list(r.stop), seed=seed)
 
     def verify(self, rows: list[dict[str, Any]], rollout: Rollout) -> Any:
         """The verifier's scores of a rollout's completions (reward.verifier, `lmrl.build.Data.verifier`): what a
         learned reward is checked against on held-out prompts."""
-        return self._score(rows, rollout, None, self.data.verifier)
+        return self.score(rows, rollout, None, self.data.verifier)
 
-    def _score(self, rows: list[dict[str, Any]], rollout: Rollout, episodes, rewards: Any = None) -> Any:
+    def score(self, rows: list[dict[str, Any]], rollout: Rollout, episodes=None, rewards: Any = None) -> Any:
         """The rewards of a rollout's completions, with their rows' columns (and the episodes' own rewards)."""
         cfg, col = self.cfg, self.cfg.data.prompt_column
         rewards = self.data.rewards if rewards is None else rewards

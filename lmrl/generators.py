@@ -159,7 +159,7 @@ def check_backend(cfg: Config, model_config: Any, device: torch.device) -> None:
         return  # the sync check holds it to the policy from step 1)
     from lmrl.rollout.vllm_engine import refuse_on_this_build
 
-    engine = cfg.train.generator_device if cfg.train.async_steps and r.backend == "vllm" else None
+    engine = cfg.train.generator_device if cfg.asynchronous and r.backend == "vllm" else None
     refuse_on_this_build(model_config, resolve_device(engine).type if engine else device.type, r.backend)
 
 
@@ -171,8 +171,8 @@ def sampler_of(cfg: Config, policy: nn.Module) -> dict[str, Any]:
     model_type = getattr(getattr(policy, "config", None), "model_type", "?")
     if r.backend != "lmrl":
         sampler, advice = f"rollout.backend={r.backend}, {model_type}", "use rollout.backend=lmrl for this model"
-    elif cfg.train.async_steps:
-        sampler, advice = f"the generator process's copy, train.async_steps={cfg.train.async_steps}", "train.async_steps=0"
+    elif cfg.asynchronous:
+        sampler, advice = "the generator process's copy", "train.async_steps=0 and no train.max_staleness"
     elif r.dtype is not None:
         sampler, advice = f"its rollout.dtype={r.dtype} copy", "leave rollout.dtype unset"
     else:

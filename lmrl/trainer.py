@@ -35,7 +35,6 @@ import torch
 from lmrl import algorithms as A
 from lmrl.agents.programs import close_agents
 from lmrl.algorithms import KLController
-from lmrl.async_rollouts import AsyncRollouts
 from lmrl.build import build_run
 from lmrl.collect import SHOWN_IMAGES, Collected, Collector, PushedWeights, generation_weights
 from lmrl.config import Config, config_warnings
@@ -52,6 +51,7 @@ from lmrl.logging.run_log import RunLog
 from lmrl.models.forward import Forwards
 from lmrl.rewards.core import learned_scores
 from lmrl.rollout import HFGenerator, RemoteGenerator
+from lmrl.streamed import generator_process
 from lmrl.update import Updater, needs_old_logprobs
 
 __all__ = ["Collected", "TrainResult", "Trainer"]
@@ -83,7 +83,7 @@ class Trainer:
         self.kl = KLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         sampler = None if self.data.train_stream else PromptSampler(len(self.data.train_rows), seed=cfg.train.seed)
         # asynchronous rollouts: a generator process samples the batches, this process's generator evaluates
-        self.generator = make_generator(cfg, self.models, self.env, run.device, local=cfg.train.async_steps > 0)
+        self.generator = make_generator(cfg, self.models, self.env, run.device, local=cfg.asynchronous)
         if run.device.type == "cuda" and isinstance(self.generator, HFGenerator):
             run.notes.append("generation: {} ({})".format(*self.generator.decode_path()))
         self.notes = run.notes
@@ -96,8 +96,8 @@ class Trainer:
                              evaluates=bool(self.data.eval_rows), **sampler_of(cfg, self.policy))
         self.result = TrainResult(self.out)
         self.log = RunLog(self.out, self.console, self.world.main, cfg.log)
-        self.rollouts = (AsyncRollouts(cfg, run.inputs, self.policy, self.units.get("policy", []), self.tokenizer, run.device,
-                                       self.world, self.log.warn, run.models.processor) if cfg.train.async_steps else None)
+        self.rollouts = generator_process(cfg, run, self.policy, self.units.get("policy", []), self.tokenizer, self.world,
+                                          self.log.warn, shape=lambda *a: self.collector.shaped(*a))
         if self.rollouts is not None:  # it starts up while this process builds and resumes the run
             self.rollouts.spawn()
         self.forwards = Forwards(self.policy, self.models.reference, self.models.critic,

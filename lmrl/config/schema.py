@@ -124,11 +124,20 @@ class Config(Section):
                 raise ValueError(f"rollout.vllm.max_model_len: {r.vllm.max_model_len} cannot hold a prompt and its "
                                  f"completion ({self.longest_sequence} tokens: rollout.max_prompt_length + "
                                  f"{'env.max_tokens' if self.env.name else 'rollout.max_new_tokens'}); raise it or unset it")
+        if self.train.max_staleness is not None and self.train.async_steps:
+            raise ValueError(f"train.max_staleness: a bound on staleness and a fixed lag (train.async_steps="
+                             f"{self.train.async_steps}) are two schedules; set one of them")
         for key, module, extra in _EXTRAS:
             section, _, name = key.partition(".")
             if getattr(getattr(self, section), name) not in (None, False) and importlib.util.find_spec(module) is None:
                 raise ValueError(f"{key}: needs the {module} package, which is not installed: pip install 'lmrl[{extra}]'")
         return self
+
+    @property
+    def asynchronous(self) -> bool:
+        """A generator process samples beside the trainer: a fixed lag (train.async_steps) or a bound
+        (train.max_staleness)."""
+        return self.train.async_steps > 0 or self.train.max_staleness is not None
 
     @property
     def samples_with_copy(self) -> bool:
@@ -170,10 +179,11 @@ def derive(cfg: Config) -> None:
     validator:
 
         algorithm.tis_cap  DEFAULT_TIS_CAP when the sampler is a copy of the policy in another dtype
-                           (rollout.dtype), an engine (rollout.backend) or an older policy (train.async_steps):
+                           (rollout.dtype), an engine (rollout.backend) or an older policy (train.async_steps,
+                           train.max_staleness):
                            correct for it rather than pretend the run is on-policy
     """
-    off_policy = cfg.samples_with_copy or cfg.rollout.backend != "lmrl" or cfg.train.async_steps > 0
+    off_policy = cfg.samples_with_copy or cfg.rollout.backend != "lmrl" or cfg.asynchronous
     if off_policy and cfg.algorithm.tis_cap is None:
         cfg.algorithm.tis_cap = DEFAULT_TIS_CAP
 

@@ -322,11 +322,16 @@ class TrainConfig(Section):
     while the trainer trains on this one; the batch of step s is sampled by the policy after step s - 1 - k,
     corrected by the decoupled objective (algorithm.tis_cap is 2.0 unless set). 0 = the synchronous loop.
     docs/async.md."""
+    max_staleness: NonNegativeInt | None = None
+    """Bounded staleness: a generator process samples without pause with the newest weights it holds, hands each
+    group over the step it ends, and a step trains on the first rollout.prompts_per_step groups ready, none sampled
+    by a policy more than this many versions before the one being updated (older ones are dropped and counted,
+    async/dropped_groups). Runs then depend on timing, not on the seed alone. None = off. docs/async.md."""
     generator_threads: PositiveInt | None = None
-    """With async_steps: torch CPU threads of the generator process (None = half the cores this process may use,
+    """With async_steps or max_staleness: torch CPU threads of the generator process (None = half the cores this process may use,
     at least 1, beside the trainer's; docs/async.md has the measurements behind it)."""
     generator_device: str | None = None
-    """With async_steps: the generator process's device, e.g. cuda:1 (None = model.device)."""
+    """With async_steps or max_staleness: the generator process's device, e.g. cuda:1 (None = model.device)."""
     logprob_chunk_size: PositiveInt | None = 128
     """Rows of the [B*T, V] logits turned into float32 log-probs at once (None = all): bounds memory at large V."""
     share_prompt: bool = True

@@ -13,7 +13,8 @@ says where not); run eagerly (`fixed_shapes`), they sample what the other steps 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -175,6 +176,56 @@ class HFGenerator:
         finally:
             self.model.train(was_training)
         return self._rollout(prompts, n, results, tokens, logprobs, params)
+
+    def stream(self, take: Callable[[], tuple[Any, list[int], int] | None], n: int, params: SamplingParams,
+               rows: int, give: Callable[[Any, Rollout], None]) -> None:
+        """Continuous batching over an open-ended supply of prompts (`train.max_staleness`, `lmrl.streamed`).
+
+        `take()` gives the next prompt as (owner, token ids, seed), or None when none should start now; its `n` rows
+        join the decode once there is room for them (of `rows` in flight), the prompts taken together prefilled in
+        one forward. `give(owner, rollout)` gets each prompt's `n` completions, a one-prompt `Rollout`, the step its
+        last row ends: a long row holds back its own group only, and the room a short one frees goes to the next
+        prompt. Returns once nothing is in flight and `take` gave None: the weights may change then (the engine reads
+        them when it is built). Rows sample from the streams of their prompt's seed, as `generate` with that seed
+        would sample them."""
+        params.validate()
+        stops = StopChecker(self.tokenizer, params.stop) if params.stop else None
+        groups: dict[Any, tuple[list[int], list[Ended | None]]] = {}  # owner -> its prompt, its rows as they end
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                engine = DecodeEngine(self.model, params, self.eos_token_ids, banned=self._banned, stops=stops,
+                                      rows=rows, pad_token_id=self.pad_token_id)
+                while True:
+                    joining = []  # joins once a quarter of the room is free (a prefill and a compaction per join)
+                    while (rows - len(engine) - len(joining) >= n
+                           and (not len(engine) or rows - len(engine) >= max(n, rows // 4))):
+                        if (item := take()) is None:
+                            break
+                        owner, prompt, seed = item
+                        groups[owner] = (prompt, [None] * n)
+                        keys = row_keys(seed, torch.arange(n)).tolist()
+                        joining += [Request(prompt, params.max_new_tokens, (owner, j), keys[j]) for j in range(n)]
+                    engine.add(joining)
+                    if not len(engine):
+                        return
+                    for ended in engine.step():
+                        owner, j = ended.owner
+                        prompt, ended_rows = groups[owner]
+                        ended_rows[j] = ended
+                        if all(r is not None for r in ended_rows):
+                            del groups[owner]
+                            give(owner, self._group(prompt, ended_rows, params))
+        finally:
+            self.model.train(was_training)
+
+    def _group(self, prompt: list[int], rows: list[Ended], params: SamplingParams) -> Rollout:
+        """The one-prompt `Rollout` of rows the engine handed back as lists."""
+        width = max(1, max(r.length for r in rows))
+        tokens = torch.tensor([r.tokens + [self.pad_token_id] * (width - r.length) for r in rows], device=self.device)
+        logprobs = torch.tensor([r.logprobs + [0.0] * (width - r.length) for r in rows], device=self.device)
+        return self._rollout([prompt], len(rows), rows, tokens, logprobs, params)
 
     def _rollout(self, prompts: list[list[int]], n: int, rows: list[Ended], tokens: torch.Tensor,
                  logprobs: torch.Tensor, params: SamplingParams) -> Rollout:

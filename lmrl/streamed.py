@@ -1,0 +1,369 @@
+"""Bounded staleness (train.max_staleness = k): a generator process samples without pause, with the newest weights
+it holds, and hands each group over the step it ends; a training step takes the first groups ready.
+
+    trainer process                                         generator process
+    step t:  the first P groups ready, none sampled  <----  continuous batching (`HFGenerator.stream`): a prompt's G
+             by a policy older than t - 1 - k (those         rows join when there is room, its group is scored and
+             are dropped and counted)                        sent the step its last row ends, the next prompt takes
+             experience, update                              the room; once newer weights are published no prompt
+             publish weights t  --- shared memory ---->      starts, the rows in flight end, and it takes them
+
+What holds the bound: the trainer never trains on a group sampled more than k versions before the policy being
+updated (it drops it: `async/dropped_groups`), and the generator process begins at most (k + 1) x P groups the trainer
+has not taken, so that, at the pace the trainer takes them, what it samples is taken before it is too old.
+
+A step's batch is whatever groups ended first, so a long completion holds back its own group, not the step: with
+completion lengths that have a long tail, the generator spends its time on full batches instead of on a few long
+rows. The price: runs depend on timing, not on the seed alone (`train.async_steps` keeps runs that repeat exactly).
+A sequence is sampled by one version of the weights (no update in the middle of a sequence); every token carries the
+sampler's log-prob, and the trainer corrects for the lag per token with the decoupled objective, as with a fixed lag.
+
+Prompts are a stream of positions (this rank's: position p is the run's prompt p x ranks + rank), each sampled once:
+a checkpoint holds the groups received and not trained on, and which positions were trained on or dropped; a resumed
+run samples again, from the checkpoint's weights, the positions that were in flight, and no other.
+
+How lmrl departs from AReaL's and verl's fully asynchronous modes: weights change between groups, never in the
+middle of one; the bound is enforced by dropping what is too old rather than by pausing the sampler whenever the
+trainer falls behind; rewards are scored in the generator process, group by group, as the groups end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+
+from lmrl.algorithms import informative_groups
+from lmrl.async_rollouts import (
+    AsyncRollouts,
+    Spec,
+    Stopped,
+    generator_collector,
+    in_generator,
+    probe_row,
+    rollout_from_state,
+    send_message,
+)
+from lmrl.collect import Collected
+from lmrl.distributed import World
+from lmrl.errors import RunError
+from lmrl.rollout import Rollout, select_rollout
+from lmrl.rollout.hf import HFGenerator
+
+# metrics summed over a batch's groups rather than averaged
+_SUMMED = ("/errors", "/seconds", "/sandbox_kills")
+
+
+class StreamedRollouts(AsyncRollouts):
+    """The trainer's side of bounded staleness: the generator process (`AsyncRollouts`' start, stop, failures and
+    weights), with groups taken as they come instead of whole batches on a fixed schedule. See the module docstring.
+
+    Args:
+        shape: `(parts, rows, metrics) -> Collected`, the trainer's `Collector.shaped`: the groups taken as one batch,
+            scores shaped over the whole batch (penalties, reward.normalize).
+        the others: as `AsyncRollouts`.
+    """
+
+    def __init__(self, cfg, inputs, policy, units, tokenizer, device, world: World, warn, processor=None, shape=None):
+        super().__init__(cfg, inputs, policy, units, tokenizer, device, world, warn, processor)
+        self.k, self.shape = cfg.train.max_staleness, shape
+        P = cfg.rollout.prompts_per_step
+        self.share = len(range(P)[world.shard(P)])  # groups this rank trains on per step
+        self.stamp = torch.zeros(1, dtype=torch.long).share_memory_()  # the version of the weights in shared memory
+        self.lock = None  # held while the weights in shared memory are written or read
+        self.pool: list[dict[str, Any]] = []  # groups received and not taken, in the order they came
+        self.low, self.done = 0, set()  # positions below `low`, and those in `done`, were trained on or dropped
+        self.consumed = self.told = 0  # groups taken or dropped since the process started; as the process last heard
+
+    @staticmethod
+    def main(spec: Spec, snapshot: dict[str, torch.Tensor], channel, lock=None, stamp=None) -> None:
+        in_generator(spec, channel, lambda: _stream(spec, snapshot, channel, lock, stamp))
+
+    def shared(self, context) -> tuple:
+        self.lock = context.Lock()
+        return self.lock, self.stamp
+
+    def start(self, step: int) -> None:
+        """Set the generator process going from the policy's current weights as version `step`, skipping the
+        positions a checkpoint says were trained on, dropped, or are waiting in the pool."""
+        self.start_step = self.published = step
+        if step >= self.steps:
+            self.close()
+            return
+        self._weights(step)
+        waiting = {g["position"] for g in self.pool}
+        self.consumed = self.told = 0
+        self.channel.send(("start", step, self.low, sorted(self.done | waiting), len(self.pool)))
+
+    def _weights(self, version: int) -> None:
+        with self.lock:
+            self._write_snapshot()
+            self.stamp[0] = version
+
+    def publish(self, step: int) -> None:
+        """After step `step`'s update: its weights into shared memory for the generator process to take when it can
+        (it never waits for them, and this process never waits for it)."""
+        self.published = step
+        if self.process is None or self.failed is not None or step >= self.steps:
+            return
+        try:
+            self._weights(step)
+            self.channel.send(("weights", step, self._probe(step)))
+            self.probes = {v: t for v, t in self.probes.items() if v >= step - 1}  # versions it skipped go unanswered
+            self._tell()
+        except OSError:
+            self.failed = self._died(None)
+
+    def _tell(self) -> None:
+        """The generator process's room to sample ahead grows with every group taken or dropped: tell it."""
+        if self.consumed != self.told:
+            self.channel.send(("consumed", self.consumed))
+            self.told = self.consumed
+
+    def _keep(self, message: tuple) -> None:
+        if message[0] == "group":
+            self.pool.append(message[1])
+        else:
+            super()._keep(message)
+
+    def _consume(self, group: dict[str, Any]) -> None:
+        self.consumed += 1
+        self.done.add(group["position"])
+        while self.low in self.done:
+            self.done.remove(self.low)
+            self.low += 1
+
+    # ------------------------------------------------------------------------------ the step
+    def batch(self, step: int) -> Collected:
+        """The first `share` groups ready that the policy being updated (version step - 1) may train on, waiting for
+        the generator process while there are fewer. A group sampled more than k versions earlier is dropped for
+        good; with dynamic sampling, so is a group whose rewards are all equal, up to (max_sampling_rounds - 1) x P a
+        step. The groups taken leave the pool only once there are enough: a signal that abandons the step keeps them."""
+        cfg, start = self.cfg, time.perf_counter()
+        oldest = step - 1 - self.k
+        dynamic, G = cfg.algorithm.dynamic_sampling, cfg.rollout.group_size
+        limit = (cfg.algorithm.max_sampling_rounds - 1) * self.share if dynamic else 0
+        dropped = filtered = 0
+        while True:
+            fresh = []
+            for g in self.pool:
+                if g["version"] < oldest:
+                    dropped += 1
+                elif filtered < limit and not informative_groups(g["scores"], G).any():
+                    filtered += 1
+                else:
+                    fresh.append(g)
+                    continue
+                self._consume(g)
+            self.pool = fresh
+            if len(fresh) >= self.share:
+                break
+            if self.failed is not None:
+                raise self.failed
+            if self.process is None:
+                raise RunError(f"the generator process was stopped before it sent the groups of step {step}")
+            self._tell()
+            self._receive(step)
+        taken, self.pool = self.pool[: self.share], self.pool[self.share:]
+        for g in taken:
+            self._consume(g)
+        waited = time.perf_counter() - start
+        c = self._assembled(taken)
+        lags = [(step - 1) - g["version"] for g in taken]
+        c.metrics |= {"time/wait_for_batch": waited, "async/staleness_mean": sum(lags) / len(lags),
+                      "async/staleness_max": float(max(lags)), "async/version_lag": float(max(lags)),
+                      "async/policy_version": sum(g["version"] for g in taken) / len(taken),
+                      "async/dropped_groups": float(dropped), "async/waiting_groups": float(len(self.pool))}
+        if dynamic:
+            c.metrics["dynamic_sampling/filtered_groups"] = float(filtered)
+        if self.probe_diffs:
+            c.metrics["val/sampler_probe_diff"] = max(self.probe_diffs)
+            self.probe_diffs = []
+        self.probe_row = probe_row(c.rollout)
+        return c
+
+    def _assembled(self, groups: list[dict[str, Any]]) -> Collected:
+        """Groups as one batch (on the trainer's device), shaped as a synchronous step's is, with the reward metrics
+        of the whole batch."""
+        def here(x):
+            return x.to(self.trainer_device) if isinstance(x, torch.Tensor) else x
+
+        parts = [(rollout_from_state(g["rollout"], self.trainer_device), here(g["scores"]),
+                  {k: here(v) for k, v in g["per_function"].items()}, g["extra"]) for g in groups]
+        raw = torch.cat([p[1] for p in parts]).float()
+        per_function = {k: torch.cat([p[2][k] for p in parts]).float() for k in parts[0][2]}
+        metrics = _batch_metrics([g["metrics"] for g in groups], raw, per_function)
+        G = self.cfg.rollout.group_size
+        metrics["frac_reward_zero_std"] = 1 - informative_groups(raw, G).float().mean().item()
+        return self.shape(parts, [g["row"] for g in groups], metrics)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self, step: int) -> list[dict[str, Any]]:
+        """The groups received and not trained on, and the positions trained on or dropped; what is in flight is
+        sampled again by the resumed run."""
+        return [{"streamed": True, "pool": list(self.pool), "low": self.low, "done": sorted(self.done)}]
+
+    def load_state_dict(self, batches: list[dict[str, Any]]) -> None:
+        state = next((b for b in batches if b.get("streamed")), None)
+        if state is None:  # a fixed-lag run's batches: nothing to take from them
+            return
+        self.pool, self.low, self.done = list(state["pool"]), int(state["low"]), set(state["done"])
+
+
+def _batch_metrics(groups: list[dict[str, float]], raw: torch.Tensor, per_function: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The reward metrics of groups scored one by one, as one batch's: counts and seconds summed, spreads taken over
+    the batch, the rest averaged (groups are the same size)."""
+    out: dict[str, float] = {}
+    for name in dict.fromkeys(k for m in groups for k in m):
+        values = [m[name] for m in groups if name in m and not math.isnan(m[name])]
+        out[name] = (sum(values) if name.endswith(_SUMMED) else sum(values) / len(values)) if values else math.nan
+    out["reward/std"] = raw.std(correction=0).item()
+    for key, values in per_function.items():
+        kept = values[~values.isnan()]
+        if f"reward/{key}/std" in out:
+            out[f"reward/{key}/std"] = kept.std(correction=0).item() if kept.numel() else math.nan
+    return out
+
+
+# ------------------------------------------------------------------------------ the generator process
+def _stream(spec: Spec, snapshot: dict[str, torch.Tensor], channel, lock, stamp) -> None:
+    collector, _ = generator_collector(spec, snapshot, channel)
+    collector.weights = lambda version: contextlib.nullcontext()  # it takes the weights itself, between groups
+    while (message := channel.recv())[0] != "start":
+        if message[0] == "stop":
+            return
+    _Sampler(spec, collector, channel, snapshot, lock, stamp, message).run()
+
+
+class _Sampler:
+    """The generator process's loop: take the newest weights, begin groups while there is room, send each as it
+    ends. With lmrl's decode and no environment, groups stream through one continuous batch (`HFGenerator.stream`);
+    otherwise (vLLM, an environment's episodes, images) they are sampled a batch of P at a time and sent one by one."""
+
+    def __init__(self, spec: Spec, collector, channel, snapshot, lock, stamp, start: tuple):
+        cfg = spec.cfg
+        self.cfg, self.collector, self.channel, self.snapshot, self.lock, self.stamp = cfg, collector, channel, snapshot, lock, stamp
+        self.generator = collector.generator
+        self.rank, self.size, _ = spec.world
+        P = cfg.rollout.prompts_per_step
+        self.share = len(range(P)[World(self.rank, self.size, 0, "cpu").shard(P)])
+        self.room = self.share * (cfg.train.max_staleness + 1)  # groups begun and not yet taken, at most
+        _, begun, self.cursor, skip, self.started = start
+        self.skip = set(skip)
+        self.version, self.newest, self.consumed = -1, begun, 0
+        self.probe: tuple[int, Any] | None = None  # (version, sequence) to score once that version is taken
+        self.rows: dict[int, dict[str, Any]] = {}  # position -> its row, while its group is sampled
+        self.streams = isinstance(self.generator, HFGenerator) and collector.env is None and collector.processor is None
+
+    def run(self) -> None:
+        G = self.cfg.rollout.group_size
+        while True:
+            self._poll(block=False)
+            if self.newest > self.version:
+                self._take()
+            if self.started - self.consumed >= self.room:
+                self._poll(block=True)  # the trainer is behind: wait for it to take groups
+                continue
+            if self.streams:
+                rows = self.generator.batch_size or self.share * G
+                self.generator.stream(self._next, G, self.collector.sampling_params(), rows, self._give)
+            else:
+                self._batch()
+
+    def _poll(self, block: bool) -> None:
+        """Read the trainer's messages: newer weights, groups taken, stop."""
+        while block or self.channel.poll(0):
+            block = False
+            message = self.channel.recv()
+            if message[0] == "stop":
+                raise Stopped
+            if message[0] == "weights":
+                self.newest = max(self.newest, message[1])
+                if message[2] is not None:
+                    self.probe = (message[1], message[2])
+            elif message[0] == "consumed":
+                self.consumed = message[1]
+
+    def _take(self) -> None:
+        """The newest weights in shared memory (a newer version than announced may be there already)."""
+        with self.lock:
+            version = int(self.stamp[0])
+            self.generator.load_weights(self.snapshot.items(), version)
+        self.version = self.newest = max(self.newest, version)
+        send_message(self.channel, ("taken", version))
+        if self.probe is not None and self.probe[0] == version:  # the sync probe, under exactly those weights
+            score = getattr(self.generator, "score", None)
+            send_message(self.channel, ("probe", version, score(*self.probe[1]).tolist() if score is not None else None))
+        if self.probe is not None and self.probe[0] <= version:
+            self.probe = None
+
+    def _position(self) -> int:
+        while self.cursor in self.skip:
+            self.skip.remove(self.cursor)
+            self.cursor += 1
+        self.cursor += 1
+        return self.cursor - 1
+
+    def _row(self, position: int) -> dict[str, Any]:
+        """This rank's prompt `position`: the run's prompt position x ranks + rank, in the sampler's order."""
+        q, data = position * self.size + self.rank, self.collector.data
+        if data.train_stream is not None:
+            return data.train_stream.rows_at(q, 1)[0]
+        return data.train_rows[self.collector.sampler.indices_at(q, 1)[0]]
+
+    def _seed(self, position: int) -> int:
+        return (self.cfg.train.seed * 1_000_003 + 7919 * (position * self.size + self.rank) + 104_729) % 2**62
+
+    def _next(self) -> tuple[int, list[int], int] | None:
+        """`HFGenerator.stream`'s next prompt: none once newer weights wait (the rows in flight end, then they are
+        taken) or while the trainer is (k + 1) x P groups behind."""
+        self._poll(block=False)
+        if self.newest > self.version or self.started - self.consumed >= self.room:
+            return None
+        position = self._position()
+        row = self.rows[position] = self._row(position)
+        self.started += 1
+        return position, self.collector.encode([row[self.cfg.data.prompt_column]])[0], self._seed(position)
+
+    def _give(self, position: int, rollout: Rollout) -> None:
+        row = self.rows.pop(position)
+        self.collector.global_step = self.version  # what reward functions read: the steps done by the sampler
+        self._send_group(position, row, rollout, self.collector.score([row], rollout))
+
+    def _batch(self) -> None:
+        """Up to P groups sampled as one batch (every backend and environment), then sent one by one."""
+        G, n = self.cfg.rollout.group_size, min(self.share, self.room - (self.started - self.consumed))
+        positions = [self._position() for _ in range(n)]
+        rows = [self._row(p) for p in positions]
+        self.started += n
+        self.collector.global_step = self.version
+        rollout, out = self.collector.generate_and_score(rows, G, seed=self._seed(positions[0]))
+        for i, (position, row) in enumerate(zip(positions, rows)):
+            index = torch.arange(i * G, (i + 1) * G)
+            part = select_rollout(rollout, index)
+            part.prompt_index = torch.zeros(G, dtype=torch.long)
+            if rollout.media is not None and rollout.media_index is None:
+                part.media = rollout.media[i: i + 1]
+            group = replace(out, scores=out.scores[index], per_function={k: v[index] for k, v in out.per_function.items()},
+                            extra_columns={k: [v[int(j)] for j in index] for k, v in out.extra_columns.items()})
+            self._send_group(position, row, part, group)
+
+    def _send_group(self, position: int, row: dict[str, Any], rollout: Rollout, out: Any) -> None:
+        send_message(self.channel, ("group", {
+            "position": position, "version": self.version, "row": row,
+            "rollout": {f.name: getattr(rollout, f.name) for f in fields(Rollout)},
+            "scores": out.scores, "per_function": out.per_function, "extra": out.extra_columns,
+            "metrics": dict(out.metrics)}))
+
+
+def generator_process(cfg, run, policy, units, tokenizer, world: World, warn, shape) -> AsyncRollouts | None:
+    """An asynchronous run's generator process on the schedule its config names (a fixed lag, train.async_steps, or a
+    bound, train.max_staleness); None for a synchronous run. `run`: the built run (`lmrl.build.Run`)."""
+    args = (cfg, run.inputs, policy, units, tokenizer, run.device, world, warn, run.models.processor)
+    if cfg.train.max_staleness is not None:
+        return StreamedRollouts(*args, shape=shape)
+    return AsyncRollouts(*args) if cfg.train.async_steps else None
