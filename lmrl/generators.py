@@ -172,7 +172,9 @@ def sampler_of(cfg: Config, policy: nn.Module) -> dict[str, Any]:
     if r.backend != "lmrl":
         sampler, advice = f"rollout.backend={r.backend}, {model_type}", "use rollout.backend=lmrl for this model"
     elif cfg.asynchronous:
-        sampler, advice = "the generator process's copy", "train.async_steps=0 and no train.max_staleness"
+        t = cfg.train
+        schedule = f"train.async_steps={t.async_steps}" if t.async_steps else f"train.max_staleness={t.max_staleness}"
+        sampler, advice = f"the generator process's copy, {schedule}", "train.async_steps=0, train.max_staleness=null"
     elif r.dtype is not None:
         sampler, advice = f"its rollout.dtype={r.dtype} copy", "leave rollout.dtype unset"
     else:

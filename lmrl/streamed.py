@@ -148,6 +148,8 @@ class StreamedRollouts(AsyncRollouts):
         dynamic, G = cfg.algorithm.dynamic_sampling, cfg.rollout.group_size
         limit = (cfg.algorithm.max_sampling_rounds - 1) * self.share if dynamic else 0
         dropped = filtered = 0
+        while self.process is not None and self.channel.poll(0):  # every group that has come: the first ready
+            self._receive(step)
         while True:
             fresh = []
             for g in self.pool:

@@ -27,6 +27,7 @@ STEP_LINE = [
     ("rm/accuracy", "acc", "{:.1%}"),
     ("rm/margin", "margin", "{:+.3f}"),
     ("eval/loss", "eval loss", "{:.4f}"),
+    ("async/staleness_mean", "stale", "{:.2f}"),  # an asynchronous run: versions behind the policy being updated
     ("time/step", "s/step", "{:.2f}"),
 ]
 

@@ -687,3 +687,25 @@ def test_the_decode_cache_is_freed_when_a_rollout_returns(llama, tok, monkeypatc
     rollout = HFGenerator(llama, tok).generate(encode(tok), 2, SamplingParams(max_new_tokens=4, seed=0))
     assert len(made) == 1 and rollout.response_ids.shape[0] == 2 * len(TEXTS)
     assert made[0]() is None
+
+
+def test_stream_samples_each_group_as_generate_does_and_hands_it_back_the_step_it_ends(llama, tok):
+    """`HFGenerator.stream` (bounded staleness): prompts join a running decode as rows end, each group comes back the
+    step its last row ends, and a group samples what `generate` samples for its prompt with its seed, whatever ran
+    beside it."""
+    prompts, n, seeds = encode(tok, TEXTS * 3), 2, list(range(100, 112))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop=["e", "a", "o", "t", " "])
+    gen = HFGenerator(llama, tok)
+    queue, given = list(range(len(prompts))), []
+
+    def take():
+        return (i := queue.pop(0), prompts[i], seeds[i]) if queue else None
+
+    gen.stream(take, n, params, rows=4, give=lambda owner, r: given.append((owner, r)))
+    assert sorted(owner for owner, _ in given) == list(range(len(prompts)))  # every prompt once
+    assert [owner for owner, _ in given] != sorted(owner for owner, _ in given)  # short groups overtook long ones
+    for owner, r in given:
+        alone = gen.generate([prompts[owner]], n, SamplingParams(**{**vars(params), "seed": seeds[owner]}))
+        assert r.texts == alone.texts and torch.equal(r.response_ids, alone.response_ids), owner
+        torch.testing.assert_close(r.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+        assert torch.equal(r.finished, alone.finished) and r.prompt_index.tolist() == [0] * n
