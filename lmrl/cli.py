@@ -242,6 +242,10 @@ def _train(args) -> int:
         print(describe_fields())
         return 0
     cfg = load_config(*_config_source(args))  # fails here, before any model loads
+    if cfg.asynchronous and "torch" not in sys.modules:  # OpenMP reads it once, as torch loads
+        # two processes share the cores: OpenMP threads that wait sleep instead of spinning on a core the other
+        # process needs (measured on 2 cores: docs/async.md)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.nproc and args.nproc > 1 and not args.dry_run and "WORLD_SIZE" not in os.environ:
         from lmrl.distributed import World
 

@@ -253,28 +253,36 @@ class _Sampler:
         self.rank, self.size, _ = spec.world
         P = cfg.rollout.prompts_per_step
         self.share = len(range(P)[World(self.rank, self.size, 0, "cpu").shard(P)])
-        self.room = self.share * (cfg.train.max_staleness + 1)  # groups begun and not yet taken, at most
+        self.k = cfg.train.max_staleness
         _, begun, self.cursor, skip, self.started = start
         self.skip = set(skip)
         self.version, self.newest, self.consumed = -1, begun, 0
         self.probe: tuple[int, Any] | None = None  # (version, sequence) to score once that version is taken
         self.rows: dict[int, dict[str, Any]] = {}  # position -> its row, while its group is sampled
-        self.streams = isinstance(self.generator, HFGenerator) and collector.env is None and collector.processor is None
+        decoder = getattr(self.generator, "decoder", self.generator)  # lmrl's decode over the process's own model
+        self.decoder = decoder if isinstance(decoder, HFGenerator) and collector.env is None and collector.processor is None else None
 
     def run(self) -> None:
         G = self.cfg.rollout.group_size
         while True:
             self._poll(block=False)
-            if self.newest > self.version:
+            if self.newest > self.version:  # nothing in flight: newer weights cost nothing to take now
                 self._take()
-            if self.started - self.consumed >= self.room:
+            if self._room() <= 0:
                 self._poll(block=True)  # the trainer is behind: wait for it to take groups
                 continue
-            if self.streams:
-                rows = self.generator.batch_size or self.share * G
-                self.generator.stream(self._next, G, self.collector.sampling_params(), rows, self._give)
+            if self.decoder is not None:
+                rows = self.decoder.batch_size or (self.k + 1) * self.share * G  # room for every group it may begin
+                self.decoder.stream(self._next, G, self.collector.sampling_params(), rows, self._give)
             else:
                 self._batch()
+
+    def _room(self) -> int:
+        """Groups it may begin with the weights it holds: a group begun now is taken after those begun before it
+        (`started - consumed`, a share P of them a step), so it trains at staleness (newest - version) + that / P;
+        at most k. Each version the weights age shrinks the room by P: once none is left the groups in flight end
+        and newer weights are taken, a long completion's wait paid once in several steps rather than every step."""
+        return (self.k + 1 - (self.newest - self.version)) * self.share - (self.started - self.consumed)
 
     def _poll(self, block: bool) -> None:
         """Read the trainer's messages: newer weights, groups taken, stop."""
@@ -321,10 +329,10 @@ class _Sampler:
         return (self.cfg.train.seed * 1_000_003 + 7919 * (position * self.size + self.rank) + 104_729) % 2**62
 
     def _next(self) -> tuple[int, list[int], int] | None:
-        """`HFGenerator.stream`'s next prompt: none once newer weights wait (the rows in flight end, then they are
-        taken) or while the trainer is (k + 1) x P groups behind."""
+        """`HFGenerator.stream`'s next prompt: none while there is no room (`_room`): the rows in flight end, then
+        newer weights are taken, or the trainer is waited for."""
         self._poll(block=False)
-        if self.newest > self.version or self.started - self.consumed >= self.room:
+        if self._room() <= 0:
             return None
         position = self._position()
         row = self.rows[position] = self._row(position)
@@ -338,7 +346,7 @@ class _Sampler:
 
     def _batch(self) -> None:
         """Up to P groups sampled as one batch (every backend and environment), then sent one by one."""
-        G, n = self.cfg.rollout.group_size, min(self.share, self.room - (self.started - self.consumed))
+        G, n = self.cfg.rollout.group_size, min(self.share, self._room())
         positions = [self._position() for _ in range(n)]
         rows = [self._row(p) for p in positions]
         self.started += n

@@ -1,0 +1,143 @@
+"""Bounded staleness (train.max_staleness) against synchronous training and a fixed lag (train.async_steps) on a
+task whose completion lengths have a long tail, on this machine's cores: the wall time to N steps and the held-out
+accuracy at N steps, as verl measures its fully asynchronous mode.
+
+    python benchmarks/staleness.py                       # 24 steps of each run
+    python benchmarks/staleness.py --quick               # 6 steps: a smoke run
+    python benchmarks/staleness.py --steps 24 --repeats 3 --record   # the table in docs/async.md
+
+The task: a Llama with random weights (hidden 256, 4 layers, 4 heads; `seeded_llama`) and the character tokenizer,
+its final norm scaled by 0.01 so that it starts out sampling nearly uniformly over its 99 tokens. A completion ends
+at the first of 4 stop strings (".", "!", "?", ";") or EOS: after a geometric number of tokens, mean about 20, a
+few running to max_new_tokens=96. 8 prompts x 8 completions a step, so the longest of 64 rows, most often near 96,
+sets how long a synchronous step samples. The reward, 1 when a completion starts with a digit, is learnable from
+the start (10 of 99 tokens); the accuracy is that of greedy completions of 64 held-out prompts after the last step.
+GRPO, one update per batch, AdamW lr 1e-4, float32, the same seed in every run.
+
+Runs, each in its own process, one after the other:
+    sync           train.threads=2 (both cores: the synchronous loop's best)
+    async_steps=1  a generator process one step ahead, whole batches (automatic threads: trainer 2, generator 1)
+    staleness=1    train.max_staleness=1: groups streamed through continuous batching, the first ready trained
+    staleness=2    train.max_staleness=2
+
+With --repeats R every run is made R times, in turns, and its median wall time kept (with the accuracy averaged
+over the R). Printed per run: the wall time of its N steps (the sum of `time/step`: waits included, the evaluations and start-up
+not), its ratio to sync's (goal >= 1.3x at staleness <= 2), the accuracy at N, the largest staleness trained on, the
+groups dropped and the mean completion length.
+
+The machine may be shared with other processes: compare the ratios of one run, and rerun when in doubt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+RUNS = {  # name: extra overrides
+    "sync": ["train.threads=2"],
+    "async_steps=1": ["train.async_steps=1"],
+    "staleness=1": ["train.max_staleness=1"],
+    "staleness=2": ["train.max_staleness=2"],
+}
+STOPS = [".", "!"]
+
+
+def starts_with_digit(completions, **_):
+    return [float(c[:1].isdigit()) for c in completions]
+
+
+def child(name: str, steps: int, out: str, seed: int) -> dict:
+    """One run of the task, in this process; returns its figures."""
+    import random
+
+    if name != "sync":  # what `lmrl train` sets for an asynchronous run, before torch loads
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    import torch
+    from seeded_llama import seeded_llama
+
+    from lmrl import Trainer
+    from lmrl.config import load_config
+
+    model, tokenizer = seeded_llama(argparse.Namespace(hidden=256, layers=4, heads=4, threads=2),
+                                    max_position_embeddings=256)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(0.01)  # nearly uniform: lengths geometric in the stop strings' share
+    rng = random.Random(seed)
+    rows = [{"prompt": "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 12))) + ":"} for _ in range(320)]
+    cfg = load_config(None, [f"train.output_dir={out}", "log.console=false", "log.samples_every=0", f"train.steps={steps}",
+                             "train.eval_every=0", "train.max_minutes=null", f"train.seed={seed}", "algorithm=grpo",
+                             "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=256",
+                             f"rollout.stop={json.dumps(STOPS)}", "optim.lr=1e-4", "data.num_eval_prompts=64",
+                             *RUNS[name]])
+    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=[starts_with_digit],
+                      train_dataset=rows[64:], eval_dataset=rows[:64])
+    history = trainer.train().history
+    steps_ = [r for r in history if "time/step" in r]
+    return {"run": name, "wall": sum(r["time/step"] for r in steps_), "accuracy": history[-1]["eval/accuracy"],
+            "start_accuracy": trainer.result.evals[0]["eval/accuracy"],
+            "staleness": max(r.get("async/staleness_max", r.get("async/version_lag", 0.0)) for r in steps_),
+            "dropped": sum(r.get("async/dropped_groups", 0.0) for r in steps_),
+            "length": sum(r["val/response_length"] for r in steps_) / len(steps_)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--quick", action="store_true", help="6 steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each, in turns; the median wall time is kept")
+    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--record", nargs="?", const="staleness", metavar="NAME",
+                        help="write the table to benchmarks/results/NAME.MACHINE.json")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    steps = 6 if args.quick else args.steps
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, steps, args.out, args.seed)), flush=True)
+        return
+    runs: dict[str, list[dict]] = {name: [] for name in args.runs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for turn in range(args.repeats):  # in turns: drift of the machine reaches every run alike
+            for name in args.runs:
+                done = subprocess.run([sys.executable, __file__, "--child", name, "--out", f"{tmp}/{name}{turn}",
+                                       "--steps", str(steps), "--seed", str(args.seed)], capture_output=True, text=True)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+                if done.returncode or not lines:
+                    sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+                runs[name].append(r := json.loads(lines[0][7:]))
+                print(f"turn {turn + 1}: {name:14} {steps} steps in {r['wall']:6.1f} s, accuracy {r['accuracy']:.1%} (from "
+                      f"{r['start_accuracy']:.1%}), staleness <= {r['staleness']:.0f}, {r['dropped']:.0f} groups "
+                      f"dropped, mean length {r['length']:.1f}", flush=True)
+    results = []
+    for name, rs in runs.items():  # the median wall time; the other figures of the run that had it
+        median = sorted(rs, key=lambda r: r["wall"])[len(rs) // 2]
+        results.append({**median, "accuracy": statistics.mean(r["accuracy"] for r in rs)})
+    sync = next((r for r in results if r["run"] == "sync"), None)
+    for r in results:
+        r["speedup"] = sync["wall"] / r["wall"] if sync else float("nan")
+        print(f"{r['run']:14} median {r['wall']:.1f} s: {r['speedup']:.2f}x sync's wall time; accuracy at step {steps} "
+              f"{r['accuracy']:.1%} (mean of {args.repeats})")
+    if args.record:
+        from recording import Column, record
+
+        record(args.record, [Column("run"), Column("wall", f"wall time, {steps} steps", "{:.1f} s"),
+                             Column("speedup", "x sync", "{:.2f}x"), Column("accuracy", f"accuracy at step {steps}", "{:.1%}"),
+                             Column("staleness", "largest staleness", "{:.0f}"), Column("dropped", "groups dropped", "{:.0f}"),
+                             Column("length", "mean length", "{:.1f}")],
+               results, note=f"8 prompts x 8 completions ending at a stop string after a geometric number of tokens "
+                             f"(mean about 20, at most 96); hidden 256 / 4 layers Llama; seed {args.seed}; accuracy "
+                             f"from {results[0]['start_accuracy']:.1%} at step 0.")
+
+
+if __name__ == "__main__":
+    main()
