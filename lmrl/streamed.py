@@ -76,6 +76,7 @@ class StreamedRollouts(AsyncRollouts):
         self.stamp = torch.zeros(1, dtype=torch.long).share_memory_()  # the version of the weights in shared memory
         self.lock = None  # held while the weights in shared memory are written or read
         self.pool: list[dict[str, Any]] = []  # groups received and not taken, in the order they came
+        self.training: list[dict[str, Any]] = []  # the groups of the step under way, until its update is done
         self.low, self.done = 0, set()  # positions below `low`, and those in `done`, were trained on or dropped
         self.consumed = self.told = 0  # groups taken or dropped since the process started; as the process last heard
 
@@ -108,6 +109,9 @@ class StreamedRollouts(AsyncRollouts):
         """After step `step`'s update: its weights into shared memory for the generator process to take when it can
         (it never waits for them, and this process never waits for it)."""
         self.published = step
+        for g in self.training:  # the step's update is done: its groups were trained on
+            self._done(g)
+        self.training = []
         if self.process is None or self.failed is not None or step >= self.steps:
             return
         try:
@@ -132,6 +136,9 @@ class StreamedRollouts(AsyncRollouts):
 
     def _consume(self, group: dict[str, Any]) -> None:
         self.consumed += 1
+        self._done(group)
+
+    def _done(self, group: dict[str, Any]) -> None:
         self.done.add(group["position"])
         while self.low in self.done:
             self.done.remove(self.low)
@@ -142,8 +149,10 @@ class StreamedRollouts(AsyncRollouts):
         """The first `share` groups ready that the policy being updated (version step - 1) may train on, waiting for
         the generator process while there are fewer. A group sampled more than k versions earlier is dropped for
         good; with dynamic sampling, so is a group whose rewards are all equal, up to (max_sampling_rounds - 1) x P a
-        step. The groups taken leave the pool only once there are enough: a signal that abandons the step keeps them."""
+        step. The groups taken count as trained on once the step's update is done (`publish`): a signal that abandons
+        the step keeps them for the checkpoint."""
         cfg, start = self.cfg, time.perf_counter()
+        self.pool[:0], self.training = self.training, []  # a step abandoned earlier: its groups come first
         oldest = step - 1 - self.k
         dynamic, G = cfg.algorithm.dynamic_sampling, cfg.rollout.group_size
         limit = (cfg.algorithm.max_sampling_rounds - 1) * self.share if dynamic else 0
@@ -170,11 +179,11 @@ class StreamedRollouts(AsyncRollouts):
                 raise RunError(f"the generator process was stopped before it sent the groups of step {step}")
             self._tell()
             self._receive(step)
-        taken, self.pool = self.pool[: self.share], self.pool[self.share:]
-        for g in taken:
-            self._consume(g)
+        taken = self.pool[: self.share]
         waited = time.perf_counter() - start
         c = self._assembled(taken)
+        self.pool, self.training = self.pool[self.share:], taken
+        self.consumed += len(taken)  # room for the generator process at once; trained on at `publish`
         lags = [(step - 1) - g["version"] for g in taken]
         c.metrics |= {"time/wait_for_batch": waited, "async/staleness_mean": sum(lags) / len(lags),
                       "async/staleness_max": float(max(lags)), "async/version_lag": float(max(lags)),
@@ -207,7 +216,7 @@ class StreamedRollouts(AsyncRollouts):
     def state_dict(self, step: int) -> list[dict[str, Any]]:
         """The groups received and not trained on, and the positions trained on or dropped; what is in flight is
         sampled again by the resumed run."""
-        return [{"streamed": True, "pool": list(self.pool), "low": self.low, "done": sorted(self.done)}]
+        return [{"streamed": True, "pool": self.training + self.pool, "low": self.low, "done": sorted(self.done)}]
 
     def load_state_dict(self, batches: list[dict[str, Any]]) -> None:
         state = next((b for b in batches if b.get("streamed")), None)

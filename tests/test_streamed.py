@@ -94,9 +94,13 @@ def test_a_step_takes_the_first_groups_within_the_bound_and_drops_older_ones_for
     assert c.metrics["async/dropped_groups"] == 3 and c.metrics["async/waiting_groups"] == 1
     assert c.metrics["async/staleness_mean"] == 1 and c.metrics["async/staleness_max"] == 1
     assert [g["position"] for g in s.pool] == [5]
+    assert s.consumed == 5  # what the generator process is told (its room to sample ahead)
+    state = s.state_dict(4)[0]  # a checkpoint before the step's update is done (a signal): its groups are kept
+    assert state["low"] == 1 and state["done"] == [2, 3] and [g["position"] for g in state["pool"]] == [1, 4, 5]
+    s.process = None
+    s.publish(5)  # the update is done: its groups were trained on
     state = s.state_dict(5)[0]
     assert state["low"] == 5 and state["done"] == [] and [g["position"] for g in state["pool"]] == [5]
-    assert s.consumed == 5  # what the generator process is told (its room to sample ahead)
 
 
 def test_a_step_that_waits_tells_the_generator_its_room_first_and_a_signal_while_waiting_keeps_the_groups(monkeypatch):

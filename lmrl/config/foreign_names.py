@@ -94,6 +94,8 @@ FLAT_NAMES: dict[str, tuple[str, str, str]] = {
     "kl_target": ("OpenRLHF", "algorithm.kl_target", ""),
     "kl_estimator": ("OpenRLHF", "algorithm.kl_estimator", ""),
     "use_kl_loss": ("OpenRLHF", "algorithm.kl_in", "use_kl_loss is algorithm.kl_in=loss"),
+    "async_queue_size": ("OpenRLHF", "train.max_staleness", "OpenRLHF counts batches the generator may run ahead; lmrl "
+                         "bounds how many versions old any group trained on may be (train.async_steps: a fixed lag)"),
     "eps_clip": ("OpenRLHF", "algorithm.clip_low", "and algorithm.clip_high"),
     "eps_clip_low_high": ("OpenRLHF", "algorithm.clip_low", "and algorithm.clip_high"),
     "value_clip": ("OpenRLHF", "algorithm.value_clip", ""),
@@ -120,6 +122,8 @@ VERL_PATHS: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ("optim.micro_batch_size", ""),
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": ("optim.micro_batch_tokens", ""),
     "actor_rollout_ref.actor.use_dynamic_bsz": ("optim.micro_batch_tokens", "set a token budget: use_dynamic_bsz=true"),
+    "async_training.staleness_threshold": ("train.max_staleness", "verl's is the fraction of a batch that may be stale; "
+                                           "lmrl's the most versions any group trained on may be behind"),
     "actor_rollout_ref.model.use_remove_padding": ("train.packing", "on by default in lmrl"),
     "actor_rollout_ref.actor.ppo_epochs": ("algorithm.num_iterations", ""),
     "actor_rollout_ref.actor.clip_ratio": ("algorithm.clip_low", "and algorithm.clip_high"),
