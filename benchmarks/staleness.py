@@ -5,6 +5,7 @@ accuracy at N steps, as verl measures its fully asynchronous mode.
     python benchmarks/staleness.py                       # 24 steps of each run
     python benchmarks/staleness.py --quick               # 6 steps: a smoke run
     python benchmarks/staleness.py --steps 24 --repeats 3 --record   # the table in docs/async.md
+    python benchmarks/staleness.py --shipped 150 --repeats 3 --record  # the shipped task: the held-out gain
 
 The task: a Llama with random weights (hidden 256, 4 layers, 4 heads; `seeded_llama`) and the character tokenizer,
 its final norm scaled by 0.01 so that it starts out sampling nearly uniformly over its 99 tokens. A completion ends
@@ -19,6 +20,7 @@ Runs, each in its own process, one after the other:
     async_steps=1  a generator process one step ahead, whole batches (automatic threads: trainer 2, generator 1)
     staleness=1    train.max_staleness=1: groups streamed through continuous batching, the first ready trained
     staleness=2    train.max_staleness=2
+    partial=2      train.max_staleness=2 rollout.partial=true: rows in flight take new weights at their next token
 
 With --repeats R every run is made R times, in turns, turn t with seed --seed + t: the wall time and its ratio to
 sync's of the same turn are the medians over the turns, the accuracy their mean (one seed's accuracy swings by tens
@@ -47,6 +49,7 @@ RUNS = {  # name: extra overrides
     "async_steps=1": ["train.async_steps=1"],
     "staleness=1": ["train.max_staleness=1"],
     "staleness=2": ["train.max_staleness=2"],
+    "partial=2": ["train.max_staleness=2", "rollout.partial=true"],
 }
 STOPS = [".", "!"]
 
@@ -90,6 +93,37 @@ def child(name: str, steps: int, out: str, seed: int) -> dict:
             "length": sum(r["val/response_length"] for r in steps_) / len(steps_)}
 
 
+def shipped(args) -> list[dict]:
+    """The shipped task (`lmrl train`, its preset), sync and with max_staleness=2, in turns: the held-out gain at a
+    fixed number of steps (500 prompts, greedy, at step 0 and the last) and the wall time of the steps."""
+    out: dict[str, list[dict]] = {"sync": [], "staleness=2": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for turn in range(args.repeats):
+            for name, extra in (("sync", []), ("staleness=2", ["train.max_staleness=2"])):
+                run = f"{tmp}/{name}{turn}"
+                subprocess.run([sys.executable, "-m", "lmrl", "train", f"train.output_dir={run}", f"train.steps={args.shipped}",
+                                "train.eval_every=0", "train.max_minutes=null", "log.console=false", "log.samples_every=0",
+                                f"train.seed={args.seed + turn}", *extra], check=True, capture_output=True)
+                with open(f"{run}/metrics.jsonl") as f:
+                    rows = [json.loads(line) for line in f]
+                evals = [r for r in rows if "eval/accuracy" in r]
+                r = {"run": name, "wall": sum(r["time/step"] for r in rows if "time/step" in r),
+                     "start": evals[0]["eval/accuracy"], "end": evals[-1]["eval/accuracy"],
+                     "staleness": max(r.get("async/staleness_max", 0.0) for r in rows)}
+                out[name].append(r)
+                print(f"turn {turn + 1}: {name:12} {args.shipped} steps in {r['wall']:5.1f} s, held-out accuracy "
+                      f"{r['start']:.1%} -> {r['end']:.1%}", flush=True)
+    results = []
+    for name, rs in out.items():
+        ratios = [a["wall"] / b["wall"] for a, b in zip(out["sync"], rs)]
+        results.append({"run": name, "wall": statistics.median(r["wall"] for r in rs), "speedup": statistics.median(ratios),
+                        "gain": statistics.mean(r["end"] - r["start"] for r in rs),
+                        "accuracy": statistics.mean(r["end"] for r in rs), "staleness": max(r["staleness"] for r in rs)})
+        print(f"{name:12} median {results[-1]['wall']:.1f} s ({results[-1]['speedup']:.2f}x sync's), held-out gain "
+              f"{results[-1]['gain']:+.1%} (the mean of {args.repeats} seeds)")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=24)
@@ -99,10 +133,25 @@ def main() -> None:
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--record", nargs="?", const="staleness", metavar="NAME",
                         help="write the table to benchmarks/results/NAME.MACHINE.json")
+    parser.add_argument("--shipped", type=int, metavar="STEPS",
+                        help="instead: the shipped task, sync and max_staleness=2, this many steps")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = 6 if args.quick else args.steps
+    if args.shipped:
+        results = shipped(args)
+        if args.record:
+            from recording import Column, record
+
+            record(f"{args.record}-shipped", [Column("run"), Column("wall", f"wall time, {args.shipped} steps", "{:.1f} s"),
+                                              Column("speedup", "x sync", "{:.2f}x"),
+                                              Column("gain", "held-out gain", "{:+.1%}"),
+                                              Column("accuracy", f"accuracy at step {args.shipped}", "{:.1%}"),
+                                              Column("staleness", "largest staleness", "{:.0f}")],
+                   results, note=f"`lmrl train` (the shipped model and task, its preset); seeds {args.seed}-"
+                                 f"{args.seed + args.repeats - 1}; 500 held-out prompts, greedy, at step 0 and the last.")
+        return
     if args.child:
         print("RESULT " + json.dumps(child(args.child, steps, args.out, args.seed)), flush=True)
         return

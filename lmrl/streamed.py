@@ -5,26 +5,30 @@ it holds, and hands each group over the step it ends; a training step takes the 
     step t:  the first P groups ready, none sampled  <----  continuous batching (`HFGenerator.stream`): a prompt's G
              by a policy older than t - 1 - k (those         rows join when there is room, its group is scored and
              are dropped and counted)                        sent the step its last row ends, the next prompt takes
-             experience, update                              the room; once newer weights are published no prompt
-             publish weights t  --- shared memory ---->      starts, the rows in flight end, and it takes them
+             experience, update                              the room; it takes newer weights once nothing is in
+             publish weights t  --- shared memory ---->      flight (rollout.partial: at the rows' next token)
 
 What holds the bound: the trainer never trains on a group sampled more than k versions before the policy being
-updated (it drops it: `async/dropped_groups`), and the generator process begins at most (k + 1) x P groups the trainer
-has not taken, so that, at the pace the trainer takes them, what it samples is taken before it is too old.
+updated (it drops it: `async/dropped_groups`), and the generator process begins a group only while, counting the
+groups begun before it and not yet taken (P a step) and the versions its weights are behind, the trainer would take it
+within the bound (`_Sampler._room`): what it samples is taken before it is too old, at the pace the trainer goes.
 
 A step's batch is whatever groups ended first, so a long completion holds back its own group, not the step: with
 completion lengths that have a long tail, the generator spends its time on full batches instead of on a few long
 rows. The price: runs depend on timing, not on the seed alone (`train.async_steps` keeps runs that repeat exactly).
-A sequence is sampled by one version of the weights (no update in the middle of a sequence); every token carries the
-sampler's log-prob, and the trainer corrects for the lag per token with the decoupled objective, as with a fixed lag.
+A sequence is sampled by one version of the weights, unless partial rollouts (rollout.partial) let the rows in
+flight take new weights at their next token; every token carries the version and the log-prob it was sampled with
+(`Rollout.versions`, `Rollout.logprobs`), a group's staleness is its oldest token's, and the trainer corrects for the
+lag per token with the decoupled objective, as with a fixed lag.
 
 Prompts are a stream of positions (this rank's: position p is the run's prompt p x ranks + rank), each sampled once:
 a checkpoint holds the groups received and not trained on, and which positions were trained on or dropped; a resumed
 run samples again, from the checkpoint's weights, the positions that were in flight, and no other.
 
-How lmrl departs from AReaL's and verl's fully asynchronous modes: weights change between groups, never in the
-middle of one; the bound is enforced by dropping what is too old rather than by pausing the sampler whenever the
-trainer falls behind; rewards are scored in the generator process, group by group, as the groups end.
+How lmrl departs from AReaL's and verl's fully asynchronous modes: without partial rollouts the weights change only
+when nothing is in flight, kept for up to k versions so that a long row's wait is paid once in several steps; with
+them, the rows in flight are prefilled again under the new weights (no KV cache computed by older weights is kept);
+the bound is enforced by dropping what is too old; rewards are scored in the generator process, group by group.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from lmrl.async_rollouts import (
 )
 from lmrl.collect import Collected
 from lmrl.distributed import World
-from lmrl.errors import RunError
+from lmrl.errors import ConfigError, RunError
 from lmrl.rollout import Rollout, select_rollout
 from lmrl.rollout.hf import HFGenerator
 
@@ -130,7 +134,7 @@ class StreamedRollouts(AsyncRollouts):
 
     def _keep(self, message: tuple) -> None:
         if message[0] == "group":
-            self.pool.append(message[1])
+            self.pool.append(_tensors(message[1]))
         else:
             super()._keep(message)
 
@@ -146,8 +150,8 @@ class StreamedRollouts(AsyncRollouts):
 
     # ------------------------------------------------------------------------------ the step
     def batch(self, step: int) -> Collected:
-        """The first `share` groups ready that the policy being updated (version step - 1) may train on, waiting for
-        the generator process while there are fewer. A group sampled more than k versions earlier is dropped for
+        """`share` groups ready that the policy being updated (version step - 1) may train on, the oldest first (then
+        in the order they came), waiting for the generator process while there are fewer. A group sampled more than k versions earlier is dropped for
         good; with dynamic sampling, so is a group whose rewards are all equal, up to (max_sampling_rounds - 1) x P a
         step. The groups taken count as trained on once the step's update is done (`publish`): a signal that abandons
         the step keeps them for the checkpoint."""
@@ -179,6 +183,7 @@ class StreamedRollouts(AsyncRollouts):
                 raise RunError(f"the generator process was stopped before it sent the groups of step {step}")
             self._tell()
             self._receive(step)
+        self.pool.sort(key=lambda g: g["version"])  # the oldest first (stable: then as they came): before they age out
         taken = self.pool[: self.share]
         waited = time.perf_counter() - start
         c = self._assembled(taken)
@@ -189,6 +194,13 @@ class StreamedRollouts(AsyncRollouts):
                       "async/staleness_max": float(max(lags)), "async/version_lag": float(max(lags)),
                       "async/policy_version": sum(g["version"] for g in taken) / len(taken),
                       "async/dropped_groups": float(dropped), "async/waiting_groups": float(len(self.pool))}
+        if (versions := c.rollout.versions) is not None:  # per token: partial rollouts take new weights mid-sequence
+            sampled = versions >= 0
+            oldest = versions.masked_fill(~sampled, torch.iinfo(versions.dtype).max).amin(1, keepdim=True)
+            tokens = sampled.sum().clamp(min=1)
+            several = (versions > oldest).any(1, keepdim=True) & sampled  # [B, T] tokens of rows that span versions
+            c.metrics["async/multi_version_frac"] = several.sum().item() / tokens.item()
+            c.metrics["async/token_staleness_mean"] = ((step - 1 - versions) * sampled).sum().item() / tokens.item()
         if dynamic:
             c.metrics["dynamic_sampling/filtered_groups"] = float(filtered)
         if self.probe_diffs:
@@ -223,6 +235,35 @@ class StreamedRollouts(AsyncRollouts):
         if state is None:  # a fixed-lag run's batches: nothing to take from them
             return
         self.pool, self.low, self.done = list(state["pool"]), int(state["low"]), set(state["done"])
+
+
+def _arrays(x: Any) -> Any:
+    """A group's tensors as numpy arrays, for the pipe: unpickling a tensor costs about 0.1 ms, an array 40x less (a
+    step of 32 groups read 22 ms of tensors on the shipped task)."""
+    if isinstance(x, dict):
+        return {k: _arrays(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor) and x.dtype != torch.bfloat16:
+        return _Array(x.detach().cpu().numpy())
+    return x
+
+
+def _tensors(x: Any) -> Any:
+    """`_arrays` undone (a checkpoint holds tensors: `torch.load(weights_only=True)` reads no numpy)."""
+    if isinstance(x, dict):
+        return {k: _tensors(v) for k, v in x.items()}
+    return torch.from_numpy(x.array) if isinstance(x, _Array) else x
+
+
+class _Array:
+    """A numpy array that stood for a tensor (a row's own numpy values stay numpy)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+    def __reduce__(self):
+        return _Array, (self.array,)
 
 
 def _batch_metrics(groups: list[dict[str, float]], raw: torch.Tensor, per_function: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -270,6 +311,10 @@ class _Sampler:
         self.rows: dict[int, dict[str, Any]] = {}  # position -> its row, while its group is sampled
         decoder = getattr(self.generator, "decoder", self.generator)  # lmrl's decode over the process's own model
         self.decoder = decoder if isinstance(decoder, HFGenerator) and collector.env is None and collector.processor is None else None
+        self.partial = cfg.rollout.partial
+        if self.partial and self.decoder is None:  # the config refuses engines and environments; this is images
+            raise ConfigError("rollout.partial: a vision-language policy's groups are sampled whole calls at a time, "
+                              "which cannot take new weights mid-sequence; set rollout.partial=false")
 
     def run(self) -> None:
         G = self.cfg.rollout.group_size
@@ -282,7 +327,8 @@ class _Sampler:
                 continue
             if self.decoder is not None:
                 rows = self.decoder.batch_size or (self.k + 1) * self.share * G  # room for every group it may begin
-                self.decoder.stream(self._next, G, self.collector.sampling_params(), rows, self._give)
+                self.decoder.stream(self._next, G, self.collector.sampling_params(), rows, self._give,
+                                    version=self.version, swap=self._swap if self.partial else None)
             else:
                 self._batch()
 
@@ -341,12 +387,23 @@ class _Sampler:
         """`HFGenerator.stream`'s next prompt: none while there is no room (`_room`): the rows in flight end, then
         newer weights are taken, or the trainer is waited for."""
         self._poll(block=False)
-        if self._room() <= 0:
+        if self._room() <= 0 or (self.partial and self.newest > self.version):  # (partial: new rows wait for the swap)
             return None
         position = self._position()
         row = self.rows[position] = self._row(position)
         self.started += 1
         return position, self.collector.encode([row[self.cfg.data.prompt_column]])[0], self._seed(position)
+
+    def _swap(self):
+        """`HFGenerator.stream`'s partial rollouts: once newer weights are published, a function that takes them."""
+        self._poll(block=False)
+        if self.newest <= self.version:
+            return None
+
+        def load() -> int:
+            self._take()
+            return self.version
+        return load
 
     def _give(self, position: int, rollout: Rollout) -> None:
         row = self.rows.pop(position)
@@ -372,11 +429,13 @@ class _Sampler:
             self._send_group(position, row, part, group)
 
     def _send_group(self, position: int, row: dict[str, Any], rollout: Rollout, out: Any) -> None:
-        send_message(self.channel, ("group", {
-            "position": position, "version": self.version, "row": row,
+        sampled = rollout.versions[rollout.versions >= 0] if rollout.versions is not None else None
+        version = int(sampled.min()) if sampled is not None and sampled.numel() else self.version  # its oldest token's
+        send_message(self.channel, ("group", _arrays({
+            "position": position, "version": version, "row": row,
             "rollout": {f.name: getattr(rollout, f.name) for f in fields(Rollout)},
             "scores": out.scores, "per_function": out.per_function, "extra": out.extra_columns,
-            "metrics": dict(out.metrics)}))
+            "metrics": dict(out.metrics)})))
 
 
 def generator_process(cfg, run, policy, units, tokenizer, world: World, warn, shape) -> AsyncRollouts | None:

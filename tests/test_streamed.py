@@ -220,12 +220,63 @@ def test_a_sigkill_then_a_resume_trains_no_prompt_twice_and_a_sigterm_leaves_no_
 
 
 # ------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("train, message", [
-    ({"max_staleness": 1, "async_steps": 1}, "train.max_staleness: a bound on staleness and a fixed lag "
-                                             "(train.async_steps=1) are two schedules; set one of them"),
-    ({"max_staleness": -1}, "train.max_staleness: "),
+@pytest.mark.parametrize("values, message", [
+    ({"train": {"max_staleness": 1, "async_steps": 1}},
+     "train.max_staleness: a bound on staleness and a fixed lag (train.async_steps=1) are two schedules; set one of them"),
+    ({"train": {"max_staleness": -1}}, "train.max_staleness: "),
+    ({"rollout": {"partial": True}}, "rollout.partial: partial rollouts are a way of bounded staleness; set "
+                                     "train.max_staleness"),
+    ({"rollout": {"partial": True}, "train": {"max_staleness": 0}},
+     "rollout.partial: with train.max_staleness=0 every token must come from the policy being updated"),
+    ({"rollout": {"partial": True, "backend": "vllm-server", "vllm": {"server_url": "http://127.0.0.1:1"}},
+      "train": {"max_staleness": 1}},
+     "rollout.partial: needs lmrl's decode without an environment: rollout.backend=vllm-server samples whole calls"),
+    ({"rollout": {"partial": True}, "env": {"name": "calculator"}, "train": {"max_staleness": 1}},
+     "rollout.partial: needs lmrl's decode without an environment: env.name=calculator samples whole calls"),
 ])
-def test_bad_bounds_are_one_line(train, message):
+def test_bad_bounds_are_one_line_before_a_model_loads(values, message):
     with pytest.raises(ConfigError) as e:
-        Config(train=train)
+        Config(**values)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_the_cli_says_it_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "train.max_staleness=0", "rollout.partial=true",
+                           "--dry-run"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and done.stderr.startswith("lmrl: error: rollout.partial: with train.max_staleness=0 ")
+    assert len(done.stderr.splitlines()) == 1
+
+
+def test_partial_rollouts_train_on_tokens_of_several_versions_each_weighted_by_its_own_log_prob(tmp_path, monkeypatch):
+    """rollout.partial=true through a real generator process: rows span versions (that each token's log-prob is the
+    one the weights that sampled it gave is tests/rollout/test_hf_generator.py's), and the loss weighs every token by
+    min(pi_prox / pi_behaviour, 2) with its own pi_behaviour, worked out here by hand from the batch."""
+    monkeypatch.delenv("LMRL_START_METHOD", raising=False)
+    cfg = Config(rollout={"prompts_per_step": 8, "group_size": 4, "partial": True}, data={"num_eval_prompts": 0},
+                 train={"steps": 8, "eval_every": 0, "max_staleness": 2, "output_dir": str(tmp_path)},
+                 log={"console": False, "samples_every": 0})
+    trainer = Trainer(cfg)
+    batches, checked = [], []
+    batch, update = trainer.rollouts.batch, trainer.update
+
+    def update_spy(exp):
+        with torch.no_grad():
+            prox, _ = trainer.forwards.policy_logprobs(exp.sequences, exp.attention_mask, exp.num_response_tokens)
+        stats = update(exp)
+        versions = batches[-1].rollout.versions[:, : exp.response_mask.shape[1]]
+        if (versions.amax(1) > versions.masked_fill(versions < 0, 10**9).amin(1)).any():  # rows of several versions
+            mask = exp.response_mask
+            weights = torch.clamp(torch.exp(prox - exp.rollout_logprobs), max=2.0) * mask
+            per_token = -weights * exp.advantages  # ratio 1 at the one update of a batch
+            by_hand = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()  # seq-mean-token-mean
+            assert stats["loss/policy_avg"] == pytest.approx(by_hand.item(), rel=1e-5, abs=1e-7)
+            assert torch.equal(exp.rollout_logprobs, batches[-1].rollout.logprobs.float()[:, : mask.shape[1]])
+            checked.append(versions)
+        return stats
+
+    monkeypatch.setattr(trainer.rollouts, "batch", lambda step: batches.append(batch(step)) or batches[-1])
+    monkeypatch.setattr(trainer, "update", update_spy)
+    rows = trainer.train().history
+    assert checked, "no batch had a row that took new weights mid-sequence"
+    assert all(r["async/staleness_max"] <= 2 for r in rows)
+    assert max(r["async/multi_version_frac"] for r in rows) > 0

@@ -127,6 +127,17 @@ class Config(Section):
         if self.train.max_staleness is not None and self.train.async_steps:
             raise ValueError(f"train.max_staleness: a bound on staleness and a fixed lag (train.async_steps="
                              f"{self.train.async_steps}) are two schedules; set one of them")
+        if r.partial and self.train.max_staleness is None:
+            raise ValueError("rollout.partial: partial rollouts are a way of bounded staleness; set train.max_staleness "
+                             "(2 is a start) or rollout.partial=false")
+        if r.partial and self.train.max_staleness == 0:
+            raise ValueError("rollout.partial: with train.max_staleness=0 every token must come from the policy being "
+                             "updated, and a sequence that takes new weights mid-way has older ones; raise "
+                             "train.max_staleness or set rollout.partial=false")
+        if r.partial and (r.backend != "lmrl" or self.env.name):
+            what = f"rollout.backend={r.backend}" if r.backend != "lmrl" else f"env.name={self.env.name}"
+            raise ValueError(f"rollout.partial: needs lmrl's decode without an environment: {what} samples whole calls, "
+                             "which cannot take new weights mid-sequence; set rollout.partial=false")
         for key, module, extra in _EXTRAS:
             section, _, name = key.partition(".")
             if getattr(getattr(self, section), name) not in (None, False) and importlib.util.find_spec(module) is None:

@@ -166,6 +166,10 @@ class RolloutConfig(Section):
     for the difference between its probabilities and the trainer's (docs/generation.md)."""
     vllm: VLLMConfig = VLLMConfig()
     """The vLLM engine's settings (rollout.backend=vllm)."""
+    partial: bool = False
+    """Partial rollouts (with train.max_staleness and lmrl's decode): sequences in flight take new weights at their
+    next token instead of ending on the old ones; each token keeps the version and the log-prob it was sampled with,
+    and the decoupled objective weights each by its own (docs/async.md)."""
     cuda_graph: bool = True
     """On a GPU, decode with fixed shapes (a KV cache of the whole rollout) and replay each step as one
     CUDA graph, where the model allows it (full attention, sdpa or eager kernel); the run says which

@@ -59,6 +59,7 @@ class Request:
     owner: Any
     key: int = 0
     media: Any = None  # a vision-language prompt's processor outputs (`lmrl.models.vision.Media`), prefilled with it
+    sampled: list[int] | None = None  # a row going on from tokens it sampled before (the prompt's end): stop strings
 
 
 @dataclass(slots=True)
@@ -207,7 +208,7 @@ class DecodeEngine:
         slots = cache.add_prompts([k.to(cache.dtype) for k in keys], [v.to(cache.dtype) for v in values], lengths)
         cache.add_rows([slots[i] for i in local])
         for r, i in zip(requests, local):
-            stop_key = self.stops.new_key() if self.stops else -1
+            stop_key = self.stops.new_key(r.sampled or ()) if self.stops else -1
             self.rows.append(_Row(r.owner, r.max_new, lengths[i], cache.steps + r.max_new - 1, key=stop_key))
         start = next_position.index_select(0, local_t)
         keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device)
@@ -215,6 +216,31 @@ class DecodeEngine:
         self.start = start if self.start is None else torch.cat([self.start, start])
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
         self._rows_changed()
+
+    @property
+    def settled(self) -> bool:
+        """The host has read every token sampled so far: each row's end is known (`abort` may run)."""
+        return self._since_read == 0
+
+    def abort(self) -> list[Ended]:
+        """Hand back every row in flight as it stands, its tokens so far (`finished` False), and empty the engine: the
+        rows go on elsewhere, e.g. from their next token under new weights (partial rollouts, `HFGenerator.stream`).
+        Call it between steps where the engine is `settled`."""
+        live = [i for i, row in enumerate(self.rows) if not row.done]
+        out = []
+        if live:
+            lengths = self.cache.row_length
+            index = torch.tensor(live, device=self.device)
+            width = max(lengths[i] for i in live)
+            tokens = self.cache.tokens.index_select(0, index)[:, :width].tolist()
+            logprobs = self.cache.logprobs.index_select(0, index)[:, :width].tolist()
+            out = [Ended(self.rows[i].owner, t[: lengths[i]], lp[: lengths[i]], False, lengths[i])
+                   for i, t, lp in zip(live, tokens, logprobs)]
+        if self.rows:
+            self.rows, self.logits, self.start, self.keys, self._done = [], None, None, None, 0
+            self.cache.keep([])
+            self._rows_changed()
+        return out
 
     def _prefill(self, prompts: list[Request]) -> tuple[torch.Tensor, list, list, torch.Tensor]:
         """One forward over the (left-padded) prompts of `prompts` with their images: `[U, V]` float32 logits at each

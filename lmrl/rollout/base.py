@@ -95,6 +95,9 @@ class Rollout:
         media_index: `[B]` the bundle of `media` each row's sequence shows, where rows of one prompt show different
             images (multi-turn episodes whose environment showed images: one bundle per episode, the prompt's
             images then the observations'); None: its prompt's, `prompt_index`.
+        versions: `[B, T]` the policy version (optimizer steps done) that sampled each response token, -1 past a
+            row's end: a row may span versions where a sequence in flight took new weights (partial rollouts,
+            `train.max_staleness`); None: one version sampled the whole rollout.
     """
 
     prompt_ids: torch.Tensor
@@ -108,6 +111,7 @@ class Rollout:
     response_attention: torch.Tensor | None = None
     media: list | None = None
     media_index: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
 
     @property
     def media_rows(self) -> torch.Tensor:

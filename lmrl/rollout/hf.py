@@ -14,6 +14,7 @@ says where not); run eagerly (`fixed_shapes`), they sample what the other steps 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -178,26 +179,48 @@ class HFGenerator:
         return self._rollout(prompts, n, results, tokens, logprobs, params)
 
     def stream(self, take: Callable[[], tuple[Any, list[int], int] | None], n: int, params: SamplingParams,
-               rows: int, give: Callable[[Any, Rollout], None]) -> None:
+               rows: int, give: Callable[[Any, Rollout], None], version: int = 0,
+               swap: Callable[[], Callable[[], int] | None] | None = None) -> None:
         """Continuous batching over an open-ended supply of prompts (`train.max_staleness`, `lmrl.streamed`).
 
         `take()` gives the next prompt as (owner, token ids, seed), or None when none should start now; its `n` rows
         join the decode once there is room for them (of `rows` in flight), the prompts taken together prefilled in
-        one forward. `give(owner, rollout)` gets each prompt's `n` completions, a one-prompt `Rollout`, the step its
-        last row ends: a long row holds back its own group only, and the room a short one frees goes to the next
-        prompt. Returns once nothing is in flight and `take` gave None: the weights may change then (the engine reads
-        them when it is built). Rows sample from the streams of their prompt's seed, as `generate` with that seed
-        would sample them."""
+        one forward. `give(owner, rollout)` gets each prompt's `n` completions, a one-prompt `Rollout` whose
+        `versions` say which weights sampled each token, the step its last row ends: a long row holds back its own
+        group only, and the room a short one frees goes to the next prompt. Returns once nothing is in flight and
+        `take` gave None: the weights may change then (the engine reads them when it is built).
+
+        `swap()`, asked between steps (partial rollouts): None, or a function that loads new weights into the model
+        and returns their version. Then every row in flight is taken out as it stands, the weights are loaded, and
+        the rows go on from their next token under them (their tokens so far prefilled again with the new weights),
+        each token keeping the version and the log-prob it was sampled with.
+
+        Rows sample from the streams of their prompt's seed, as `generate` with that seed would sample them (a row
+        that went on under new weights from a stream of its own from there)."""
         params.validate()
         stops = StopChecker(self.tokenizer, params.stop) if params.stop else None
-        groups: dict[Any, tuple[list[int], list[Ended | None]]] = {}  # owner -> its prompt, its rows as they end
+        groups: dict[Any, tuple[list[int], list[_Partial | None]]] = {}  # owner -> prompt, its rows once they end
+        so_far: dict[tuple[Any, int], _Partial] = {}  # rows that went on under new weights: what they sampled before
+        keys_of: dict[tuple[Any, int], int] = {}  # each row's random stream
         was_training = self.model.training
         self.model.eval()
+
+        def engine_now() -> DecodeEngine:
+            return DecodeEngine(self.model, params, self.eos_token_ids, banned=self._banned, stops=stops, rows=rows,
+                                pad_token_id=self.pad_token_id)
+
         try:
             with torch.inference_mode():
-                engine = DecodeEngine(self.model, params, self.eos_token_ids, banned=self._banned, stops=stops,
-                                      rows=rows, pad_token_id=self.pad_token_id)
+                engine = engine_now()
                 while True:
+                    if swap is not None and len(engine) and engine.settled and (load := swap()) is not None:
+                        going_on = []
+                        for e in engine.abort():  # what each row sampled so far, under the weights it had
+                            so_far[e.owner] = so_far.get(e.owner, _Partial()).extended(e, version)
+                            going_on.append(e.owner)
+                        version = load()
+                        engine = engine_now()
+                        engine.add([self._going_on(groups[o[0]][0], o, so_far[o], keys_of[o], params) for o in going_on])
                     joining = []  # joins once a quarter of the room is free (a prefill and a compaction per join)
                     while (rows - len(engine) - len(joining) >= n
                            and (not len(engine) or rows - len(engine) >= max(n, rows // 4))):
@@ -206,6 +229,7 @@ class HFGenerator:
                         owner, prompt, seed = item
                         groups[owner] = (prompt, [None] * n)
                         keys = row_keys(seed, torch.arange(n)).tolist()
+                        keys_of.update({(owner, j): keys[j] for j in range(n)})
                         joining += [Request(prompt, params.max_new_tokens, (owner, j), keys[j]) for j in range(n)]
                     engine.add(joining)
                     if not len(engine):
@@ -213,19 +237,32 @@ class HFGenerator:
                     for ended in engine.step():
                         owner, j = ended.owner
                         prompt, ended_rows = groups[owner]
-                        ended_rows[j] = ended
+                        ended_rows[j] = so_far.pop(ended.owner, _Partial()).extended(ended, version)
+                        del keys_of[ended.owner]
                         if all(r is not None for r in ended_rows):
                             del groups[owner]
                             give(owner, self._group(prompt, ended_rows, params))
         finally:
             self.model.train(was_training)
 
-    def _group(self, prompt: list[int], rows: list[Ended], params: SamplingParams) -> Rollout:
-        """The one-prompt `Rollout` of rows the engine handed back as lists."""
-        width = max(1, max(r.length for r in rows))
-        tokens = torch.tensor([r.tokens + [self.pad_token_id] * (width - r.length) for r in rows], device=self.device)
-        logprobs = torch.tensor([r.logprobs + [0.0] * (width - r.length) for r in rows], device=self.device)
-        return self._rollout([prompt], len(rows), rows, tokens, logprobs, params)
+    @staticmethod
+    def _going_on(prompt: list[int], owner: Any, row: _Partial, key: int, params: SamplingParams) -> Request:
+        """The request that continues a row taken out of the engine (`stream`'s swap) under new weights: its prompt
+        and every token it sampled so far as the new prompt, the rest of its budget, a random stream of its own (its
+        own stream's, moved on by the tokens sampled: not the uniforms its first tokens drew)."""
+        key = int(row_keys(key, torch.tensor([len(row.tokens)]))[0])
+        return Request(prompt + row.tokens, params.max_new_tokens - len(row.tokens), owner, key, sampled=row.tokens)
+
+    def _group(self, prompt: list[int], rows: list[_Partial], params: SamplingParams) -> Rollout:
+        """The one-prompt `Rollout` of rows as lists, with the version of each token."""
+        width = max(1, max(len(r.tokens) for r in rows))
+        tokens = torch.tensor([r.tokens + [self.pad_token_id] * (width - len(r.tokens)) for r in rows], device=self.device)
+        logprobs = torch.tensor([r.logprobs + [0.0] * (width - len(r.tokens)) for r in rows], device=self.device)
+        ended = [Ended(None, None, None, r.finished, len(r.tokens)) for r in rows]
+        rollout = self._rollout([prompt], len(rows), ended, tokens, logprobs, params)
+        rollout.versions = torch.tensor([r.versions + [-1] * (width - len(r.tokens)) for r in rows],
+                                        device=self.device)[:, : rollout.response_ids.shape[1]]
+        return rollout
 
     def _rollout(self, prompts: list[list[int]], n: int, rows: list[Ended], tokens: torch.Tensor,
                  logprobs: torch.Tensor, params: SamplingParams) -> Rollout:
@@ -255,6 +292,21 @@ class HFGenerator:
         return ids.to(self.device), mask.to(self.device)
 
 
+@dataclass
+class _Partial:
+    """A row's tokens, their log-probs and the version of the weights that sampled each, across the engines it ran
+    in (`HFGenerator.stream`'s partial rollouts)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    def extended(self, ended: Ended, version: int) -> _Partial:
+        return _Partial(self.tokens + ended.tokens, self.logprobs + ended.logprobs,
+                        self.versions + [version] * len(ended.tokens), ended.finished)
+
+
 class StopChecker:
     """Finds the token whose decoding completes a stop string, a row's new tokens at a time.
 
@@ -269,8 +321,10 @@ class StopChecker:
         self.window = max(len(s) for s in stop) + STOP_WINDOW_MARGIN
         self.history: list[list[int]] = []
 
-    def new_key(self) -> int:
-        self.history.append([])
+    def new_key(self, sampled=()) -> int:
+        """A new row's key; `sampled`: the tokens it sampled before (a row going on under new weights), searched with
+        its next ones."""
+        self.history.append(list(sampled)[-self.window:])
         return len(self.history) - 1
 
     def __call__(self, keys: list[int], news: list[list[int]]) -> list[int | None]:

@@ -46,6 +46,8 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
             [pad(r.response_mask if r.response_attention is None else r.response_attention, T, False, False)
              for r in rollouts]),
         **_joined_media(rollouts),
+        versions=None if any(r.versions is None for r in rollouts) else torch.cat(
+            [pad(r.versions, T, -1, False) for r in rollouts]),
     )
 
 
@@ -89,6 +91,7 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
         response_attention=None if attention is None else attention[:, :T],
         media=r.media,  # indexed by prompt_index (or media_index), which keeps its values
         media_index=None if r.media_index is None else r.media_index[index],
+        versions=None if r.versions is None else r.versions[index, :T],
     )
 
 

@@ -709,3 +709,44 @@ def test_stream_samples_each_group_as_generate_does_and_hands_it_back_the_step_i
         assert r.texts == alone.texts and torch.equal(r.response_ids, alone.response_ids), owner
         torch.testing.assert_close(r.logprobs, alone.logprobs, atol=1e-5, rtol=0)
         assert torch.equal(r.finished, alone.finished) and r.prompt_index.tolist() == [0] * n
+
+
+def test_a_partial_rollout_takes_new_weights_at_the_next_token_each_token_keeping_its_version_and_log_prob(llama, tok):
+    """`stream` with `swap` (rollout.partial): after a few steps the rows in flight take other weights; each token's
+    log-prob is the one the weights that sampled it give (checked by full forwards of both models), its version says
+    which, and stop strings still end a row where they complete, the swap in the middle of one or not."""
+    old, new = copy.deepcopy(llama), scrambled_model(tok, "llama", seed=5)
+    model = copy.deepcopy(old)
+    gen = HFGenerator(model, tok)
+    stops = ["e", "o", "t"]  # none in the special tokens' texts (<pad> <s> </s>), which the stop checker decodes
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, stop=stops)
+    prompts, steps, given = encode(tok, TEXTS * 2), [0], []
+    queue = list(range(len(prompts)))
+
+    def swap():
+        steps[0] += 1
+        if steps[0] != 4:
+            return None
+
+        def load():
+            model.load_state_dict(new.state_dict())
+            return 7
+        return load
+
+    gen.stream(lambda: (i := queue.pop(0), prompts[i], 50 + i) if queue else None, 3, params, rows=24,
+               give=lambda owner, r: given.append((owner, r)), version=6, swap=swap)
+    assert sorted(o for o, _ in given) == list(range(len(prompts)))
+    mixed = 0
+    for owner, r in given:
+        lengths = r.lengths.tolist()
+        for i, n in enumerate(lengths):
+            v = r.versions[i, :n].tolist()
+            assert v == sorted(v) and set(v) <= {6, 7} and (r.versions[i, n:] == -1).all()
+            mixed += len(set(v)) == 2
+            if r.finished[i]:
+                assert any(r.texts[i].endswith(s) for s in stops) or r.response_ids[i, n - 1] == tok.eos_token_id, r.texts[i]
+            assert not any(s in r.texts[i][:-1] for s in stops)  # no stop string before the row's end
+        for weights, version in ((old, 6), (new, 7)):
+            mine = r.versions == version
+            torch.testing.assert_close(r.logprobs[mine], reference_logprobs(weights, r, 1.0)[mine], atol=1e-4, rtol=0)
+    assert mixed > 0  # some rows ran under both

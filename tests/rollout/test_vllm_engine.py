@@ -287,6 +287,19 @@ def test_an_engine_in_the_generator_process_of_an_asynchronous_run(tmp_path):
     assert rows[2]["val/sampler_probe_diff"] < 1e-4
 
 
+def test_an_engine_in_the_generator_process_of_a_run_with_bounded_staleness(tmp_path):
+    """train.max_staleness with rollout.backend=vllm: the engine in the generator process samples the groups a step's
+    worth at a time and sends them one by one; no group is older than the bound, the first batch is on-policy."""
+    out = tmp_path / "run"
+    done = forked.lmrl("train", "rollout.backend=vllm", "train.max_staleness=1", "train.steps=4",
+                       f"train.output_dir={out}", "rollout.prompts_per_step=8", "rollout.group_size=4",
+                       "data.num_eval_prompts=8", "train.eval_every=0", "log.console=false", cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(rows) == 4 and all(r["async/staleness_max"] <= 1 for r in rows)
+    assert abs(rows[0]["val/sampler_kl"]) < 1e-4 and max(r["async/staleness_max"] for r in rows) == 1
+
+
 # ------------------------------------------------------------------------------ weights that do not reach the engine
 MOE_TEXTS = ["What is 2 + 3? The answer is 5.", "Name a colour: red, green or blue.", "12+7=19 3+4=7 0123456789"] * 20
 
