@@ -133,7 +133,7 @@ class AsyncRollouts:
         w = self.world
         spec = Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads,
                      (w.rank, w.size, w.local_rank), os.getpid(), self.processor)
-        method = start_method()
+        method = start_method(self.threads)
         try:
             if method == "spawn":
                 pickle.dumps(spec)
@@ -308,16 +308,18 @@ def _line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
-def start_method() -> str:
+def start_method(threads: int = 1) -> str:
     """How the generator process starts: forked on Linux while this process uses neither CUDA nor a process group
-    (in a fraction of a second, with everything this process imported and built, lambdas included), else spawned
-    (a fresh interpreter: about 5 s of imports here, and the run's inputs must pickle). LMRL_START_METHOD=spawn|fork
+    and the generator process runs one thread (in a fraction of a second, with everything this process imported and
+    built, lambdas included), else spawned (a fresh interpreter: about 5 s of imports here, and the run's inputs must
+    pickle). A forked child whose OpenMP runs `threads` > 1 hangs at its first parallel region once this process has
+    run one with several threads (GNU libgomp's thread pool does not survive fork). LMRL_START_METHOD=spawn|fork
     chooses."""
     chosen = os.environ.get("LMRL_START_METHOD")
     if chosen is not None:
         return chosen
     shared = torch.cuda.is_initialized() or torch.distributed.is_initialized()  # a forked copy would share them
-    return "fork" if sys.platform == "linux" and not shared else "spawn"
+    return "fork" if sys.platform == "linux" and not shared and threads == 1 else "spawn"
 
 
 # ------------------------------------------------------------------------------ batches on the wire and on disk

@@ -284,6 +284,19 @@ def test_two_ranks_each_with_a_generator_keep_dapos_groups_together(tmp_path):
     assert all(r["dynamic_sampling/kept_groups"] == 8 for r in rows)  # both ranks' groups: 8 prompts in all
 
 
+def test_a_generator_process_of_several_threads_is_spawned_and_runs(tmp_path, monkeypatch):
+    """A forked generator process whose OpenMP runs several threads hung at its first parallel region once the
+    trainer had run one with several (GNU libgomp's thread pool does not survive fork): the default on any machine of
+    4 cores or more. It is spawned instead, and the run ends."""
+    from lmrl.async_rollouts import start_method
+
+    monkeypatch.delenv("LMRL_START_METHOD", raising=False)
+    assert start_method(1) == "fork" and start_method(2) == "spawn"
+    done = lmrl_train(tmp_path, *SMALL, "train.steps=2", "train.async_steps=1", "train.threads=2",
+                      "train.generator_threads=2", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------ the sync probe
 def probed_run(tmp_path, steps: int = 4) -> Trainer:
     cfg = Config(rollout={"prompts_per_step": 8, "group_size": 4}, data={"num_eval_prompts": 0},
