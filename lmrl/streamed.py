@@ -104,6 +104,10 @@ class StreamedRollouts(AsyncRollouts):
         self.consumed = self.told = 0
         self.channel.send(("start", step, self.low, sorted(self.done | waiting), len(self.pool)))
 
+    def close(self) -> None:
+        super().close()
+        self.lock = None  # its semaphore goes now, not at exit (where a spawned run's resource tracker warns of it)
+
     def _weights(self, version: int) -> None:
         with self.lock:
             self._write_snapshot()

@@ -24,6 +24,7 @@ from lmrl.distributed import ONE_PROCESS
 from lmrl.errors import ConfigError
 from lmrl.rollout import Rollout, concat_rollouts
 from lmrl.streamed import StreamedRollouts, _batch_metrics
+from tests import forked
 from tests.test_async_rollouts import SMALL, alive, generator_pids, wait_for_step
 from tests.test_long_runs import ROOT, lmrl_train, metric_rows
 
@@ -217,6 +218,18 @@ def test_a_sigkill_then_a_resume_trains_no_prompt_twice_and_a_sigterm_leaves_no_
     assert len(set(every)) == len(every)  # nothing trained twice
     rows = {r["step"]: r for r in metric_rows(tmp_path) if r["step"] > 0}
     assert all(r["async/staleness_max"] <= 2 for r in rows.values())
+
+
+def test_two_ranks_each_stream_their_share_within_the_bound(tmp_path):
+    """Under torchrun every rank's generator process streams the rank's own prompts (every other one) and the rank
+    takes its share of each step; the spawned processes leave nothing behind (no semaphore the resource tracker
+    warns of)."""
+    done = forked.torchrun("train", f"train.output_dir={tmp_path}", *SMALL, "train.steps=3", "train.max_staleness=1",
+                           cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    rows = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    assert len(rows) == 3 and all(r["async/staleness_max"] <= 1 for r in rows) and rows[0]["async/staleness_max"] == 0
+    assert "leaked" not in done.stderr
 
 
 # ------------------------------------------------------------------------------ bad input
