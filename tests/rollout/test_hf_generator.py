@@ -737,7 +737,7 @@ def test_a_partial_rollout_takes_new_weights_at_the_next_token_each_token_keepin
                give=lambda owner, r: given.append((owner, r)), version=6, swap=swap)
     assert sorted(o for o, _ in given) == list(range(len(prompts)))
     mixed = 0
-    for owner, r in given:
+    for _, r in given:
         lengths = r.lengths.tolist()
         for i, n in enumerate(lengths):
             v = r.versions[i, :n].tolist()
