@@ -49,7 +49,7 @@ SLOWEST_FIRST = [
     "tests/rollout/test_vllm_engine.py", "tests/test_benchmarks.py", "tests/envs/test_agent.py",
     "tests/docs/test_examples.py", "tests/rollout/test_vllm_server.py", "tests/test_distributed.py",
     "tests/test_rlhf_example.py", "tests/test_supported_models.py", "tests/test_async_rollouts.py",
-    "tests/models/test_vision_train.py", "tests/test_multinode.py",
+    "tests/test_streamed.py", "tests/models/test_vision_train.py", "tests/test_multinode.py",
 ]
 
 
