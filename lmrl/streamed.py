@@ -155,8 +155,10 @@ class StreamedRollouts(AsyncRollouts):
     # ------------------------------------------------------------------------------ the step
     def batch(self, step: int) -> Collected:
         """`share` groups ready that the policy being updated (version step - 1) may train on, the oldest first (then
-        in the order they came), waiting for the generator process while there are fewer. A group sampled more than k versions earlier is dropped for
-        good; with dynamic sampling, so is a group whose rewards are all equal, up to (max_sampling_rounds - 1) x P a
+        in the order they came), waiting for the generator process while there are fewer. A group sampled more than k
+        versions earlier is dropped for good; with partial rollouts, a group only some of whose tokens are that old
+        is trained on its newer tokens, the older ones attended but left out of the loss (`_without_stale`). With
+        dynamic sampling, a group whose rewards are all equal is dropped too, up to (max_sampling_rounds - 1) x P a
         step. The groups taken count as trained on once the step's update is done (`publish`): a signal that abandons
         the step keeps them for the checkpoint."""
         cfg, start = self.cfg, time.perf_counter()
@@ -170,7 +172,7 @@ class StreamedRollouts(AsyncRollouts):
         while True:
             fresh = []
             for g in self.pool:
-                if g["version"] < oldest:
+                if g.get("newest", g["version"]) < oldest:  # every token too old
                     dropped += 1
                 elif filtered < limit and not informative_groups(g["scores"], G).any():
                     filtered += 1
@@ -193,18 +195,19 @@ class StreamedRollouts(AsyncRollouts):
         c = self._assembled(taken)
         self.pool, self.training = self.pool[self.share:], taken
         self.consumed += len(taken)  # room for the generator process at once; trained on at `publish`
-        lags = [(step - 1) - g["version"] for g in taken]
+        lags = [(step - 1) - max(g["version"], oldest) for g in taken]  # of the oldest token trained on
         c.metrics |= {"time/wait_for_batch": waited, "async/staleness_mean": sum(lags) / len(lags),
                       "async/staleness_max": float(max(lags)), "async/version_lag": float(max(lags)),
                       "async/policy_version": sum(g["version"] for g in taken) / len(taken),
                       "async/dropped_groups": float(dropped), "async/waiting_groups": float(len(self.pool))}
         if (versions := c.rollout.versions) is not None:  # per token: partial rollouts take new weights mid-sequence
             sampled = versions >= 0
-            oldest = versions.masked_fill(~sampled, torch.iinfo(versions.dtype).max).amin(1, keepdim=True)
-            tokens = sampled.sum().clamp(min=1)
-            several = (versions > oldest).any(1, keepdim=True) & sampled  # [B, T] tokens of rows that span versions
-            c.metrics["async/multi_version_frac"] = several.sum().item() / tokens.item()
-            c.metrics["async/token_staleness_mean"] = ((step - 1 - versions) * sampled).sum().item() / tokens.item()
+            first = versions.masked_fill(~sampled, torch.iinfo(versions.dtype).max).amin(1, keepdim=True)
+            several = (versions > first).any(1, keepdim=True) & sampled  # [B, T] tokens of rows that span versions
+            c.metrics["async/multi_version_frac"] = several.sum().item() / max(1, int(sampled.sum()))
+            c.metrics["async/stale_tokens_masked"] = float(_without_stale(c.rollout, oldest))
+            trained = c.rollout.response_mask & sampled
+            c.metrics["async/token_staleness_mean"] = ((step - 1 - versions) * trained).sum().item() / max(1, int(trained.sum()))
         if dynamic:
             c.metrics["dynamic_sampling/filtered_groups"] = float(filtered)
         if self.probe_diffs:
@@ -239,6 +242,19 @@ class StreamedRollouts(AsyncRollouts):
         if state is None:  # a fixed-lag run's batches: nothing to take from them
             return
         self.pool, self.low, self.done = list(state["pool"]), int(state["low"]), set(state["done"])
+
+
+def _without_stale(rollout: Rollout, oldest: int) -> int:
+    """Leave the tokens sampled by versions before `oldest` out of the loss, in place: they stay in the sequence as
+    context (attended, as an environment's observations are), the newer tokens of their rows train. Returns how many
+    were left out."""
+    stale = (rollout.versions >= 0) & (rollout.versions < oldest) & rollout.response_mask  # [B, T]
+    count = int(stale.sum())
+    if count:
+        rollout.response_attention = rollout.response_mask if rollout.response_attention is None else rollout.response_attention
+        rollout.response_mask = rollout.response_mask & ~stale
+        rollout.logprobs = rollout.logprobs.masked_fill(stale, 0.0)
+    return count
 
 
 def _arrays(x: Any) -> Any:
@@ -434,9 +450,10 @@ class _Sampler:
 
     def _send_group(self, position: int, row: dict[str, Any], rollout: Rollout, out: Any) -> None:
         sampled = rollout.versions[rollout.versions >= 0] if rollout.versions is not None else None
-        version = int(sampled.min()) if sampled is not None and sampled.numel() else self.version  # its oldest token's
+        real = sampled is not None and sampled.numel() > 0
+        version = int(sampled.min()) if real else self.version  # its oldest token's
         send_message(self.channel, ("group", _arrays({
-            "position": position, "version": version, "row": row,
+            "position": position, "version": version, "newest": int(sampled.max()) if real else self.version, "row": row,
             "rollout": {f.name: getattr(rollout, f.name) for f in fields(Rollout)},
             "scores": out.scores, "per_function": out.per_function, "extra": out.extra_columns,
             "metrics": dict(out.metrics)})))

@@ -121,6 +121,27 @@ def test_a_step_that_waits_tells_the_generator_its_room_first_and_a_signal_while
     assert [g["position"] for g in s.pool] == [1] and s.state_dict(2)[0]["low"] == 1
 
 
+def test_a_partial_group_trains_on_its_tokens_within_the_bound_and_attends_to_the_older_ones():
+    """Partial rollouts: a group whose first tokens are older than the bound and its last ones not is trained on the
+    newer ones only, the older ones left in the sequence as context; a group all of whose tokens are too old is
+    dropped."""
+    s = streamed(k=1)
+    partly, wholly = group(0, 2), group(1, 1)
+    partly["newest"], wholly["newest"] = 4, 2
+    partly["rollout"]["versions"] = torch.tensor([[2, 3], [3, 4]])
+    wholly["rollout"]["versions"] = torch.tensor([[1, 2], [1, 1]])
+    fresh = group(2, 4)
+    fresh["rollout"]["versions"] = torch.tensor([[4, 4], [4, 4]])
+    s.pool = [wholly, partly, fresh]
+    c = s.batch(5)  # version 4 trains: versions 3 and 4 may
+    assert [row["prompt"] for row in c.rows] == ["p0", "p2"] and c.metrics["async/dropped_groups"] == 1
+    assert c.rollout.response_mask[:2].tolist() == [[False, True], [True, True]]  # version 2 left out of the loss
+    assert c.rollout.attention_mask[:2].all()  # and still attended
+    assert c.rollout.logprobs[0, 0] == 0 and c.metrics["async/stale_tokens_masked"] == 1
+    assert c.metrics["async/staleness_max"] == 1  # of the tokens trained on
+    assert c.metrics["async/multi_version_frac"] == 0.5  # the first group's rows span versions; the second's not
+
+
 def test_dynamic_sampling_leaves_out_groups_without_signal_up_to_its_rounds():
     s = streamed(k=2, dynamic=True)  # 2 prompts a step, 2 rounds: at most 2 groups left out a step
     s.pool = [group(0, 0, (1.0, 1.0)), group(1, 0), group(2, 0, (0.0, 0.0)), group(3, 0, (0.0, 0.0)), group(4, 0)]
