@@ -98,7 +98,7 @@ class AsyncRollouts:
         self.inputs, self.policy, self.units, self.tokenizer, self.warn = inputs, policy, units, tokenizer, warn
         self.device = cfg.train.generator_device or str(device)  # the generator process's
         self.trainer_device = device
-        self.threads = async_threads(cfg)[1]
+        self.threads, self.method = placement(cfg)
         self.ready: dict[int, dict[str, Any]] = {}  # batches received or restored, by step, until their step ends
         self.receiving = False  # a message is being read: a signal must not abandon the step now (`_receive`)
         self.process, self.channel, self.snapshot = None, None, None
@@ -133,7 +133,7 @@ class AsyncRollouts:
         w = self.world
         spec = Spec(self.cfg, self.inputs, self.tokenizer, skeleton, self.device, self.threads,
                      (w.rank, w.size, w.local_rank), os.getpid(), self.processor)
-        method = start_method(self.threads)
+        method = self.method
         try:
             if method == "spawn":
                 pickle.dumps(spec)
@@ -306,6 +306,16 @@ def _how(exitcode: int | None) -> str:
 
 def _line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+
+
+def placement(cfg) -> tuple[int, str]:
+    """The generator process's torch threads and how it starts (`start_method`): train.generator_threads, else half
+    the cores where it is spawned and one thread where it can be forked (a forked child of several hangs, and forking
+    keeps what spawning loses: lambdas, a start in a fraction of a second)."""
+    threads = async_threads(cfg)[1]
+    if cfg.train.generator_threads is None and start_method(1) == "fork":
+        threads = 1
+    return threads, start_method(threads)
 
 
 def start_method(threads: int = 1) -> str:

@@ -288,10 +288,13 @@ def test_a_generator_process_of_several_threads_is_spawned_and_runs(tmp_path, mo
     """A forked generator process whose OpenMP runs several threads hung at its first parallel region once the
     trainer had run one with several (GNU libgomp's thread pool does not survive fork): the default on any machine of
     4 cores or more. It is spawned instead, and the run ends."""
-    from lmrl.async_rollouts import start_method
+    import lmrl.async_rollouts as a
 
     monkeypatch.delenv("LMRL_START_METHOD", raising=False)
-    assert start_method(1) == "fork" and start_method(2) == "spawn"
+    assert a.start_method(1) == "fork" and a.start_method(2) == "spawn"
+    monkeypatch.setattr(a, "async_threads", lambda cfg: (8, 4))  # 8 cores: half of them, by default
+    assert a.placement(Config()) == (1, "fork")  # unless set, a generator that can be forked runs one thread
+    assert a.placement(Config(train={"generator_threads": 4})) == (4, "spawn")
     done = lmrl_train(tmp_path, *SMALL, "train.steps=2", "train.async_steps=1", "train.threads=2",
                       "train.generator_threads=2", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -332,8 +332,9 @@ class TrainConfig(Section):
     by a policy more than this many versions before the one being updated (older ones are dropped and counted,
     async/dropped_groups). Runs then depend on timing, not on the seed alone. None = off. docs/async.md."""
     generator_threads: PositiveInt | None = None
-    """With async_steps or max_staleness: torch CPU threads of the generator process (None = half the cores this process may use,
-    at least 1, beside the trainer's; docs/async.md has the measurements behind it)."""
+    """With async_steps or max_staleness: torch CPU threads of the generator process (None = 1 where it is forked: on
+    Linux with the trainer on the CPU, one process; else half the cores this process may use, at least 1; more than
+    1 starts it spawned; docs/async.md)."""
     generator_device: str | None = None
     """With async_steps or max_staleness: the generator process's device, e.g. cuda:1 (None = model.device)."""
     logprob_chunk_size: PositiveInt | None = 128
