@@ -378,15 +378,21 @@ class _SharedWeights:
             self.seconds += time.perf_counter() - loaded
             self.waited += loaded - start
             send_message(self.channel, ("taken", version))
-            if (probe := message[2]) is not None:  # the sync probe: this sequence's log-probs under what was taken
-                score = getattr(self.generator, "score", None)
-                send_message(self.channel, ("probe", version, score(*probe).tolist() if score is not None else None))
+            if (probe := message[2]) is not None:
+                answer_probe(self.channel, self.generator, version, probe)
         yield
 
     def take_seconds(self) -> float:
         """Seconds spent loading weights since the last call (`time/weight_sync`)."""
         seconds, self.seconds = self.seconds, 0.0
         return seconds
+
+
+def answer_probe(channel, generator, version: int, sequence: tuple[list[int], list[int]]) -> None:
+    """The sync probe: the sequence's log-probs under the weights of `version`, just taken, sent to the trainer (None
+    from a generator that cannot score)."""
+    score = getattr(generator, "score", None)
+    send_message(channel, ("probe", version, score(*sequence).tolist() if score is not None else None))
 
 
 def probe_row(rollout: Rollout) -> tuple[list[int], list[int]] | None:

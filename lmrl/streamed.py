@@ -46,6 +46,7 @@ from lmrl.async_rollouts import (
     AsyncRollouts,
     Spec,
     Stopped,
+    answer_probe,
     generator_collector,
     in_generator,
     probe_row,
@@ -75,8 +76,7 @@ class StreamedRollouts(AsyncRollouts):
     def __init__(self, cfg, inputs, policy, units, tokenizer, device, world: World, warn, processor=None, shape=None):
         super().__init__(cfg, inputs, policy, units, tokenizer, device, world, warn, processor)
         self.k, self.shape = cfg.train.max_staleness, shape
-        P = cfg.rollout.prompts_per_step
-        self.share = len(range(P)[world.shard(P)])  # groups this rank trains on per step
+        self.share = _share(cfg, world)  # groups this rank trains on per step
         self.stamp = torch.zeros(1, dtype=torch.long).share_memory_()  # the version of the weights in shared memory
         self.lock = None  # held while the weights in shared memory are written or read
         self.pool: list[dict[str, Any]] = []  # groups received and not taken, in the order they came
@@ -244,6 +244,12 @@ class StreamedRollouts(AsyncRollouts):
         self.pool, self.low, self.done = list(state["pool"]), int(state["low"]), set(state["done"])
 
 
+def _share(cfg, world: World) -> int:
+    """Groups a rank trains on per step: its share of rollout.prompts_per_step."""
+    shard = world.shard(cfg.rollout.prompts_per_step)
+    return shard.stop - shard.start
+
+
 def _without_stale(rollout: Rollout, oldest: int) -> int:
     """Leave the tokens sampled by versions before `oldest` out of the loss, in place: they stay in the sequence as
     context (attended, as an environment's observations are), the newer tokens of their rows train. Returns how many
@@ -321,8 +327,7 @@ class _Sampler:
         self.cfg, self.collector, self.channel, self.snapshot, self.lock, self.stamp = cfg, collector, channel, snapshot, lock, stamp
         self.generator = collector.generator
         self.rank, self.size, _ = spec.world
-        P = cfg.rollout.prompts_per_step
-        self.share = len(range(P)[World(self.rank, self.size, 0, "cpu").shard(P)])
+        self.share = _share(cfg, World(self.rank, self.size, 0, "cpu"))
         self.k = cfg.train.max_staleness
         _, begun, self.cursor, skip, self.started = start
         self.skip = set(skip)
@@ -381,8 +386,7 @@ class _Sampler:
         self.version = self.newest = max(self.newest, version)
         send_message(self.channel, ("taken", version))
         if self.probe is not None and self.probe[0] == version:  # the sync probe, under exactly those weights
-            score = getattr(self.generator, "score", None)
-            send_message(self.channel, ("probe", version, score(*self.probe[1]).tolist() if score is not None else None))
+            answer_probe(self.channel, self.generator, version, self.probe[1])
         if self.probe is not None and self.probe[0] <= version:
             self.probe = None
 
