@@ -28,6 +28,7 @@ from lmrl import algorithms as A
 from lmrl.distributed import ONE_PROCESS, World, idle_batch, std_across_ranks, whiten_across_ranks
 from lmrl.errors import RewardError
 from lmrl.rollout import Rollout
+from lmrl.rollout.samples import episode_sum, first_rows, split_samples
 
 
 @dataclass
@@ -56,6 +57,8 @@ class Experience:
     media: list | None = None
     # [B] the bundle of `media` each row shows where episodes showed images of their own (`Rollout.media_index`)
     media_index: torch.Tensor | None = None
+    # [B] the episode each row is a sample of, where an agent's episode is several samples (`lmrl.rollout.samples`)
+    episode_index: torch.Tensor | None = None
 
     def row_media(self) -> dict[str, torch.Tensor] | None:
         """The forward arguments of these rows' images (`lmrl.models.vision.row_media`); None for text."""
@@ -82,6 +85,11 @@ class Experience:
             elif isinstance(v, dict):
                 moved[name] = {k: t.to(device) for k, t in v.items()}
         return Experience(**moved)
+
+    def per_episode(self) -> Experience:
+        """A row per episode (its first sample's) where an agent's episode is several samples; else these rows."""
+        first = first_rows(self.episode_index)
+        return self if first is None else self.select(first)
 
     def select(self, index: torch.Tensor) -> Experience:
         """The rows `index` of every tensor (minibatches, micro-batches)."""
@@ -148,6 +156,7 @@ def compute_advantages(
     values: torch.Tensor | None = None,
     world: World = ONE_PROCESS,
     baseline: torch.Tensor | None = None,
+    episode_index: torch.Tensor | None = None,
 ) -> Advantages:
     """Advantages for the estimator named `advantage`.
 
@@ -167,6 +176,10 @@ def compute_advantages(
         values: [B, T] critic values (gae only).
         world: the ranks sharing the batch (`lmrl.distributed`): batch whitening uses all of their rows.
         baseline: [B / G] the reward of each prompt's greedy completion (remax only).
+        episode_index: [B] the episode each row is a sample of, where an episode is several samples
+            (`lmrl.rollout.samples`); None: each row its own. `scores` are then each row's episode's, and `group_size`
+            counts episodes: a sequence-level estimator's baseline is taken over episodes (an episode of more samples
+            does not weigh more) and each sample gets its episode's advantage; a sequence-level KL is the episode's.
 
     Group estimators (grpo, dr_grpo, rloo, reinforce_baseline) and plain REINFORCE turn the scores into a
     sequence-level baseline-corrected reward. Without a per-token KL reward that is the advantage of every
@@ -183,8 +196,8 @@ def compute_advantages(
     kl = kl.double() if kl is not None else None
     values = values.double() if values is not None else None
     kl_in_reward = kl is not None and kl_in == "reward" and kl_coef > 0
-    if kl_in_reward and kl_level == "sequence":
-        scores = scores - kl_coef * A.masked_sum(kl, mask, dim=1)  # penalise the sequence's total KL
+    if kl_in_reward and kl_level == "sequence":  # penalise the sequence's (the episode's) total KL
+        scores = scores - kl_coef * episode_sum(A.masked_sum(kl, mask, dim=1), episode_index)
     token_kl = kl_in_reward and kl_level == "token"
 
     if advantage == "gae":
@@ -196,7 +209,12 @@ def compute_advantages(
         out = Advantages(adv, ret, rewards)
     else:
         # TapeAgents' use_advantages=false: the log-probs' weights are the rewards themselves
-        seq = _sequence_advantages(advantage, scores, group_size, world, baseline, pass_k) if use_advantages else scores
+        seq = scores
+        if use_advantages:  # over episodes: each row's is its episode's
+            first = first_rows(episode_index)
+            seq = _sequence_advantages(advantage, scores if first is None else scores[first], group_size, world,
+                                       baseline, pass_k)
+            seq = seq if episode_index is None else seq[episode_index]
         if token_kl or gamma < 1:
             rewards = A.kl_shaped_rewards(seq, kl if token_kl else torch.zeros_like(mask, dtype=seq.dtype),
                                           mask, kl_coef if token_kl else 0.0)
@@ -364,10 +382,8 @@ def make_experience(
         world: the ranks sharing the batch, this rollout being one rank's share (`lmrl.distributed`).
         baseline: [B / G] rewards of each prompt's greedy completion (advantage=remax).
     """
-    info = dict(info or {})
-    mask = rollout.response_mask.bool()
-    if loss_mask is not None:
-        mask = mask & loss_mask[:, None].bool()
+    group_size = rollout.group_size  # episodes per prompt
+    rollout, episode, scores, mask, info = _per_sample(rollout, scores, loss_mask, dict(info or {}))
 
     micro = (micro_batch_size, micro_batch_tokens)
     # 1. the policy's forward: old log-probs and entropy, and the per-token weights they give (TIS, entropy mask)
@@ -379,12 +395,12 @@ def make_experience(
     values = _forward(critic_values, rollout, micro, world)
     # 3. the KL to the reference, and the rewards the advantages see
     kl, rewards = _kl_and_rewards(rollout, scores, mask, old, ref, info, kl_in=kl_in, kl_estimator=kl_estimator,
-                                  kl_clamp=kl_clamp, reward_minus_kl_coef=reward_minus_kl_coef)
+                                  kl_clamp=kl_clamp, reward_minus_kl_coef=reward_minus_kl_coef, episode=episode)
     # 4. advantages
-    adv = compute_advantages(rewards, mask, rollout.group_size, advantage=advantage, gamma=gamma, lam=lam,
+    adv = compute_advantages(rewards, mask, group_size, advantage=advantage, gamma=gamma, lam=lam,
                              whiten_advantages=whiten_advantages, whiten_std=whiten_std, use_advantages=use_advantages,
                              relu_log_p_weights=relu_log_p_weights, pass_k=pass_k, kl=kl, kl_coef=kl_coef, kl_in=kl_in,
-                             kl_level=kl_level, values=values, world=world, baseline=baseline)
+                             kl_level=kl_level, values=values, world=world, baseline=baseline, episode_index=episode)
     if adv.relu_zeroed is not None:
         info["relu_zeroed"] = adv.relu_zeroed
     teacher = _forward(teacher_logprobs, rollout, micro, world)
@@ -392,7 +408,7 @@ def make_experience(
         adv.advantages = adv.advantages + _distill_signal(rollout, old, teacher, mask, info, distill_coef)
     # 5. each group's clip-filter-like weight on its rows
     if clip_filter_like_weight is not None:
-        weights = _times_clip_filter(weights, rewards, mask, info, rollout.group_size, clip_filter_like_weight, world)
+        weights = _times_clip_filter(weights, rewards, mask, info, group_size, clip_filter_like_weight, world, episode)
 
     # 6. the Experience
     info["length"] = rollout.response_mask.sum(1)
@@ -417,7 +433,22 @@ def make_experience(
         info=info,
         media=rollout.media,
         media_index=rollout.media_index,
+        episode_index=episode,
     )
+
+
+def _per_sample(rollout: Rollout, scores: torch.Tensor, loss_mask: torch.Tensor | None, info: dict[str, torch.Tensor]
+                ) -> tuple[Rollout, torch.Tensor | None, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A row per sample where an agent's episode is several (`lmrl.rollout.samples`), with [R] the episode of each
+    and its episode's score and `info`; and the [R, T] tokens trained on (`loss_mask` [B] drops whole episodes)."""
+    rollout, episode = split_samples(rollout, pad_id=0)
+    if episode is not None:
+        scores, info = scores[episode], {k: v[episode] for k, v in info.items()}
+        loss_mask = None if loss_mask is None else loss_mask[episode]
+    mask = rollout.response_mask.bool()
+    if loss_mask is not None:
+        mask = mask & loss_mask[:, None].bool()
+    return rollout, episode, scores, mask, info
 
 
 def _media(rollout: Rollout) -> tuple[list, torch.Tensor] | None:
@@ -472,7 +503,8 @@ def _forward(fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | Non
 
 def _kl_and_rewards(rollout: Rollout, scores: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None,
                     ref: torch.Tensor | None, info: dict[str, torch.Tensor], *, kl_in: str, kl_estimator: str,
-                    kl_clamp: str, reward_minus_kl_coef: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+                    kl_clamp: str, reward_minus_kl_coef: float, episode: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """[B, T] KL to the reference (None without one) and the [B] rewards the advantages see; KL metrics to `info`."""
     if ref is None:
         return None, scores
@@ -486,7 +518,8 @@ def _kl_and_rewards(rollout: Rollout, scores: torch.Tensor, mask: torch.Tensor, 
     info["kl_k3"] = A.masked_sum(A.kl_penalty(behaviour, ref, "k3"), mask, dim=1)
     rewards = scores
     if reward_minus_kl_coef:  # TapeAgents: the reward minus the sequence's k3 KL, before advantages
-        rewards = info["reward_minus_kl"] = scores - reward_minus_kl_coef * info["kl_k3"].to(scores.dtype)
+        kl_k3 = episode_sum(info["kl_k3"].to(scores.dtype), episode)  # an episode's, over its samples
+        rewards = info["reward_minus_kl"] = scores - reward_minus_kl_coef * kl_k3
     return kl, rewards
 
 
@@ -502,9 +535,13 @@ def _distill_signal(rollout: Rollout, old: torch.Tensor | None, teacher: torch.T
 
 
 def _times_clip_filter(weights: torch.Tensor | None, rewards: torch.Tensor, mask: torch.Tensor,
-                       info: dict[str, torch.Tensor], group_size: int, cap: float, world: World) -> torch.Tensor:
-    """[B, T] `weights` (None: ones) times each row's clip-filter-like weight; adds that [B] weight to `info`."""
-    w = clip_filter_weights(rewards, group_size, cap, world)  # [B]
+                       info: dict[str, torch.Tensor], group_size: int, cap: float, world: World,
+                       episode: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] `weights` (None: ones) times each row's clip-filter-like weight (its episode's, over episodes); adds
+    that [B] weight to `info`."""
+    first = first_rows(episode)
+    w = clip_filter_weights(rewards if first is None else rewards[first], group_size, cap, world)
+    w = w if episode is None else w[episode]  # [B]
     info["clip_filter_weight"] = w
     w = w[:, None].float().expand(mask.shape)
     return w if weights is None else weights * w

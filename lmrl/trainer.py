@@ -253,7 +253,7 @@ class Trainer:
             metrics["data/skipped_rows"] = float(self.data.train_stream.skipped)
         metrics.update(grpo_trainer_names(metrics))
         if cfg.log.samples_every and step % cfg.log.samples_every == 0:
-            self._samples(step, c, exp)
+            self._samples(step, c, exp.per_episode())
         return metrics
 
     def _samples(self, step: int, c: Collected, exp: Experience) -> None:

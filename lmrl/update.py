@@ -81,6 +81,7 @@ def balanced(exp: Experience, world: World, live: torch.Tensor | None = None) ->
             if owner[rank, g] == world.rank:
                 part = share.select(torch.tensor(rows))
                 part.group_index = torch.full((len(rows),), len(mine))
+                part.episode_index = None  # a logging aid of the batch before it was traded
                 mine.append(part)
     return concat(mine, exp).to(exp.sequences.device)
 

@@ -5,9 +5,14 @@ The gateway (`Gateway`) serves the live policy, requests of all episodes batched
 with lmrl's decode a request joins the running decode at its next step), and records per episode exactly the token ids it sampled and their log-probs. When
 the agent sends the conversation so far, the gateway matches it against the episode's own record (the prompt,
 the sampled tokens, the observations it already tokenized) and tokenizes only what is new: tool results, user
-turns, a chat template's markup. The model's output is never tokenized again. Where the agent changed the
-model's earlier text, the record is cut at the first token that no longer matches; the dropped sampled tokens
-are counted (`agent/retokenized_tokens`) and the agent's version of that text is attended but never trained on.
+turns, a chat template's markup. The model's output is never tokenized again.
+
+An episode may be several training samples. Where a request does not extend the tokens of the episode so far (a
+reasoning model's template cut the reasoning of earlier turns, the agent compacted its context or rewrote the
+model's text), the record so far is closed as a sample of its own, trained in exactly the context it was sampled
+in, and a new sample starts from the request's context: the part of it that still matches the record keeps its
+ids, the rest is tokenized. Nothing sampled is dropped. Sampled tokens whose text the agent changed are counted
+(`agent/retokenized_tokens`): the agent's version of that text is attended in the next sample, never trained on.
 """
 
 from __future__ import annotations
@@ -48,6 +53,17 @@ class _Segment:
     tail: str = ""
     """The stop string that ended a sampled turn, left out of `text` as the OpenAI API leaves it out: the agent may
     send it back after the text or not, and the record matches either way (its tokens are in `ids` already)."""
+    rewritten: bool = False
+    """A sampled turn whose text the agent changed (counted in `agent/retokenized_tokens` once)."""
+
+
+@dataclass
+class _Sample:
+    """A closed sample of an episode: its record up to a request that did not extend it."""
+
+    segments: list[_Segment]
+    finished: bool
+    """Its last turn ended at EOS or a stop string."""
 
 
 @dataclass
@@ -64,6 +80,8 @@ class _Episode:
     finished: bool = False
     reward: float | None = None
     retokenized: int = 0
+    closed: list[_Sample] = field(default_factory=list)
+    """The samples before the current one (`segments`), in order."""
     error: str | None = None
     handed: bool = False
     """env.agent_mode=serve: a program took it."""
@@ -81,7 +99,12 @@ class _Episode:
         return out
 
     def response_length(self) -> int:
-        return sum(len(s.ids) for s in self.segments[1:])
+        """Tokens sampled and observed so far, every sample's (the contexts they restarted from not counted)."""
+        return sum(len(s.ids) for sample in (*self.closed, self) for s in sample.segments[1:])
+
+    def samples(self) -> list[_Sample]:
+        """Every sample of the episode, the current one last."""
+        return [*self.closed, _Sample(self.segments, self.finished)]
 
 
 class Gateway(GenerationServer):
@@ -164,47 +187,64 @@ class Gateway(GenerationServer):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages: expected a non-empty list of {role, content}")
-            replies = [Reply(s.message, s.raw, self._end(s.ids), s.tail) for s in episode.segments if s.message is not None]
-            return render_conversation(self.tokenizer, messages, body.get("tools"), replies)
+            turns = [s for sample in episode.samples() for s in sample.segments if s.message is not None]
+            text, changed = render_conversation(self.tokenizer, messages, body.get("tools"),
+                                                [Reply(s.message, s.raw, self._end(s.ids), s.tail) for s in turns])
+            for k in changed:  # the model's text the agent rewrote: attended from now on, counted once
+                episode.retokenized += 0 if turns[k].rewritten else len(turns[k].ids)
+                turns[k].rewritten = True
+            return text
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise ValueError("prompt: the gateway takes the conversation so far as one string")
         return prompt
 
     def _extend(self, episode: _Episode, text: str, chat: bool) -> None:
-        """Match `text` to the episode's record; cut the record where they part; tokenize only the rest."""
+        """Match `text` to the episode's record and tokenize only the rest; where they part after a sampled turn,
+        close the record as a sample and start a new one from `text` (module docstring)."""
         known = episode.known(chat, text)
-        if not text.startswith(known) and chat and not any(s.trained for s in episode.segments):
-            self._rebase(episode, text)  # before the first turn: the agent's own rendering (its tools, its system)
-            known = episode.known(chat, text)
-        if not text.startswith(known):
-            prompt = episode.segments[0].raw if chat else episode.segments[0].text
-            if not text.startswith(prompt):
-                raise Refused(400, "episode: the conversation does not start with the row's prompt "
-                              f"({prompt[:60]!r}); the agent must send its prompt as given", "prompt_changed")
-            kept, at = [episode.segments[0]], len(prompt)
-            for seg in episode.segments[1:]:
-                whole = seg.raw if chat else seg.text
-                if text.startswith(whole, at):
-                    kept.append(seg)
-                    at += len(whole)
-                    at += len(seg.tail) if seg.tail and text.startswith(seg.tail, at) else 0
-                    continue
-                k = 0  # the longest run of this segment's tokens the agent kept as they were
-                while k < len(seg.ids) and text.startswith(self._decode(seg.ids[:k + 1], chat), at):
-                    k += 1
-                if k and seg.trained:
-                    part = self._decode(seg.ids[:k], chat)
-                    kept.append(_Segment(seg.ids[:k], seg.logps[:k], True, part, part))
-                    at += len(part)
-                break
-            dropped = sum(len(s.ids) for s in episode.segments if s.trained) - sum(len(s.ids) for s in kept if s.trained)
-            episode.retokenized += dropped
-            episode.segments, known = kept, text[:at]
-        new = text[len(known):]
-        if new:
-            ids = encode_text(self.tokenizer, new)
-            episode.segments.append(_Segment(ids, [0.0] * len(ids), False, new, new))
+        if text.startswith(known):
+            if new := text[len(known):]:
+                ids = encode_text(self.tokenizer, new)
+                episode.segments.append(_Segment(ids, [0.0] * len(ids), False, new, new))
+            return
+        sampled = any(s.trained for s in episode.segments)
+        prompt = episode.segments[0].raw if chat else episode.segments[0].text
+        if not sampled and (chat or episode.closed):
+            return self._rebase(episode, text)  # before its first turn: the agent's own rendering (tools, system)
+        if not sampled and not text.startswith(prompt):
+            raise Refused(400, "episode: the conversation does not start with the row's prompt "
+                          f"({prompt[:60]!r}); the agent must send its prompt as given", "prompt_changed")
+        ids, at = [], 0  # the record as far as `text` holds it, kept as it was sampled and tokenized
+        for seg in episode.segments:
+            whole = seg.raw if chat else seg.text
+            if text.startswith(whole, at):
+                ids += seg.ids
+                at += len(whole)
+                at += len(seg.tail) if seg.tail and text.startswith(seg.tail, at) else 0
+                continue
+            k = self._held(seg.ids, text, at, chat)
+            ids, at = ids + seg.ids[:k], at + len(self._decode(seg.ids[:k], chat))
+            if seg.trained and not chat and not seg.rewritten:  # the model's text the agent rewrote (chat: per reply)
+                episode.retokenized += len(seg.ids) - k
+                seg.rewritten = True
+            break
+        ids += encode_text(self.tokenizer, text[at:])
+        if sampled:
+            episode.closed.append(_Sample(episode.segments, episode.finished))
+        episode.segments = [_Segment(ids, [0.0] * len(ids), False, text if not chat else self._decode(ids, False),
+                                     text if chat else self._decode(ids, True))]
+
+    def _held(self, ids: list[int], text: str, at: int, chat: bool) -> int:
+        """The longest run of `ids` whose text `text` holds at `at` as it was (a bisection: a prompt is long)."""
+        low, high = 0, len(ids)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if text.startswith(self._decode(ids[:mid], chat), at):
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def _rebase(self, episode: _Episode, text: str) -> None:
         """The episode's prompt becomes the agent's first chat request as rendered (the row's messages with the

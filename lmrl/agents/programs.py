@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from lmrl.agents.gateway import Gateway, _Episode, _Segment
+from lmrl.agents.gateway import Gateway, _Episode, _Sample, _Segment
 from lmrl.agents.work import (
     end_work,
     episodes_file,
@@ -64,6 +64,7 @@ from lmrl.errors import ConfigError, RunError
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
 from lmrl.rollout.batcher import thread_precision
 from lmrl.rollout.multiturn import Episodes, _metrics
+from lmrl.rollout.samples import sample_metrics
 from lmrl.rollout.server import (
     is_loopback,
 )
@@ -296,20 +297,30 @@ class AgentEnvironment:
             e.error = "exited without reporting a reward (POST $OPENAI_BASE_URL/lmrl/reward {\"reward\": x})"
 
     def _episodes(self, ordered: list[_Episode], prompts: list[list[int]], n: int, generator: Any) -> Episodes:
+        """The episodes as a rollout: a row each, its samples' response tokens one after another, the contexts its
+        later samples were sampled after in `Rollout.contexts` (`lmrl.rollout.samples`)."""
         pad = int(getattr(generator, "pad_token_id", 0))
-        ids, logps, trained, texts, finished, rewards, turns = [], [], [], [], [], [], []
+        ids, logps, trained, texts, finished, rewards, turns, contexts = [], [], [], [], [], [], [], []
         for e in ordered:
-            segs = e.segments[1:] if e.error is None else []
-            texts.append("".join(s.text + s.tail for s in segs))  # the model's text keeps its stop string
-            while segs and not segs[-1].trained:  # text after the last model turn conditions nothing trained on:
-                segs = segs[:-1]  # (a tool result the run's budget refused a turn after) it would only widen the batch
-            ids.append([t for s in segs for t in s.ids])
-            logps.append([lp for s in segs for lp in s.logps])
-            trained.append([s.trained for s in segs for _ in s.ids])
+            samples = e.samples() if e.error is None else [_Sample(e.samples()[0].segments[:1], False)]
+            row, later = [], []
+            for j, sample in enumerate(samples):
+                segs = sample.segments[1:]
+                while segs and not segs[-1].trained:  # text after a sample's last model turn conditions nothing
+                    segs = segs[:-1]  # trained on (a tool result the budget refused a turn after, a closed sample's)
+                if j:
+                    later.append((sum(len(s.ids) for s in row), list(sample.segments[0].ids)))
+                row += segs
+            ids.append([t for s in row for t in s.ids])
+            logps.append([lp for s in row for lp in s.logps])
+            trained.append([s.trained for s in row for _ in s.ids])
+            texts.append("".join(s.text + s.tail for sample in samples for s in sample.segments[1:]))  # with its stops
+            contexts.append(later)
             finished.append(bool(e.finished) and e.error is None)
             rewards.append(e.reward if e.error is None else 0.0)
             turns.append(e.turns)
-        width, plen = max(1, max(len(x) for x in ids)), max(len(e.segments[0].ids) for e in ordered)
+        firsts = [e.samples()[0].segments[0].ids for e in ordered]  # each row's prompt: its first sample's
+        width, plen = max(1, max(len(x) for x in ids)), max(len(p) for p in firsts)
         B = len(ordered)
         prompt_ids = torch.full((B, plen), pad, dtype=torch.long)
         prompt_mask = torch.zeros(B, plen, dtype=torch.bool)
@@ -318,7 +329,7 @@ class AgentEnvironment:
         mask = torch.zeros(B, width, dtype=torch.bool)
         attention = torch.zeros(B, width, dtype=torch.bool)
         for i in range(B):
-            p, k = ordered[i].segments[0].ids, len(ids[i])  # the prompt as the agent rendered it (`_rebase`)
+            p, k = firsts[i], len(ids[i])  # as the agent rendered it (`_rebase`)
             prompt_ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
             prompt_mask[i, plen - len(p):] = True
             response_ids[i, :k] = torch.tensor(ids[i], dtype=torch.long)
@@ -327,8 +338,10 @@ class AgentEnvironment:
             attention[i, :k] = True
         rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, logprobs, texts,
                           torch.tensor(finished, dtype=torch.bool), torch.arange(B) // n,
-                          attention if bool((attention & ~mask).any()) else None)
+                          attention if bool((attention & ~mask).any()) else None,
+                          contexts=contexts if any(contexts) else None)
         metrics = _metrics(ids, trained, turns, {})
+        metrics.update(sample_metrics(rollout))
         metrics["agent/retokenized_tokens"] = float(sum(e.retokenized for e in ordered))
         metrics["agent/failures"] = float(sum(e.error is not None for e in ordered))
         return Episodes(rollout, rewards, turns, metrics)

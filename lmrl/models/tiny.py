@@ -55,12 +55,24 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# ChatML as a reasoning model's template writes it (DeepSeek-R1's way): the generation prompt opens the reasoning
+# (<think>), and an earlier assistant turn is written without it (what its content holds after </think>)
+REASONING_TEMPLATE = (
+    "{% for message in messages %}{% set content = message['content'] or '' %}"
+    "{% if message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
 CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def bpe_chat_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def bpe_chat_tokenizer(texts: list[str], vocab_size: int = 512, chat_template: str = CHATML_TEMPLATE
+                       ) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on `texts` (seconds on a CPU), with ChatML's special tokens and
-    chat template: EOS is `<|im_end|>`, padding `<|endoftext|>` on the left, no BOS (as Qwen2's).
+    chat template (or `chat_template`: `REASONING_TEMPLATE`): EOS is `<|im_end|>`, padding `<|endoftext|>` on the
+    left, no BOS (as Qwen2's).
 
     Byte-level: any text encodes, whatever characters the training texts had.
     """
@@ -75,7 +87,7 @@ def bpe_chat_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTok
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         padding_side="left",
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
 

@@ -98,6 +98,11 @@ class Rollout:
         versions: `[B, T]` the policy version (optimizer steps done) that sampled each response token, -1 past a
             row's end: a row may span versions where a sequence in flight took new weights (partial rollouts,
             `train.max_staleness`); None: one version sampled the whole rollout.
+        contexts: an episode of several samples (an agent's, whose later request did not extend the tokens sampled
+            so far: `lmrl.agents.gateway`): per row, for each sample after its first, (the response column where
+            that sample's tokens begin, the token ids it was sampled after). The row's prompt and its response up to
+            the first such column are its first sample. None (or a row's empty list): each row is one sequence.
+            `lmrl.rollout.samples.split_samples` makes each sample a row for the trainer's forwards.
     """
 
     prompt_ids: torch.Tensor
@@ -112,6 +117,7 @@ class Rollout:
     media: list | None = None
     media_index: torch.Tensor | None = None
     versions: torch.Tensor | None = None
+    contexts: list[list[tuple[int, list[int]]]] | None = None
 
     @property
     def media_rows(self) -> torch.Tensor:

@@ -4,7 +4,7 @@ sent back rendered so that the model's own turns are exactly the text it sampled
     content, calls = parse_tool_calls(text)           # Hermes / Qwen <tool_call>{"name", "arguments"}</tool_call>
     fmt = tool_call_format(tokenizer)                 # the family's format, read from its chat template
     content, calls = parse_tool_calls(text, fmt=fmt, raw=raw)
-    text = render_conversation(tokenizer, messages, tools, replies)
+    text, changed = render_conversation(tokenizer, messages, tools, replies)
 
 The formats (`FORMATS`), as the families' chat templates render a call and their models write one:
 
@@ -19,7 +19,9 @@ A chat template renders an assistant message with `tool_calls` in its own way (`
 with its own spacing and key order), which need not be how the model wrote it. Rendering the messages and
 tokenizing the result would then put tokens the model never sampled where it wrote its call. So each assistant
 message that is one of the gateway's own replies, unchanged, is rendered as a placeholder and replaced by the
-sampled text itself; what the agent changed is rendered as it is (and the record is cut there).
+sampled text itself; what the agent changed is rendered as it is. A template that writes an earlier reply's content
+otherwise than it was sent (reasoning models' templates cut the reasoning of earlier turns) is followed: that reply is
+rendered as the template writes it, and the gateway starts a new sample there (`lmrl.agents.gateway`).
 """
 
 from __future__ import annotations
@@ -145,27 +147,38 @@ class Reply:
     """The stop string left out of the message's content: the agent may send the content back with it added."""
 
 
-def render_conversation(tokenizer: Any, messages: Sequence[Any], tools: Any, replies: Sequence[Reply]) -> str:
+def render_conversation(tokenizer: Any, messages: Sequence[Any], tools: Any, replies: Sequence[Reply]
+                        ) -> tuple[str, list[int]]:
     """`messages` through the chat template (with `tools`, and the generation prompt), the k-th assistant message
-    replaced by the k-th reply's sampled text where it is that reply unchanged (module docstring)."""
-    rendered, marks, k = [], [], 0
-    for message in messages:
+    replaced by the k-th reply's sampled text where it is that reply unchanged and the template writes its content
+    as sent (module docstring); and the indices of the replies the agent changed."""
+    same, changed, k = {}, [], 0  # same: message position -> the reply it is, unchanged
+    for at, message in enumerate(messages):
         if isinstance(message, dict) and message.get("role") == "assistant":
             if k < len(replies) and _same_message(message, replies[k].message, replies[k].tail):
-                mark = f"\u27e6lmrl-turn-{k}\u27e7"
-                rendered.append({"role": "assistant", "content": mark})
-                marks.append((mark, replies[k]))
-                k += 1
-                continue
+                same[at] = k
+            elif k < len(replies):
+                changed.append(k)
             k += 1
-        rendered.append(message)
+    if same:  # a template that writes an earlier turn otherwise (a reasoning model's cuts its reasoning) is followed
+        plain = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                              tools=tools or None)
+        same = {at: k for at, k in same.items() if _content(messages[at]) in plain}
+    marks = {at: (f"\u27e6lmrl-turn-{k}\u27e7", replies[k]) for at, k in same.items()}
+    rendered = [{"role": "assistant", "content": marks[at][0]} if at in marks else m for at, m in enumerate(messages)]
     text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, tools=tools or None)
-    for mark, reply in marks:
+    for mark, reply in marks.values():
         if reply.end and reply.raw.endswith(reply.end) and mark + reply.end in text:
             text = text.replace(mark + reply.end, reply.raw, 1)
         else:
             text = text.replace(mark, reply.raw, 1)
-    return text
+    return text, changed
+
+
+def _content(message: dict[str, Any]) -> str:
+    """A message's text content ("" for none)."""
+    content = _text(message.get("content"))
+    return content if isinstance(content, str) else ""
 
 
 def _same_message(sent: dict[str, Any], ours: dict[str, Any], tail: str = "") -> bool:

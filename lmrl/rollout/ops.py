@@ -48,6 +48,8 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         **_joined_media(rollouts),
         versions=None if any(r.versions is None for r in rollouts) else torch.cat(
             [pad(r.versions, T, -1, False) for r in rollouts]),
+        contexts=None if all(r.contexts is None for r in rollouts) else [
+            c for r in rollouts for c in (r.contexts or [[] for _ in r.texts])],
     )
 
 
@@ -92,6 +94,7 @@ def select_rollout(r: Rollout, index: torch.Tensor) -> Rollout:
         media=r.media,  # indexed by prompt_index (or media_index), which keeps its values
         media_index=None if r.media_index is None else r.media_index[index],
         versions=None if r.versions is None else r.versions[index, :T],
+        contexts=None if r.contexts is None else [r.contexts[i] for i in index.tolist()],
     )
 
 

@@ -39,7 +39,8 @@ if mode.startswith("chat"):  # the same two turns as chat messages, the tool res
         f.write(json.dumps({"prompt": row["prompt"], "turns": turns, "text": "", "stopped": stopped}) + "\n")
     client.post("/lmrl/reward", body={"reward": 0.5}, cast_to=object)
     sys.exit(0)
-for turn in range(2):
+last, result = 2 if mode != "compact" else 3, ""  # compact: a third turn after the first tool result is dropped
+for turn in range(last):
     choice = client.completions.create(model="policy", prompt=text, max_tokens=24, stop=["</calc>"]).choices[0]
     turns.append(choice.model_extra["token_ids"])
     said = choice.text
@@ -48,12 +49,15 @@ for turn in range(2):
     if mode == "edit" and turn == 0:
         said = "<calc>1+1</calc>"  # the agent rewrites what the model said
     text += said
-    if turn == 1:
+    if turn == last - 1:
         break
+    if turn == 1:  # compact: the agent drops the first tool result from its context
+        text = text.replace(result, "", 1)
+        continue
     match = re.search(r"<calc>([^<>]*)</calc>", said)
     terms = (match.group(1) if match else row["prompt"].rstrip("=")).split("+")
-    total = sum(int(t) for t in terms if t.strip().isdigit())
-    text += f"={total}\n"  # the tool result: new text the gateway tokenizes as an observation
+    result = f"={sum(int(t) for t in terms if t.strip().isdigit())}\n"
+    text += result  # the tool result: new text the gateway tokenizes as an observation
 answer = text.rsplit("\n", 1)[-1].strip()
 reward = float(answer == row["answer"])
 if os.environ.get("AGENT_LOG"):

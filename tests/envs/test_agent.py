@@ -58,18 +58,6 @@ def test_the_tokens_trained_on_are_the_tokens_the_agent_was_sampled_after_a_tool
     assert all(x in (0.0, 1.0) for x in episodes.rewards)
 
 
-def test_an_agent_that_rewrites_the_models_text_is_cut_there_and_counted(policy, tmp_path):
-    episodes = run(policy, tmp_path, mode="edit")
-    r = episodes.rollout
-    assert episodes.metrics["agent/retokenized_tokens"] > 0
-    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    second_turns = [e["turns"][1] for e in log]
-    for i in range(len(r.texts)):  # the rewritten text is attended only; the second turn is still trained on
-        trained = r.response_ids[i][r.response_mask[i]].tolist()
-        assert any(trained[len(trained) - len(t):] == t for t in second_turns)
-        assert "<calc>1+1</calc>" in r.texts[i]
-
-
 @pytest.mark.parametrize("mode, message", [
     ("crash", "exited with status 1: agent: something broke"),
     ("noreward", "exited without reporting a reward"),

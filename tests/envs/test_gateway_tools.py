@@ -91,10 +91,10 @@ def test_the_gateways_own_replies_are_rendered_as_sampled_and_changed_ones_as_se
     parts = {**ours, "content": [{"type": "text", "text": "Sure."}], "tool_calls": [  # the same, sent another way
         {"id": "c-0", "type": "function", "function": {"name": "add", "arguments": '{"b": 3, "a": 2}'}}]}
     for sent in (ours, parts):
-        text = render_conversation(tok, [user, sent, tool], None, [reply])
-        assert "Sure." + CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5" in text
-    changed = render_conversation(tok, [user, {**ours, "content": "Hm."}, tool], None, [reply])
-    assert CALL not in changed and "Hm.<tool_call>\n" in changed  # the agent's version, as the template writes it
+        text, changed = render_conversation(tok, [user, sent, tool], None, [reply])
+        assert "Sure." + CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5" in text and changed == []
+    text, changed = render_conversation(tok, [user, {**ours, "content": "Hm."}, tool], None, [reply])
+    assert CALL not in text and "Hm.<tool_call>\n" in text and changed == [0]  # the agent's, as the template writes it
 
 
 @pytest.mark.parametrize("stream", ["0", "1"])
