@@ -5,6 +5,7 @@ are trained in exactly the context they were sampled in, and baselines are taken
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -75,8 +76,8 @@ def test_a_compacting_agent_trains_every_call_token_exact(policy, tmp_path):
     assert episode.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and split.prompt_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     for i in range(len(r.texts)):
         first, second = (split.response_ids[k][split.response_mask[k]] for k in (2 * i, 2 * i + 1))
-        turns = [t for t in served[ROWS[i // 2]["prompt"]] if t[0] + t[1] == first.tolist()]
-        assert turns and second.tolist() == turns[0][2]  # call by call, the ids served
+        turns = [t for t in served[ROWS[i // 2]["prompt"]] if [t[0] + t[1], t[2]] == [first.tolist(), second.tolist()]]
+        assert turns  # call by call, the ids served (two episodes of a prompt may share their first calls)
         (at, context), = r.contexts[i]
         assert at == int(r.response_attention[i].sum()) - len(turns[0][2])  # the third call's tokens last
         said = [tok.decode(t, skip_special_tokens=True) for t in turns[0][:2]]  # as the agent's text holds them
@@ -199,3 +200,29 @@ def test_make_experience_trains_each_sample_with_its_episodes_advantage():
     assert exp.info["reward/x"].tolist() == [3.0, 3.0, 3.0, 4.0]
     assert exp.per_episode().scores.tolist() == [1.0, 0.0]
     assert int(exp.response_mask.sum()) == int(r.response_mask[0].sum())  # each trained token once
+
+
+def test_lmrl_train_trains_an_agent_whose_episodes_are_several_samples_and_logs_them_per_episode(tmp_path):
+    """Through `lmrl train` (and a resume): the compacting agent's episodes are two samples each, the update runs
+    a row per sample, `samples.jsonl` and the scores count episodes."""
+    from tests.forked import lmrl
+
+    args = ["train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
+            f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4", "env.max_turns=4",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
+            "data.num_eval_prompts=2", f"train.output_dir={tmp_path / 'run'}", "log.console=false",
+            "log.samples_every=1", "log.num_samples=8"]
+    env = {**os.environ, "AGENT_MODE": "compact", "AGENT_LOG": str(tmp_path / "log.jsonl")}
+    out = lmrl(*args, "train.steps=1", cwd=tmp_path, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = lmrl(*args, "train.steps=2", "train.resume=auto", cwd=tmp_path, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "env/turns" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["agent/samples_per_episode"] == 2 and r["agent/closed_sample_tokens"] > 0 and r["env/turns"] == 3
+        assert r["agent/failures"] == 0 and r["agent/retokenized_tokens"] == 0
+        assert math.isfinite(r["loss/policy_avg"]) and math.isfinite(r["objective/scores"])
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8  # 4 episodes a step, one line each (not one per sample)
