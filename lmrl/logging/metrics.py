@@ -53,7 +53,8 @@ class Phases:
 def experience_metrics(exp: Any, kl_coef: float) -> dict[str, float]:
     """The statistics of a batch of experience (`lmrl.experience.Experience`): scores, lengths, advantages, the KL
     to the reference and what the algorithm's options changed. `kl_coef`: the KL coefficient now."""
-    out = {"objective/scores": exp.per_episode().scores.mean().item(),  # per episode, not per sample "val/response_length": exp.info["length"].float().mean().item(),
+    out = {"objective/scores": exp.per_episode().scores.mean().item(),  # per episode (an agent's may be samples)
+           "val/response_length": exp.info["length"].float().mean().item(),
            "val/num_eos_tokens": exp.info["finished"].float().sum().item(),
            "val/advantage_mean": A.masked_mean(exp.advantages, exp.response_mask).item()}
     if "kl_k3" in exp.info:  # k3 (>= 0), a mean over every response token (as TRL's GRPOTrainer reports `kl`)
