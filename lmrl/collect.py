@@ -202,7 +202,8 @@ class Collector:
             if self.env is not None:  # multi-turn: every live episode's next turn in one batch, observations out of the loss
                 episodes = generate_episodes(self.generator, self.tokenizer, ids, rows, n, params, self.env,
                                              cfg.env.max_turns, cfg.env.max_tokens or cfg.env.max_turns * params.max_new_tokens,
-                                             media=media, processor=self.processor, images=images)
+                                             media=media, processor=self.processor, images=images,
+                                             conversations=self.conversations(prompts), tools=self.tools())
                 rollout = episodes.rollout
             elif images is not None:  # the engine processes the images; the trainer's forward takes the bundles
                 rollout = self.generator.generate(ids, n, params, images=images)
@@ -218,9 +219,20 @@ class Collector:
 
     def encode(self, prompts: list[Any]) -> list[list[int]]:
         """Prompts (texts or chat messages) as token ids, as the policy is prompted."""
-        tools = getattr(getattr(self.env, "tools", None), "schemas", None)  # chat prompts list the tools
         return encode_prompts(self.tokenizer, prompts, self.cfg.rollout.max_prompt_length,
-                              use_chat_template=self.cfg.model.chat_template, tools=tools)
+                              use_chat_template=self.cfg.model.chat_template, tools=self.tools())
+
+    def tools(self) -> list[dict] | None:
+        """The environment's tools as a chat template lists them (chat prompts list the tools)."""
+        return getattr(getattr(self.env, "tools", None), "schemas", None)
+
+    def conversations(self, prompts: list[Any]) -> list[list[dict]] | None:
+        """Each prompt's chat messages, where every prompt went through the chat template (a string wrapped as a user
+        message by model.chat_template); None where one is plain text."""
+        wrap = self.cfg.model.chat_template and getattr(self.tokenizer, "chat_template", None) is not None
+        if not all(isinstance(p, list) or wrap for p in prompts) or self.cfg.model.chat_template is False:
+            return None
+        return [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
 
     def sampling_params(self, seed: int | None = None, temperature: float | None = None) -> SamplingParams:
         """The run's sampling parameters (rollout.*), with a seed and, where given, another temperature."""

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/make_tiny_model.py                    # writes lmrl/assets/tiny-addition/
     .venv/bin/python scripts/make_tiny_model.py --task calculator  # writes lmrl/assets/tiny-calculator/
+    .venv/bin/python scripts/make_tiny_model.py --task reasoner    # writes lmrl/assets/tiny-reasoner/
 
 Seeded and deterministic: same seed, same torch build -> same weights. The model is supervised on
 the training split of the built-in addition task and stopped early on purpose: RL can only sharpen
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +203,99 @@ def evaluate_calculator(model, tokenizer, task, n_prompts: int | None = None, to
     return {"accuracy": sum(rewards) / len(items), "tool_rate": episodes.metrics["env/tool_calls"]}
 
 
+def reasoner_traces(tokenizer, task, tool_fraction: float, seed: int) -> list[tuple[list[int], list[int]]]:
+    """The tiny-reasoner's supervised examples as (token ids, labels), each a model turn after its context in the
+    reasoner's chat format (`lmrl.models.tiny.REASONER_TEMPLATE`). In a `tool_fraction` of the items the model reasons,
+    calls the tool (`47+85+36</think><calc>47+85+36</calc>`) and, after the result as a user turn, answers
+    (`</think>168`); the answer's context writes the first turn without its reasoning or with it, half each, so that
+    one model starts from the same place under either template. In the others it answers at once."""
+    from lmrl.models.tiny import REASONER_KEEP_TEMPLATE, REASONER_TEMPLATE
+
+    rng = random.Random(seed)
+    eos = tokenizer.eos_token_id
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def render(messages: list[dict], template: str) -> list[int]:
+        return ids(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=True))
+
+    out = []
+    for item in task.train_prompts():
+        user, expr, answer = {"role": "user", "content": item["prompt"]}, item["prompt"][:-1], item["answer"]
+        first = render([user], REASONER_TEMPLATE)
+        if rng.random() < tool_fraction:
+            call = f"{expr}</think><calc>{expr}</calc>"
+            history = [user, {"role": "assistant", "content": call}, {"role": "user", "content": f"={answer}"}]
+            second = render(history, rng.choice([REASONER_TEMPLATE, REASONER_KEEP_TEMPLATE]))
+            turns = [(first, ids(call)), (second, ids(f"</think>{answer}") + [eos])]
+        else:
+            turns = [(first, ids(f"{expr}</think>{answer}") + [eos])]
+        out += [(context + turn, [-100] * len(context) + turn) for context, turn in turns]
+    return out
+
+
+def sft_reasoner(task, config: SFTConfig, tool_fraction: float, log_every: int = 0):
+    """The tiny-reasoner: a character-level Llama whose chat template cuts earlier turns' reasoning, trained briefly on
+    `reasoner_traces`."""
+    from lmrl.models.tiny import REASONER_TEMPLATE
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = REASONER_TEMPLATE
+    model = tiny_causal_lm(tokenizer, hidden_size=config.hidden_size, num_layers=config.num_layers,
+                           num_heads=config.num_heads, max_position_embeddings=128, seed=config.seed)
+    train = reasoner_traces(tokenizer, task, tool_fraction, config.seed)
+
+    def batch(index: list[int]) -> tuple[torch.Tensor, ...]:
+        traces = [train[i] for i in index]
+        width = max(len(x) for x, _ in traces)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in traces])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in traces])
+        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in traces])
+        return ids, attention, labels
+
+    def progress(model) -> str:
+        m = evaluate_reasoner(model, tokenizer, task, n_prompts=200)
+        return f"greedy {m['accuracy']:.3f}  tool calls {m['tool_rate']:.2f}"
+
+    supervise(model, tokenizer, len(train), batch, config, log_every, progress)
+    return model, tokenizer
+
+
+@torch.no_grad()
+def evaluate_reasoner(model, tokenizer, task, n_prompts: int | None = None, template: str | None = None
+                      ) -> dict[str, float]:
+    """Greedy held-out accuracy of the reasoner's chat episodes as an agent plays them (a call, its result as a user
+    turn, the answer after </think>), the history written by `template` (None: the tokenizer's), and tool calls per
+    episode."""
+    from lmrl.rollout import HFGenerator, SamplingParams
+
+    model.eval()
+    items = task.eval_prompts()[:n_prompts]
+    generator = HFGenerator(model, tokenizer)  # a turn reasons, then calls: twice the calculator's tokens
+    params = SamplingParams(max_new_tokens=2 * task.max_new_tokens, temperature=0.0, stop=["</calc>"])
+
+    def prompt(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    chats = [[{"role": "user", "content": it["prompt"]}] for it in items]
+    first = generator.generate([prompt(c) for c in chats], 1, params).texts
+    calls = [re.search(r"<calc>([^<>]*)</calc>", t) for t in first]
+    answers = list(first)
+    todo = [i for i, m in enumerate(calls) if m]
+    for i in todo:
+        terms = [t for t in calls[i].group(1).split("+") if t.strip().isdigit()]
+        chats[i] += [{"role": "assistant", "content": first[i]}, {"role": "user", "content": f"={sum(map(int, terms))}"}]
+    if todo:
+        second = generator.generate([prompt(chats[i]) for i in todo], 1, params).texts
+        for i, text in zip(todo, second):
+            answers[i] = text
+    right = [a.split("</think>")[-1].strip() == it["answer"] for a, it in zip(answers, items)]
+    return {"accuracy": sum(right) / len(items), "tool_rate": len(todo) / len(items)}
+
+
 class _OneTurn:
     def step(self, text, token_ids):
         from lmrl.envs import Step
@@ -217,7 +312,7 @@ def main() -> None:
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--min-digits", type=int, default=AdditionTask.min_digits)
     parser.add_argument("--max-digits", type=int, default=AdditionTask.max_digits)
-    parser.add_argument("--task", choices=["addition", "calculator"], default="addition")
+    parser.add_argument("--task", choices=["addition", "calculator", "reasoner"], default="addition")
     parser.add_argument("--tool-fraction", type=float, default=0.5, help="calculator: share of traces calling the tool")
     args = parser.parse_args()
     # one thread: the same float reduction order on every machine (and faster for a model this small)
@@ -225,6 +320,9 @@ def main() -> None:
     config = SFTConfig(**{k: getattr(args, k) for k in vars(defaults)})
     if args.task == "calculator":
         main_calculator(args, config)
+        return
+    if args.task == "reasoner":
+        main_reasoner(args, config)
         return
     task = AdditionTask(min_digits=args.min_digits, max_digits=args.max_digits)
     model, tokenizer = sft(task, config, log_every=args.log_every)
@@ -244,6 +342,19 @@ def main_calculator(args, config: SFTConfig) -> None:
     print(f"held-out ({task.num_eval} prompts), greedy: {with_tool['accuracy']:.3f} with the tool "
           f"({with_tool['tool_rate']:.2f} calls per episode), {without['accuracy']:.3f} without it")
     save(model, tokenizer, ASSETS / "tiny-calculator" if args.out == DEFAULT_OUT else args.out)
+
+
+def main_reasoner(args, config: SFTConfig) -> None:
+    from lmrl.data.tasks import CalculatorTask
+    from lmrl.models.tiny import REASONER_KEEP_TEMPLATE
+
+    task = CalculatorTask()
+    model, tokenizer = sft_reasoner(task, config, args.tool_fraction, log_every=args.log_every)
+    cut = evaluate_reasoner(model, tokenizer, task)
+    kept = evaluate_reasoner(model, tokenizer, task, template=REASONER_KEEP_TEMPLATE)
+    print(f"held-out ({task.num_eval} prompts), greedy: {cut['accuracy']:.3f} with the reasoning cut from the history "
+          f"({cut['tool_rate']:.2f} calls per episode), {kept['accuracy']:.3f} with it kept")
+    save(model, tokenizer, ASSETS / "tiny-reasoner" if args.out == DEFAULT_OUT else args.out)
 
 
 def save(model, tokenizer, out: Path | None) -> None:

@@ -90,6 +90,16 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(steps=2000, max_minutes=5.0, eval_every=50, threads=1, output_dir="runs/tiny-calculator"),
         "log": dict(every=25, samples_every=250),
     },
+    "tiny-reasoner": {  # the calculator task on a reasoning chat model, through an agent program of the user's:
+        # env.name=agent env.command="python examples/reasoning_agent.py" (docs/agents.md)
+        "data": dict(task="calculator", num_eval_prompts=500),
+        "model": dict(chat_template=True),
+        "rollout": dict(prompts_per_step=32, group_size=8, max_new_tokens=48, stop=["</calc>"]),
+        "env": dict(max_turns=2),
+        "optim": dict(lr=1e-4),
+        "train": dict(steps=2000, max_minutes=5.0, eval_every=50, threads=1, output_dir="runs/tiny-reasoner"),
+        "log": dict(every=25, samples_every=250),
+    },
     "tiny-vision": {  # a tiny LLaVA on the digits task: the digit drawn in the image plus k from the text
         "data": dict(task="digits", num_eval_prompts=200),
         "rollout": dict(prompts_per_step=16, group_size=8, max_new_tokens=3),

@@ -17,6 +17,9 @@ SHIPPED_MODELS: dict[str, Path] = {
     "tiny-addition": SHIPPED_MODEL,
     # the calculator task's model (`data.task=calculator`): fine-tuned on traces that call the tool half the time
     "tiny-calculator": SHIPPED_MODEL.parent / "tiny-calculator",
+    # the calculator task as a reasoning chat model plays it through an agent program (examples/reasoning_agent.py):
+    # its chat template opens <think> and writes earlier turns without their reasoning, as DeepSeek-R1's does
+    "tiny-reasoner": SHIPPED_MODEL.parent / "tiny-reasoner",
     # a tiny LLaVA (`data.task=digits`: the digit drawn plus k), made by scripts/make_tiny_vision.py; a
     # vision-language model, loaded with `lmrl.models.vision.load_vision_model`, not `load_shipped`
     "tiny-vision": SHIPPED_MODEL.parent / "tiny-vision",

@@ -65,6 +65,22 @@ REASONING_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
 )
+# The shipped tiny-reasoner's chat format (`scripts/make_tiny_model.py --task reasoner`), plain characters for a
+# character-level tokenizer: "U:" a user message, "A:" an assistant message, each ending at a new line. The generation
+# prompt opens the reasoning, "A:<think>"; an earlier assistant turn is written without it, as DeepSeek-R1's template
+# does (REASONER_TEMPLATE), or with it, as it was sampled (REASONER_KEEP_TEMPLATE, for comparison).
+REASONER_TEMPLATE = (
+    "{% for m in messages %}{% set c = m['content'] or '' %}"
+    "{% if m['role'] == 'assistant' %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "{{ 'A:' + c + '\\n' }}{% else %}{{ 'U:' + c + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'A:<think>' }}{% endif %}"
+)
+REASONER_KEEP_TEMPLATE = (
+    "{% for m in messages %}{% set c = m['content'] or '' %}"
+    "{% if m['role'] == 'assistant' %}{{ 'A:<think>' + c + '\\n' }}{% else %}{{ 'U:' + c + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'A:<think>' }}{% endif %}"
+)
 CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 

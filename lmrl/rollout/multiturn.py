@@ -43,6 +43,8 @@ from lmrl.errors import RunError
 from lmrl.models.prompt_encoding import encode_text
 from lmrl.models.vision import ImagePrompt, Media, encode_with_media, image_token, join_media, open_image
 from lmrl.rollout.base import Generator, Rollout, SamplingParams
+from lmrl.rollout.chat_history import ChatHistory
+from lmrl.rollout.samples import sample_metrics
 
 # counted per episode from each Step's info; every key a step reports is averaged the same way
 STEP_COUNTS = ("tool_calls", "malformed_calls", "tool_errors", "tool_seconds", "sandbox_kills")
@@ -96,6 +98,8 @@ def generate_episodes(
     media: Sequence[Media | None] | None = None,
     processor: Any = None,
     images: Sequence[Any] | None = None,
+    conversations: Sequence[Sequence[dict[str, Any]]] | None = None,
+    tools: Any = None,
 ) -> Episodes:
     """Run `n` episodes per prompt to their end; see the module docstring.
 
@@ -118,6 +122,11 @@ def generate_episodes(
             them (`lmrl.models.vision.ImagePrompt`); every turn then gets its episode's ids before the images are
             expanded (the prompt's, the turns', each observation's) and its images, and `media` is what the trainer
             scores with.
+        conversations: each prompt's chat messages, where the prompts were made by the chat template (with
+            `tools`, as they were given to it): where an environment answers with chat messages and the template
+            writes an earlier turn otherwise than it was sampled (a reasoning model's cuts its reasoning), the
+            episode's tokens so far close as a sample and it goes on from the conversation as the template writes it
+            (`lmrl.rollout.chat_history`, `Rollout.contexts`). None: observations always continue the tokens.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns: must be >= 1, got {max_turns!r}")
@@ -127,17 +136,13 @@ def generate_episodes(
             raise RunError("env: an environment that runs its own episodes (run_episodes) is not supported with a "
                            "vision-language policy")
         return env.run_episodes(generator, tokenizer, prompts, rows, n, params, max_turns, max_tokens)
-    extra_stop = [s for s in getattr(env, "stop", None) or [] if s not in params.stop]
-    if extra_stop:  # the environment's turn ends (a tool call's closing tag) on top of the rollout's
-        params = dataclasses.replace(params, stop=[*params.stop, *extra_stop])
+    params = _with_stop(params, env)
     num_rows = len(prompts) * n
     episodes = [env(rows[i // n]) for i in range(num_rows)]
     budget = max_tokens if max_tokens is not None else float("inf")
-    ids: list[list[int]] = [[] for _ in range(num_rows)]
-    logps: list[list[float]] = [[] for _ in range(num_rows)]
-    trained: list[list[bool]] = [[] for _ in range(num_rows)]
-    texts = [""] * num_rows
-    finished = [False] * num_rows
+    chat = conversations is not None and not views.on  # a chat environment follows the template (`_Track`)
+    tracks = [_Track(ChatHistory(tokenizer, conversations[i // n], tools) if chat else None) for i in range(num_rows)]
+    texts, finished = [""] * num_rows, [False] * num_rows
     rewards: list[float | None] = [None] * num_rows
     turns = [0] * num_rows
     counts: dict[str, float] = {}
@@ -145,21 +150,20 @@ def generate_episodes(
     active, out = list(range(num_rows)), first
     for turn in range(max_turns):
         if turn > 0:
-            room = max(budget - len(ids[i]) for i in active)
+            room = max(budget - len(tracks[i].ids) for i in active)
             turn_params = dataclasses.replace(params, max_new_tokens=int(min(params.max_new_tokens, room)),
                                               seed=None if params.seed is None else params.seed + turn)
-            out = generator.generate([prompts[i // n] + ids[i] for i in active], 1, turn_params, **views.of(active))
+            out = generator.generate([tracks[i].context(prompts[i // n]) for i in active], 1, turn_params,
+                                     **views.of(active))
         lengths = out.response_mask.sum(1).tolist()
         next_active = []
         for j, i in enumerate(active):
-            length = lengths[j]
-            room = budget - len(ids[i])
+            track, length = tracks[i], lengths[j]
+            room = budget - len(track.ids)
             cut = length > room  # this episode's budget is smaller than the turn's max_new_tokens
             length = int(min(length, room))
             turn_ids = out.response_ids[j, :length].tolist()
-            ids[i] += turn_ids
-            logps[i] += out.logprobs[j, :length].tolist()
-            trained[i] += [True] * length
+            track.add(turn_ids, out.logprobs[j, :length].tolist(), True)
             text = tokenizer.decode(turn_ids, skip_special_tokens=True) if cut else out.texts[j]
             texts[i] += text
             turns[i] += 1
@@ -168,23 +172,68 @@ def generate_episodes(
             if step.done or not finished[i] or turn == max_turns - 1:
                 continue
             observation, obs_ids, shown = views.observe(tokenizer, step)
-            if len(ids[i]) + len(obs_ids) >= budget:  # no room for the observation and a next turn
+            if len(track.ids) + len(obs_ids) >= budget:  # no room for the observation and a next turn
                 finished[i] = False
                 counts["budget_cuts"] = counts.get("budget_cuts", 0.0) + 1
                 continue
-            views.add(i, turn_ids, shown)
-            ids[i] += obs_ids
-            logps[i] += [0.0] * len(obs_ids)
-            trained[i] += [False] * len(obs_ids)
             texts[i] += observation
             next_active.append(i)
+            if track.observe(turn_ids, text, step.observation, obs_ids):
+                views.add(i, turn_ids, shown)
         active = next_active
         if not active:
             break
-    rollout = _assemble(first, ids, logps, trained, texts, finished, generator)
+    ids, trained = [t.ids for t in tracks], [t.trained for t in tracks]
+    rollout = _assemble(first, ids, [t.logps for t in tracks], trained, texts, finished, generator)
+    rollout.contexts = [t.contexts for t in tracks] if any(t.contexts for t in tracks) else None
     rollout.media, rollout.media_index = views.of_rollout(rollout.response_ids.device)
     shown = [views.tail.get(i, ([], []))[1] for i in range(len(ids))] if views.on else None
-    return Episodes(rollout, rewards, turns, _metrics(ids, trained, turns, counts), shown)
+    metrics = _metrics(ids, trained, turns, counts)
+    if chat:  # a chat environment's episodes may be several samples
+        metrics.update(sample_metrics(rollout, "env"))
+    return Episodes(rollout, rewards, turns, metrics, shown)
+
+
+def _with_stop(params: SamplingParams, env: Any) -> SamplingParams:
+    """`params` with the environment's turn ends (a tool call's closing tag, its `stop`) on top of the rollout's."""
+    extra_stop = [s for s in getattr(env, "stop", None) or [] if s not in params.stop]
+    return dataclasses.replace(params, stop=[*params.stop, *extra_stop]) if extra_stop else params
+
+
+@dataclass
+class _Track:
+    """One episode's tokens so far: its model turns (trained on) and observations (attended only), in its samples."""
+
+    history: ChatHistory | None  # a chat environment's conversation (`lmrl.rollout.chat_history`)
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)
+    contexts: list[tuple[int, list[int]]] = field(default_factory=list)  # `Rollout.contexts`: each later sample's
+
+    def add(self, ids: list[int], logps: list[float], trained: bool) -> None:
+        self.ids += ids
+        self.logps += logps
+        self.trained += [trained] * len(ids)
+
+    def context(self, prompt: list[int]) -> list[int]:
+        """What the next turn samples after: the prompt and the tokens so far, or, once a new sample began, its
+        context and its tokens since."""
+        if not self.contexts:
+            return prompt + self.ids
+        start, context = self.contexts[-1]
+        return context + self.ids[start:]
+
+    def observe(self, turn_ids: list[int], text: str, observation: Any, obs_ids: list[int]) -> bool:
+        """After a turn, its observation: True where it continues the tokens (appended); False where the chat template
+        wrote an earlier turn otherwise than it was sampled, so that the next turn begins a sample of its own."""
+        if not isinstance(observation, list):  # a text observation: the tokens go on, whatever the template
+            self.history = None
+        restart = self.history.add(turn_ids, text, observation) if self.history is not None else None
+        if restart is not None:
+            self.contexts.append((len(self.ids), restart))
+            return False
+        self.add(obs_ids, [0.0] * len(obs_ids), False)
+        return True
 
 
 def _record(step: Any, i: int, rewards: list[float | None], counts: dict[str, float]) -> Any:

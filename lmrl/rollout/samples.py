@@ -88,11 +88,11 @@ def episode_sum(x: torch.Tensor, episode_index: torch.Tensor | None) -> torch.Te
         0, episode_index, x)[episode_index]
 
 
-def sample_metrics(rollout: Rollout) -> dict[str, float]:
-    """`agent/samples_per_episode` and `agent/closed_sample_tokens` (per episode, the tokens trained in its samples
+def sample_metrics(rollout: Rollout, prefix: str = "agent") -> dict[str, float]:
+    """`PREFIX/samples_per_episode` and `PREFIX/closed_sample_tokens` (per episode, the tokens trained in its samples
     before its last): how often episodes did not extend what was sampled before."""
     rows = len(rollout.texts)
     later = rollout.contexts or [[] for _ in range(rows)]
     closed = sum(int(rollout.response_mask[i, :c[-1][0]].sum()) for i, c in enumerate(later) if c)
-    return {"agent/samples_per_episode": sum(1 + len(c) for c in later) / max(rows, 1),
-            "agent/closed_sample_tokens": closed / max(rows, 1)}
+    return {f"{prefix}/samples_per_episode": sum(1 + len(c) for c in later) / max(rows, 1),
+            f"{prefix}/closed_sample_tokens": closed / max(rows, 1)}

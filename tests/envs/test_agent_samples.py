@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -226,3 +227,65 @@ def test_lmrl_train_trains_an_agent_whose_episodes_are_several_samples_and_logs_
         assert math.isfinite(r["loss/policy_avg"]) and math.isfinite(r["objective/scores"])
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 8  # 4 episodes a step, one line each (not one per sample)
+
+
+def test_the_shipped_tiny_reasoner_writes_earlier_turns_without_their_reasoning():
+    """`tiny-reasoner` (scripts/make_tiny_model.py --task reasoner) carries the template the example depends on; its
+    run through examples/reasoning_agent.py is docs/agents.md's executed example, its numbers benchmarks/."""
+    _, tok = load_shipped(SHIPPED_MODELS["tiny-reasoner"])
+    turn = {"role": "assistant", "content": "47+85+36</think><calc>47+85+36</calc>"}
+    text = tok.apply_chat_template([{"role": "user", "content": "47+85+36="}, turn, {"role": "user", "content": "=168"}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert text == "U:47+85+36=\nA:<calc>47+85+36</calc>\nU:=168\nA:<think>"
+
+
+class ChatCalculator:
+    """The calculator task as a chat environment of lmrl's own: a call's result comes back as a user message."""
+
+    def __call__(self, row):
+        return _ChatEpisode(row)
+
+
+class _ChatEpisode:
+    def __init__(self, row):
+        self.row, self.called = row, False
+
+    def step(self, text, token_ids):
+        from lmrl.envs import Step
+
+        said = text.split("</think>")[-1]
+        call = re.search(r"<calc>([^<>]*)</calc>", said)
+        if call and not self.called:
+            self.called = True
+            terms = [t for t in call.group(1).split("+") if t.strip().isdigit()]
+            return Step(observation=[{"role": "user", "content": f"={sum(map(int, terms))}"}])
+        return Step(done=True, reward=float(said.strip() == self.row["answer"]))
+
+
+def test_a_chat_environment_of_lmrls_own_follows_a_template_that_cuts_reasoning(tmp_path):
+    """The built-in loop, as the gateway: with the tiny-reasoner's template an episode whose model called the tool is
+    two samples, the answer sampled after the conversation as the template writes it; without the prompts'
+    conversations (plain-text prompts) the observation continues the tokens, as before."""
+    from lmrl.models.prompt_encoding import encode_prompts
+
+    model, tok = load_shipped(SHIPPED_MODELS["tiny-reasoner"])
+    gen = HFGenerator(model, tok, seed=0)
+    chats = [[{"role": "user", "content": r["prompt"]}] for r in ROWS]
+    prompts = encode_prompts(tok, chats, 64, use_chat_template=True)
+    params = SamplingParams(max_new_tokens=48, stop=["</calc>"], seed=0)
+    episodes = generate_episodes(gen, tok, prompts, ROWS, 8, params, ChatCalculator(), max_turns=2, conversations=chats)
+    r = episodes.rollout
+    called = [i for i in range(len(r.texts)) if r.contexts and r.contexts[i]]
+    assert called and episodes.metrics["env/samples_per_episode"] == 1 + len(called) / len(r.texts)
+    assert_trained_as_sampled(model, r, tok.pad_token_id)
+    for i in called:
+        (at, context), = r.contexts[i]
+        first = tok.decode(r.response_ids[i, :at])
+        assert first.endswith("</calc>") and "</think>" in first  # the call, its reasoning trained on in sample 1
+        terms = re.search(r"<calc>([^<>]*)</calc>", first.split("</think>")[-1]).group(1).split("+")
+        result = {"role": "user", "content": f"={sum(int(t) for t in terms if t.strip().isdigit())}"}
+        written = tok.apply_chat_template([*chats[i // 8], {"role": "assistant", "content": first}, result],
+                                          tokenize=False, add_generation_prompt=True)
+        assert tok.decode(context) == written and "</think>" not in written  # the template's: the reasoning cut
+    before = generate_episodes(gen, tok, prompts, ROWS, 8, params, ChatCalculator(), max_turns=2)
+    assert before.rollout.contexts is None and "env/samples_per_episode" not in before.metrics
