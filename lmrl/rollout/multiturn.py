@@ -25,6 +25,11 @@ episodes that showed none keep one bundle per prompt, as a single-turn rollout. 
 itself (vLLM, a generation server: `images`) gets each turn as the episode's ids before the images are expanded and
 its images, in the same order.
 
+Where the prompts went through a chat template (`conversations`) and an environment answers with chat messages, a
+template that writes an earlier turn otherwise than it was sampled (a reasoning model's cuts its reasoning) is
+followed: the episode's tokens so far close as a training sample and the next turn samples after the conversation as
+the template writes it (`lmrl.rollout.chat_history`, `Rollout.contexts`).
+
 An episode ends when its step says done, after `max_turns` turns, when a turn was cut at
 `max_new_tokens` (it is then unfinished: `finished` False), or when the next turn or observation
 would exceed `max_tokens` response tokens (observations included; also unfinished).
