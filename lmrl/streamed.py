@@ -60,7 +60,7 @@ from lmrl.rollout import Rollout, select_rollout
 from lmrl.rollout.hf import HFGenerator
 
 # metrics summed over a batch's groups rather than averaged
-_SUMMED = ("/errors", "/seconds", "/sandbox_kills")
+_SUMMED = ("/errors", "/seconds", "/sandbox_kills", "/wait_for_trainer")
 
 
 class StreamedRollouts(AsyncRollouts):
@@ -333,6 +333,7 @@ class _Sampler:
         self.skip = set(skip)
         self.version, self.newest, self.consumed = -1, begun, 0
         self.probe: tuple[int, Any] | None = None  # (version, sequence) to score once that version is taken
+        self.waited = 0.0  # seconds waited for the trainer since the last group was sent (`time/wait_for_trainer`)
         self.rows: dict[int, dict[str, Any]] = {}  # position -> its row, while its group is sampled
         decoder = getattr(self.generator, "decoder", self.generator)  # lmrl's decode over the process's own model
         self.decoder = decoder if isinstance(decoder, HFGenerator) and collector.env is None and collector.processor is None else None
@@ -348,7 +349,9 @@ class _Sampler:
             if self.newest > self.version:  # nothing in flight: newer weights cost nothing to take now
                 self._take()
             if self._room() <= 0:
+                start = time.perf_counter()
                 self._poll(block=True)  # the trainer is behind: wait for it to take groups
+                self.waited += time.perf_counter() - start
                 continue
             if self.decoder is not None:
                 rows = self.decoder.batch_size or (self.k + 1) * self.share * G  # room for every group it may begin
@@ -460,7 +463,8 @@ class _Sampler:
             "position": position, "version": version, "newest": int(sampled.max()) if real else self.version, "row": row,
             "rollout": {f.name: getattr(rollout, f.name) for f in fields(Rollout)},
             "scores": out.scores, "per_function": out.per_function, "extra": out.extra_columns,
-            "metrics": dict(out.metrics)})))
+            "metrics": dict(out.metrics) | {"time/wait_for_trainer": self.waited}})))
+        self.waited = 0.0
 
 
 def generator_process(cfg, run, policy, units, tokenizer, world: World, warn, shape) -> AsyncRollouts | None:

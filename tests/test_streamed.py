@@ -206,6 +206,7 @@ def test_the_bound_holds_whichever_side_is_slower(tmp_path, monkeypatch):
     assert all(r["async/staleness_max"] <= 2 for r in ahead)
     assert max(r["async/waiting_groups"] for r in ahead) > 0  # it did run ahead
     assert max(r["async/staleness_max"] for r in ahead) >= 1
+    assert sum(r["time/wait_for_trainer"] for r in ahead) > 0.1  # and then waited for the trainer, within its bound
     behind = run_with(tmp_path / "slow", 0, 4, monkeypatch, slow_reward=0.05)  # the trainer waits for every group
     assert all(r["async/staleness_max"] == 0 and r["async/dropped_groups"] == 0 for r in behind)
     assert all(r["time/wait_for_batch"] > 0.05 for r in behind[1:])
