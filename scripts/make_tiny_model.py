@@ -168,6 +168,15 @@ def sft_calculator(task, config: SFTConfig, tool_fraction: float, log_every: int
     model = tiny_causal_lm(tokenizer, hidden_size=config.hidden_size, num_layers=config.num_layers,
                            num_heads=config.num_heads, max_position_embeddings=128, seed=config.seed)
     train = calculator_traces(tokenizer, task, tool_fraction, config.seed)
+    supervise_traces(model, tokenizer, train, config, log_every,
+                     lambda model: evaluate_calculator(model, tokenizer, task, n_prompts=200))
+    return model, tokenizer
+
+
+def supervise_traces(model, tokenizer, train: list[tuple[list[int], list[int]]], config: SFTConfig, log_every: int,
+                     evaluate) -> None:
+    """`supervise` on (token ids, labels) traces, right-padded; `evaluate(model)` gives the progress line's greedy
+    accuracy and tool calls ({"accuracy", "tool_rate"})."""
 
     def batch(index: list[int]) -> tuple[torch.Tensor, ...]:
         traces = [train[i] for i in index]
@@ -178,11 +187,10 @@ def sft_calculator(task, config: SFTConfig, tool_fraction: float, log_every: int
         return ids, attention, labels
 
     def progress(model) -> str:
-        m = evaluate_calculator(model, tokenizer, task, n_prompts=200)
+        m = evaluate(model)
         return f"greedy {m['accuracy']:.3f}  tool calls {m['tool_rate']:.2f}"
 
     supervise(model, tokenizer, len(train), batch, config, log_every, progress)
-    return model, tokenizer
 
 
 @torch.no_grad()
@@ -246,20 +254,8 @@ def sft_reasoner(task, config: SFTConfig, tool_fraction: float, log_every: int =
     model = tiny_causal_lm(tokenizer, hidden_size=config.hidden_size, num_layers=config.num_layers,
                            num_heads=config.num_heads, max_position_embeddings=128, seed=config.seed)
     train = reasoner_traces(tokenizer, task, tool_fraction, config.seed)
-
-    def batch(index: list[int]) -> tuple[torch.Tensor, ...]:
-        traces = [train[i] for i in index]
-        width = max(len(x) for x, _ in traces)
-        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in traces])
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in traces])
-        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in traces])
-        return ids, attention, labels
-
-    def progress(model) -> str:
-        m = evaluate_reasoner(model, tokenizer, task, n_prompts=200)
-        return f"greedy {m['accuracy']:.3f}  tool calls {m['tool_rate']:.2f}"
-
-    supervise(model, tokenizer, len(train), batch, config, log_every, progress)
+    supervise_traces(model, tokenizer, train, config, log_every,
+                     lambda model: evaluate_reasoner(model, tokenizer, task, n_prompts=200))
     return model, tokenizer
 
 

@@ -11,19 +11,12 @@ import pytest
 
 from lmrl.agents.programs import AgentEnvironment
 from lmrl.errors import RunError
-from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes
 
 AGENT = Path(__file__).with_name("calc_agent.py")
 ROWS = [{"prompt": "47+85+36=", "answer": "168"}, {"prompt": "12+30+41=", "answer": "83"}]
-
-
-@pytest.fixture(scope="module")
-def policy():
-    model, tok = load_shipped(SHIPPED_MODELS["tiny-calculator"])
-    return HFGenerator(model, tok, seed=0), tok
 
 
 def run(policy, tmp_path, mode="ok", on_error="fail", timeout=60.0, n=2, temperature=1.0):

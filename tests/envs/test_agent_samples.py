@@ -23,15 +23,7 @@ from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes
 from lmrl.rollout.ops import concat_rollouts, select_rollout
 from lmrl.rollout.samples import split_samples
-
-AGENT = Path(__file__).with_name("calc_agent.py")
-ROWS = [{"prompt": "47+85+36=", "answer": "168"}, {"prompt": "12+30+41=", "answer": "83"}]
-
-
-@pytest.fixture(scope="module")
-def policy():
-    model, tok = load_shipped(SHIPPED_MODELS["tiny-calculator"])
-    return HFGenerator(model, tok, seed=0), tok
+from tests.envs.test_agent import AGENT, ROWS
 
 
 def episodes_of(gen, tok, prompts, mode, log, n=2, max_turns=4, max_new_tokens=24):
