@@ -58,15 +58,6 @@ class _Segment:
 
 
 @dataclass
-class _Sample:
-    """A closed sample of an episode: its record up to a request that did not extend it."""
-
-    segments: list[_Segment]
-    finished: bool
-    """Its last turn ended at EOS or a stop string."""
-
-
-@dataclass
 class _Episode:
     index: int
     key: str
@@ -80,8 +71,8 @@ class _Episode:
     finished: bool = False
     reward: float | None = None
     retokenized: int = 0
-    closed: list[_Sample] = field(default_factory=list)
-    """The samples before the current one (`segments`), in order."""
+    closed: list[list[_Segment]] = field(default_factory=list)
+    """The samples before the current one (`segments`), each its record up to a request that did not extend it."""
     error: str | None = None
     handed: bool = False
     """env.agent_mode=serve: a program took it."""
@@ -100,11 +91,11 @@ class _Episode:
 
     def response_length(self) -> int:
         """Tokens sampled and observed so far, every sample's (the contexts they restarted from not counted)."""
-        return sum(len(s.ids) for sample in (*self.closed, self) for s in sample.segments[1:])
+        return sum(len(s.ids) for sample in self.samples() for s in sample[1:])
 
-    def samples(self) -> list[_Sample]:
-        """Every sample of the episode, the current one last."""
-        return [*self.closed, _Sample(self.segments, self.finished)]
+    def samples(self) -> list[list[_Segment]]:
+        """Every sample's record (its context first), the current one last."""
+        return [*self.closed, self.segments]
 
 
 class Gateway(GenerationServer):
@@ -187,7 +178,7 @@ class Gateway(GenerationServer):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages: expected a non-empty list of {role, content}")
-            turns = [s for sample in episode.samples() for s in sample.segments if s.message is not None]
+            turns = [s for sample in episode.samples() for s in sample if s.message is not None]
             text, changed = render_conversation(self.tokenizer, messages, body.get("tools"),
                                                 [Reply(s.message, s.raw, self._end(s.ids), s.tail) for s in turns])
             for k in changed:  # the model's text the agent rewrote: attended from now on, counted once
@@ -231,7 +222,7 @@ class Gateway(GenerationServer):
             break
         ids += encode_text(self.tokenizer, text[at:])
         if sampled:
-            episode.closed.append(_Sample(episode.segments, episode.finished))
+            episode.closed.append(episode.segments)
         episode.segments = [_Segment(ids, [0.0] * len(ids), False, text if not chat else self._decode(ids, False),
                                      text if chat else self._decode(ids, True))]
 

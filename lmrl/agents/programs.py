@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from lmrl.agents.gateway import Gateway, _Episode, _Sample, _Segment
+from lmrl.agents.gateway import Gateway, _Episode, _Segment
 from lmrl.agents.work import (
     end_work,
     episodes_file,
@@ -302,24 +302,24 @@ class AgentEnvironment:
         pad = int(getattr(generator, "pad_token_id", 0))
         ids, logps, trained, texts, finished, rewards, turns, contexts = [], [], [], [], [], [], [], []
         for e in ordered:
-            samples = e.samples() if e.error is None else [_Sample(e.samples()[0].segments[:1], False)]
+            samples = e.samples() if e.error is None else [e.samples()[0][:1]]
             row, later = [], []
             for j, sample in enumerate(samples):
-                segs = sample.segments[1:]
+                segs = sample[1:]
                 while segs and not segs[-1].trained:  # text after a sample's last model turn conditions nothing
                     segs = segs[:-1]  # trained on (a tool result the budget refused a turn after, a closed sample's)
-                if j:
-                    later.append((sum(len(s.ids) for s in row), list(sample.segments[0].ids)))
+                if j and segs:  # (a sample begun by a request its budget refused has nothing to train on)
+                    later.append((sum(len(s.ids) for s in row), list(sample[0].ids)))
                 row += segs
             ids.append([t for s in row for t in s.ids])
             logps.append([lp for s in row for lp in s.logps])
             trained.append([s.trained for s in row for _ in s.ids])
-            texts.append("".join(s.text + s.tail for sample in samples for s in sample.segments[1:]))  # with its stops
+            texts.append("".join(s.text + s.tail for sample in samples for s in sample[1:]))  # with its stops
             contexts.append(later)
             finished.append(bool(e.finished) and e.error is None)
             rewards.append(e.reward if e.error is None else 0.0)
             turns.append(e.turns)
-        firsts = [e.samples()[0].segments[0].ids for e in ordered]  # each row's prompt: its first sample's
+        firsts = [e.samples()[0][0].ids for e in ordered]  # each row's prompt: its first sample's
         width, plen = max(1, max(len(x) for x in ids)), max(len(p) for p in firsts)
         B = len(ordered)
         prompt_ids = torch.full((B, plen), pad, dtype=torch.long)
