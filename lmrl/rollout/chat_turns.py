@@ -161,9 +161,14 @@ def render_conversation(tokenizer: Any, messages: Sequence[Any], tools: Any, rep
                 changed.append(k)
             k += 1
     if same:  # a template that writes an earlier turn otherwise (a reasoning model's cuts its reasoning) is followed
-        plain = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                              tools=tools or None)
-        same = {at: k for at, k in same.items() if _content(messages[at]) in plain}
+        from jinja2 import TemplateError  # (loaded already: chat templates are jinja)
+
+        try:
+            plain = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                  tools=tools or None)
+        except (TemplateError, TypeError):  # it cannot write our replies as sent (a strict template): they stay ours
+            plain = None
+        same = {at: k for at, k in same.items() if plain is None or _content(messages[at]) in plain}
     marks = {at: (f"\u27e6lmrl-turn-{k}\u27e7", replies[k]) for at, k in same.items()}
     rendered = [{"role": "assistant", "content": marks[at][0]} if at in marks else m for at, m in enumerate(messages)]
     text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, tools=tools or None)

@@ -136,6 +136,10 @@ def test_a_template_that_cuts_an_earlier_turns_reasoning_is_followed_and_unchang
     text, changed = render_conversation(tok, [user, {**plain, "content": "no"}, then], None,
                                         [Reply(plain, "yes<|im_end|>", "<|im_end|>")])
     assert "assistant\nno<|im_end|>" in text and changed == [0]  # the agent rewrote it
+    tok.chat_template = ("{% for m in messages %}{% if m['content'] is none %}{{ raise_exception('content') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")  # strict: it cannot write a reply without content as sent
+    empty = {"role": "assistant", "content": None}
+    assert render_conversation(tok, [user, empty], None, [Reply(empty, "RAW", "")]) == ("QRAW", [])  # ours, kept
 
 
 def _rollout(contexts) -> Rollout:
