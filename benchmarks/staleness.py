@@ -6,6 +6,7 @@ accuracy at N steps, as verl measures its fully asynchronous mode.
     python benchmarks/staleness.py --quick               # 6 steps: a smoke run
     python benchmarks/staleness.py --steps 24 --repeats 3 --record   # the table in docs/async.md
     python benchmarks/staleness.py --shipped 150 --repeats 3 --record  # the shipped task: the held-out gain
+    python benchmarks/staleness.py --runs sync staleness=2 --repeats 3 --hidden 512 --record staleness-h512
 
 The task: a Llama with random weights (hidden 256, 4 layers, 4 heads; `seeded_llama`) and the character tokenizer,
 its final norm scaled by 0.01 so that it starts out sampling nearly uniformly over its 99 tokens. A completion ends
@@ -58,7 +59,7 @@ def starts_with_digit(completions, **_):
     return [float(c[:1].isdigit()) for c in completions]
 
 
-def child(name: str, steps: int, out: str, seed: int) -> dict:
+def child(name: str, steps: int, out: str, seed: int, hidden: int = 256) -> dict:
     """One run of the task, in this process; returns its figures."""
     import random
 
@@ -71,7 +72,7 @@ def child(name: str, steps: int, out: str, seed: int) -> dict:
     from lmrl import Trainer
     from lmrl.config import load_config
 
-    model, tokenizer = seeded_llama(argparse.Namespace(hidden=256, layers=4, heads=4, threads=2),
+    model, tokenizer = seeded_llama(argparse.Namespace(hidden=hidden, layers=4, heads=4, threads=2),
                                     max_position_embeddings=256)
     with torch.no_grad():
         model.model.norm.weight.mul_(0.01)  # nearly uniform: lengths geometric in the stop strings' share
@@ -135,6 +136,7 @@ def main() -> None:
                         help="write the table to benchmarks/results/NAME.MACHINE.json")
     parser.add_argument("--shipped", type=int, metavar="STEPS",
                         help="instead: the shipped task, sync and max_staleness=2, this many steps")
+    parser.add_argument("--hidden", type=int, default=256, help="the model's width (docs/async.md: 512 as well)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -153,14 +155,15 @@ def main() -> None:
                                  f"{args.seed + args.repeats - 1}; 500 held-out prompts, greedy, at step 0 and the last.")
         return
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, steps, args.out, args.seed)), flush=True)
+        print("RESULT " + json.dumps(child(args.child, steps, args.out, args.seed, args.hidden)), flush=True)
         return
     runs: dict[str, list[dict]] = {name: [] for name in args.runs}
     with tempfile.TemporaryDirectory() as tmp:
         for turn in range(args.repeats):  # in turns, a seed each: drift of the machine reaches every run alike
             for name in args.runs:
                 done = subprocess.run([sys.executable, __file__, "--child", name, "--out", f"{tmp}/{name}{turn}",
-                                       "--steps", str(steps), "--seed", str(args.seed + turn)], capture_output=True,
+                                       "--steps", str(steps), "--seed", str(args.seed + turn),
+                                       "--hidden", str(args.hidden)], capture_output=True,
                                       text=True)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
                 if done.returncode or not lines:
@@ -189,7 +192,7 @@ def main() -> None:
                              Column("staleness", "largest staleness", "{:.0f}"), Column("dropped", "groups dropped", "{:.0f}"),
                              Column("length", "mean length", "{:.1f}")],
                results, note=f"4 prompts x 4 completions ending at a stop string after a geometric number of tokens "
-                             f"(mean about 33, at most 256); hidden 256 / 4 layers Llama; seeds {args.seed}-"
+                             f"(mean about 33, at most 256); hidden {args.hidden} / 4 layers Llama; seeds {args.seed}-"
                              f"{args.seed + args.repeats - 1}; accuracy from {results[0]['start_accuracy']:.1%} at step 0.")
 
 
