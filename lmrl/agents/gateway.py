@@ -31,7 +31,7 @@ from lmrl.agents.work import WORK, WorkQueue, authorize_run, hand_out
 from lmrl.models.prompt_encoding import encode_text
 from lmrl.rollout.base import Generator, SamplingParams
 from lmrl.rollout.batcher import Batcher
-from lmrl.rollout.chat_turns import Reply, render_conversation, turn_choice
+from lmrl.rollout.chat_turns import Reply, render_conversation, turn_choice, turn_end
 from lmrl.rollout.ops import stop_found
 from lmrl.rollout.server import GenerationServer, Refused, _flag, _given, _Handler, _integer, _list, _same
 from lmrl.rollout.streaming import stream_events, wants_stream
@@ -180,7 +180,7 @@ class Gateway(GenerationServer):
                 raise ValueError("messages: expected a non-empty list of {role, content}")
             turns = [s for sample in episode.samples() for s in sample if s.message is not None]
             text, changed = render_conversation(self.tokenizer, messages, body.get("tools"),
-                                                [Reply(s.message, s.raw, self._end(s.ids), s.tail) for s in turns])
+                                                [Reply(s.message, s.raw, turn_end(self.tokenizer, s.ids), s.tail) for s in turns])
             for k in changed:  # the model's text the agent rewrote: attended from now on, counted once
                 episode.retokenized += 0 if turns[k].rewritten else len(turns[k].ids)
                 turns[k].rewritten = True
@@ -242,11 +242,6 @@ class Gateway(GenerationServer):
         tools it offers, a system prompt of its own): prompts are attended, never trained on."""
         ids = encode_text(self.tokenizer, text)
         episode.segments = [_Segment(ids, [0.0] * len(ids), False, self._decode(ids, False), text)]
-
-    def _end(self, ids: list[int]) -> str:
-        """The closing special token of a sampled turn (its EOS), which a chat template writes after a message."""
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        return self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ids and ids[-1] in special else ""
 
     def _decode(self, ids: list[int], chat: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not chat)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmrl.models.prompt_encoding import encode_text
-from lmrl.rollout.chat_turns import Reply, render_conversation
+from lmrl.rollout.chat_turns import Reply, render_conversation, turn_end
 
 
 class ChatHistory:
@@ -32,10 +32,9 @@ class ChatHistory:
         """After a model turn (its ids and text) and the observation's messages: None where the template writes every
         turn of the current sample as it was sent (the observation continues the sample); else the token ids of the
         conversation as the template writes it, ending with the generation prompt: the next sample's context."""
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        end = self.tokenizer.decode(turn_ids[-1:], skip_special_tokens=False) if turn_ids and turn_ids[-1] in special else ""
         reply = {"role": "assistant", "content": text}
-        self.replies.append(Reply(reply, self.tokenizer.decode(turn_ids, skip_special_tokens=False), end))
+        raw = self.tokenizer.decode(turn_ids, skip_special_tokens=False)
+        self.replies.append(Reply(reply, raw, turn_end(self.tokenizer, turn_ids)))
         self.messages += [reply, *observation]
         plain = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True,
                                                    tools=self.tools or None)

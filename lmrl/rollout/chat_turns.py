@@ -147,6 +147,13 @@ class Reply:
     """The stop string left out of the message's content: the agent may send the content back with it added."""
 
 
+def turn_end(tokenizer: Any, ids: list[int]) -> str:
+    """A sampled turn's closing special token (its EOS), which a chat template writes after the message; "" where its
+    last token is not special (`Reply.end`)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return tokenizer.decode(ids[-1:], skip_special_tokens=False) if ids and ids[-1] in special else ""
+
+
 def render_conversation(tokenizer: Any, messages: Sequence[Any], tools: Any, replies: Sequence[Reply]
                         ) -> tuple[str, list[int]]:
     """`messages` through the chat template (with `tools`, and the generation prompt), the k-th assistant message
