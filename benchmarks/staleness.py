@@ -51,6 +51,7 @@ RUNS = {  # name: extra overrides
     "staleness=1": ["train.max_staleness=1"],
     "staleness=2": ["train.max_staleness=2"],
     "partial=2": ["train.max_staleness=2", "rollout.partial=true"],
+    "keep_cache=2": ["train.max_staleness=2", "rollout.partial=keep_cache"],
 }
 STOPS = [".", "!"]
 

@@ -43,7 +43,7 @@ import torch
 import torch.multiprocessing
 
 from lmrl import errors
-from lmrl.build import Inputs, async_threads, load_inputs
+from lmrl.build import Inputs, async_threads, load_inputs, start_method
 from lmrl.collect import Collected, Collector
 from lmrl.distributed import ONE_PROCESS, World, full_weights
 from lmrl.errors import ConfigError, LmrlError, RunError
@@ -310,26 +310,10 @@ def _line(e: BaseException) -> str:
 
 def placement(cfg) -> tuple[int, str]:
     """The generator process's torch threads and how it starts (`start_method`): train.generator_threads, else half
-    the cores where it is spawned and one thread where it can be forked (a forked child of several hangs, and forking
-    keeps what spawning loses: lambdas, a start in a fraction of a second)."""
+    the cores where it is spawned and one thread where it can be forked (`async_threads`: a forked child of several
+    hangs, and forking keeps what spawning loses: lambdas, a start in a fraction of a second)."""
     threads = async_threads(cfg)[1]
-    if cfg.train.generator_threads is None and start_method(1) == "fork":
-        threads = 1
     return threads, start_method(threads)
-
-
-def start_method(threads: int = 1) -> str:
-    """How the generator process starts: forked on Linux while this process uses neither CUDA nor a process group
-    and the generator process runs one thread (in a fraction of a second, with everything this process imported and
-    built, lambdas included), else spawned (a fresh interpreter: about 5 s of imports here, and the run's inputs must
-    pickle). A forked child whose OpenMP runs `threads` > 1 hangs at its first parallel region once this process has
-    run one with several threads (GNU libgomp's thread pool does not survive fork). LMRL_START_METHOD=spawn|fork
-    chooses."""
-    chosen = os.environ.get("LMRL_START_METHOD")
-    if chosen is not None:
-        return chosen
-    shared = torch.cuda.is_initialized() or torch.distributed.is_initialized()  # a forked copy would share them
-    return "fork" if sys.platform == "linux" and not shared and threads == 1 else "spawn"
 
 
 # ------------------------------------------------------------------------------ batches on the wire and on disk

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,13 +213,31 @@ def build_run(cfg: Config, *, model: nn.Module | None = None, tokenizer: Any = N
 
 
 def async_threads(cfg: Config) -> tuple[int, int]:
-    """(trainer, generator process) torch threads of an asynchronous run: train.threads and
-    train.generator_threads, else, of the cores this process may use (under torchrun, its rank's share of them),
-    all for the trainer and half for the generator process. Measured on 2 cores (docs/async.md), that 2 + 1
-    beats an even 1 + 1 split: the update, the slower side, keeps both cores while the generator waits."""
+    """(trainer, generator process) torch threads of an asynchronous run: train.threads and train.generator_threads,
+    else, of the cores this process may use (under torchrun, its rank's share of them): the generator process one
+    thread where it is forked (`start_method`), half of them where it is spawned; the trainer all of them with a
+    fixed lag, the others with bounded staleness. Measured on 2 cores
+    (docs/async.md): with a fixed lag 2 + 1 beats an even 1 + 1 split (the update, the slower side, keeps both cores
+    while the generator waits); a streamed generator never waits, and there 1 + 1 is faster."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun: this rank's share
-    return cfg.train.threads or cores, cfg.train.generator_threads or max(1, cores // 2)
+    generator = cfg.train.generator_threads or (1 if start_method(1) == "fork" else max(1, cores // 2))
+    streamed = cfg.train.max_staleness is not None
+    return cfg.train.threads or (max(1, cores - generator) if streamed else cores), generator
+
+
+def start_method(threads: int = 1) -> str:
+    """How the generator process starts: forked on Linux while this process uses neither CUDA nor a process group
+    and the generator process runs one thread (in a fraction of a second, with everything this process imported and
+    built, lambdas included), else spawned (a fresh interpreter: about 5 s of imports here, and the run's inputs must
+    pickle). A forked child whose OpenMP runs `threads` > 1 hangs at its first parallel region once this process has
+    run one with several threads (GNU libgomp's thread pool does not survive fork). LMRL_START_METHOD=spawn|fork
+    chooses."""
+    chosen = os.environ.get("LMRL_START_METHOD")
+    if chosen is not None:
+        return chosen
+    shared = torch.cuda.is_initialized() or torch.distributed.is_initialized()  # a forked copy would share them
+    return "fork" if sys.platform == "linux" and not shared and threads == 1 else "spawn"
 
 
 @dataclass

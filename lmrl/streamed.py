@@ -356,7 +356,8 @@ class _Sampler:
             if self.decoder is not None:
                 rows = self.decoder.batch_size or (self.k + 1) * self.share * G  # room for every group it may begin
                 self.decoder.stream(self._next, G, self.collector.sampling_params(), rows, self._give,
-                                    version=self.version, swap=self._swap if self.partial else None)
+                                    version=self.version, swap=self._swap if self.partial else None,
+                                    keep_cache=self.partial == "keep_cache")
             else:
                 self._batch()
 

@@ -292,9 +292,16 @@ def test_a_generator_process_of_several_threads_is_spawned_and_runs(tmp_path, mo
 
     monkeypatch.delenv("LMRL_START_METHOD", raising=False)
     assert a.start_method(1) == "fork" and a.start_method(2) == "spawn"
-    monkeypatch.setattr(a, "async_threads", lambda cfg: (8, 4))  # 8 cores: half of them, by default
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # 8 cores
     assert a.placement(Config()) == (1, "fork")  # unless set, a generator that can be forked runs one thread
     assert a.placement(Config(train={"generator_threads": 4})) == (4, "spawn")
+    unset = {"threads": None}  # (the shipped task's preset sets 1)
+    assert a.async_threads(Config(train={**unset, "async_steps": 1})) == (8, 1)  # a fixed lag: the trainer every core
+    assert a.async_threads(Config(train={**unset, "max_staleness": 2})) == (7, 1)  # streamed: the others
+    assert a.async_threads(Config(train={**unset, "max_staleness": 2, "generator_threads": 3})) == (5, 3)
+    monkeypatch.setenv("LMRL_START_METHOD", "spawn")
+    assert a.async_threads(Config(train={**unset, "max_staleness": 2})) == (4, 4)  # spawned: half the cores each
+    monkeypatch.delenv("LMRL_START_METHOD")
     done = lmrl_train(tmp_path, *SMALL, "train.steps=2", "train.async_steps=1", "train.threads=2",
                       "train.generator_threads=2", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -268,6 +268,10 @@ def test_two_ranks_each_stream_their_share_within_the_bound(tmp_path):
      "rollout.partial: needs lmrl's decode without an environment: rollout.backend=vllm-server samples whole calls"),
     ({"rollout": {"partial": True}, "env": {"name": "calculator"}, "train": {"max_staleness": 1}},
      "rollout.partial: needs lmrl's decode without an environment: env.name=calculator samples whole calls"),
+    ({"rollout": {"partial": "keep_cache"}, "train": {"max_staleness": 0}},
+     "rollout.partial: with train.max_staleness=0 every token must come from the policy being updated"),
+    ({"rollout": {"partial": "keep"}, "train": {"max_staleness": 1}},
+     "rollout.partial: true, false or keep_cache (got 'keep')"),
 ])
 def test_bad_bounds_are_one_line_before_a_model_loads(values, message):
     with pytest.raises(ConfigError) as e:
@@ -282,12 +286,18 @@ def test_the_cli_says_it_in_one_line():
     assert len(done.stderr.splitlines()) == 1
 
 
-def test_partial_rollouts_train_on_tokens_of_several_versions_each_weighted_by_its_own_log_prob(tmp_path, monkeypatch):
-    """rollout.partial=true through a real generator process: rows span versions (that each token's log-prob is the
-    one the weights that sampled it gave is tests/rollout/test_hf_generator.py's), and the loss weighs every token by
-    min(pi_prox / pi_behaviour, 2) with its own pi_behaviour, worked out here by hand from the batch."""
+@pytest.mark.parametrize("partial", [True, "keep_cache"])
+def test_partial_rollouts_train_on_tokens_of_several_versions_each_weighted_by_its_own_log_prob(tmp_path, monkeypatch,
+                                                                                                partial):
+    """rollout.partial=true (or keep_cache) through a real generator process: rows span versions (that each token's
+    log-prob is the one the weights that sampled it gave is tests/rollout/test_hf_generator.py's), and the loss weighs
+    every token by min(pi_prox / pi_behaviour, 2) with its own pi_behaviour, worked out here by hand from the batch."""
+    from lmrl.engine import DecodeEngine
+
     monkeypatch.delenv("LMRL_START_METHOD", raising=False)
-    cfg = Config(rollout={"prompts_per_step": 8, "group_size": 4, "partial": True}, data={"num_eval_prompts": 0},
+    step = DecodeEngine.step  # a slower decode (the forked generator process inherits it): rows span the publishes
+    monkeypatch.setattr(DecodeEngine, "step", lambda self: (time.sleep(0.004), step(self))[1])
+    cfg = Config(rollout={"prompts_per_step": 8, "group_size": 4, "partial": partial}, data={"num_eval_prompts": 0},
                  train={"steps": 8, "eval_every": 0, "max_staleness": 2, "output_dir": str(tmp_path)},
                  log={"console": False, "samples_every": 0})
     trainer = Trainer(cfg)

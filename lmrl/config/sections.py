@@ -166,14 +166,24 @@ class RolloutConfig(Section):
     for the difference between its probabilities and the trainer's (docs/generation.md)."""
     vllm: VLLMConfig = VLLMConfig()
     """The vLLM engine's settings (rollout.backend=vllm)."""
-    partial: bool = False
+    partial: bool | Literal["keep_cache"] = False
     """Partial rollouts (with train.max_staleness and lmrl's decode): sequences in flight take new weights at their
     next token instead of ending on the old ones; each token keeps the version and the log-prob it was sampled with,
-    and the decoupled objective weights each by its own (docs/async.md)."""
+    and the decoupled objective weights each by its own (docs/async.md). true: their tokens so far are prefilled again
+    under the new weights (AReaL's and verl's partial rollouts: every log-prob exactly the new weights'); "keep_cache":
+    the keys and values cached so far are kept, nothing is prefilled again, and the new weights' tokens attend to keys
+    the older weights computed (PipelineRL's in-flight weight updates: cheaper)."""
     cuda_graph: bool = True
     """On a GPU, decode with fixed shapes (a KV cache of the whole rollout) and replay each step as one
     CUDA graph, where the model allows it (full attention, sdpa or eager kernel); the run says which
     decode path it took and why. Ignored on a CPU."""
+
+    @field_validator("partial", mode="before")
+    @classmethod
+    def _partial(cls, value: Any) -> Any:
+        if value not in (True, False, "keep_cache"):
+            raise ValueError(f"partial: true, false or keep_cache (got {value!r})")
+        return value
 
 
 class RewardConfig(Section):

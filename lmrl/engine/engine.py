@@ -131,6 +131,7 @@ class DecodeEngine:
         self.sink: tuple[torch.Tensor, torch.Tensor] | None = None  # see `collect_into`
         self._done = 0  # rows handed back but still in the cache
         lean, self.path = step_path(model)
+        self._step_rows = rows
         self.step_fn = LlamaStep(model, rows) if lean else ModelStep(model)
         self.cache: KVCache | None = None  # made at the first prefill, which shows the keys' shape
         self._reserved: tuple[int, int, int, int] | None = None  # `reserve`'s sizes, until the cache is made
@@ -241,6 +242,20 @@ class DecodeEngine:
             self.cache.keep([])
             self._rows_changed()
         return out
+
+    def sampled(self) -> dict[Any, int]:
+        """Each row in flight's tokens sampled so far, by owner (the next one is sampled from logits already computed)."""
+        return {row.owner: n for row, n in zip(self.rows, self.cache.row_length) if not row.done} if self.rows else {}
+
+    def reload(self) -> None:
+        """The model's weights changed in place: the steps read them again, and the rows in flight go on from the
+        keys and values cached so far and the next logits, which the earlier weights computed (partial rollouts that
+        keep the cache, `HFGenerator.stream`)."""
+        if isinstance(self.step_fn, LlamaStep):  # q / k / v were concatenated from the earlier weights
+            kernels = self.step_fn.kernels
+            self.step_fn = LlamaStep(self.model, self._step_rows)
+            self.step_fn.kernels = kernels  # chosen with the cache, which stays
+        self._graphs = {}  # what a graph reads may have been remade
 
     def _prefill(self, prompts: list[Request]) -> tuple[torch.Tensor, list, list, torch.Tensor]:
         """One forward over the (left-padded) prompts of `prompts` with their images: `[U, V]` float32 logits at each

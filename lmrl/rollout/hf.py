@@ -180,7 +180,7 @@ class HFGenerator:
 
     def stream(self, take: Callable[[], tuple[Any, list[int], int] | None], n: int, params: SamplingParams,
                rows: int, give: Callable[[Any, Rollout], None], version: int = 0,
-               swap: Callable[[], Callable[[], int] | None] | None = None) -> None:
+               swap: Callable[[], Callable[[], int] | None] | None = None, keep_cache: bool = False) -> None:
         """Continuous batching over an open-ended supply of prompts (`train.max_staleness`, `lmrl.streamed`).
 
         `take()` gives the next prompt as (owner, token ids, seed), or None when none should start now; its `n` rows
@@ -193,7 +193,9 @@ class HFGenerator:
         `swap()`, asked between steps (partial rollouts): None, or a function that loads new weights into the model
         and returns their version. Then every row in flight is taken out as it stands, the weights are loaded, and
         the rows go on from their next token under them (their tokens so far prefilled again with the new weights),
-        each token keeping the version and the log-prob it was sampled with.
+        each token keeping the version and the log-prob it was sampled with. `keep_cache`: the rows stay in the engine
+        instead, the keys and values cached so far kept (those the earlier weights computed: PipelineRL's in-flight
+        weight updates), no prefill; a row's next token, whose logits the earlier weights computed, is theirs.
 
         Rows sample from the streams of their prompt's seed, as `generate` with that seed would sample them (a row
         that went on under new weights from a stream of its own from there)."""
@@ -202,6 +204,7 @@ class HFGenerator:
         groups: dict[Any, tuple[list[int], list[_Partial | None]]] = {}  # owner -> prompt, its rows once they end
         so_far: dict[tuple[Any, int], _Partial] = {}  # rows that went on under new weights: what they sampled before
         keys_of: dict[tuple[Any, int], int] = {}  # each row's random stream
+        earlier: dict[tuple[Any, int], list[tuple[int, int]]] = {}  # keep_cache: (tokens, version) at each swap
         was_training = self.model.training
         self.model.eval()
 
@@ -214,13 +217,20 @@ class HFGenerator:
                 engine = engine_now()
                 while True:
                     if swap is not None and len(engine) and engine.settled and (load := swap()) is not None:
-                        going_on = []
-                        for e in engine.abort():  # what each row sampled so far, under the weights it had
-                            so_far[e.owner] = so_far.get(e.owner, _Partial()).extended(e, version)
-                            going_on.append(e.owner)
-                        version = load()
-                        engine = engine_now()
-                        engine.add([self._going_on(groups[o[0]][0], o, so_far[o], keys_of[o], params) for o in going_on])
+                        if keep_cache:  # the rows stay: each one's next token, its logits computed, is the old weights'
+                            for owner, count in engine.sampled().items():
+                                earlier.setdefault(owner, []).append((count + 1, version))
+                            version = load()
+                            engine.reload()
+                        else:
+                            going_on = []
+                            for e in engine.abort():  # what each row sampled so far, under the weights it had
+                                so_far[e.owner] = so_far.get(e.owner, _Partial()).extended(e, version)
+                                going_on.append(e.owner)
+                            version = load()
+                            engine = engine_now()
+                            engine.add([self._going_on(groups[o[0]][0], o, so_far[o], keys_of[o], params)
+                                        for o in going_on])
                     joining = []  # joins once a quarter of the room is free (a prefill and a compaction per join)
                     while (rows - len(engine) - len(joining) >= n
                            and (not len(engine) or rows - len(engine) >= max(n, rows // 4))):
@@ -237,7 +247,8 @@ class HFGenerator:
                     for ended in engine.step():
                         owner, j = ended.owner
                         prompt, ended_rows = groups[owner]
-                        ended_rows[j] = so_far.pop(ended.owner, _Partial()).extended(ended, version)
+                        ended_rows[j] = so_far.pop(ended.owner, _Partial()).extended(ended, version,
+                                                                                     earlier.pop(ended.owner, ()))
                         del keys_of[ended.owner]
                         if all(r is not None for r in ended_rows):
                             del groups[owner]
@@ -302,9 +313,16 @@ class _Partial:
     versions: list[int] = field(default_factory=list)
     finished: bool = False
 
-    def extended(self, ended: Ended, version: int) -> _Partial:
-        return _Partial(self.tokens + ended.tokens, self.logprobs + ended.logprobs,
-                        self.versions + [version] * len(ended.tokens), ended.finished)
+    def extended(self, ended: Ended, version: int, earlier: Sequence[tuple[int, int]] = ()) -> _Partial:
+        """These tokens followed by `ended`'s, sampled by `version`, but for its first tokens where `earlier` says
+        otherwise: (n, v), the tokens before the n-th sampled by version v (swaps that kept the cache), in order."""
+        versions, done, n = [], 0, len(ended.tokens)
+        for end, v in earlier:
+            versions += [v] * (min(end, n) - min(done, n))
+            done = end
+        versions += [version] * (n - min(done, n))
+        return _Partial(self.tokens + ended.tokens, self.logprobs + ended.logprobs, self.versions + versions,
+                        ended.finished)
 
 
 class StopChecker:

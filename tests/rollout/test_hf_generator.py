@@ -48,6 +48,19 @@ def llama(tok):
     return scrambled_model(tok, "llama", seed=1)
 
 
+def other_model(tok, arch: str, seed: int):
+    """A tiny GPT-2 (learned positions) or GPT-NeoX (partial rotary): models the engine steps through their own
+    forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(gpt2=dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+                 gpt_neox=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))[arch]
+    config = AutoConfig.for_model(arch, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **shape)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
 def encode(tok, texts=TEXTS) -> list[list[int]]:
     return [tok.encode(t) for t in texts]
 
@@ -452,14 +465,7 @@ def test_a_sliding_window_model_samples_what_its_forward_scores(tok, kernel):
 def test_other_architectures_sample_what_their_forward_scores(tok, arch):
     """GPT-2 (learned positions) and GPT-NeoX (partial rotary) step through their own forward, rows joining and
     leaving: the sampled log-probs equal a full forward's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    shape = dict(gpt2=dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
-                 gpt_neox=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))[arch]
-    config = AutoConfig.for_model(arch, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **shape)
-    torch.manual_seed(2)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = other_model(tok, arch, seed=2)
     generator = HFGenerator(model, tok, batch_size=3)
     assert generator.decode_path()[1].startswith("its own forward:")
     rollout = generator.generate(encode(tok), 2, SamplingParams(max_new_tokens=20, temperature=1.0, seed=1))
@@ -749,4 +755,61 @@ def test_a_partial_rollout_takes_new_weights_at_the_next_token_each_token_keepin
         for weights, version in ((old, 6), (new, 7)):
             mine = r.versions == version
             torch.testing.assert_close(r.logprobs[mine], reference_logprobs(weights, r, 1.0)[mine], atol=1e-4, rtol=0)
+    assert mixed > 0  # some rows ran under both
+
+
+def kept_cache_logprobs(old, new, prompt: list[int], tokens: list[int], first: int) -> torch.Tensor:
+    """Log-probs of `tokens` after `prompt` where the first `first` were sampled by `old` and the rest by `new` over
+    the keys and values `old` computed for everything before the swap (transformers' own cache, filled by one model
+    and continued by the other): the token that ends the old part is fed through `new`."""
+    with torch.no_grad():
+        if first == 0:
+            logits = new(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+        else:
+            before = old(input_ids=torch.tensor([prompt + tokens[: first - 1]]), use_cache=True)
+            logits = before.logits[0, len(prompt) - 1:]
+            if first < len(tokens):
+                after = new(input_ids=torch.tensor([tokens[first - 1: -1]]), past_key_values=before.past_key_values,
+                            use_cache=True)
+                logits = torch.cat([logits, after.logits[0]])
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # module by module (q / k / v concatenated again), own forward
+def test_a_partial_rollout_that_keeps_the_cache_goes_on_from_the_keys_the_old_weights_computed(tok, arch):
+    """`stream(keep_cache=True)` (rollout.partial=keep_cache): the rows stay in the engine when the weights change;
+    each token's version says which weights sampled it, and its log-prob is the one those weights give over keys and
+    values the old weights computed for the tokens before the swap, checked against transformers' own cache filled by
+    the old model and continued by the new."""
+    build = scrambled_model if arch == "llama" else other_model
+    old, new = build(tok, arch, seed=1), build(tok, arch, seed=5)
+    model = copy.deepcopy(old)
+    gen = HFGenerator(model, tok)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, stop=["e", "o", "t"])
+    prompts, calls, given = encode(tok, TEXTS * 2), [0], []
+    queue = list(range(len(prompts)))
+
+    def swap():
+        calls[0] += 1
+        if calls[0] != 4:
+            return None
+
+        def load():
+            model.load_state_dict(new.state_dict())  # in place, as a generator process loads published weights
+            return 7
+        return load
+
+    gen.stream(lambda: (i := queue.pop(0), prompts[i], 50 + i) if queue else None, 3, params, rows=24,
+               give=lambda owner, r: given.append((owner, r)), version=6, swap=swap, keep_cache=True)
+    assert sorted(o for o, _ in given) == list(range(len(prompts)))
+    mixed = 0
+    for _, r in given:
+        for i, n in enumerate(r.lengths.tolist()):
+            versions = r.versions[i, :n].tolist()
+            first = versions.count(6)
+            assert versions == [6] * first + [7] * (n - first) and (r.versions[i, n:] == -1).all()
+            mixed += 0 < first < n
+            prompt, tokens = r.prompt_ids[i][r.prompt_mask[i]].tolist(), r.response_ids[i, :n].tolist()
+            torch.testing.assert_close(r.logprobs[i, :n], kept_cache_logprobs(old, new, prompt, tokens, first),
+                                       atol=1e-4, rtol=0)
     assert mixed > 0  # some rows ran under both
