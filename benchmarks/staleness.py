@@ -7,6 +7,7 @@ accuracy at N steps, as verl measures its fully asynchronous mode.
     python benchmarks/staleness.py --steps 24 --repeats 3 --record   # the table in docs/async.md
     python benchmarks/staleness.py --shipped 150 --repeats 3 --record  # the shipped task: the held-out gain
     python benchmarks/staleness.py --runs sync staleness=2 --repeats 3 --hidden 512 --record staleness-h512
+    python benchmarks/staleness.py --runs sync keep_cache=2 keep_cache=2,2+1 --repeats 3 --record staleness-threads
 
 The task: a Llama with random weights (hidden 256, 4 layers, 4 heads; `seeded_llama`) and the character tokenizer,
 its final norm scaled by 0.01 so that it starts out sampling nearly uniformly over its 99 tokens. A completion ends
@@ -20,8 +21,13 @@ Runs, each in its own process, one after the other:
     sync           train.threads=2 (both cores: the synchronous loop's best)
     async_steps=1  a generator process one step ahead, whole batches (automatic threads: trainer 2, generator 1)
     staleness=1    train.max_staleness=1: groups streamed through continuous batching, the first ready trained
+                   (automatic threads: trainer 1, generator 1)
     staleness=2    train.max_staleness=2
-    partial=2      train.max_staleness=2 rollout.partial=true: rows in flight take new weights at their next token
+    partial=2      train.max_staleness=2 rollout.partial=true: rows in flight take new weights at their next token,
+                   their tokens so far prefilled again
+    keep_cache=2   train.max_staleness=2 rollout.partial=keep_cache: the same, the keys and values cached kept
+    keep_cache=2,2+1  the same with the trainer on both cores (train.threads=2), as a fixed lag's default; only
+                   when named in --runs (the threads figure in docs/async.md)
 
 With --repeats R every run is made R times, in turns, turn t with seed --seed + t: the wall time and its ratio to
 sync's of the same turn are the medians over the turns, the accuracy their mean (one seed's accuracy swings by tens
@@ -52,7 +58,9 @@ RUNS = {  # name: extra overrides
     "staleness=2": ["train.max_staleness=2"],
     "partial=2": ["train.max_staleness=2", "rollout.partial=true"],
     "keep_cache=2": ["train.max_staleness=2", "rollout.partial=keep_cache"],
+    "keep_cache=2,2+1": ["train.max_staleness=2", "rollout.partial=keep_cache", "train.threads=2"],  # not by default
 }
+DEFAULT_RUNS = [name for name in RUNS if "+" not in name]
 STOPS = [".", "!"]
 
 
@@ -96,12 +104,15 @@ def child(name: str, steps: int, out: str, seed: int, hidden: int = 256) -> dict
 
 
 def shipped(args) -> list[dict]:
-    """The shipped task (`lmrl train`, its preset), sync and with max_staleness=2, in turns: the held-out gain at a
-    fixed number of steps (500 prompts, greedy, at step 0 and the last) and the wall time of the steps."""
-    out: dict[str, list[dict]] = {"sync": [], "staleness=2": []}
+    """The shipped task (`lmrl train`, its preset), sync and with max_staleness=2 (and partial rollouts that keep the
+    cache), in turns: the held-out gain at a fixed number of steps (500 prompts, greedy, at step 0 and the last) and
+    the wall time of the steps."""
+    runs = {"sync": [], "staleness=2": ["train.max_staleness=2"],
+            "keep_cache=2": ["train.max_staleness=2", "rollout.partial=keep_cache"]}
+    out: dict[str, list[dict]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
         for turn in range(args.repeats):
-            for name, extra in (("sync", []), ("staleness=2", ["train.max_staleness=2"])):
+            for name, extra in runs.items():
                 run = f"{tmp}/{name}{turn}"
                 subprocess.run([sys.executable, "-m", "lmrl", "train", f"train.output_dir={run}", f"train.steps={args.shipped}",
                                 "train.eval_every=0", "train.max_minutes=null", "log.console=false", "log.samples_every=0",
@@ -132,11 +143,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="6 steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each, in turns; the median wall time is kept")
-    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--runs", nargs="*", default=DEFAULT_RUNS, choices=list(RUNS))
     parser.add_argument("--record", nargs="?", const="staleness", metavar="NAME",
                         help="write the table to benchmarks/results/NAME.MACHINE.json")
     parser.add_argument("--shipped", type=int, metavar="STEPS",
-                        help="instead: the shipped task, sync and max_staleness=2, this many steps")
+                        help="instead: the shipped task, sync and max_staleness=2 (keep_cache too), this many steps")
     parser.add_argument("--hidden", type=int, default=256, help="the model's width (docs/async.md: 512 as well)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -27,8 +27,10 @@ run samples again, from the checkpoint's weights, the positions that were in fli
 
 How lmrl departs from AReaL's and verl's fully asynchronous modes: without partial rollouts the weights change only
 when nothing is in flight, kept for up to k versions so that a long row's wait is paid once in several steps; with
-them, the rows in flight are prefilled again under the new weights (no KV cache computed by older weights is kept);
-the bound is enforced by dropping what is too old; rewards are scored in the generator process, group by group.
+them, the rows in flight are prefilled again under the new weights (rollout.partial=true, as AReaL and verl do) or
+go on from the keys and values the older weights cached (rollout.partial=keep_cache, PipelineRL's in-flight weight
+updates); the bound is enforced by dropping what is too old (with partial rollouts, by leaving a group's too-old
+tokens out of the loss); rewards are scored in the generator process, group by group.
 """
 
 from __future__ import annotations
