@@ -124,6 +124,8 @@ VERL_PATHS: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.actor.use_dynamic_bsz": ("optim.micro_batch_tokens", "set a token budget: use_dynamic_bsz=true"),
     "async_training.staleness_threshold": ("train.max_staleness", "verl's is the fraction of a batch that may be stale; "
                                            "lmrl's the most versions any group trained on may be behind"),
+    "async_training.partial_rollout": ("rollout.partial", "true prefills the rows in flight again under new weights, "
+                                       "as verl does; keep_cache keeps their cache (PipelineRL)"),
     "actor_rollout_ref.model.use_remove_padding": ("train.packing", "on by default in lmrl"),
     "actor_rollout_ref.actor.ppo_epochs": ("algorithm.num_iterations", ""),
     "actor_rollout_ref.actor.clip_ratio": ("algorithm.clip_low", "and algorithm.clip_high"),
