@@ -216,9 +216,9 @@ def async_threads(cfg: Config) -> tuple[int, int]:
     """(trainer, generator process) torch threads of an asynchronous run: train.threads and train.generator_threads,
     else, of the cores this process may use (under torchrun, its rank's share of them): the generator process one
     thread where it is forked (`start_method`), half of them where it is spawned; the trainer all of them with a
-    fixed lag, the others with bounded staleness. Measured on 2 cores
-    (docs/async.md): with a fixed lag 2 + 1 beats an even 1 + 1 split (the update, the slower side, keeps both cores
-    while the generator waits); a streamed generator never waits, and there 1 + 1 is faster."""
+    fixed lag, the others with bounded staleness. Measured on 2 cores (docs/async.md): with a fixed lag 2 + 1 beats
+    an even 1 + 1 split (the update, the slower side, keeps both cores while the generator waits); a streamed
+    generator never waits, and there 1 + 1 is faster."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun: this rank's share
     generator = cfg.train.generator_threads or (1 if start_method(1) == "fork" else max(1, cores // 2))

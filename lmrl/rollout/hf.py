@@ -314,8 +314,9 @@ class _Partial:
     finished: bool = False
 
     def extended(self, ended: Ended, version: int, earlier: Sequence[tuple[int, int]] = ()) -> _Partial:
-        """These tokens followed by `ended`'s, sampled by `version`, but for its first tokens where `earlier` says
-        otherwise: (n, v), the tokens before the n-th sampled by version v (swaps that kept the cache), in order."""
+        """These tokens followed by `ended`'s, sampled by `version` but where `earlier` says otherwise: each (n, v),
+        in order, says its tokens before the n-th not yet accounted for were sampled by version v (swaps that kept the
+        cache)."""
         versions, done, n = [], 0, len(ended.tokens)
         for end, v in earlier:
             versions += [v] * (min(end, n) - min(done, n))
