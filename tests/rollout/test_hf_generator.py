@@ -717,6 +717,23 @@ def test_stream_samples_each_group_as_generate_does_and_hands_it_back_the_step_i
         assert torch.equal(r.finished, alone.finished) and r.prompt_index.tolist() == [0] * n
 
 
+def swap_at(call: int, model, new, version: int):
+    """`stream`'s swap for a test: at its `call`-th asking, load `new`'s weights into `model` in place (as a generator
+    process loads published ones) as `version`."""
+    calls = [0]
+
+    def swap():
+        calls[0] += 1
+        if calls[0] != call:
+            return None
+
+        def load():
+            model.load_state_dict(new.state_dict())
+            return version
+        return load
+    return swap
+
+
 def test_a_partial_rollout_takes_new_weights_at_the_next_token_each_token_keeping_its_version_and_log_prob(llama, tok):
     """`stream` with `swap` (rollout.partial): after a few steps the rows in flight take other weights; each token's
     log-prob is the one the weights that sampled it give (checked by full forwards of both models), its version says
@@ -726,21 +743,10 @@ def test_a_partial_rollout_takes_new_weights_at_the_next_token_each_token_keepin
     gen = HFGenerator(model, tok)
     stops = ["e", "o", "t"]  # none in the special tokens' texts (<pad> <s> </s>), which the stop checker decodes
     params = SamplingParams(max_new_tokens=16, temperature=1.0, stop=stops)
-    prompts, steps, given = encode(tok, TEXTS * 2), [0], []
+    prompts, given = encode(tok, TEXTS * 2), []
     queue = list(range(len(prompts)))
-
-    def swap():
-        steps[0] += 1
-        if steps[0] != 4:
-            return None
-
-        def load():
-            model.load_state_dict(new.state_dict())
-            return 7
-        return load
-
     gen.stream(lambda: (i := queue.pop(0), prompts[i], 50 + i) if queue else None, 3, params, rows=24,
-               give=lambda owner, r: given.append((owner, r)), version=6, swap=swap)
+               give=lambda owner, r: given.append((owner, r)), version=6, swap=swap_at(4, model, new, 7))
     assert sorted(o for o, _ in given) == list(range(len(prompts)))
     mixed = 0
     for _, r in given:
@@ -786,21 +792,11 @@ def test_a_partial_rollout_that_keeps_the_cache_goes_on_from_the_keys_the_old_we
     model = copy.deepcopy(old)
     gen = HFGenerator(model, tok)
     params = SamplingParams(max_new_tokens=16, temperature=1.0, stop=["e", "o", "t"])
-    prompts, calls, given = encode(tok, TEXTS * 2), [0], []
+    prompts, given = encode(tok, TEXTS * 2), []
     queue = list(range(len(prompts)))
-
-    def swap():
-        calls[0] += 1
-        if calls[0] != 4:
-            return None
-
-        def load():
-            model.load_state_dict(new.state_dict())  # in place, as a generator process loads published weights
-            return 7
-        return load
-
     gen.stream(lambda: (i := queue.pop(0), prompts[i], 50 + i) if queue else None, 3, params, rows=24,
-               give=lambda owner, r: given.append((owner, r)), version=6, swap=swap, keep_cache=True)
+               give=lambda owner, r: given.append((owner, r)), version=6, swap=swap_at(4, model, new, 7),
+               keep_cache=True)
     assert sorted(o for o, _ in given) == list(range(len(prompts)))
     mixed = 0
     for _, r in given:
