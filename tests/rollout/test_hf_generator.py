@@ -764,6 +764,19 @@ def test_a_partial_rollout_takes_new_weights_at_the_next_token_each_token_keepin
     assert mixed > 0  # some rows ran under both
 
 
+def test_a_row_kept_across_several_swaps_gives_each_token_the_version_that_sampled_it():
+    """`_Partial.extended` with the (tokens, version) of each swap that kept the cache: the spans in order, then the
+    version at the row's end; a row that ended before a later swap's mark takes that swap's version after the earlier."""
+    from lmrl.engine import Ended
+    from lmrl.rollout.hf import _Partial
+
+    ended = Ended("row", list(range(7)), [0.0] * 7, True, 7)
+    assert _Partial().extended(ended, 8, [(3, 6), (5, 7)]).versions == [6, 6, 6, 7, 7, 8, 8]
+    short = Ended("row", list(range(4)), [0.0] * 4, True, 4)
+    assert _Partial().extended(short, 8, [(3, 6), (5, 7)]).versions == [6, 6, 6, 7]
+    assert _Partial().extended(short, 8).versions == [8] * 4
+
+
 def kept_cache_logprobs(old, new, prompt: list[int], tokens: list[int], first: int) -> torch.Tensor:
     """Log-probs of `tokens` after `prompt` where the first `first` were sampled by `old` and the rest by `new` over
     the keys and values `old` computed for everything before the swap (transformers' own cache, filled by one model
