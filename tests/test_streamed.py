@@ -295,8 +295,8 @@ def test_partial_rollouts_train_on_tokens_of_several_versions_each_weighted_by_i
     from lmrl.engine import DecodeEngine
 
     monkeypatch.delenv("LMRL_START_METHOD", raising=False)
-    step = DecodeEngine.step  # a slower decode (the forked generator process inherits it): rows span the publishes
-    monkeypatch.setattr(DecodeEngine, "step", lambda self: (time.sleep(0.004), step(self))[1])
+    step = DecodeEngine.step  # a decode slower than the update (the forked generator inherits it): rows span publishes
+    monkeypatch.setattr(DecodeEngine, "step", lambda self: (time.sleep(0.025), step(self))[1])
     cfg = Config(rollout={"prompts_per_step": 8, "group_size": 4, "partial": partial}, data={"num_eval_prompts": 0},
                  train={"steps": 8, "eval_every": 0, "max_staleness": 2, "output_dir": str(tmp_path)},
                  log={"console": False, "samples_every": 0})
