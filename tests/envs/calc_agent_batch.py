@@ -22,7 +22,7 @@ def episode(spec: dict) -> dict:
     for turn in range(2):
         choice = client.completions.create(model="policy", prompt=text, max_tokens=24, stop=["</calc>"]).choices[0]
         turns.append(choice.model_extra["token_ids"])
-        said = choice.text + ("</calc>" if choice.finish_reason == "stop" and "<calc>" in choice.text else "")
+        said = choice.text + (choice.model_extra.get("stop_reason") or "")  # the stop string the model wrote, if any
         text += said  # (the OpenAI API leaves the stop string out of the text: an agent puts it back)
         if turn == 1:
             break
