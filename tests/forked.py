@@ -26,6 +26,10 @@ import lmrl.build, lmrl.cli  # torch and transformers: imported once, shared by 
 # and the bad-inputs table ran 2.7x slower). Imports only: no torch op runs in the zygote.
 import lmrl.trainer, lmrl.reward_trainer, lmrl.data.tasks, lmrl.report, transformers.models.llama.modeling_llama
 import transformers.models.auto.tokenization_auto
+import gc, importlib
+for name in sys.argv[1:]:  # what some tests' children import besides (VLLM below)
+    importlib.import_module(name)
+gc.freeze()  # the imports' objects are never collected: a child's collections skip them (vLLM's start-up runs 6)
 
 def as_main(source, name, path0=""):
     module = types.ModuleType("__main__")
@@ -89,22 +93,30 @@ while True:
     pickle.dump(code, replies)
     replies.flush()
 """
-_local = threading.local()  # a zygote per thread: threads of a test run children side by side
+_local = threading.local()  # zygotes per thread (one per set of imports): threads of a test run children side by side
+
+# vLLM's engine, imported by the zygote of children that start one (`imports=VLLM`): a child forked from it starts
+# its first engine in 3.7 s, against 6.4 s from the plain zygote. Only those: the import changes what vLLM patches.
+VLLM = ("vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
+        "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama", "vllm.v1.sample.sampler",
+        "vllm.v1.attention.backends.cpu_attn")
 
 
 def forked(kind: str, payload, cwd: Path, timeout: float, what: str, env: dict[str, str],
-           stdin: str = "") -> subprocess.CompletedProcess:
+           stdin: str = "", imports: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """A child forked from the zygote (ZYGOTE): `kind` "cli" runs `lmrl.cli.main(payload)`, "main" runs the
     source `payload[0]` as `__main__` (named `payload[1]`, argv `payload[1:]`, sys.path[0] the cwd), "script" the
     file `payload[0]` as `python payload[0] payload[1:]...` does; in `cwd`, with the environment `env`, stdin
     `stdin`, stdout and stderr captured. Like subprocess.run, without the interpreter's start-up. The environment
     is the child's os.environ: what torch or lmrl read from it at import time is the zygote's (the first call's).
     The child ends with os._exit: atexit handlers and the interpreter's shutdown do not run, so what only a
-    process's normal exit shows (a hang joining children, a message at shutdown) needs a fresh process."""
-    zygote = getattr(_local, "zygote", None)
+    process's normal exit shows (a hang joining children, a message at shutdown) needs a fresh process. `imports`:
+    modules the zygote imports besides, e.g. VLLM (a zygote of its own)."""
+    zygotes = _local.__dict__.setdefault("zygotes", {})
+    zygote = zygotes.get(imports)
     if zygote is None or zygote.poll() is not None:
-        zygote = _local.zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE,
-                                                  stdout=subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
+        zygote = zygotes[imports] = subprocess.Popen([sys.executable, "-c", ZYGOTE, *imports], stdin=subprocess.PIPE,
+                                                     stdout=subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
     with tempfile.TemporaryDirectory() as io_dir:
         files = [Path(io_dir) / name for name in ("in", "out", "err")]
         files[0].write_text(stdin)
@@ -120,19 +132,19 @@ def forked(kind: str, payload, cwd: Path, timeout: float, what: str, env: dict[s
 
 
 def lmrl(*args: str, cwd: Path | str, timeout: float = 240, env: dict[str, str] | None = None,
-         stdin: str = "") -> subprocess.CompletedProcess:
+         stdin: str = "", imports: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`lmrl ARGS...` in `cwd` as a forked child: what `subprocess.run([sys.executable, "-m", "lmrl.cli", *args],
     cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` gives (env None: this process's
-    environment), without the interpreter's start-up."""
+    environment), without the interpreter's start-up; `imports` as `forked` takes them."""
     return forked("cli", list(args), Path(cwd), timeout, shlex.join(["lmrl", *args]),
-                  dict(os.environ) if env is None else env, stdin)
+                  dict(os.environ) if env is None else env, stdin, imports)
 
 
 def script(path: Path | str, *args: str, cwd: Path | str, timeout: float = 240, env: dict[str, str] | None = None,
-           stdin: str = "") -> subprocess.CompletedProcess:
+           stdin: str = "", imports: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`python PATH ARGS...` in `cwd` as a forked child (PATH relative to `cwd`, or absolute), like `lmrl` above."""
     return forked("script", [str(path), *args], Path(cwd), timeout, shlex.join(["python", str(path), *args]),
-                  dict(os.environ) if env is None else env, stdin)
+                  dict(os.environ) if env is None else env, stdin, imports)
 
 
 # torchrun itself (`torch.distributed.run.main`) in a forked child, its ranks forked from it (torchrun's own
@@ -145,10 +157,10 @@ RANK = str(ROOT / "tests" / "torchrun_rank.py")
 
 
 def torchrun(*args: str, cwd: Path | str, nproc: int = 2, timeout: float = 300, env: dict[str, str] | None = None,
-             launcher: tuple[str, ...] = ("--standalone",)) -> subprocess.CompletedProcess:
+             launcher: tuple[str, ...] = ("--standalone",), imports: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node NPROC -m lmrl ARGS...` in `cwd`, as `subprocess.run` gives it, its
     ranks forked (above). `launcher` replaces `--standalone` (the rendezvous of several launchers); ARGS starting
     with `--driver` run tests/dist_driver.py instead of lmrl."""
     argv = [*launcher, f"--nproc_per_node={nproc}", "--start-method", "fork", "--run-path", RANK, *args]
     return forked("main", [TORCHRUN, "torchrun", *argv], Path(cwd), timeout, shlex.join(["torchrun", *argv]),
-                  dict(os.environ) if env is None else env)
+                  dict(os.environ) if env is None else env, imports=imports)

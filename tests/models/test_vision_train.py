@@ -64,13 +64,13 @@ def _dataset(tmp: Path, build=None, image: str = "<image>") -> Path:
     return tmp
 
 
-def _train(tmp: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
+def _train(tmp: Path, out: str, *extra: str, imports: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     args = [f"model.name_or_path={tmp / 'model'}", f"data.path={tmp / 'data.jsonl'}",
             f"reward.functions=[{tmp / 'rw.py'}:reward]", "rollout.prompts_per_step=3", "rollout.group_size=4",
             "rollout.max_new_tokens=6", "model.device=cpu", "algorithm.tis_cap=2.0", "optim.lr=1e-3",
             "data.num_eval_prompts=0", f"train.output_dir={tmp / out}", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return forked.lmrl("train", *args, env=env, cwd=tmp, timeout=300)
+    return forked.lmrl("train", *args, env=env, cwd=tmp, timeout=300, imports=imports)
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -212,7 +212,7 @@ def test_an_idefics3_policy_samples_through_the_vllm_engine(tmp_path):
     from lmrl.models.tiny import tiny_idefics3
 
     data = _dataset(tmp_path, tiny_idefics3)
-    run = _train(data, "run", "train.steps=2", "rollout.backend=vllm", *MULTI_TURN)
+    run = _train(data, "run", "train.steps=2", "rollout.backend=vllm", *MULTI_TURN, imports=forked.VLLM)
     assert run.returncode == 0, run.stderr[-3000:]
     steps = [h for h in map(json.loads, (data / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
     assert len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
