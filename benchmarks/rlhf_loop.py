@@ -18,9 +18,10 @@ which chose the policies and are the numbers the loop acted on.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -118,11 +119,17 @@ def further_sums(n: int, path: Path) -> Path:
 
 
 def accuracy_on(model: str, data: Path, n: int) -> float:
-    """Greedy exact match of `model` on the sums in `data` (`lmrl eval`)."""
-    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "eval", "--model", model, "--data", str(data),
-                           "--reward", "exact_match", "--max-new-tokens", "4", "--num-prompts", str(n)],
-                          capture_output=True, text=True, check=True)
-    return float(re.search(r"accuracy \(greedy\) ([\d.]+)%", done.stdout).group(1)) / 100
+    """Greedy exact match of `model` on the sums in `data`: `lmrl eval`, run in this process (no interpreter and
+    imports of its own for each model)."""
+    from lmrl.cli import main as lmrl
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        code = lmrl(["eval", "--model", model, "--data", str(data), "--reward", "exact_match", "--max-new-tokens", "4",
+                     "--num-prompts", str(n)])
+    if code:
+        raise SystemExit(f"lmrl eval --model {model} exited with {code}")
+    return float(re.search(r"accuracy \(greedy\) ([\d.]+)%", said.getvalue()).group(1)) / 100
 
 
 def main() -> None:

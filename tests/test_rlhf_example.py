@@ -11,15 +11,16 @@ import sys
 from pathlib import Path
 
 from lmrl.data.tasks import get_task
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_pairs(tmp_path: Path, *args: str) -> tuple[list[dict], str]:
     out = tmp_path / "pairs.jsonl"
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "rlhf" / "make_pairs.py"), "--out", str(out),
-                           "--prompts", "24", "--samples", "6", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    done = forked.script(ROOT / "examples" / "rlhf" / "make_pairs.py", "--out", str(out), "--prompts", "24",
+                         "--samples", "6", *args, cwd=tmp_path, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in out.read_text().splitlines()], done.stderr
 
@@ -44,9 +45,9 @@ def test_pairs_from_the_models_own_samples_judged_by_the_verifier(tmp_path):
 
 def test_the_loop_script_runs_a_round_at_a_toy_scale(tmp_path):
     """examples/rlhf/loop.sh as the docs run it (pairs, a reward model, GRPO against it, the verifier choosing the next
-    round's policy), on 32 prompts and 3 steps: the documented numbers come from this script at full scale. 20-25 s
+    round's policy), on 32 prompts and 3 steps: the documented numbers come from this script at full scale. 14 s
     on 2 cores: the script is a shell loop of five `lmrl` and `python` commands, each a fresh interpreter, as a
-    reader runs it; each already runs at its smallest size."""
+    reader runs it; each already runs at its smallest size (the table after it is a forked child)."""
     out = tmp_path / "rlhf"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -65,8 +66,8 @@ def test_the_loop_script_runs_a_round_at_a_toy_scale(tmp_path):
                                                      f"the next round starts from {kept}")
     assert (out / "grpo-1" / "best").is_dir() == (after > before)  # train.keep_best: the better of two evaluations
     # benchmarks/rlhf_loop.py reads the table of the docs' figure from these directories
-    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rlhf_loop.py"), str(out), "--further", "20"],
-                           capture_output=True, text=True, timeout=120, env=env)
+    table = forked.script(ROOT / "benchmarks" / "rlhf_loop.py", str(out), "--further", "20", cwd=tmp_path, timeout=120,
+                          env=env)
     assert table.returncode == 0, table.stderr
     rm_accuracy = [r for r in map(json.loads, (out / "rm-1" / "metrics.jsonl").read_text().splitlines())
                    if "eval/accuracy" in r][-1]["eval/accuracy"]
