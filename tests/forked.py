@@ -92,6 +92,7 @@ while True:
         code = os.waitstatus_to_exitcode(done[1])
     pickle.dump(code, replies)
     replies.flush()
+os._exit(0)  # not the interpreter's shutdown, which calls what it froze leaked
 """
 _local = threading.local()  # zygotes per thread (one per set of imports): threads of a test run children side by side
 

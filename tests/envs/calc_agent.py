@@ -5,14 +5,16 @@ episode has a tool result), asks for the answer, and reports the reward. AGENT_M
 when set, gets one JSON line per episode: the token ids of each turn as the gateway returned them.
 """
 
-import json
-import os
-import random
-import re
-import sys
 import time
 
-from openai import OpenAI
+started = time.monotonic()
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+from openai import OpenAI  # noqa: E402
 
 mode = os.environ.get("AGENT_MODE", "ok")
 if mode == "crash":
@@ -20,9 +22,10 @@ if mode == "crash":
 if mode == "hang":
     time.sleep(600)
 if mode == "slow-start":  # a program whose start-up is most of its run
-    time.sleep(1.5)
+    time.sleep(0.8)
 row = json.loads(os.environ["LMRL_ROW"])
 client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from lmrl
+before_first_request = time.monotonic() - started
 text, turns = row["prompt"], []
 if mode.startswith("chat"):  # the same two turns as chat messages, the tool result a user turn
     messages, stopped = [{"role": "user", "content": row["prompt"]}], 0
@@ -74,5 +77,5 @@ if mode == "nan":  # what a careless agent in another language sends; Python's J
     urllib.request.urlopen(request)
 elif mode != "noreward":
     client.post("/lmrl/reward", body={"reward": reward}, cast_to=object)
-if mode == "slow-end":  # work after the episode: its start-up is a small part of its run
-    time.sleep(3.0)
+if mode == "slow-end":  # work after the episode: its start-up (the imports, however long here) a small part of its run
+    time.sleep(2 * before_first_request + 0.3)
