@@ -307,6 +307,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.settings, args.result)
+    if args.lmrl_set:  # a wrong key is one line now, not after the model is built and a child started
+        from lmrl import Config
+
+        overridden(Config(), args.lmrl_set)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -64,6 +64,8 @@ def child(kind, payload, cwd, env, files):
             code = as_main(payload[0], payload[1])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:  # sys.exit("message"): printed, as Python does
+            print(e.code, file=sys.stderr)
     except BaseException:
         import traceback
         traceback.print_exc()
