@@ -155,11 +155,15 @@ def run_cell(name: str, column: str, workdir: Path) -> dict:
     return {"arch": name, "column": column, **verdict(rows, error), "seconds": time.perf_counter() - start}
 
 
-def run_cell_apart(name: str, column: str, workdir: Path, timeout: float = 600, threads: int = 1) -> dict:
-    """run_cell in a process of its own (vLLM runs one engine per process); a crash is a failing cell."""
-    done = subprocess.run([sys.executable, __file__, "--cell", name, column, "--workdir", str(workdir),
-                           "--threads", str(threads)],
-                          capture_output=True, text=True, timeout=timeout)
+def run_cell_apart(name: str, column: str, workdir: Path, timeout: float = 600, threads: int = 1,
+                   run=None) -> dict:
+    """run_cell in a process of its own (vLLM runs one engine per process); a crash is a failing cell. `run(path,
+    *args, timeout=)`: how `python path args...` is run, a CompletedProcess of text (default: a new interpreter)."""
+    args = ["--cell", name, column, "--workdir", str(workdir), "--threads", str(threads)]
+    if run is None:
+        done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
+    else:
+        done = run(__file__, *args, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]

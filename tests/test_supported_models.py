@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import architectures  # noqa: E402
@@ -57,9 +59,11 @@ vllm_cpu = (sys.platform == "linux" and platform.machine() == "x86_64" and impor
 @pytest.mark.skipif(not vllm_cpu, reason="vLLM's CPU build is made for x86-64 Linux machines without a GPU")
 @pytest.mark.parametrize("arch", VLLM_CELLS)
 def test_representative_architectures_through_vllm(tmp_path, arch):
-    """Each in a process of its own (one engine per process). A mixture of experts is refused before training: vLLM's
-    CPU build does not compute the experts it is given (tests/rollout/test_vllm_engine.py shows it)."""
-    cell = architectures.run_cell_apart(arch, "vllm", tmp_path)
+    """Each in a process of its own (one engine per process), forked from a zygote that imported vLLM's engine. A
+    mixture of experts is refused before training: vLLM's CPU build does not compute the experts it is given
+    (tests/rollout/test_vllm_engine.py shows it)."""
+    cell = architectures.run_cell_apart(arch, "vllm", tmp_path, run=lambda path, *args, timeout: forked.script(
+        path, *args, cwd=tmp_path, timeout=timeout, imports=forked.VLLM))
     assert cell["status"] == recorded_cell(arch, "vllm"), cell
     if architectures.ARCHITECTURES[arch][3] == "mixture of experts":
         assert cell["status"] == "refused" and cell["diff"] is None, cell  # before its first step
