@@ -94,12 +94,13 @@ while True:
         code = os.waitstatus_to_exitcode(done[1])
     pickle.dump(code, replies)
     replies.flush()
-os._exit(0)  # not the interpreter's shutdown, which calls what it froze leaked
+os._exit(0)  # not the interpreter's shutdown: it reports what was frozen as leaked (nanobind, in vLLM's Triton)
 """
 _local = threading.local()  # zygotes per thread (one per set of imports): threads of a test run children side by side
 
 # vLLM's engine, imported by the zygote of children that start one (`imports=VLLM`): a child forked from it starts
-# its first engine in 3.7 s, against 6.4 s from the plain zygote. Only those: the import changes what vLLM patches.
+# its first engine in 3.7 s, against 6.4 s from the plain zygote. Only those: a child that would not import vLLM
+# should not run with what its import sets up (its logging, platform detection, registries).
 VLLM = ("vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
         "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama", "vllm.v1.sample.sampler",
         "vllm.v1.attention.backends.cpu_attn")
