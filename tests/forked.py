@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import pickle
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,13 +44,13 @@ def as_main(source, name, path0=""):
 def child(kind, payload, cwd, env, files):
     code = 1
     try:
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        for fd, path in enumerate(files):
+        for fd, path in enumerate(files):  # first: a started child's output is a FIFO the test waits to open
             f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY)
             os.dup2(f, fd)
             os.close(f)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
         sys.stdin, sys.stdout, sys.stderr = (open(0, closefd=False), open(1, "w", closefd=False),
                                              open(2, "w", closefd=False))
         if kind == "cli":
@@ -74,26 +76,37 @@ def child(kind, payload, cwd, env, files):
         sys.stderr.flush()
         os._exit(code)
 
+def reap(pid, timeout):  # the exit code of child `pid` once it ends, or None if it still runs after `timeout` s
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os.waitstatus_to_exitcode(done[1]) if done[0] else None
+
 requests, replies = os.fdopen(0, "rb"), os.fdopen(1, "wb")
+started = set()  # children that run while the test goes on ("start ..."), reaped when it asks ("wait")
 while True:
     try:
         kind, payload, cwd, env, files, timeout = pickle.load(requests)
     except EOFError:
         break
-    pid = os.fork()
-    if pid == 0:
-        child(kind, payload, cwd, env, files)
-    deadline = time.monotonic() + timeout
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if done[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        code = None
+    if kind == "wait":  # payload: a started child's pid; its code, or None while it runs
+        reply = reap(payload, timeout)
+        if reply is not None:
+            started.discard(payload)
     else:
-        code = os.waitstatus_to_exitcode(done[1])
-    pickle.dump(code, replies)
+        pid = os.fork()
+        if pid == 0:
+            child(kind.removeprefix("start "), payload, cwd, env, files)
+        if kind.startswith("start "):
+            started.add(pid)
+            reply = pid
+        elif (reply := reap(pid, timeout)) is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    pickle.dump(reply, replies)
     replies.flush()
+for pid in started:  # the test's process is gone: so is what it started
+    os.kill(pid, signal.SIGKILL)
 os._exit(0)  # not the interpreter's shutdown: it reports what was frozen as leaked (nanobind, in vLLM's Triton)
 """
 _local = threading.local()  # zygotes per thread (one per set of imports): threads of a test run children side by side
@@ -116,23 +129,86 @@ def forked(kind: str, payload, cwd: Path, timeout: float, what: str, env: dict[s
     The child ends with os._exit: atexit handlers and the interpreter's shutdown do not run, so what only a
     process's normal exit shows (a hang joining children, a message at shutdown) needs a fresh process. `imports`:
     modules the zygote imports besides, e.g. VLLM (a zygote of its own)."""
-    zygotes = _local.__dict__.setdefault("zygotes", {})
-    zygote = zygotes.get(imports)
-    if zygote is None or zygote.poll() is not None:
-        zygote = zygotes[imports] = subprocess.Popen([sys.executable, "-c", ZYGOTE, *imports], stdin=subprocess.PIPE,
-                                                     stdout=subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
+    zygote = _zygote(env, imports)
     with tempfile.TemporaryDirectory() as io_dir:
         files = [Path(io_dir) / name for name in ("in", "out", "err")]
         files[0].write_text(stdin)
         files[1].touch()
         files[2].touch()
-        pickle.dump((kind, payload, str(cwd), env, [str(f) for f in files], timeout), zygote.stdin)
-        zygote.stdin.flush()
-        code = pickle.load(zygote.stdout)
+        code = _ask(zygote, (kind, payload, str(cwd), env, [str(f) for f in files], timeout))
         if code is None:
             raise subprocess.TimeoutExpired(what, timeout)
         return subprocess.CompletedProcess(what, code, files[1].read_text(errors="replace"),
                                            files[2].read_text(errors="replace"))
+
+
+def _zygote(env: dict[str, str], imports: tuple[str, ...]) -> subprocess.Popen:
+    """This thread's zygote of these imports, started with `env` if it is not running."""
+    zygotes = _local.__dict__.setdefault("zygotes", {})
+    zygote = zygotes.get(imports)
+    if zygote is None or zygote.poll() is not None:
+        zygote = zygotes[imports] = subprocess.Popen([sys.executable, "-c", ZYGOTE, *imports], stdin=subprocess.PIPE,
+                                                     stdout=subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
+        zygote.lock = threading.Lock()  # a started child's wait may come from another thread
+    return zygote
+
+
+def _ask(zygote: subprocess.Popen, request: tuple):
+    with zygote.lock:
+        pickle.dump(request, zygote.stdin)
+        zygote.stdin.flush()
+        return pickle.load(zygote.stdout)
+
+
+class Started:
+    """A forked child that runs while the test goes on (`start`): what `subprocess.Popen(..., stdout=PIPE,
+    stderr=PIPE, text=True)` gives. Its pid is a real process's (signals reach it; /proc has it); its output is
+    read as it writes it; `poll`, `wait`, `terminate`, `kill` and `returncode` as Popen's."""
+
+    def __init__(self, zygote: subprocess.Popen, pid: int, io_dir: str, what: str) -> None:
+        self._zygote, self.pid, self.args, self.returncode = zygote, pid, what, None
+        self.stdout = open(Path(io_dir) / "out", errors="replace")  # noqa: SIM115 - open while the child runs
+        self.stderr = open(Path(io_dir) / "err", errors="replace")  # noqa: SIM115 - (FIFOs: the child opened them)
+        shutil.rmtree(io_dir)
+
+    def poll(self) -> int | None:
+        return self._reaped(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._reaped(10**9 if timeout is None else timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def _reaped(self, timeout: float) -> int | None:
+        if self.returncode is None:
+            self.returncode = _ask(self._zygote, ("wait", self.pid, None, None, None, timeout))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start(*args: str, cwd: Path | str, env: dict[str, str] | None = None,
+          imports: tuple[str, ...] = ()) -> Started:
+    """`lmrl ARGS...` in `cwd` as a forked child that runs while the test goes on (a server): what
+    `subprocess.Popen([sys.executable, "-m", "lmrl.cli", *args], cwd=cwd, env=env, stdout=PIPE, stderr=PIPE,
+    text=True)` gives, without the interpreter's start-up. Wait for it (or the test's end kills it)."""
+    env = dict(os.environ) if env is None else env
+    zygote = _zygote(env, imports)
+    io_dir = tempfile.mkdtemp(prefix="lmrl-started-")
+    files = [Path(io_dir) / name for name in ("in", "out", "err")]
+    files[0].touch()
+    os.mkfifo(files[1])
+    os.mkfifo(files[2])
+    pid = _ask(zygote, ("start cli", list(args), str(cwd), env, [str(f) for f in files], 0))
+    return Started(zygote, pid, io_dir, shlex.join(["lmrl", *args]))
 
 
 def lmrl(*args: str, cwd: Path | str, timeout: float = 240, env: dict[str, str] | None = None,

@@ -22,16 +22,18 @@ from lmrl.errors import ConfigError, RunError
 from lmrl.rollout import SamplingParams
 from lmrl.rollout.remote import READY, ServerGenerator
 from lmrl.rollout.server import GenerationServer, is_loopback
+from tests import forked
 
+ROOT = Path(__file__).resolve().parents[2]
 KEY, SECRET = "k-3f9a1c77d2", "w-81b0e5aa4c"
 GOOD = {"prompt": "12+7=", "max_tokens": 4, "temperature": 0}
 
 
-def serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`lmrl serve ARGS --port 0` (lmrl's decode), once it prints its ready line: (process, url)."""
-    process = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "serve", "rollout.backend=lmrl", *args,
-                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+def serve(*args: str, env: dict[str, str] | None = None) -> tuple[forked.Started, str]:
+    """`lmrl serve ARGS --port 0` (lmrl's decode), once it prints its ready line: (process, url). A forked child
+    (tests/forked.py): a process of its own, which signals reach, without the interpreter's start-up."""
+    process = forked.start("serve", "rollout.backend=lmrl", *args, "--port", "0", cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     line = process.stdout.readline()
     assert line.startswith(READY), process.stderr.read()[-2000:]
     return process, line[len(READY):].strip()
