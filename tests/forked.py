@@ -96,7 +96,10 @@ while True:
     else:
         pid = os.fork()
         if pid == 0:
-            child(kind.removeprefix("start "), payload, cwd, env, files)
+            run = kind.removeprefix("start ")
+            if run.startswith("setsid "):  # a session of its own, as Popen's start_new_session gives
+                os.setsid()
+            child(run.removeprefix("setsid "), payload, cwd, env, files)
         if kind.startswith("start "):
             started.add(pid)
             reply = pid
@@ -184,6 +187,18 @@ class Started:
             self.returncode = _ask(self._zygote, ("wait", self.pid, None, None, None, timeout))
         return self.returncode
 
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Its whole output once it ends (read as it comes, so that a full pipe never stops it), as Popen's."""
+        said: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda name, f: said.update({name: f.read()}), args=(name, f), daemon=True)
+                   for name, f in (("out", self.stdout), ("err", self.stderr))]
+        for reader in readers:
+            reader.start()
+        self.wait(timeout)
+        for reader in readers:
+            reader.join(timeout)
+        return said.get("out", ""), said.get("err", "")
+
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             os.kill(self.pid, sig)
@@ -195,11 +210,12 @@ class Started:
         self.send_signal(signal.SIGKILL)
 
 
-def start(*args: str, cwd: Path | str, env: dict[str, str] | None = None,
-          imports: tuple[str, ...] = ()) -> Started:
-    """`lmrl ARGS...` in `cwd` as a forked child that runs while the test goes on (a server): what
-    `subprocess.Popen([sys.executable, "-m", "lmrl.cli", *args], cwd=cwd, env=env, stdout=PIPE, stderr=PIPE,
-    text=True)` gives, without the interpreter's start-up. Wait for it (or the test's end kills it)."""
+def start(*args: str, cwd: Path | str, env: dict[str, str] | None = None, imports: tuple[str, ...] = (),
+          start_new_session: bool = False) -> Started:
+    """`lmrl ARGS...` in `cwd` as a forked child that runs while the test goes on (a server, a run a test signals):
+    what `subprocess.Popen([sys.executable, "-m", "lmrl.cli", *args], cwd=cwd, env=env, stdout=PIPE, stderr=PIPE,
+    text=True, start_new_session=...)` gives, without the interpreter's start-up. Wait for it (or the test's end
+    kills it)."""
     env = dict(os.environ) if env is None else env
     zygote = _zygote(env, imports)
     io_dir = tempfile.mkdtemp(prefix="lmrl-started-")
@@ -207,7 +223,8 @@ def start(*args: str, cwd: Path | str, env: dict[str, str] | None = None,
     files[0].touch()
     os.mkfifo(files[1])
     os.mkfifo(files[2])
-    pid = _ask(zygote, ("start cli", list(args), str(cwd), env, [str(f) for f in files], 0))
+    kind = "start setsid cli" if start_new_session else "start cli"
+    pid = _ask(zygote, (kind, list(args), str(cwd), env, [str(f) for f in files], 0))
     return Started(zygote, pid, io_dir, shlex.join(["lmrl", *args]))
 
 

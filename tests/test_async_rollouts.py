@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -65,7 +63,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
+def wait_for_step(proc: forked.Started, out: Path, step: int, timeout: float = 180) -> None:
     metrics, deadline = out / "metrics.jsonl", time.time() + timeout
     while time.time() < deadline and proc.poll() is None:  # polling for progress, not a tuned delay
         if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
@@ -157,9 +155,8 @@ def test_the_loss_is_the_decoupled_objective_on_the_generators_log_probs(tmp_pat
 
 # ------------------------------------------------------------------------------ failures and signals
 def test_a_killed_generator_is_one_line_after_a_checkpoint(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *SMALL,
-                             "train.steps=500", "train.async_steps=1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = forked.start("train", f"train.output_dir={tmp_path}", *SMALL, "train.steps=500", "train.async_steps=1",
+                        cwd=ROOT)
     wait_for_step(proc, tmp_path, 2)
     (pid,) = generator_pids(proc.pid)
     os.kill(pid, signal.SIGKILL)
@@ -177,8 +174,7 @@ def test_a_killed_generator_is_one_line_after_a_checkpoint(tmp_path):
 
 def test_sigterm_stops_both_processes_and_the_resumed_run_is_the_straight_one(tmp_path, straight):
     args = [*SMALL, "train.steps=6", "train.save_every=2", "train.async_steps=1"]
-    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = forked.start("train", f"train.output_dir={tmp_path}", *args, cwd=ROOT)
     wait_for_step(proc, tmp_path, 3)
     generators = generator_pids(proc.pid)
     proc.send_signal(signal.SIGTERM)
@@ -196,9 +192,8 @@ def test_sigterm_stops_both_processes_and_the_resumed_run_is_the_straight_one(tm
 def test_ctrl_c_in_a_terminal_stops_both_processes_after_a_checkpoint(tmp_path):
     """Ctrl-C reaches the terminal's whole process group: the generator process ignores it, the trainer checkpoints
     and stops it; nothing is left running."""
-    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *SMALL,
-                             "train.steps=500", "train.async_steps=1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    proc = forked.start("train", f"train.output_dir={tmp_path}", *SMALL, "train.steps=500", "train.async_steps=1",
+                        cwd=ROOT, start_new_session=True)
     wait_for_step(proc, tmp_path, 2)
     generators = generator_pids(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C

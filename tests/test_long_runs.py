@@ -2,7 +2,7 @@
 named points (tests/fault_driver.py), resumed with train.resume=auto, and compared with a run that was
 never interrupted: the same metrics and bit-identical weights. Plus the output-directory rules, the
 lock, and the guards that stop a run doing silent harm. Each run is its own process, forked from one
-that has imported lmrl (tests/forked.py); a signal from outside is sent to a process started afresh."""
+that has imported lmrl (tests/forked.py); a signal from outside is sent to a process forked so too, which it reaches as any process."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from lmrl.checkpoint import COMPLETE, RunLock, atomic_directory, checkpoints, pl
 from lmrl.config import load_config
 from lmrl.errors import ConfigError, RunError
 from lmrl.guards import Guards
+from tests import forked
 from tests.forked import lmrl, script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,8 +134,7 @@ def test_external_sigterm_at_any_moment_resumes_exactly(tmp_path, straight):
     """SIGTERM from outside, as a scheduler sends it, once the run has logged a step: wherever it lands the
     resumed run is the straight one (a longer run, so that the signal lands mid-run)."""
     args = [*SMALL, "train.steps=8"]
-    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = forked.start("train", f"train.output_dir={tmp_path}", *args, cwd=ROOT)
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 180
     while time.time() < deadline and proc.poll() is None:  # polling for progress, not a tuned delay
         if metrics.exists() and any(json.loads(line)["step"] >= 2 for line in metrics.read_text().splitlines()):

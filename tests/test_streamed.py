@@ -214,8 +214,7 @@ def test_the_bound_holds_whichever_side_is_slower(tmp_path, monkeypatch):
 
 def test_a_sigkill_then_a_resume_trains_no_prompt_twice_and_a_sigterm_leaves_no_process(tmp_path):
     args = [*STREAMED, "train.steps=8", "train.save_every=1", "train.max_staleness=2"]
-    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = forked.start("train", f"train.output_dir={tmp_path}", *args, cwd=ROOT)
     wait_for_step(proc, tmp_path, 4)
     generators = generator_pids(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
@@ -224,8 +223,7 @@ def test_a_sigkill_then_a_resume_trains_no_prompt_twice_and_a_sigterm_leaves_no_
     while any(alive(pid) for pid in generators) and time.time() < deadline:  # the parent-death signal, not a delay
         time.sleep(0.05)
     assert generators and not any(alive(pid) for pid in generators)
-    proc = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", f"train.output_dir={tmp_path}", *args,
-                             "train.resume=auto"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = forked.start("train", f"train.output_dir={tmp_path}", *args, "train.resume=auto", cwd=ROOT)
     wait_for_step(proc, tmp_path, 6)
     generators = generator_pids(proc.pid)
     proc.send_signal(signal.SIGTERM)
