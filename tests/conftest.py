@@ -60,20 +60,36 @@ def pytest_collection_modifyitems(config, items):
 
 
 _frozen_at = [0]  # how many modules were imported at the last freeze
+_unfreeze = gc.unfreeze
+_unfrozen = [False]  # whether something asked for the heap to be unfrozen since the last freeze
+
+
+def _unfreeze_after_the_test() -> None:
+    """`gc.unfreeze` in a worker: vLLM's engine unfreezes the whole heap as it shuts down, and its next start-up
+    collects three times before it freezes the heap again: five full collections an engine (0.45 s each here: 26 s
+    of `tests/rollout/test_vllm_engine.py`'s 71 s). The unfreeze waits for the end of the test (below): vLLM's own
+    collections then skip what is frozen, and what the engine left in reference cycles is freed once, after it."""
+    _unfrozen[0] = True
+
+
+gc.unfreeze = _unfreeze_after_the_test
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logfinish(nodeid, location):
     """What imports made stays for the whole run: frozen (`gc.freeze`), Python's full collections skip it. They
-    scanned it every time, 0.5 s each: 50 s of one worker's 410 s in 89 of them, 38 s with this (vLLM's engine
-    unfreezes everything as it closes, and collects 5 times an engine). Frozen again after a test that imported
-    much more (vLLM: 3,000 modules), garbage collected first so that what is frozen is alive (a frozen object is
-    still freed when nothing refers to it). Not on `gc.get_freeze_count()`: it walks the frozen objects, 60 ms a
-    call, which cost every test that much."""
-    if len(sys.modules) > _frozen_at[0] + 200:
-        gc.collect()
-        gc.freeze()
-        _frozen_at[0] = len(sys.modules)
+    scanned it every time, 0.5 s each: 50 s of one worker's 410 s in 89 of them. Frozen again after a test that
+    imported much more (vLLM: 3,000 modules) or asked for an unfreeze (above), garbage collected first so that what
+    is frozen is alive (a frozen object is still freed when nothing refers to it; one in a reference cycle is not).
+    Not on `gc.get_freeze_count()`: it walks the frozen objects, 60 ms a call, which cost every test that much."""
+    if _unfrozen[0]:
+        _unfreeze()
+        _unfrozen[0] = False
+    elif len(sys.modules) <= _frozen_at[0] + 200:
+        return
+    gc.collect()
+    gc.freeze()
+    _frozen_at[0] = len(sys.modules)
 
 
 @pytest.fixture(params=DEVICES)
@@ -86,7 +102,7 @@ def pytest_unconfigure(config):
     """A pytest-xdist worker ends here, its results already sent to the main process: with `os._exit`, not the
     interpreter's shutdown, which kept the last worker busy for about 30 s after its last test (in C, freeing what
     torch, transformers and vLLM built) while the main process waited for it."""
-    gc.unfreeze()  # what the run froze is freed at exit (else nanobind, vLLM's, names what it finds leaked)
+    _unfreeze()  # what the run froze is freed at exit (else nanobind, vLLM's, names what it finds leaked)
     if hasattr(config, "workerinput"):
         sys.stdout.flush()
         sys.stderr.flush()
