@@ -168,11 +168,12 @@ class Started:
     stderr=PIPE, text=True)` gives. Its pid is a real process's (signals reach it; /proc has it); its output is
     read as it writes it; `poll`, `wait`, `terminate`, `kill` and `returncode` as Popen's."""
 
-    def __init__(self, zygote: subprocess.Popen, pid: int, io_dir: str, what: str) -> None:
+    def __init__(self, zygote: subprocess.Popen, pid: int, out: Path, err: Path, io_dir: str | None, what: str) -> None:
         self._zygote, self.pid, self.args, self.returncode = zygote, pid, what, None
-        self.stdout = open(Path(io_dir) / "out", errors="replace")  # noqa: SIM115 - open while the child runs
-        self.stderr = open(Path(io_dir) / "err", errors="replace")  # noqa: SIM115 - (FIFOs: the child opened them)
-        shutil.rmtree(io_dir)
+        self.stdout = open(out, errors="replace")  # noqa: SIM115 - open while the child runs
+        self.stderr = open(err, errors="replace")  # noqa: SIM115 - (FIFOs: the child opened them)
+        if io_dir:
+            shutil.rmtree(io_dir)
 
     def poll(self) -> int | None:
         return self._reaped(0)
@@ -216,16 +217,27 @@ def start(*args: str, cwd: Path | str, env: dict[str, str] | None = None, import
     what `subprocess.Popen([sys.executable, "-m", "lmrl.cli", *args], cwd=cwd, env=env, stdout=PIPE, stderr=PIPE,
     text=True, start_new_session=...)` gives, without the interpreter's start-up. Wait for it (or the test's end
     kills it)."""
+    return _start("cli", list(args), shlex.join(["lmrl", *args]), cwd, env, imports, start_new_session)
+
+
+def _start(kind: str, payload, what: str, cwd: Path | str, env: dict[str, str] | None, imports: tuple[str, ...],
+           start_new_session: bool, output: Path | None = None) -> Started:
+    """A started child (`start`); its stdout and stderr FIFOs, or with `output` the files OUTPUT.stdout and
+    OUTPUT.stderr (nothing to read while it runs, nothing to block it)."""
     env = dict(os.environ) if env is None else env
     zygote = _zygote(env, imports)
-    io_dir = tempfile.mkdtemp(prefix="lmrl-started-")
-    files = [Path(io_dir) / name for name in ("in", "out", "err")]
-    files[0].touch()
-    os.mkfifo(files[1])
-    os.mkfifo(files[2])
-    kind = "start setsid cli" if start_new_session else "start cli"
-    pid = _ask(zygote, (kind, list(args), str(cwd), env, [str(f) for f in files], 0))
-    return Started(zygote, pid, io_dir, shlex.join(["lmrl", *args]))
+    if output:
+        io_dir, out, err = None, Path(f"{output}.stdout"), Path(f"{output}.stderr")
+        out.touch()
+        err.touch()
+    else:
+        io_dir = tempfile.mkdtemp(prefix="lmrl-started-")
+        out, err = Path(io_dir) / "out", Path(io_dir) / "err"
+        os.mkfifo(out)
+        os.mkfifo(err)
+    kind = f"start setsid {kind}" if start_new_session else f"start {kind}"
+    pid = _ask(zygote, (kind, payload, str(cwd), env, [os.devnull, str(out), str(err)], 0))
+    return Started(zygote, pid, out, err, io_dir, what)
 
 
 def lmrl(*args: str, cwd: Path | str, timeout: float = 240, env: dict[str, str] | None = None,
@@ -258,6 +270,20 @@ def torchrun(*args: str, cwd: Path | str, nproc: int = 2, timeout: float = 300, 
     """`torchrun --standalone --nproc_per_node NPROC -m lmrl ARGS...` in `cwd`, as `subprocess.run` gives it, its
     ranks forked (above). `launcher` replaces `--standalone` (the rendezvous of several launchers); ARGS starting
     with `--driver` run tests/dist_driver.py instead of lmrl."""
-    argv = [*launcher, f"--nproc_per_node={nproc}", "--start-method", "fork", "--run-path", RANK, *args]
+    argv = _torchrun_argv(launcher, nproc, args)
     return forked("main", [TORCHRUN, "torchrun", *argv], Path(cwd), timeout, shlex.join(["torchrun", *argv]),
                   dict(os.environ) if env is None else env, imports=imports)
+
+
+def start_torchrun(*args: str, cwd: Path | str, launcher: tuple[str, ...], output: Path, nproc: int = 1,
+                   env: dict[str, str] | None = None, start_new_session: bool = False) -> Started:
+    """`torchrun LAUNCHER --nproc_per_node NPROC -m lmrl ARGS...` in `cwd`, as `start` runs `lmrl`: a launcher that
+    runs while the test goes on, e.g. one node's of a job of several (`launcher`: its rendezvous), its ranks forked
+    (above); its stdout and stderr written to OUTPUT.stdout and OUTPUT.stderr."""
+    argv = _torchrun_argv(launcher, nproc, args)
+    return _start("main", [TORCHRUN, "torchrun", *argv], shlex.join(["torchrun", *argv]), cwd, env, (),
+                  start_new_session, output)
+
+
+def _torchrun_argv(launcher: tuple[str, ...], nproc: int, args: tuple[str, ...]) -> list[str]:
+    return [*launcher, f"--nproc_per_node={nproc}", "--start-method", "fork", "--run-path", RANK, *args]

@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -73,18 +72,16 @@ def _kill_tree(pid: int) -> None:
 
 def _nodes(nodes: list[Path], *args: str) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of each launcher of `torchrun --nnodes 2 ... -m lmrl train ARGS`, one started in
-    each node's directory. A job past TIMEOUT is killed (each launcher with its ranks) and fails the test with
-    every launcher's output."""
+    each node's directory (torchrun's own launcher, forked: `forked.start_torchrun`). A job past TIMEOUT is killed
+    (each launcher with its ranks) and fails the test with every launcher's output."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "-m", "lmrl", "train", *args]
+    rendezvous = ("--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}")
     launchers = []
     deadline = time.monotonic() + TIMEOUT
     try:
-        for node in nodes:
-            out, err = (node.parent / f"{node.name}.stdout").open("w"), (node.parent / f"{node.name}.stderr").open("w")
-            launchers.append(subprocess.Popen(cmd, cwd=node, env=_env(), stdout=out, stderr=err, start_new_session=True))
-            out.close(), err.close()
+        for node in nodes:  # torchrun in a forked child, its rank forked from it (tests/forked.py)
+            launchers.append(forked.start_torchrun("train", *args, cwd=node, launcher=rendezvous, env=_env(),
+                                                   output=node.parent / node.name, start_new_session=True))
         for launcher in launchers:
             launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
