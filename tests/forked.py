@@ -212,12 +212,13 @@ class Started:
 
 
 def start(*args: str, cwd: Path | str, env: dict[str, str] | None = None, imports: tuple[str, ...] = (),
-          start_new_session: bool = False) -> Started:
+          start_new_session: bool = False, output: Path | None = None) -> Started:
     """`lmrl ARGS...` in `cwd` as a forked child that runs while the test goes on (a server, a run a test signals):
     what `subprocess.Popen([sys.executable, "-m", "lmrl.cli", *args], cwd=cwd, env=env, stdout=PIPE, stderr=PIPE,
     text=True, start_new_session=...)` gives, without the interpreter's start-up. Wait for it (or the test's end
-    kills it)."""
-    return _start("cli", list(args), shlex.join(["lmrl", *args]), cwd, env, imports, start_new_session)
+    kills it). `output`: its stdout and stderr go to the files OUTPUT.stdout and OUTPUT.stderr instead (a long run
+    nobody reads while it runs)."""
+    return _start("cli", list(args), shlex.join(["lmrl", *args]), cwd, env, imports, start_new_session, output)
 
 
 def _start(kind: str, payload, what: str, cwd: Path | str, env: dict[str, str] | None, imports: tuple[str, ...],

@@ -24,6 +24,7 @@ from lmrl.errors import RunError
 from lmrl.models.tiny import bpe_chat_tokenizer, tiny_causal_lm
 from lmrl.rollout import HFGenerator, SamplingParams
 from lmrl.rollout.remote import ServerGenerator
+from tests import forked
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):  # where make test installs vLLM's CPU build
     pytest.skip("vLLM's CPU build is made for x86-64 Linux only", allow_module_level=True)
@@ -126,9 +127,8 @@ def test_a_dead_server_is_one_line(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RunError, match=rf"^rollout.vllm.server_url: no answer from {url} \(ConnectionRefusedError"):
         ServerGenerator(url, bpe_chat_tokenizer(["a b"], vocab_size=270)).generate([[1]], 1, SamplingParams())
-    out = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "rollout.backend=vllm-server",
-                          f"rollout.vllm.server_url={url}", f"train.output_dir={tmp_path}", "train.steps=2"],
-                         capture_output=True, text=True, timeout=300)
+    out = forked.lmrl("train", "rollout.backend=vllm-server", f"rollout.vllm.server_url={url}",
+                      f"train.output_dir={tmp_path}", "train.steps=2", cwd=tmp_path, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]  # refused before training: nothing written
     errors = [line for line in out.stderr.splitlines() if line.startswith("lmrl: error:")]
     assert len(errors) == 1 and f"rollout.vllm.server_url: no answer from {url} (ConnectionRefusedError" in errors[0]
@@ -166,14 +166,14 @@ def servers_of(seed: int) -> list[int]:
 
 
 def test_the_server_a_run_started_goes_with_the_run_even_on_sigkill(tmp_path):
-    """A run that started its own vLLM server, killed with SIGKILL, leaves no server behind. 20-30 s on 2 cores, and
-    it needs them: two fresh interpreters (the run and the server it starts, which a SIGKILL must reach as real
-    processes, so neither can be forked from the suite's zygote) and a vLLM engine started on the CPU."""
+    """A run that started its own vLLM server, killed with SIGKILL, leaves no server behind. The run is a real
+    process forked from the suite's zygote (the SIGKILL reaches it as it would reach `lmrl train`); the server it
+    starts is a fresh interpreter, as the run starts it, with a vLLM engine on the CPU."""
     seed = 700 + os.getpid() % 1000
-    run = subprocess.Popen([sys.executable, "-m", "lmrl.cli", "train", "rollout.backend=vllm-server", "train.steps=2000",
-                            f"train.seed={seed}", f"train.output_dir={tmp_path}", "train.eval_every=0",
-                            "train.max_minutes=null"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = tmp_path / "metrics.jsonl"
+    run = forked.start("train", "rollout.backend=vllm-server", "train.steps=2000", f"train.seed={seed}",
+                       f"train.output_dir={tmp_path / 'out'}", "train.eval_every=0", "train.max_minutes=null",
+                       cwd=tmp_path, output=tmp_path / "run")
+    metrics = tmp_path / "out" / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert run.poll() is None, "the run ended early"
