@@ -267,12 +267,14 @@ RANK = str(ROOT / "tests" / "torchrun_rank.py")
 
 
 def torchrun(*args: str, cwd: Path | str, nproc: int = 2, timeout: float = 300, env: dict[str, str] | None = None,
-             launcher: tuple[str, ...] = ("--standalone",), imports: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+             launcher: tuple[str, ...] = ("--standalone",), imports: tuple[str, ...] = (),
+             before: str = "") -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node NPROC -m lmrl ARGS...` in `cwd`, as `subprocess.run` gives it, its
     ranks forked (above). `launcher` replaces `--standalone` (the rendezvous of several launchers); ARGS starting
-    with `--driver` run tests/dist_driver.py instead of lmrl."""
+    with `--driver` run tests/dist_driver.py instead of lmrl. `before`: Python source the launcher runs first (what
+    `subprocess.run`'s `preexec_fn` would do: a resource limit its ranks inherit)."""
     argv = _torchrun_argv(launcher, nproc, args)
-    return forked("main", [TORCHRUN, "torchrun", *argv], Path(cwd), timeout, shlex.join(["torchrun", *argv]),
+    return forked("main", [before + TORCHRUN, "torchrun", *argv], Path(cwd), timeout, shlex.join(["torchrun", *argv]),
                   dict(os.environ) if env is None else env, imports=imports)
 
 

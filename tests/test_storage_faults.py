@@ -9,11 +9,8 @@ import contextlib
 import errno
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ import pytest
 from lmrl import Config, Trainer
 from lmrl.checkpoint import COMPLETE, checkpoints, storage_cause, verify_checkpoint
 from lmrl.errors import RunError
-from tests.forked import forked
+from tests.forked import forked, torchrun
 from tests.test_async_rollouts import same_metrics
 from tests.test_long_runs import ROOT, metric_rows
 
@@ -169,14 +166,13 @@ def test_a_final_save_the_disk_cannot_take_leaves_the_last_checkpoint_as_the_res
         assert verify_checkpoint(out / "checkpoint-1") is None
 
 
-# `lmrl ARGS...` under a 2 MiB file-size limit, set in the process before lmrl runs (as preexec_fn would)
-LIMITED_LMRL = """
-import resource, signal, sys
-from lmrl.cli import main
+# a 2 MiB file-size limit, set in the process before lmrl runs (as preexec_fn would), and `lmrl ARGS...` under it
+LIMIT = """
+import resource, signal
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-sys.exit(main(sys.argv[1:]))
 """
+LIMITED_LMRL = LIMIT + "import sys\nfrom lmrl.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def test_a_file_size_limit_is_one_line_naming_the_directory_and_the_cause(tmp_path):
@@ -210,17 +206,12 @@ def test_the_storage_cause_is_found_inside_torch_distributed_checkpoints_wrapper
 
 
 def test_under_torchrun_every_rank_stops_with_the_storage_line(tmp_path):
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", f"train.output_dir={out}",
-                           "train.steps=1", "train.save_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
-                           "data.num_eval_prompts=4", "train.eval_every=0", "log.console=false"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
-    assert done.returncode == 1
+    done = torchrun("train", f"train.output_dir={out}", "train.steps=1", "train.save_every=1",
+                    "rollout.prompts_per_step=4", "rollout.group_size=4", "data.num_eval_prompts=4", "train.eval_every=0",
+                    "log.console=false", cwd=ROOT, before=LIMIT,  # the launcher's limit: every rank's files 2 MiB at most
+                    env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine
+    assert done.returncode == 1, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.startswith("lmrl: error: ")]
     assert sorted(lines) == [f"lmrl: error: rank {r}: cannot write checkpoint-1 in {out}: File too large (EFBIG); the "
                              "partial checkpoint-1 was removed (there is no earlier checkpoint)" for r in (0, 1)], done.stderr

@@ -8,8 +8,6 @@ import http.client
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -260,8 +258,8 @@ def test_a_hostile_request_is_one_line_and_the_server_goes_on(server, what, body
 
 
 def test_beyond_loopback_without_a_key_is_refused_at_start(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "lmrl.cli", "serve", "--host", "0.0.0.0", "--port", "0"],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "LMRL_API_KEY": ""})
+    out = forked.lmrl("serve", "--host", "0.0.0.0", "--port", "0", cwd=tmp_path, timeout=120,
+                      env={**os.environ, "LMRL_API_KEY": ""})
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines() == ["lmrl: error: --host 0.0.0.0: listening beyond loopback needs an API key "
                                        "(--api-key KEY or the LMRL_API_KEY environment variable); or listen on 127.0.0.1"]
