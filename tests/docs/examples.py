@@ -253,10 +253,11 @@ def environment() -> dict[str, str]:
 
 def shell(command: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     """`command` as bash runs it in `cwd`: `lmrl` and `python` resolve through PATH (the checkout's .venv first,
-    else this interpreter's folder). A plain `lmrl ...` (no shell syntax) runs in a process forked from this one,
-    which has imported lmrl already: the same `lmrl.cli.main`, its own process, cwd, environment, output and exit
-    code, without the interpreter's 3 s of start-up (a page runs dozens)."""
-    words = shlex.split(command) if not re.search(r"[|&;<>$`(){}*?~]", command) else []
+    else this interpreter's folder). A plain `lmrl ...` (no shell syntax outside quotes) runs in a process forked
+    from this one, which has imported lmrl already: the same `lmrl.cli.main`, its own process, cwd, environment,
+    output and exit code, without the interpreter's 3 s of start-up (a page runs dozens)."""
+    unquoted = re.sub(r"'[^']*'|\"[^\"$`\\]*\"", "", command)  # what bash reads as syntax is outside quotes
+    words = shlex.split(command) if not re.search(r"[|&;<>$`(){}*?~]", unquoted) else []
     if words[:1] == ["lmrl"]:
         return forked("cli", words[1:], cwd, timeout, command, environment())
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=environment(), capture_output=True, text=True,

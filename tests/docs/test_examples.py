@@ -24,6 +24,23 @@ def test_every_block_is_run_or_named_with_its_reason():
     assert len(run) >= 40
 
 
+def test_a_plain_lmrl_command_is_forked_and_a_shell_one_runs_in_bash(tmp_path):
+    """A plain `lmrl ...` runs forked from the suite's zygote (a CompletedProcess named by the command); shell
+    syntax outside quotes (a pipe, a variable, a glob) goes to bash. Inside quotes it is an argument's text:
+    `'model.lora={r: 16}'` is forked all the same, and gets the same argument bash would have passed."""
+    forked = ["lmrl --version", "lmrl train 'model.lora={r: 16, alpha: 32}' train.steps=3 --dry-run",
+              'lmrl train "reward.functions=[{fn: exact_match, column: solution}]" --dry-run']
+    shelled = ["lmrl --version | cat", "lmrl --ver$NOTHING'sion'", 'lmrl "--ver$NOTHING"sion']  # bash: lmrl --version
+    for command in forked:
+        done = examples.shell(command, tmp_path)
+        assert done.args == command and done.returncode == 0, (command, done.stderr[-500:])
+    for command in shelled:
+        done = examples.shell(command, tmp_path)
+        assert done.args == ["bash", "-c", command] and done.returncode == 0, (command, done.stderr[-500:])
+    said = examples.shell(forked[1], tmp_path).stdout
+    assert "lora={'r': 16, 'alpha': 32.0" in said, said[-500:]
+
+
 # ------------------------------------------------------------------------------ broken on purpose
 def _page(tmp_path, text: str):
     page = ROOT / "docs" / f".broken-{tmp_path.name}.md"  # a page of the docs while the test runs
