@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import shlex
 import shutil
 import signal
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A process that has imported lmrl and run nothing: each command of a page is a child forked from it. (Not from
 # the test's own process: after other tests ran torch there, a forked child can crash in torch's thread pool.)
 ZYGOTE = r"""
-import os, pickle, signal, sys, time, types
+import os, pickle, signal, sys, types
 import lmrl.build, lmrl.cli  # torch and transformers: imported once, shared by every child
 # and what a run imports as it starts: the trainer, transformers' Llama (which imports torch._dynamo and DTensor),
 # the tokenizer's auto class, the task, the report. A child that imported these itself took 1.5-3 s more (the pages
@@ -76,43 +77,31 @@ def child(kind, payload, cwd, env, files):
         sys.stderr.flush()
         os._exit(code)
 
-def reap(pid, timeout):  # the exit code of child `pid` once it ends, or None if it still runs after `timeout` s
-    deadline = time.monotonic() + timeout
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return os.waitstatus_to_exitcode(done[1]) if done[0] else None
-
 requests, replies = os.fdopen(0, "rb"), os.fdopen(1, "wb")
-started = set()  # children that run while the test goes on ("start ..."), reaped when it asks ("wait")
+running = set()  # the children forked: each runs while the test goes on, and is reaped when the test asks
 while True:
     try:
-        kind, payload, cwd, env, files, timeout = pickle.load(requests)
+        kind, payload, cwd, env, files = pickle.load(requests)
     except EOFError:
         break
-    if kind == "wait":  # payload: a started child's pid; its code, or None while it runs
-        reply = reap(payload, timeout)
-        if reply is not None:
-            started.discard(payload)
-    else:
-        pid = os.fork()
-        if pid == 0:
-            run = kind.removeprefix("start ")
-            if run.startswith("setsid "):  # a session of its own, as Popen's start_new_session gives
+    if kind == "wait":  # payload: the pid of a child the test saw end; its exit code
+        reply = os.waitstatus_to_exitcode(os.waitpid(payload, 0)[1])
+        running.discard(payload)
+    else:  # a child; its pid
+        reply = os.fork()
+        if reply == 0:
+            if kind.startswith("setsid "):  # a session of its own, as Popen's start_new_session gives
                 os.setsid()
-            child(run.removeprefix("setsid "), payload, cwd, env, files)
-        if kind.startswith("start "):
-            started.add(pid)
-            reply = pid
-        elif (reply := reap(pid, timeout)) is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            child(kind.removeprefix("setsid "), payload, cwd, env, files)
+        running.add(reply)
     pickle.dump(reply, replies)
     replies.flush()
-for pid in started:  # the test's process is gone: so is what it started
+for pid in running:  # the test's process is gone: so is what it started
     os.kill(pid, signal.SIGKILL)
 os._exit(0)  # not the interpreter's shutdown: it reports what was frozen as leaked (nanobind, in vLLM's Triton)
 """
-_local = threading.local()  # zygotes per thread (one per set of imports): threads of a test run children side by side
+_zygotes: dict[tuple[str, ...], subprocess.Popen] = {}  # this process's, one per set of imports
+_zygotes_lock = threading.Lock()
 
 # vLLM's engine, imported by the zygote of children that start one (`imports=VLLM`): a child forked from it starts
 # its first engine in 3.7 s, against 6.4 s from the plain zygote. Only those: a child that would not import vLLM
@@ -138,22 +127,27 @@ def forked(kind: str, payload, cwd: Path, timeout: float, what: str, env: dict[s
         files[0].write_text(stdin)
         files[1].touch()
         files[2].touch()
-        code = _ask(zygote, (kind, payload, str(cwd), env, [str(f) for f in files], timeout))
+        pid = _ask(zygote, (kind, payload, str(cwd), env, [str(f) for f in files]))
+        code = _exit_code(zygote, pid, timeout)
         if code is None:
+            os.kill(pid, signal.SIGKILL)
+            _exit_code(zygote, pid, None)
             raise subprocess.TimeoutExpired(what, timeout)
         return subprocess.CompletedProcess(what, code, files[1].read_text(errors="replace"),
                                            files[2].read_text(errors="replace"))
 
 
 def _zygote(env: dict[str, str], imports: tuple[str, ...]) -> subprocess.Popen:
-    """This thread's zygote of these imports, started with `env` if it is not running."""
-    zygotes = _local.__dict__.setdefault("zygotes", {})
-    zygote = zygotes.get(imports)
-    if zygote is None or zygote.poll() is not None:
-        zygote = zygotes[imports] = subprocess.Popen([sys.executable, "-c", ZYGOTE, *imports], stdin=subprocess.PIPE,
-                                                     stdout=subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
-        zygote.lock = threading.Lock()  # a started child's wait may come from another thread
-    return zygote
+    """This process's zygote of these imports, started with `env` if it is not running. Threads share it: it
+    forks and answers at once, and a child's end is seen here (`_exit_code`), not waited for there."""
+    with _zygotes_lock:
+        zygote = _zygotes.get(imports)
+        if zygote is None or zygote.poll() is not None:
+            zygote = _zygotes[imports] = subprocess.Popen([sys.executable, "-c", ZYGOTE, *imports],
+                                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                          env={**env, "PYTHONPATH": str(ROOT)})
+            zygote.lock = threading.Lock()  # one request and its answer at a time
+        return zygote
 
 
 def _ask(zygote: subprocess.Popen, request: tuple):
@@ -161,6 +155,17 @@ def _ask(zygote: subprocess.Popen, request: tuple):
         pickle.dump(request, zygote.stdin)
         zygote.stdin.flush()
         return pickle.load(zygote.stdout)
+
+
+def _exit_code(zygote: subprocess.Popen, pid: int, timeout: float | None) -> int | None:
+    """The exit code of the zygote's child `pid` once it ends (a pidfd says when: the child is the zygote's, so
+    only the zygote can reap it), or None if it still runs after `timeout` seconds (None: no limit)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        ended = select.select([pidfd], [], [], timeout)[0]
+    finally:
+        os.close(pidfd)
+    return _ask(zygote, ("wait", pid, None, None, None)) if ended else None
 
 
 class Started:
@@ -179,13 +184,13 @@ class Started:
         return self._reaped(0)
 
     def wait(self, timeout: float | None = None) -> int:
-        if self._reaped(10**9 if timeout is None else timeout) is None:
+        if self._reaped(timeout) is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
-    def _reaped(self, timeout: float) -> int | None:
+    def _reaped(self, timeout: float | None) -> int | None:
         if self.returncode is None:
-            self.returncode = _ask(self._zygote, ("wait", self.pid, None, None, None, timeout))
+            self.returncode = _exit_code(self._zygote, self.pid, timeout)
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
@@ -236,8 +241,8 @@ def _start(kind: str, payload, what: str, cwd: Path | str, env: dict[str, str] |
         out, err = Path(io_dir) / "out", Path(io_dir) / "err"
         os.mkfifo(out)
         os.mkfifo(err)
-    kind = f"start setsid {kind}" if start_new_session else f"start {kind}"
-    pid = _ask(zygote, (kind, payload, str(cwd), env, [os.devnull, str(out), str(err)], 0))
+    kind = f"setsid {kind}" if start_new_session else kind
+    pid = _ask(zygote, (kind, payload, str(cwd), env, [os.devnull, str(out), str(err)]))
     return Started(zygote, pid, out, err, io_dir, what)
 
 
