@@ -283,12 +283,13 @@ async def stop_once(prompts, completions, answer, **kw):
 
 def test_a_signal_to_torchrun_stops_every_rank_after_one_checkpoint(tmp_path):
     """torchrun passes SIGTERM to every rank; the ranks finish the step, agree to stop, checkpoint it together
-    and exit 143 with rank 0's one line. Resumed, the run ends as the run that was never stopped."""
+    and exit 143 with rank 0's one line. Resumed, the run ends as the run that was never stopped. (torchrun's own
+    agent, forked from the suite's zygote, its ranks forked from it: `lmrl train --nproc`, which becomes the same
+    torchrun, is run above.)"""
     (tmp_path / "r.py").write_text(STOP_ONCE)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     args = ["train.steps=3", "train.save_every=0", "data.num_eval_prompts=0", "reward.functions=[r.py:stop_once]"]
-    stopped = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", *SMALL, *args], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=300)
+    stopped = forked.torchrun("train", *SMALL, *args, cwd=tmp_path, env=env)  # torchrun's agent, forked ranks
     assert stopped.returncode != 0
     errors = [line for line in stopped.stderr.splitlines() if line.startswith("lmrl: ")]
     assert errors == ["lmrl: SIGTERM received: every rank stops after this step's checkpoint",
