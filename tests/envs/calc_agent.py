@@ -14,13 +14,14 @@ import random  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
-from openai import OpenAI  # noqa: E402
-
 mode = os.environ.get("AGENT_MODE", "ok")
 if mode == "crash":
     sys.exit("agent: something broke")
 if mode == "hang":
     time.sleep(600)
+
+from openai import OpenAI  # noqa: E402 - (the two above never ask: they fail before the client's 0.5 s import)
+
 if mode == "slow-start":  # a program whose start-up is most of its run
     time.sleep(0.8)
 row = json.loads(os.environ["LMRL_ROW"])

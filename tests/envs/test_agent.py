@@ -55,10 +55,10 @@ def test_the_tokens_trained_on_are_the_tokens_the_agent_was_sampled_after_a_tool
     ("crash", "exited with status 1: agent: something broke"),
     ("noreward", "exited without reporting a reward"),
     ("nan", "reported a reward of NaN, not a finite number"),
-    ("hang", "ran past env.timeout=3s and was killed"),
+    ("hang", "ran past env.timeout=1s and was killed"),
 ])
 def test_a_failing_agent_is_one_line_or_a_counted_failure_never_a_hang(policy, tmp_path, mode, message):
-    timeout = 3.0 if mode == "hang" else 60.0  # the others end on their own (in seconds; more on a loaded machine)
+    timeout = 1.0 if mode == "hang" else 60.0  # the others end on their own (in seconds; more on a loaded machine)
     with pytest.raises(RunError, match="episode 0 .*" + message.replace("(", r"\(")):
         run(policy, tmp_path, mode=mode, timeout=timeout, n=1)
     episodes = run(policy, tmp_path, mode=mode, on_error="zero", timeout=timeout, n=1)
@@ -67,7 +67,7 @@ def test_a_failing_agent_is_one_line_or_a_counted_failure_never_a_hang(policy, t
 
 
 def test_programs_that_mostly_start_up_are_told_once_of_the_modes_that_start_one_for_many(policy, tmp_path, capfd):
-    """A program per episode that spends most of its run before its first request (here it sleeps 1.5 s first) gets
+    """A program per episode that spends most of its run before its first request (here it sleeps 0.8 s first) gets
     one line, once per run, naming env.agent_mode=batch / persistent; one that works after its episode does not."""
     gen, tok = policy
     prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
