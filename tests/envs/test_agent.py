@@ -155,8 +155,8 @@ def test_lmrl_train_runs_on_an_agent_written_elsewhere_and_resumes(tmp_path):
 
     args = ["train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
             f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4",
-            "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
-            "data.num_eval_prompts=2", f"train.output_dir={tmp_path / 'run'}", "log.console=false"]
+            "rollout.prompts_per_step=1", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
+            "data.num_eval_prompts=1", f"train.output_dir={tmp_path / 'run'}", "log.console=false"]  # 2 + 1 programs a run
     out = lmrl(*args, "train.steps=1", cwd=tmp_path, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

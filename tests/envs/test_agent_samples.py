@@ -206,8 +206,8 @@ def test_lmrl_train_trains_an_agent_whose_episodes_are_several_samples_and_logs_
 
     args = ["train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
             f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4", "env.max_turns=4",
-            "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
-            "data.num_eval_prompts=2", f"train.output_dir={tmp_path / 'run'}", "log.console=false",
+            "rollout.prompts_per_step=1", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
+            "data.num_eval_prompts=1", f"train.output_dir={tmp_path / 'run'}", "log.console=false",
             "log.samples_every=1", "log.num_samples=8"]
     env = {**os.environ, "AGENT_MODE": "compact", "AGENT_LOG": str(tmp_path / "log.jsonl")}
     out = lmrl(*args, "train.steps=1", cwd=tmp_path, timeout=240, env=env)
@@ -222,7 +222,7 @@ def test_lmrl_train_trains_an_agent_whose_episodes_are_several_samples_and_logs_
         assert r["agent/failures"] == 0 and r["agent/retokenized_tokens"] == 0
         assert math.isfinite(r["loss/policy_avg"]) and math.isfinite(r["objective/scores"])
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 8  # 4 episodes a step, one line each (not one per sample)
+    assert len(samples) == 4  # 2 episodes a step, one line each (not one per sample)
 
 
 def test_the_shipped_tiny_reasoner_writes_earlier_turns_without_their_reasoning():
