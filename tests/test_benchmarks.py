@@ -59,6 +59,8 @@ def test_sync_check_benchmark_measures_both_checks_against_the_batchs_forward():
 
 
 def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
+    """20-25 s on 2 cores, nearly all of it start-up: the benchmark starts `lmrl train` as users do, two fresh
+    interpreters and a `torchrun` of two fresh ranks (about 4 s of imports each); its 2 steps take under a second."""
     done = _bench("scaling", "--steps", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
@@ -68,6 +70,8 @@ def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
 
 
 def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
+    """20-25 s on 2 cores, nearly all of it start-up: two `torchrun` launches of two fresh ranks each, under a
+    process that measures their peak memory (the kernel's maxrss of its children: forked ranks would not be its)."""
     out = _bench("scaling", "--memory", "--steps", "1",
                  "--hidden", "64", "--layers", "2", check=True).stdout
     peaks = re.findall(r"train.parallel=(\w+)\s+peak memory per rank\s+([\d.]+) GB\s+([\d.]+)x", out)

@@ -45,7 +45,7 @@ def test_pairs_from_the_models_own_samples_judged_by_the_verifier(tmp_path):
 
 def test_the_loop_script_runs_a_round_at_a_toy_scale(tmp_path):
     """examples/rlhf/loop.sh as the docs run it (pairs, a reward model, GRPO against it, the verifier choosing the next
-    round's policy), on 32 prompts and 3 steps: the documented numbers come from this script at full scale. 14 s
+    round's policy), on 32 prompts and 3 steps: the documented numbers come from this script at full scale. 15-20 s
     on 2 cores: the script is a shell loop of five `lmrl` and `python` commands, each a fresh interpreter, as a
     reader runs it; each already runs at its smallest size (the table after it is a forked child)."""
     out = tmp_path / "rlhf"
