@@ -269,7 +269,8 @@ def test_a_forked_generator_takes_any_reward_function_a_spawned_one_says_what_it
 # ------------------------------------------------------------------------------ ranks
 def test_two_ranks_each_with_a_generator_keep_dapos_groups_together(tmp_path):
     """Under torchrun every rank has its own generator process; the generator processes form their own group,
-    so DAPO's choice of informative groups spans every rank's share, as in a synchronous run."""
+    so DAPO's choice of informative groups spans every rank's share, as in a synchronous run. 7-10 s on 2 cores: the
+    two generator processes are spawned, fresh interpreters (a rank's process group rules out a fork)."""
     done = forked.torchrun("train", f"train.output_dir={tmp_path}", *SMALL, "train.steps=3", "train.async_steps=1",
                            "algorithm=dapo", cwd=ROOT,
                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks, also on a one-GPU machine

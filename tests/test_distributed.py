@@ -183,6 +183,8 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_line_each(tmp_path):
 
 
 def test_lmrl_train_nproc_starts_torchrun(tmp_path):
+    """`lmrl train --nproc 2` as a user runs it: lmrl becomes torchrun, whose two ranks are fresh interpreters (8-10 s
+    on 2 cores, nearly all imports); the other multi-rank tests fork torchrun and its ranks (tests/forked.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
     proc = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", *SMALL, "train.steps=1",
                            "train.save_every=0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

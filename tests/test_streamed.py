@@ -243,7 +243,8 @@ def test_a_sigkill_then_a_resume_trains_no_prompt_twice_and_a_sigterm_leaves_no_
 def test_two_ranks_each_stream_their_share_within_the_bound(tmp_path):
     """Under torchrun every rank's generator process streams the rank's own prompts (every other one) and the rank
     takes its share of each step; the spawned processes leave nothing behind (no semaphore the resource tracker
-    warns of)."""
+    warns of). 7-15 s on 2 cores: each generator process is spawned (a rank has a process group, which a fork would
+    share), a fresh interpreter importing torch and transformers, as under a real torchrun."""
     done = forked.torchrun("train", f"train.output_dir={tmp_path}", *SMALL, "train.steps=3", "train.max_staleness=1",
                            cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr

@@ -118,6 +118,7 @@ def served(site):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (Debian: apt-get install chromium; make test tries)")
 def test_a_reader_searches_clicks_through_and_sees_the_front_page(served, tmp_path):
+    """10-12 s on 2 cores: a headless Chromium starts and loads the pages a reader visits."""
     from PIL import Image
 
     browser = Browser(tmp_path / "profile")
