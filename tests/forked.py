@@ -175,8 +175,8 @@ class Started:
 
     def __init__(self, zygote: subprocess.Popen, pid: int, out: Path, err: Path, io_dir: str | None, what: str) -> None:
         self._zygote, self.pid, self.args, self.returncode = zygote, pid, what, None
-        self.stdout = open(out, errors="replace")  # noqa: SIM115 - open while the child runs
-        self.stderr = open(err, errors="replace")  # noqa: SIM115 - (FIFOs: the child opened them)
+        self.stdout = open(out, errors="replace")  # noqa: SIM115 - open while the child runs (FIFOs the child
+        self.stderr = open(err, errors="replace")  # noqa: SIM115 - has opened, or the files `output=` names)
         if io_dir:
             shutil.rmtree(io_dir)
 
