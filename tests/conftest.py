@@ -42,15 +42,15 @@ def pytest_report_header(config):
     return f"lmrl devices: {', '.join(DEVICES)} ({torch.cuda.get_device_name()})"
 
 
-# The files that take longest (worker-seconds on 2 EPYC cores, 2026-11-29: 67, 54, 48, 32, 28, 27, 23, 19, 19, 18,
-# 15, 15, 14), run first: pytest-xdist's --dist loadfile hands out files in collection order, so a long file collected
+# The files that take longest (worker-seconds on 2 EPYC cores, 2026-11-29: 45, 28, 26, 24, 24, 22, 21, 18, 17, 17,
+# 16, 15, 14), run first: pytest-xdist's --dist loadfile hands out files in collection order, so a long file collected
 # last ran alone at the end while the other worker idled (34 s of the suite's 408); `make test` passes
 # --no-loadscope-reorder, or xdist would order files by their number of tests. The rest keep their order.
 SLOWEST_FIRST = [
-    "tests/test_benchmarks.py", "tests/envs/test_agent.py", "tests/rollout/test_vllm_engine.py",
-    "tests/docs/test_examples.py", "tests/test_distributed.py", "tests/rollout/test_vllm_server.py",
-    "tests/test_supported_models.py", "tests/test_rlhf_example.py", "tests/envs/test_agent_samples.py",
-    "tests/test_async_rollouts.py", "tests/test_long_runs.py", "tests/test_streamed.py", "tests/docs/test_site.py",
+    "tests/rollout/test_vllm_engine.py", "tests/test_benchmarks.py", "tests/envs/test_agent.py",
+    "tests/rollout/test_vllm_server.py", "tests/docs/test_examples.py", "tests/test_distributed.py",
+    "tests/test_streamed.py", "tests/test_async_rollouts.py", "tests/docs/test_site.py", "tests/test_multinode.py",
+    "tests/test_long_runs.py", "tests/models/test_vision_train.py", "tests/test_supported_models.py",
 ]
 
 

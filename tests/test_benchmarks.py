@@ -29,9 +29,13 @@ def _figures():
     return figures
 
 
-def _bench(name: str, *args: str, env: dict[str, str] | None = None, check: bool = False) -> subprocess.CompletedProcess:
-    """`python benchmarks/NAME.py ARGS...` from the checkout, as a forked child (tests/forked.py); check: it must exit 0."""
-    done = forked.script(ROOT / "benchmarks" / f"{name}.py", *args, cwd=ROOT, env=env, timeout=300)
+def _bench(name: str, *args: str, env: dict[str, str] | None = None, check: bool = False,
+           forked_python: bool = True) -> subprocess.CompletedProcess:
+    """`python benchmarks/NAME.py ARGS...` from the checkout, as a forked child (tests/forked.py), the `python` it
+    starts (`sys.executable`: `lmrl train`, torchrun's ranks, a server) forked as well unless `forked_python` is
+    False; check: it must exit 0."""
+    done = forked.script(ROOT / "benchmarks" / f"{name}.py", *args, cwd=ROOT, env=env, timeout=300,
+                         forked_python=forked_python)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -59,8 +63,8 @@ def test_sync_check_benchmark_measures_both_checks_against_the_batchs_forward():
 
 
 def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
-    """20-25 s on 2 cores, nearly all of it start-up: the benchmark starts `lmrl train` as users do, two fresh
-    interpreters and a `torchrun` of two fresh ranks (about 4 s of imports each); its 2 steps take under a second."""
+    """The benchmark starts `lmrl train` as users do, twice, and a `torchrun` of two ranks: here each a forked child
+    (a stand-in `python`, tests/forked.py), which saves about 4 s of imports each."""
     done = _bench("scaling", "--steps", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
@@ -73,7 +77,7 @@ def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
     """20-25 s on 2 cores, nearly all of it start-up: two `torchrun` launches of two fresh ranks each, under a
     process that measures their peak memory (the kernel's maxrss of its children: forked ranks would not be its)."""
     out = _bench("scaling", "--memory", "--steps", "1",
-                 "--hidden", "64", "--layers", "2", check=True).stdout
+                 "--hidden", "64", "--layers", "2", check=True, forked_python=False).stdout
     peaks = re.findall(r"train.parallel=(\w+)\s+peak memory per rank\s+([\d.]+) GB\s+([\d.]+)x", out)
     assert [p[0] for p in peaks] == ["ddp", "fsdp"] and peaks[0][2] == "1.00", out
     assert all(float(p[1]) > 0.1 for p in peaks), out  # a real resident set, not a zero from a failed run
@@ -114,7 +118,7 @@ def test_the_bandwidth_floor_counts_weights_once_per_step_and_the_growing_cache(
 
 
 def test_sandbox_benchmark_runs_and_reports_latency_and_rates():
-    out = _bench("sandbox", "--programs", "4", check=True).stdout
+    out = _bench("sandbox", "--programs", "4", check=True, forked_python=False).stdout  # the sandbox's own python
     assert re.search(r"one at a time: median \d+ ms per program", out), out
     assert len(re.findall(r"\d at once: [\d.]+ programs/s", out)) == 2, out
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -183,10 +182,11 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_line_each(tmp_path):
 
 
 def test_lmrl_train_nproc_starts_torchrun(tmp_path):
-    """`lmrl train --nproc 2` as a user runs it: lmrl becomes torchrun, whose two ranks are fresh interpreters (8-10 s
-    on 2 cores, nearly all imports); the other multi-rank tests fork torchrun and its ranks (tests/forked.py)."""
+    """`lmrl train --nproc 2` as a user runs it: lmrl execs torchrun (`python -m torch.distributed.run`), which starts
+    two ranks (`python -m lmrl.cli`), each `python` tests/forked.py's stand-in, a forked child (8-10 s of imports
+    saved). tests/test_benchmarks.py's memory benchmark runs torchrun and its ranks as fresh interpreters."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_RANKS}
-    proc = subprocess.run([sys.executable, "-m", "lmrl.cli", "train", "--nproc", "2", *SMALL, "train.steps=1",
+    proc = subprocess.run([forked.python(), "-m", "lmrl.cli", "train", "--nproc", "2", *SMALL, "train.steps=1",
                            "train.save_every=0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("resolved config:") == 1

@@ -255,12 +255,11 @@ def test_a_mixture_of_experts_copy_on_cuda_takes_weights_pushed_from_the_cpu():
 def test_an_agent_programs_episodes_train_on_cuda(tmp_path):
     """env.name=agent: a program written elsewhere asks the gateway for its turns; the episodes come back as token
     lists (built on the CPU) and must train with the policy on "cuda" (the third GPU run's failure)."""
-    import sys
-
+    from .envs import python
     from .envs.test_agent import AGENT
 
     cfg = Config(model={"name_or_path": "tiny-calculator", "device": "cuda"}, data={"task": "calculator", "num_eval_prompts": 0},
-                 env={"name": "agent", "command": f"{sys.executable} {AGENT}", "timeout": 60, "max_parallel": 4},
+                 env={"name": "agent", "command": f"{python()} {AGENT}", "timeout": 60, "max_parallel": 4},
                  rollout={"prompts_per_step": 2, "group_size": 2},
                  train={"steps": 1, "eval_every": 0, "output_dir": str(tmp_path)}, log={"console": False})
     with fake_cuda():

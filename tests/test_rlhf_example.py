@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from lmrl.data.tasks import get_task
@@ -45,12 +44,12 @@ def test_pairs_from_the_models_own_samples_judged_by_the_verifier(tmp_path):
 
 def test_the_loop_script_runs_a_round_at_a_toy_scale(tmp_path):
     """examples/rlhf/loop.sh as the docs run it (pairs, a reward model, GRPO against it, the verifier choosing the next
-    round's policy), on 32 prompts and 3 steps: the documented numbers come from this script at full scale. 15-20 s
-    on 2 cores: the script is a shell loop of five `lmrl` and `python` commands, each a fresh interpreter, as a
-    reader runs it; each already runs at its smallest size (the table after it is a forked child)."""
+    round's policy), on 32 prompts and 3 steps: the documented numbers come from this script at full scale. The
+    script runs in bash as a reader runs it; its `python` and `lmrl` commands are tests/forked.py's stand-ins, each
+    command a forked child (4 s of imports saved on each of five), the table after it as well."""
     out = tmp_path / "rlhf"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PATH": f"{forked.stand_in()}{os.pathsep}{os.environ['PATH']}",
            "PROMPTS": "32", "RM_EPOCHS": "1", "STEPS": "3", "EVAL_PROMPTS": "40"}
     done = subprocess.run(["bash", str(ROOT / "examples" / "rlhf" / "loop.sh"), str(out), "1"], capture_output=True,
                           text=True, timeout=300, env=env)

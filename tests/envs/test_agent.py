@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from lmrl.errors import RunError
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes
+from tests.envs import python
 
 AGENT = Path(__file__).with_name("calc_agent.py")
 ROWS = [{"prompt": "47+85+36=", "answer": "168"}, {"prompt": "12+30+41=", "answer": "83"}]
@@ -23,7 +23,7 @@ def run(policy, tmp_path, mode="ok", on_error="fail", timeout=60.0, n=2, tempera
     gen, tok = policy
     os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
     try:
-        env = AgentEnvironment(f"{sys.executable} {AGENT}", timeout=timeout, on_error=on_error)
+        env = AgentEnvironment(f"{python()} {AGENT}", timeout=timeout, on_error=on_error)
         prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
         params = SamplingParams(max_new_tokens=24, temperature=temperature, stop=[], seed=0)
         return generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96)
@@ -76,7 +76,7 @@ def test_programs_that_mostly_start_up_are_told_once_of_the_modes_that_start_one
     for mode, lines in (("slow-start", 1), ("slow-end", 0)):
         os.environ["AGENT_MODE"] = mode
         try:
-            env = AgentEnvironment(f"{sys.executable} {AGENT}", timeout=60)
+            env = AgentEnvironment(f"{python()} {AGENT}", timeout=60)
             for _ in range(2 if lines else 1):  # two calls, one line
                 generate_episodes(gen, tok, prompts, ROWS, 1, params, env, max_turns=4, max_tokens=96)
         finally:
@@ -156,7 +156,7 @@ def test_lmrl_train_runs_on_an_agent_written_elsewhere_and_resumes(tmp_path):
     from tests.forked import lmrl
 
     args = ["train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
-            f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4",
+            f"env.command={python()} {AGENT}", "env.timeout=60", "env.max_parallel=4",
             "rollout.prompts_per_step=1", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
             "data.num_eval_prompts=1", f"train.output_dir={tmp_path / 'run'}", "log.console=false"]  # 2 + 1 programs a run
     out = lmrl(*args, "train.steps=1", cwd=tmp_path, timeout=240)
@@ -198,7 +198,7 @@ def test_a_chat_agent_on_a_bpe_tokenizer_trains_on_exactly_the_sampled_tokens(tm
     os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
     try:
         episodes = generate_episodes(gen, tok, prompts, ROWS, 1, SamplingParams(max_new_tokens=12, seed=0),
-                                     AgentEnvironment(f"{sys.executable} {AGENT}", timeout=60), max_turns=2,
+                                     AgentEnvironment(f"{python()} {AGENT}", timeout=60), max_turns=2,
                                      max_tokens=96)
     finally:
         del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
@@ -240,7 +240,7 @@ def run_batch(policy, tmp_path, mode="ok", on_error="zero", n=2, agent_mode="bat
     gen, tok = policy
     os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(tmp_path / "log.jsonl")
     try:
-        env = AgentEnvironment(f"{sys.executable} {BATCH_AGENT}", timeout=60, on_error=on_error, mode=agent_mode)
+        env = AgentEnvironment(f"{python()} {BATCH_AGENT}", timeout=60, on_error=on_error, mode=agent_mode)
         prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in ROWS]
         params = SamplingParams(max_new_tokens=24, temperature=1.0, stop=[], seed=0)
         out = generate_episodes(gen, tok, prompts, ROWS, n, params, env, max_turns=4, max_tokens=96)
@@ -290,7 +290,7 @@ def test_lmrl_train_runs_a_batch_agent_once_per_step_or_run_and_trains_on_the_to
     (tmp_path / "ids.py").write_text(IDS_REWARD)
     env = {**os.environ, "AGENT_LOG": str(tmp_path / "agent.jsonl"), "IDS_LOG": str(tmp_path / "ids.jsonl")}
     out = lmrl("train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
-               f"env.command={sys.executable} {BATCH_AGENT}", f"env.agent_mode={agent_mode}", "env.timeout=120",
+               f"env.command={python()} {BATCH_AGENT}", f"env.agent_mode={agent_mode}", "env.timeout=120",
                "reward.functions=[env,ids.py:ids]", "rollout.prompts_per_step=2", "rollout.group_size=2",
                "train.eval_every=0", "data.num_eval_prompts=0", "train.steps=2", f"train.output_dir={tmp_path / 'run'}",
                "log.console=false",

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import yaml
 
+from tests.envs import python
 from tests.envs.test_verifiers import SUMS, chat_addition_model
 from tests.forked import lmrl
 
@@ -26,7 +26,7 @@ def run_dir(where: Path, config: dict) -> Path:
 
 def test_lmrl_eval_of_an_agent_run_runs_its_program_on_the_held_out_prompts_and_scores_its_rewards(tmp_path):
     run = run_dir(tmp_path, {"model": {"name_or_path": "tiny-calculator"}, "data": {"task": "calculator"},
-                             "env": {"name": "agent", "command": f"{sys.executable} {BATCH_AGENT}", "agent_mode": "batch",
+                             "env": {"name": "agent", "command": f"{python()} {BATCH_AGENT}", "agent_mode": "batch",
                                      "max_turns": 2}})
     env = {**os.environ, "AGENT_LOG": str(tmp_path / "agent.jsonl")}
     out = lmrl("eval", str(run), "--model", "tiny-calculator", "--num-prompts", "6", cwd=tmp_path, timeout=240, env=env)

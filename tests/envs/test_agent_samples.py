@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes
 from lmrl.rollout.ops import concat_rollouts, select_rollout
 from lmrl.rollout.samples import split_samples
+from tests.envs import python
 from tests.envs.test_agent import AGENT, ROWS
 
 
@@ -30,7 +30,7 @@ def episodes_of(gen, tok, prompts, mode, log, n=2, max_turns=4, max_new_tokens=2
     os.environ["AGENT_MODE"], os.environ["AGENT_LOG"] = mode, str(log)
     try:
         return generate_episodes(gen, tok, prompts, ROWS, n, SamplingParams(max_new_tokens=max_new_tokens, seed=0),
-                                 AgentEnvironment(f"{sys.executable} {AGENT}", timeout=60), max_turns=max_turns,
+                                 AgentEnvironment(f"{python()} {AGENT}", timeout=60), max_turns=max_turns,
                                  max_tokens=128)
     finally:
         del os.environ["AGENT_MODE"], os.environ["AGENT_LOG"]
@@ -205,7 +205,7 @@ def test_lmrl_train_trains_an_agent_whose_episodes_are_several_samples_and_logs_
     from tests.forked import lmrl
 
     args = ["train", "model.name_or_path=tiny-calculator", "data.task=calculator", "env.name=agent",
-            f"env.command={sys.executable} {AGENT}", "env.timeout=60", "env.max_parallel=4", "env.max_turns=4",
+            f"env.command={python()} {AGENT}", "env.timeout=60", "env.max_parallel=4", "env.max_turns=4",
             "rollout.prompts_per_step=1", "rollout.group_size=2", "train.eval_every=0", "train.save_every=1",
             "data.num_eval_prompts=1", f"train.output_dir={tmp_path / 'run'}", "log.console=false",
             "log.samples_every=1", "log.num_samples=8"]

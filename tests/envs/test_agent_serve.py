@@ -6,7 +6,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from lmrl.models.shipped import SHIPPED_MODELS, load_shipped
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.hf import HFGenerator
 from lmrl.rollout.multiturn import generate_episodes
+from tests.envs import python
 from tests.envs.test_agent import IDS_REWARD
 
 PULL_AGENT = Path(__file__).with_name("calc_agent_pull.py")
@@ -50,7 +50,7 @@ def test_lmrl_train_hands_its_episodes_to_programs_that_ask_for_work_and_trains_
     work_file = tmp_path / "run" / "agent.json"
     work = wait_for(work_file)
     assert stat.S_IMODE(work_file.stat().st_mode) == 0o600 and work["work_url"].startswith("http://127.0.0.1:")
-    programs = [subprocess.Popen([sys.executable, str(PULL_AGENT), str(work_file)], env=env, stderr=subprocess.PIPE)
+    programs = [subprocess.Popen([python(), str(PULL_AGENT), str(work_file)], env=env, stderr=subprocess.PIPE)
                 for _ in range(2)]  # two programs ask for work at once; each episode goes to one of them
     run.join(300)
     result = out["result"]

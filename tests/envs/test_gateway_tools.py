@@ -5,7 +5,6 @@ message with its calls, a `tool` message) trains on exactly the tokens sampled: 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from lmrl.agents.programs import AgentEnvironment
 from lmrl.rollout.base import Rollout, SamplingParams
 from lmrl.rollout.chat_turns import parse_tool_calls
 from lmrl.rollout.multiturn import generate_episodes
+from tests.envs import python
 
 AGENT = Path(__file__).with_name("tool_agent.py")
 # ChatML with tools as Qwen2.5 renders them: the tools in a system turn, calls as <tool_call>\n{json}\n</tool_call>,
@@ -108,7 +108,7 @@ def test_a_chat_agent_with_tools_gets_tool_calls_and_trains_on_exactly_the_sampl
                                        tokenize=False)]
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     episodes = generate_episodes(Scripted(tok), tok, prompts, rows, 2, SamplingParams(max_new_tokens=40),
-                                 AgentEnvironment(f"{sys.executable} {AGENT}", timeout=60), max_turns=3)
+                                 AgentEnvironment(f"{python()} {AGENT}", timeout=60), max_turns=3)
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert len(log) == 2
     for entry in log:

@@ -6,7 +6,6 @@ tools and calls as those families' templates do (nothing downloaded)."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 
 import pytest
@@ -15,6 +14,7 @@ from lmrl.agents.programs import AgentEnvironment
 from lmrl.rollout.base import SamplingParams
 from lmrl.rollout.chat_turns import parse_tool_calls, tool_call_format
 from lmrl.rollout.multiturn import generate_episodes
+from tests.envs import python
 from tests.envs.test_gateway_tools import ADD_REQUEST, AGENT, TOOLS_TEMPLATE, Scripted
 
 # Llama 3.1's way: tools in the system turn ("Environment: ipython"), a call as {"name", "parameters"}, ended by
@@ -109,7 +109,7 @@ def test_a_chat_agent_gets_the_familys_calls_and_trains_on_exactly_the_sampled_t
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]}], add_generation_prompt=True,
                                            tokenize=False), add_special_tokens=False)["input_ids"]]
     episodes = generate_episodes(Scripted(tok, call, marker, end), tok, prompts, rows, 1,
-                                 SamplingParams(max_new_tokens=40), AgentEnvironment(f"{sys.executable} {AGENT}",
+                                 SamplingParams(max_new_tokens=40), AgentEnvironment(f"{python()} {AGENT}",
                                                                                      timeout=60), max_turns=3)
     [entry] = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [(c["name"], c["arguments"]) for c in entry["calls"]] == [("add", {"a": 2, "b": 3})]

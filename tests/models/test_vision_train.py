@@ -64,7 +64,7 @@ def _dataset(tmp: Path, build=None, image: str = "<image>") -> Path:
     return tmp
 
 
-def _train(tmp: Path, out: str, *extra: str, imports: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _train(tmp: Path, out: str, *extra: str, imports: tuple[str, ...] = forked.LMRL) -> subprocess.CompletedProcess:
     args = [f"model.name_or_path={tmp / 'model'}", f"data.path={tmp / 'data.jsonl'}",
             f"reward.functions=[{tmp / 'rw.py'}:reward]", "rollout.prompts_per_step=3", "rollout.group_size=4",
             "rollout.max_new_tokens=6", "model.device=cpu", "algorithm.tis_cap=2.0", "optim.lr=1e-3",
