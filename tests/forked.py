@@ -493,7 +493,7 @@ def start_torchrun(*args: str, cwd: Path | str, launcher: tuple[str, ...], outpu
     runs while the test goes on, e.g. one node's of a job of several (`launcher`: its rendezvous), its ranks forked
     (above); its stdout and stderr written to OUTPUT.stdout and OUTPUT.stderr."""
     argv = _torchrun_argv(launcher, nproc, args)
-    return _start("main", [TORCHRUN, "torchrun", *argv], shlex.join(["torchrun", *argv]), cwd, env, (),
+    return _start("main", [TORCHRUN, "torchrun", *argv], shlex.join(["torchrun", *argv]), cwd, env, LMRL,
                   start_new_session, output)
 
 
