@@ -283,7 +283,9 @@ def test_two_ranks_each_with_a_generator_keep_dapos_groups_together(tmp_path):
 def test_a_generator_process_of_several_threads_is_spawned_and_runs(tmp_path, monkeypatch):
     """A forked generator process whose OpenMP runs several threads hung at its first parallel region once the
     trainer had run one with several (GNU libgomp's thread pool does not survive fork): the default on any machine of
-    4 cores or more. It is spawned instead, and the run ends."""
+    4 cores or more. It is spawned instead, and the run ends. 5-10 s on 2 cores: the spawned process is a fresh
+    interpreter importing torch and transformers (it ends itself unless the trainer is its parent, so it cannot be a
+    stand-in's program, tests/forked.py)."""
     import lmrl.async_rollouts as a
 
     monkeypatch.delenv("LMRL_START_METHOD", raising=False)

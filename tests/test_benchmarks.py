@@ -74,7 +74,7 @@ def test_scaling_benchmark_runs_three_ways_and_reports_ratios():
 
 
 def test_scaling_memory_benchmark_compares_ddp_with_fsdp():
-    """20-25 s on 2 cores, nearly all of it start-up: two `torchrun` launches of two fresh ranks each, under a
+    """15-25 s on 2 cores, nearly all of it start-up: two `torchrun` launches of two fresh ranks each, under a
     process that measures their peak memory (the kernel's maxrss of its children: forked ranks would not be its)."""
     out = _bench("scaling", "--memory", "--steps", "1",
                  "--hidden", "64", "--layers", "2", check=True, forked_python=False).stdout
