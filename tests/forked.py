@@ -1,7 +1,8 @@
 """Commands run as children forked from a zygote: a process that has imported lmrl (torch, transformers) and run
 nothing else. Each child is a real process (its own cwd, environment, output, exit code, signals) running the
 same code as `lmrl ...` or `python script.py`, without the interpreter's 3 s of start-up: the documentation's
-pages and the bad-inputs table run hundreds of commands."""
+pages and the bad-inputs table run hundreds of commands. And stand-ins for `python` and `lmrl` (`stand_in`): what a
+benchmark, a shell script or lmrl itself starts with them runs as such a child too."""
 
 from __future__ import annotations
 
