@@ -6,7 +6,6 @@ benchmark, a shell script or lmrl itself starts with them runs as such a child t
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
 import select
@@ -198,6 +197,8 @@ for pid in running | serving:  # the test's process is gone: so is what it start
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+import shutil
+shutil.rmtree(STAND_INS, ignore_errors=True)  # the folder the test's process made (it may end with os._exit)
 os._exit(0)  # not the interpreter's shutdown: it reports what was frozen as leaked (nanobind, in vLLM's Triton)
 """
 _zygotes: dict[tuple[str, ...], subprocess.Popen] = {}  # this process's, one per set of imports
@@ -255,8 +256,7 @@ def _zygote(env: dict[str, str], imports: tuple[str, ...]) -> subprocess.Popen:
     with _zygotes_lock:
         zygote = _zygotes.get(imports)
         if zygote is None or zygote.poll() is not None:
-            folder = Path(tempfile.mkdtemp(prefix="lmrl-zygote-"))
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            folder = Path(tempfile.mkdtemp(prefix="lmrl-zygote-"))  # the zygote removes it as it ends
             with socket.socket(socket.AF_UNIX) as listener:
                 listener.bind(str(folder / "socket"))
                 listener.listen(64)
