@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A process that has imported lmrl and run nothing: each command of a page is a child forked from it. (Not from
 # the test's own process: after other tests ran torch there, a forked child can crash in torch's thread pool.)
 ZYGOTE = r"""
-import ctypes, fcntl, io, marshal, os, pickle, select, signal, socket, sys, types
+import ctypes, fcntl, io, marshal, os, pickle, select, shutil, signal, socket, sys, types
 import gc, importlib
 STAND_INS, listener = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))  # see stand_in() below
 for name in sys.argv[3:]:  # LMRL, VLLM, or a program's own (AGENT): imports only, no torch op runs here
@@ -197,7 +197,6 @@ for pid in running | serving:  # the test's process is gone: so is what it start
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-import shutil
 shutil.rmtree(STAND_INS, ignore_errors=True)  # the folder the test's process made (it may end with os._exit)
 os._exit(0)  # not the interpreter's shutdown: it reports what was frozen as leaked (nanobind, in vLLM's Triton)
 """

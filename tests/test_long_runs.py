@@ -21,8 +21,7 @@ from lmrl.checkpoint import COMPLETE, RunLock, atomic_directory, checkpoints, pl
 from lmrl.config import load_config
 from lmrl.errors import ConfigError, RunError
 from lmrl.guards import Guards
-from tests import forked
-from tests.forked import lmrl, script
+from tests.forked import lmrl, script, start
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "fault_driver.py"
@@ -134,7 +133,7 @@ def test_external_sigterm_at_any_moment_resumes_exactly(tmp_path, straight):
     """SIGTERM from outside, as a scheduler sends it, once the run has logged a step: wherever it lands the
     resumed run is the straight one (a longer run, so that the signal lands mid-run)."""
     args = [*SMALL, "train.steps=8"]
-    proc = forked.start("train", f"train.output_dir={tmp_path}", *args, cwd=ROOT)
+    proc = start("train", f"train.output_dir={tmp_path}", *args, cwd=ROOT)
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 180
     while time.time() < deadline and proc.poll() is None:  # polling for progress, not a tuned delay
         if metrics.exists() and any(json.loads(line)["step"] >= 2 for line in metrics.read_text().splitlines()):
