@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -78,9 +79,10 @@ def test_programs_that_mostly_start_up_are_told_once_of_the_modes_that_start_one
         try:
             env = AgentEnvironment(f"{python()} {AGENT}", timeout=60)
             for _ in range(2 if lines else 1):  # two calls, one line
+                os.environ["AGENT_CALLED"] = str(time.monotonic())  # slow-end's start-up: lmrl's, however loaded
                 generate_episodes(gen, tok, prompts, ROWS, 1, params, env, max_turns=4, max_tokens=96)
         finally:
-            del os.environ["AGENT_MODE"]
+            del os.environ["AGENT_MODE"], os.environ["AGENT_CALLED"]
         assert capfd.readouterr().err.count(told) == lines, mode
 
 
